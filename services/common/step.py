@@ -1,0 +1,83 @@
+"""What the scheduler asks a worker to compute in one step, and what comes back.
+
+Plain dataclasses with no torch import: the scheduler builds them, the worker's engine consumes
+them. Positions of a sequence's tokens in a step are contiguous, so a step entry carries the
+position of its first token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"          # an EOS or stop token was sampled
+    LENGTH = "length"      # max_tokens reached, or the context window is full
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 1.0          # 0 means greedy
+    top_k: int = 0                    # 0 disables top-k
+    top_p: float = 1.0                # 1.0 disables nucleus sampling
+    seed: int | None = None           # same seed, same tokens, whatever else is in the batch
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()   # stop on these in addition to the model's EOS ids
+    ignore_eos: bool = False          # benchmarks: keep going past EOS (stop_token_ids still stop)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:   # also catches NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(slots=True)
+class SequenceWork:
+    """One sequence's share of a step."""
+    seq_id: int
+    token_ids: list[int]              # tokens to compute now (a prefill chunk, or the last token)
+    position: int                     # position of token_ids[0]; the rest follow contiguously
+    block_table: list[int]            # KV block ids covering positions 0 .. position+len-1
+    sampling: SamplingParams = GREEDY
+    num_generated: int = 0            # output tokens the sequence already has
+    sample: bool = True               # False for a prefill chunk that does not end the prompt
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed this step."""
+        return self.position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    sequences: list[SequenceWork] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+
+@dataclass(slots=True, frozen=True)
+class SampledToken:
+    seq_id: int
+    token_id: int
+    logprob: float                    # under the model's unmodified distribution
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    tokens: list[SampledToken]
+    forward_seconds: float            # model forward + sampling wall time

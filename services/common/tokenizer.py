@@ -1,0 +1,81 @@
+"""The model's tokenizer and chat template, without torch or transformers.
+
+Uses the `tokenizers` library on tokenizer.json and renders the chat template (from
+chat_template.jinja, or tokenizer_config.json's `chat_template`) with a sandboxed Jinja
+environment, as transformers does. The scheduler tokenizes with this; so do benchmarks.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+def _raise_template_error(message: str):
+    raise ValueError(f"chat template error: {message}")
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+@dataclass(slots=True)
+class ChatTemplate:
+    source: str
+    bos_token: str | None
+    eos_token: str | None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        return env.from_string(self.source).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "TextTokenizer":
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(path))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        source = template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        if isinstance(source, list):  # named templates: use the default one
+            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        template = None
+        if source:
+            template = ChatTemplate(source, _token_text(config.get("bos_token")),
+                                    _token_text(config.get("eos_token")))
+        return cls(tokenizer, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template, ready for the reply."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt")
+        # The template already writes any BOS; don't let the tokenizer add a second one.
+        return self.encode(self.chat_template.render(messages), add_special_tokens=False)

@@ -1,0 +1,213 @@
+"""The engine: one continuous-batching step at a time over a paged KV cache.
+
+    engine = Engine(EngineConfig(model_dir=...))
+    output = engine.step(StepBatch([...]))   # prefill chunks and decodes, mixed
+
+The caller (the worker, on behalf of the scheduler) owns block allocation and sends block tables;
+the engine checks every entry before touching a tensor, so a bad plan is an InvalidStepError
+naming the sequence, never an index error from inside torch.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
+from services.engine.config import ModelConfig, load_model_config
+from services.engine.device import (free_memory_bytes, resolve_device, resolve_dtype,
+                                    set_cpu_threads)
+from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
+from services.engine.model import AttentionLayout, ChunkAttention, LlamaDecoder
+from services.engine.sampler import sample
+from services.engine.weights import load_safetensors
+
+log = logging.getLogger(__name__)
+
+
+class InvalidStepError(ValueError):
+    """A step entry the engine refuses to compute (the message names the sequence)."""
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model_dir: str
+    device: str = "cpu"
+    dtype: str | None = None                # None: fp32 on CPU, bf16 on CUDA, fp16 on NPU
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_cache_bytes: int | None = None       # explicit KV budget; overrides the fraction
+    kv_cache_fraction: float = 0.1          # of free device memory, after the weights are loaded
+    num_threads: int = 0                    # CPU intra-op threads; 0 = all cores of this process
+    seed: int = 0                           # for requests that sample without a seed of their own
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.threads = set_cpu_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_config: ModelConfig = load_model_config(config.model_dir)
+        self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
+                                  self.device, self.dtype)
+        budget = config.kv_cache_bytes or int(free_memory_bytes(self.device) * config.kv_cache_fraction)
+        self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
+                                                  config.block_size)
+        self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        log.info("engine ready: %s on %s (%s, %d threads); %s", self.model_config.architecture,
+                 self.device, self.dtype, self.threads, self.kv_spec.describe())
+
+    @property
+    def max_context(self) -> int:
+        return self.model_config.max_context
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """Compute every entry's tokens; sample one token for each entry with `sample` set."""
+        started = time.perf_counter()
+        ordered, token_ids, layout = self._prepare(batch)
+        hidden = self.model.forward(token_ids, layout, self.cache)
+        last_rows, sampled = [], []
+        offset = 0
+        for seq in ordered:
+            offset += len(seq.token_ids)
+            if seq.sample:
+                last_rows.append(offset - 1)
+                sampled.append(seq)
+        tokens: list[SampledToken] = []
+        if sampled:
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+            ids, logprobs = sample(logits, [s.sampling for s in sampled],
+                                   [s.num_generated for s in sampled], self.generator)
+            tokens = [SampledToken(s.seq_id, tid, lp, self._finish_reason(s, tid))
+                      for s, tid, lp in zip(sampled, ids, logprobs)]
+        return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)
+
+    def compute_logits(self, batch: StepBatch) -> dict[int, torch.Tensor]:
+        """Logits [len(token_ids), vocab] for every token of every entry (tests, debugging).
+
+        Same path as step(), KV writes included, without sampling."""
+        ordered, token_ids, layout = self._prepare(batch)
+        logits = self.model.logits(self.model.forward(token_ids, layout, self.cache))
+        result, offset = {}, 0
+        for seq in ordered:
+            result[seq.seq_id] = logits[offset:offset + len(seq.token_ids)]
+            offset += len(seq.token_ids)
+        return result
+
+    def _finish_reason(self, seq: SequenceWork, token_id: int) -> FinishReason | None:
+        params = seq.sampling
+        if token_id in params.stop_token_ids or (
+                not params.ignore_eos and token_id in self.model_config.eos_token_ids):
+            return FinishReason.STOP
+        # The new token would sit at position seq.end: past the window it could never be fed back.
+        if seq.num_generated + 1 >= params.max_tokens or seq.end >= self.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    # --- checking and laying out a step -------------------------------------------------------
+
+    def _validate(self, batch: StepBatch) -> None:
+        if not batch.sequences:
+            raise InvalidStepError("empty step: no sequences")
+        seen: set[int] = set()
+        written: set[int] = set()
+        block_size, num_blocks = self.kv_spec.block_size, self.kv_spec.num_blocks
+        vocab = self.model_config.vocab_size
+        for seq in batch.sequences:
+            name = f"sequence {seq.seq_id}"
+            if seq.seq_id in seen:
+                raise InvalidStepError(f"{name} appears twice in one step")
+            seen.add(seq.seq_id)
+            if not seq.token_ids:
+                raise InvalidStepError(f"{name} has no tokens to compute")
+            if seq.position < 0:
+                raise InvalidStepError(f"{name} starts at negative position {seq.position}")
+            if seq.end > self.max_context:
+                raise InvalidStepError(
+                    f"{name} would reach position {seq.end - 1}, beyond the model's context window "
+                    f"of {self.max_context} tokens")
+            bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidStepError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
+            needed = -(-seq.end // block_size)
+            if len(seq.block_table) < needed:
+                raise InvalidStepError(
+                    f"{name} needs {needed} KV blocks for positions 0..{seq.end - 1} but its block "
+                    f"table has {len(seq.block_table)} (block size {block_size})")
+            bad = next((b for b in seq.block_table[:needed] if not 0 <= b < num_blocks), None)
+            if bad is not None:
+                raise InvalidStepError(f"{name} has block id {bad} outside [0, {num_blocks})")
+            if len(set(seq.block_table[:needed])) != needed:
+                raise InvalidStepError(f"{name} lists the same KV block twice in its block table")
+            first_block, last_block = seq.position // block_size, (seq.end - 1) // block_size
+            for block in seq.block_table[first_block:last_block + 1]:
+                # Two sequences writing the same block in one step would corrupt each other.
+                if block in written:
+                    raise InvalidStepError(
+                        f"{name} writes KV block {block}, which another sequence writes this step")
+                written.add(block)
+
+    def _prepare(self, batch: StepBatch) -> tuple[list[SequenceWork], torch.Tensor, AttentionLayout]:
+        self._validate(batch)
+        block_size, device = self.kv_spec.block_size, self.device
+        # One-token entries first: they share a single batched attention call.
+        singles = [s for s in batch.sequences if len(s.token_ids) == 1]
+        chunks = [s for s in batch.sequences if len(s.token_ids) > 1]
+        ordered = singles + chunks
+
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for seq in ordered:
+            token_ids.extend(seq.token_ids)
+            for pos in range(seq.position, seq.end):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+
+        offsets = torch.arange(block_size, device=device)
+        single_slots = single_mask = None
+        if singles:
+            max_blocks = max(-(-s.end // block_size) for s in singles)
+            tables = torch.tensor([(s.block_table + [0] * max_blocks)[:max_blocks] for s in singles],
+                                  device=device)
+            context = max(s.end for s in singles)
+            single_slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)[:, :context]
+            lengths = torch.tensor([s.end for s in singles], device=device)
+            single_mask = (torch.arange(context, device=device) < lengths.unsqueeze(1))[:, None, None, :]
+
+        chunk_layouts = []
+        start = len(singles)
+        for seq in chunks:
+            n = len(seq.token_ids)
+            if seq.position == 0:
+                chunk_layouts.append(ChunkAttention(start, n, None, None))
+            else:
+                needed = -(-seq.end // block_size)
+                table = torch.tensor(seq.block_table[:needed], device=device)
+                context_slots = (table.unsqueeze(-1) * block_size + offsets).flatten()[:seq.end]
+                query_pos = torch.arange(seq.position, seq.end, device=device)
+                mask = torch.arange(seq.end, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)
+                chunk_layouts.append(ChunkAttention(start, n, context_slots, mask))
+            start += n
+
+        layout = AttentionLayout(
+            positions=torch.tensor(positions, device=device),
+            slots=torch.tensor(slots, device=device),
+            num_single=len(singles),
+            single_slots=single_slots,
+            single_mask=single_mask,
+            chunks=chunk_layouts,
+        )
+        return ordered, torch.tensor(token_ids, device=device), layout

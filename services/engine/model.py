@@ -1,0 +1,180 @@
+"""The Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) over a flat batch of tokens.
+
+A step's tokens from all sequences are laid end to end ([T] ids); every matmul runs once over
+all of them. Only attention is per sequence: decoding sequences (one query each) share one batched
+call over their gathered KV slots, prefill chunks get one call each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.config import ModelConfig, UnsupportedModelError
+from services.engine.kv_cache import PagedKVCache
+from services.engine.rope import RotaryTable, apply_rotary
+
+
+@dataclass(slots=True)
+class ChunkAttention:
+    """Attention for one sequence computing several tokens this step (a prefill chunk)."""
+    start: int                    # offset of its first token in the step's flat batch
+    length: int
+    context_slots: torch.Tensor | None  # [context] cache slots of positions 0..end; None: fresh
+    mask: torch.Tensor | None     # [length, context] bool, True where a query may attend
+
+
+@dataclass(slots=True)
+class AttentionLayout:
+    """Where every token of a step lives in the cache and what it attends to.
+
+    The first `num_single` tokens each belong to a different sequence computing exactly one token
+    (decode, or a one-token prefill chunk); `chunks` are the rest, in order.
+    """
+    positions: torch.Tensor       # [T]
+    slots: torch.Tensor           # [T] cache slot each token's K/V is written to
+    num_single: int
+    single_slots: torch.Tensor | None  # [S, Lmax] context slots, padded
+    single_mask: torch.Tensor | None   # [S, 1, 1, Lmax] bool, False on padding
+    chunks: list[ChunkAttention]
+
+
+@dataclass(slots=True)
+class DecoderLayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor             # q, k, v projections fused: one matmul instead of three
+    qkv_bias: torch.Tensor | None
+    out: torch.Tensor
+    out_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor         # gate and up projections fused
+    down: torch.Tensor
+
+
+class _WeightReader:
+    """Pops tensors by name so that, at the end, anything left over is reported."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self._tensors = dict(tensors)
+        self._device, self._dtype = device, dtype
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self._tensors:
+            raise UnsupportedModelError(f"checkpoint is missing tensor {name!r}")
+        return self._tensors.pop(name).to(device=self._device, dtype=self._dtype)
+
+    def take_optional(self, name: str) -> torch.Tensor | None:
+        return self.take(name) if name in self._tensors else None
+
+    def check_consumed(self) -> None:
+        leftover = sorted(k for k in self._tensors if not k.endswith("rotary_emb.inv_freq"))
+        if leftover:
+            shown = ", ".join(leftover[:5]) + (" ..." if len(leftover) > 5 else "")
+            raise UnsupportedModelError(f"checkpoint has tensors this architecture does not use: {shown}")
+
+
+def _fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise UnsupportedModelError("q/k/v projections must all have a bias or none")
+    return torch.cat(parts)
+
+
+class LlamaDecoder:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
+                 device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.device, self.dtype = device, dtype
+        reader = _WeightReader(tensors, device, dtype)
+        self.embed = reader.take("model.embed_tokens.weight")
+        if tuple(self.embed.shape) != (config.vocab_size, config.hidden_size):
+            raise UnsupportedModelError(
+                f"model.embed_tokens.weight has shape {tuple(self.embed.shape)}, config says "
+                f"({config.vocab_size}, {config.hidden_size})")
+        self.layers = [self._read_layer(reader, i) for i in range(config.num_layers)]
+        self.final_norm = reader.take("model.norm.weight")
+        lm_head = reader.take_optional("lm_head.weight")
+        self.lm_head = self.embed if (lm_head is None and config.tie_word_embeddings) else lm_head
+        if self.lm_head is None:
+            raise UnsupportedModelError("checkpoint is missing tensor 'lm_head.weight'")
+        reader.check_consumed()
+        self.rotary = RotaryTable(config, device, dtype)
+        c = config
+        self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                           c.num_kv_heads * c.head_dim]
+
+    @staticmethod
+    def _read_layer(reader: _WeightReader, i: int) -> DecoderLayerWeights:
+        p = f"model.layers.{i}."
+        attn = p + "self_attn."
+        return DecoderLayerWeights(
+            input_norm=reader.take(p + "input_layernorm.weight"),
+            qkv=torch.cat([reader.take(attn + f"{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=_fuse_optional([reader.take_optional(attn + f"{n}_proj.bias") for n in "qkv"]),
+            out=reader.take(attn + "o_proj.weight"),
+            out_bias=reader.take_optional(attn + "o_proj.bias"),
+            post_attention_norm=reader.take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([reader.take(p + "mlp.gate_proj.weight"),
+                               reader.take(p + "mlp.up_proj.weight")]),
+            down=reader.take(p + "mlp.down_proj.weight"),
+        )
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Like the reference: normalise in fp32, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, layout: AttentionLayout,
+                cache: PagedKVCache) -> torch.Tensor:
+        """Run the decoder over the step's tokens; returns final-norm hidden states [T, hidden]."""
+        c = self.config
+        num_tokens = token_ids.shape[0]
+        cos, sin = self.rotary.lookup(layout.positions)
+        x = self.embed[token_ids]
+        for index, layer in enumerate(self.layers):
+            h = self._norm(x, layer.input_norm)
+            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._qkv_split, dim=-1)
+            q = apply_rotary(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rotary(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+            cache.write(index, layout.slots, k, v)
+            attended = self._attention(q, k, v, layout, cache.keys[index], cache.values[index])
+            x = x + F.linear(attended, layer.out, layer.out_bias)
+            gate, up = F.linear(self._norm(x, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        return self._norm(x, self.final_norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, q, k, v, layout: AttentionLayout, key_cache, value_cache) -> torch.Tensor:
+        c = self.config
+        outputs = []
+        s = layout.num_single
+        if s:
+            # [S, Lmax, kv_heads, D] -> [S, kv_heads, Lmax, D]
+            keys = key_cache[layout.single_slots].transpose(1, 2)
+            values = value_cache[layout.single_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q[:s].unsqueeze(2), keys, values, attn_mask=layout.single_mask, enable_gqa=True)
+            outputs.append(out.reshape(s, c.num_heads * c.head_dim))
+        for chunk in layout.chunks:
+            end = chunk.start + chunk.length
+            query = q[chunk.start:end].transpose(0, 1).unsqueeze(0)
+            if chunk.context_slots is None:
+                # A whole prompt from position 0: its own K/V are the full context.
+                keys = k[chunk.start:end].transpose(0, 1).unsqueeze(0)
+                values = v[chunk.start:end].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                                     enable_gqa=True)
+            else:
+                keys = key_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+                values = value_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
+                                                     enable_gqa=True)
+            outputs.append(out[0].transpose(0, 1).reshape(chunk.length, c.num_heads * c.head_dim))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,0 +1,66 @@
+"""Token sampling for a batch of sequences with per-sequence parameters.
+
+Sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to drawing from p.
+A seeded sequence draws E from a generator seeded by (seed, output index), so its tokens depend
+only on its own logits: the same alone or in any batch, and after a preemption recompute.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.common.step import SamplingParams
+
+_MASK_64 = (1 << 63) - 1
+
+
+def seed_for_token(seed: int, output_index: int) -> int:
+    # A fixed 64-bit mix (not Python's hash) so streams are stable across processes and runs.
+    return (seed * 6364136223846793005 + output_index * 1442695040888963407 + 1) & _MASK_64
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf. logits: [B, V], already tempered."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
+    remove = ranks.unsqueeze(0) >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= p.unsqueeze(1)
+    remove[:, 0] = False
+    remove_by_token = torch.zeros_like(remove).scatter_(1, order, remove)
+    return logits.masked_fill(remove_by_token, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
+           generator: torch.Generator) -> tuple[list[int], list[float]]:
+    """Pick one token per row of logits [B, V] (float32). Returns (token ids, logprobs)."""
+    logprobs_all = logits.log_softmax(dim=-1)
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in random_rows],
+                             device=logits.device, dtype=logits.dtype)
+        tempered = logits[rows] / temps.unsqueeze(1)
+        if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
+            tempered = _filter_top_k_top_p(tempered, [params[i].top_k for i in random_rows],
+                                           [params[i].top_p for i in random_rows])
+        probs = tempered.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(random_rows):
+            seed = params[i].seed
+            if seed is None:
+                noise[row].exponential_(generator=generator)
+            else:
+                own = torch.Generator(device=logits.device)
+                own.manual_seed(seed_for_token(seed, num_generated[i]))
+                noise[row].exponential_(generator=own)
+        chosen[rows] = (probs / noise).argmax(dim=-1)
+    token_ids = chosen.tolist()
+    logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    return token_ids, logprobs

@@ -1,0 +1,78 @@
+"""KV block accounting for one pool: which block ids are free and who holds the rest.
+
+Pure Python, no torch: the scheduler owns allocation so per-class quotas are exact; workers only
+index their KV tensors with the block tables they are sent.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` positions."""
+    return -(-num_tokens // block_size)
+
+
+class KVBlockPool:
+    """A free list of block ids plus, for every allocated block, the owner it was given to.
+
+    An owner is any hashable key the caller accounts by (a priority class, a tenant); counts per
+    owner are kept incrementally so quota checks are O(1).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Popped from the end: recently freed blocks are reused first.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._owner_of: dict[int, Hashable] = {}
+        self._held: Counter = Counter()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def held(self, owner: Hashable) -> int:
+        return self._held[owner]
+
+    def holdings(self) -> dict[Hashable, int]:
+        return {owner: n for owner, n in self._held.items() if n}
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return 0 <= num_blocks <= len(self._free)
+
+    def allocate(self, owner: Hashable, num_blocks: int) -> list[int] | None:
+        """Take `num_blocks` free blocks for `owner`; None (and nothing taken) if too few are free."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks > len(self._free):
+            return None
+        taken = [self._free.pop() for _ in range(num_blocks)]
+        for block in taken:
+            self._owner_of[block] = owner
+        self._held[owner] += num_blocks
+        return taken
+
+    def free(self, owner: Hashable, blocks: Iterable[int]) -> None:
+        """Return `owner`'s blocks to the free list. Freeing a block one does not hold is a bug in
+        the caller and raises, before anything is changed."""
+        blocks = list(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block ids freed twice in one call: {blocks}")
+        for block in blocks:
+            holder = self._owner_of.get(block)
+            if holder is None:
+                raise ValueError(f"block {block} is not allocated")
+            if holder != owner:
+                raise ValueError(f"block {block} is held by {holder!r}, not {owner!r}")
+        for block in blocks:
+            del self._owner_of[block]
+            self._free.append(block)
+        self._held[owner] -= len(blocks)

@@ -1,0 +1,38 @@
+"""Tiny random Llama-family checkpoints written to a folder, with transformers as the reference."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+    """Save a small random model of `kind` ("llama" with GQA and llama3 rope scaling, or "qwen2"
+    with q/k/v bias) in Hugging Face format; returns the folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
+    if kind == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                              "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 64})
+        model = LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+        model = Qwen2ForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    # Random init leaves biases at zero; make them matter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.eval()
+    model.save_pretrained(folder)
+    return Path(folder)
