@@ -36,3 +36,20 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     model.eval()
     model.save_pretrained(folder)
     return Path(folder)
+
+
+def make_engine(model_dir, num_blocks: int = 64, block_size: int = 16, **kwargs):
+    """An fp32 CPU engine over `model_dir` with exactly `num_blocks` KV blocks."""
+    from services.engine.config import load_model_config
+    from services.engine.engine import Engine, EngineConfig
+    from services.engine.kv_cache import bytes_per_block
+
+    per_block = bytes_per_block(load_model_config(model_dir), block_size, torch.float32)
+    return Engine(EngineConfig(model_dir=str(model_dir), kv_cache_bytes=num_blocks * per_block,
+                               block_size=block_size, num_threads=1, **kwargs))
+
+
+def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(token_ids), vocab] for one unpadded sequence."""
+    with torch.no_grad():
+        return reference(torch.tensor([token_ids])).logits[0].float()

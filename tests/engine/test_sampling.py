@@ -1,0 +1,77 @@
+"""Sampling: seeded requests reproduce alone and in any batch; filters and temperature behave."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from services.common.step import SamplingParams
+from services.engine.batch_runner import BatchRunner, GenerationRequest
+from services.engine.sampler import sample
+from tests.tiny_models import make_engine
+
+SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=24,
+                        ignore_eos=True)
+
+
+def generate(engine, requests, max_running):
+    return [r.token_ids for r in BatchRunner(engine, max_running=max_running,
+                                             max_step_tokens=64).run(requests)]
+
+
+def test_seeded_sampling_same_alone_and_in_a_batch(tiny_model_dir):
+    prompt = list(range(40, 75))
+    alone = generate(make_engine(tiny_model_dir), [GenerationRequest(prompt, SEEDED)], 1)[0]
+
+    others = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(
+        temperature=t, seed=None, max_tokens=m, ignore_eos=True))
+        for n, t, m in [(90, 1.0, 30), (12, 0.0, 10), (50, 0.7, 40), (3, 1.3, 24)]]
+    batch = others[:2] + [GenerationRequest(prompt, SEEDED)] + others[2:]
+    in_batch = generate(make_engine(tiny_model_dir, seed=99), batch, len(batch))[2]
+    assert len(alone) == 24
+    assert in_batch == alone
+
+
+def test_different_seeds_differ_and_sampling_is_not_greedy(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = list(range(40, 75))
+    runs = generate(engine, [GenerationRequest(prompt, SamplingParams(
+        temperature=1.0, seed=s, max_tokens=24, ignore_eos=True)) for s in range(4)]
+        + [GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))], 5)
+    assert len({tuple(r) for r in runs}) == 5
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 3 + [SamplingParams(temperature=1.5, top_p=1e-6)] * 3
+    tokens, _ = sample(logits, params, [0] * 6, torch.Generator().manual_seed(1))
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (SamplingParams(temperature=1.0), None),
+    (SamplingParams(temperature=0.5), None),
+    (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
+    (SamplingParams(temperature=1.0, top_p=0.6), {0, 1}),
+])
+def test_frequencies_follow_the_filtered_distribution(params, allowed):
+    # Token i has logit -0.5 * i: probabilities fall off geometrically.
+    logits = torch.tensor([[-0.5 * i for i in range(8)]])
+    tempered = logits[0] / params.temperature
+    keep = torch.tensor([allowed is None or i in allowed for i in range(8)])
+    expected = tempered.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    generator = torch.Generator().manual_seed(7)
+    draws = 4000
+    counts = Counter(sample(logits.repeat(draws, 1), [params] * draws, [0] * draws, generator)[0])
+    for token in range(8):
+        p = expected[token].item()
+        # 5 standard deviations of a binomial count: fails on a wrong distribution, not on noise.
+        assert abs(counts[token] - draws * p) <= 5 * math.sqrt(draws * p * (1 - p)) + 1e-9, (token, counts)
+
+
+def test_logprob_is_under_the_unmodified_distribution():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
+    tokens, logprobs = sample(logits, [SamplingParams(temperature=0.0)], [0], torch.Generator())
+    assert logprobs[0] == pytest.approx(logits.log_softmax(-1)[0, tokens[0]].item(), abs=1e-6)
