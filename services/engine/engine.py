@@ -20,8 +20,9 @@ from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import (free_memory_bytes, resolve_device, resolve_dtype,
                                     set_cpu_threads)
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
-from services.engine.model import AttentionLayout, ChunkAttention, LlamaDecoder
+from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
 from services.engine.sampler import sample
+from services.scheduler.kv_blocks import blocks_for_tokens as blocks_for
 from services.engine.weights import load_safetensors
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class Engine:
             bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidStepError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
-            needed = -(-seq.end // block_size)
+            needed = blocks_for(seq.end, block_size)
             if len(seq.block_table) < needed:
                 raise InvalidStepError(
                     f"{name} needs {needed} KV blocks for positions 0..{seq.end - 1} but its block "
@@ -160,12 +161,32 @@ class Engine:
                 written.add(block)
 
     def _prepare(self, batch: StepBatch) -> tuple[list[SequenceWork], torch.Tensor, AttentionLayout]:
+        """Order the step's entries for the model and describe their attention.
+
+        Flat order: decode groups, then prefill chunks that continue a prompt, then chunks that
+        start one (their own K/V are their whole context, no gather needed)."""
         self._validate(batch)
-        block_size, device = self.kv_spec.block_size, self.device
-        # One-token entries first: they share a single batched attention call.
-        singles = [s for s in batch.sequences if len(s.token_ids) == 1]
-        chunks = [s for s in batch.sequences if len(s.token_ids) > 1]
-        ordered = singles + chunks
+        block_size = self.kv_spec.block_size
+        decodes = [s for s in batch.sequences if len(s.token_ids) == 1]
+        continued = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position > 0]
+        fresh = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position == 0]
+
+        # Decodes are batched in groups of similar context length: each group is padded to its
+        # longest context, and log2 buckets bound the padding to under 2x.
+        groups: dict[int, list[SequenceWork]] = {}
+        for seq in sorted(decodes, key=lambda s: s.end):
+            groups.setdefault(blocks_for(seq.end, block_size).bit_length(), []).append(seq)
+
+        ordered: list[SequenceWork] = []
+        cached: list[ContextAttention] = []
+        for members in [*groups.values(), *([seq] for seq in continued)]:
+            cached.append(self._context_attention(members, len_before=sum(
+                len(s.token_ids) for s in ordered)))
+            ordered.extend(members)
+        fresh_spans = []
+        for seq in fresh:
+            fresh_spans.append((sum(len(s.token_ids) for s in ordered), len(seq.token_ids)))
+            ordered.append(seq)
 
         token_ids: list[int] = []
         positions: list[int] = []
@@ -175,39 +196,22 @@ class Engine:
             for pos in range(seq.position, seq.end):
                 positions.append(pos)
                 slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-
-        offsets = torch.arange(block_size, device=device)
-        single_slots = single_mask = None
-        if singles:
-            max_blocks = max(-(-s.end // block_size) for s in singles)
-            tables = torch.tensor([(s.block_table + [0] * max_blocks)[:max_blocks] for s in singles],
-                                  device=device)
-            context = max(s.end for s in singles)
-            single_slots = (tables.unsqueeze(-1) * block_size + offsets).flatten(1)[:, :context]
-            lengths = torch.tensor([s.end for s in singles], device=device)
-            single_mask = (torch.arange(context, device=device) < lengths.unsqueeze(1))[:, None, None, :]
-
-        chunk_layouts = []
-        start = len(singles)
-        for seq in chunks:
-            n = len(seq.token_ids)
-            if seq.position == 0:
-                chunk_layouts.append(ChunkAttention(start, n, None, None))
-            else:
-                needed = -(-seq.end // block_size)
-                table = torch.tensor(seq.block_table[:needed], device=device)
-                context_slots = (table.unsqueeze(-1) * block_size + offsets).flatten()[:seq.end]
-                query_pos = torch.arange(seq.position, seq.end, device=device)
-                mask = torch.arange(seq.end, device=device).unsqueeze(0) <= query_pos.unsqueeze(1)
-                chunk_layouts.append(ChunkAttention(start, n, context_slots, mask))
-            start += n
-
-        layout = AttentionLayout(
-            positions=torch.tensor(positions, device=device),
-            slots=torch.tensor(slots, device=device),
-            num_single=len(singles),
-            single_slots=single_slots,
-            single_mask=single_mask,
-            chunks=chunk_layouts,
-        )
+        device = self.device
+        layout = AttentionLayout(positions=torch.tensor(positions, device=device),
+                                 slots=torch.tensor(slots, device=device),
+                                 cached=cached, fresh=fresh_spans)
         return ordered, torch.tensor(token_ids, device=device), layout
+
+    def _context_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
+        """Attention over cached context for one decode group or one continued prefill chunk."""
+        block_size, device = self.kv_spec.block_size, self.device
+        num_blocks = max(blocks_for(s.end, block_size) for s in members)
+        block_ids = [b for s in members for b in (s.block_table + [0] * num_blocks)[:num_blocks]]
+        keys = torch.arange(num_blocks * block_size, device=device)
+        # Query at position p sees keys 0..p: causal within a chunk, padding hidden for a group.
+        query_positions = torch.tensor([list(range(s.position, s.end)) for s in members], device=device)
+        mask = (keys.view(1, 1, -1) <= query_positions.unsqueeze(-1)).unsqueeze(1)
+        return ContextAttention(
+            start=len_before, num_queries=sum(len(s.token_ids) for s in members),
+            num_seqs=len(members), num_blocks=num_blocks,
+            block_ids=torch.tensor(block_ids, device=device), mask=mask)

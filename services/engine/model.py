@@ -17,27 +17,30 @@ from services.engine.rope import RotaryTable, apply_rotary
 
 
 @dataclass(slots=True)
-class ChunkAttention:
-    """Attention for one sequence computing several tokens this step (a prefill chunk)."""
-    start: int                    # offset of its first token in the step's flat batch
-    length: int
-    context_slots: torch.Tensor | None  # [context] cache slots of positions 0..end; None: fresh
-    mask: torch.Tensor | None     # [length, context] bool, True where a query may attend
+class ContextAttention:
+    """Attention for consecutive tokens of the step's flat batch whose keys come from the cache.
+
+    Either a group of sequences computing one token each (decodes), batched together, or one
+    sequence computing a chunk of several tokens. Contexts are gathered whole blocks at a time
+    (a block is one contiguous row of the cache), padded to `num_blocks` per sequence.
+    """
+    start: int                    # offset of the first query token in the step's flat batch
+    num_queries: int              # tokens computed (a group: one per sequence)
+    num_seqs: int                 # 1 for a chunk
+    num_blocks: int               # blocks gathered per sequence (the longest context, padded)
+    block_ids: torch.Tensor       # [num_seqs * num_blocks] block ids, row by row
+    mask: torch.Tensor            # [num_seqs, 1, queries per seq, num_blocks * block_size] bool
 
 
 @dataclass(slots=True)
 class AttentionLayout:
-    """Where every token of a step lives in the cache and what it attends to.
-
-    The first `num_single` tokens each belong to a different sequence computing exactly one token
-    (decode, or a one-token prefill chunk); `chunks` are the rest, in order.
-    """
+    """Where every token of a step lives in the cache and what it attends to."""
     positions: torch.Tensor       # [T]
     slots: torch.Tensor           # [T] cache slot each token's K/V is written to
-    num_single: int
-    single_slots: torch.Tensor | None  # [S, Lmax] context slots, padded
-    single_mask: torch.Tensor | None   # [S, 1, 1, Lmax] bool, False on padding
-    chunks: list[ChunkAttention]
+    # In flat-batch order: decode groups first, then prefill chunks. A chunk given as (start,
+    # length) starts a prompt at position 0, so its own K/V are its whole context.
+    cached: list[ContextAttention]
+    fresh: list[tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -134,6 +137,8 @@ class LlamaDecoder:
         c = self.config
         num_tokens = token_ids.shape[0]
         cos, sin = self.rotary.lookup(layout.positions)
+        # One pair of gather buffers per attention group, reused by every layer.
+        buffers = [cache.new_gather_buffers(g.num_seqs * g.num_blocks) for g in layout.cached]
         x = self.embed[token_ids]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
@@ -142,7 +147,7 @@ class LlamaDecoder:
             k = apply_rotary(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             cache.write(index, layout.slots, k, v)
-            attended = self._attention(q, k, v, layout, cache.keys[index], cache.values[index])
+            attended = self._attention(q, k, v, layout, cache, index, buffers)
             x = x + F.linear(attended, layer.out, layer.out_bias)
             gate, up = F.linear(self._norm(x, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
@@ -151,30 +156,26 @@ class LlamaDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
 
-    def _attention(self, q, k, v, layout: AttentionLayout, key_cache, value_cache) -> torch.Tensor:
+    def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
+                   buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         c = self.config
+        width = c.num_heads * c.head_dim
         outputs = []
-        s = layout.num_single
-        if s:
-            # [S, Lmax, kv_heads, D] -> [S, kv_heads, Lmax, D]
-            keys = key_cache[layout.single_slots].transpose(1, 2)
-            values = value_cache[layout.single_slots].transpose(1, 2)
+        for group, (key_buffer, value_buffer) in zip(layout.cached, buffers):
+            cache.gather_blocks(layer, group.block_ids, key_buffer, value_buffer)
+            rows = (group.num_seqs, -1, c.num_kv_heads, c.head_dim)
+            keys = key_buffer.view(rows).transpose(1, 2)      # [seqs, kv_heads, context, D]
+            values = value_buffer.view(rows).transpose(1, 2)
+            end = group.start + group.num_queries
+            per_seq = group.num_queries // group.num_seqs
+            query = q[group.start:end].view(group.num_seqs, per_seq, c.num_heads, c.head_dim)
+            out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values,
+                                                 attn_mask=group.mask, enable_gqa=True)
+            outputs.append(out.transpose(1, 2).reshape(group.num_queries, width))
+        for start, length in layout.fresh:
+            end = start + length
             out = F.scaled_dot_product_attention(
-                q[:s].unsqueeze(2), keys, values, attn_mask=layout.single_mask, enable_gqa=True)
-            outputs.append(out.reshape(s, c.num_heads * c.head_dim))
-        for chunk in layout.chunks:
-            end = chunk.start + chunk.length
-            query = q[chunk.start:end].transpose(0, 1).unsqueeze(0)
-            if chunk.context_slots is None:
-                # A whole prompt from position 0: its own K/V are the full context.
-                keys = k[chunk.start:end].transpose(0, 1).unsqueeze(0)
-                values = v[chunk.start:end].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                                     enable_gqa=True)
-            else:
-                keys = key_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-                values = value_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-                out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask,
-                                                     enable_gqa=True)
-            outputs.append(out[0].transpose(0, 1).reshape(chunk.length, c.num_heads * c.head_dim))
+                q[start:end].transpose(0, 1).unsqueeze(0), k[start:end].transpose(0, 1).unsqueeze(0),
+                v[start:end].transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
+            outputs.append(out[0].transpose(0, 1).reshape(length, width))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

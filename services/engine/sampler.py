@@ -39,7 +39,6 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            generator: torch.Generator) -> tuple[list[int], list[float]]:
     """Pick one token per row of logits [B, V] (float32). Returns (token ids, logprobs)."""
-    logprobs_all = logits.log_softmax(dim=-1)
     chosen = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -62,5 +61,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
                 noise[row].exponential_(generator=own)
         chosen[rows] = (probs / noise).argmax(dim=-1)
     token_ids = chosen.tolist()
-    logprobs = logprobs_all.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    # log p(token) = logit - logsumexp(logits): a reduction, no [B, V] log-softmax to write out.
+    logprobs = (logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).tolist()
     return token_ids, logprobs
