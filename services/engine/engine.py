@@ -42,6 +42,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.1          # of free device memory, after the weights are loaded
     num_threads: int = 0                    # CPU intra-op threads; 0 = all cores of this process
     seed: int = 0                           # for requests that sample without a seed of their own
+    prepack_linear: bool = True             # CPU: oneDNN with prepacked weights (services/engine/linear.py)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_fraction <= 1.0:
@@ -60,7 +61,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
-                                  self.device, self.dtype)
+                                  self.device, self.dtype, config.prepack_linear)
         budget = config.kv_cache_bytes or int(free_memory_bytes(self.device) * config.kv_cache_fraction)
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)

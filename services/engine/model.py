@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from services.engine.config import ModelConfig, UnsupportedModelError
 from services.engine.kv_cache import PagedKVCache
+from services.engine.linear import Linear
 from services.engine.rope import RotaryTable, apply_rotary
 
 
@@ -46,13 +47,11 @@ class AttentionLayout:
 @dataclass(slots=True)
 class DecoderLayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor             # q, k, v projections fused: one matmul instead of three
-    qkv_bias: torch.Tensor | None
-    out: torch.Tensor
-    out_bias: torch.Tensor | None
+    qkv: Linear                   # q, k, v projections fused: one matmul instead of three
+    out: Linear
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor         # gate and up projections fused
-    down: torch.Tensor
+    gate_up: Linear               # gate and up projections fused
+    down: Linear
 
 
 class _WeightReader:
@@ -87,8 +86,9 @@ def _fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, prepack_linear: bool = True):
         self.config = config
+        self.prepack = prepack_linear
         self.device, self.dtype = device, dtype
         reader = _WeightReader(tensors, device, dtype)
         self.embed = reader.take("model.embed_tokens.weight")
@@ -99,29 +99,31 @@ class LlamaDecoder:
         self.layers = [self._read_layer(reader, i) for i in range(config.num_layers)]
         self.final_norm = reader.take("model.norm.weight")
         lm_head = reader.take_optional("lm_head.weight")
-        self.lm_head = self.embed if (lm_head is None and config.tie_word_embeddings) else lm_head
-        if self.lm_head is None:
+        if lm_head is None and config.tie_word_embeddings:
+            lm_head = self.embed
+        if lm_head is None:
             raise UnsupportedModelError("checkpoint is missing tensor 'lm_head.weight'")
+        self.lm_head = Linear(lm_head, prepack=self.prepack)
         reader.check_consumed()
         self.rotary = RotaryTable(config, device, dtype)
         c = config
         self._qkv_split = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
                            c.num_kv_heads * c.head_dim]
 
-    @staticmethod
-    def _read_layer(reader: _WeightReader, i: int) -> DecoderLayerWeights:
+    def _read_layer(self, reader: _WeightReader, i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."
         attn = p + "self_attn."
         return DecoderLayerWeights(
             input_norm=reader.take(p + "input_layernorm.weight"),
-            qkv=torch.cat([reader.take(attn + f"{n}_proj.weight") for n in "qkv"]),
-            qkv_bias=_fuse_optional([reader.take_optional(attn + f"{n}_proj.bias") for n in "qkv"]),
-            out=reader.take(attn + "o_proj.weight"),
-            out_bias=reader.take_optional(attn + "o_proj.bias"),
+            qkv=Linear(torch.cat([reader.take(attn + f"{n}_proj.weight") for n in "qkv"]),
+                       _fuse_optional([reader.take_optional(attn + f"{n}_proj.bias") for n in "qkv"]),
+                       prepack=self.prepack),
+            out=Linear(reader.take(attn + "o_proj.weight"), reader.take_optional(attn + "o_proj.bias"),
+                       prepack=self.prepack),
             post_attention_norm=reader.take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([reader.take(p + "mlp.gate_proj.weight"),
-                               reader.take(p + "mlp.up_proj.weight")]),
-            down=reader.take(p + "mlp.down_proj.weight"),
+            gate_up=Linear(torch.cat([reader.take(p + "mlp.gate_proj.weight"),
+                                      reader.take(p + "mlp.up_proj.weight")]), prepack=self.prepack),
+            down=Linear(reader.take(p + "mlp.down_proj.weight"), prepack=self.prepack),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -142,19 +144,20 @@ class LlamaDecoder:
         x = self.embed[token_ids]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
-            q, k, v = F.linear(h, layer.qkv, layer.qkv_bias).split(self._qkv_split, dim=-1)
+            q, k, v = layer.qkv(h).split(self._qkv_split, dim=-1)
             q = apply_rotary(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             cache.write(index, layout.slots, k, v)
             attended = self._attention(q, k, v, layout, cache, index, buffers)
-            x = x + F.linear(attended, layer.out, layer.out_bias)
-            gate, up = F.linear(self._norm(x, layer.post_attention_norm), layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            x = x + layer.out(attended)
+            gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         return self._norm(x, self.final_norm)
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
                    buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

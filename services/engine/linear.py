@@ -1,0 +1,54 @@
+"""Linear layers, with weights prepacked for oneDNN on CPU.
+
+On the 2-core AMD EPYC we develop on, torch's default CPU matmul (MKL) runs the model's shapes
+1.3-3x slower than oneDNN with a prepacked weight (measured: decode at batch 32, 576x3072 takes
+1.30 ms vs 0.57 ms; the 49152-row output head 33 ms vs 11 ms). The prepacked path is used on
+CPU when this torch build has it and it reproduces F.linear on a probe input; otherwise, and on
+accelerators, plain F.linear.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def _onednn_available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """y = x @ weight.T + bias for 2-D x."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.weight = weight
+        self.packed = None
+        if prepack and weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_available():
+            self.packed = self._pack(weight, bias)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+            probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
+            got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+            want = F.linear(probe, weight, bias)
+            if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+                raise RuntimeError(f"max abs diff {(got - want).abs().max().item():.3g}")
+        except RuntimeError as exc:
+            log.warning("oneDNN linear unavailable (%s); using F.linear", exc)
+            return None
+        # The packed copy replaces the dense weight, unless someone else shares it (tied head).
+        self.weight = None
+        return packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
