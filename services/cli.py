@@ -1,0 +1,138 @@
+"""qos-serve: the command line.
+
+    qos-serve up [--config FILE]                 router + scheduler + worker(s) on loopback
+    qos-serve generate --priority high "prompt"  stream an answer through the router
+    qos-serve demo                               a local cluster serving a mixed-priority burst
+    qos-serve router|scheduler|worker --config FILE [--index N]   one service
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from services.common.config import ConfigError, load_config
+from services.common.grpc_server import setup_logging
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="cluster config (TOML or JSON); default: built-in defaults")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def cmd_up(args) -> int:
+    from services.cluster import LocalCluster, run_until_signal
+    config = load_config(args.config)
+    run_until_signal(LocalCluster(config))
+    return 0
+
+
+def cmd_worker(args) -> int:
+    config = load_config(args.config)
+    if not 0 <= args.index < len(config.workers):
+        raise ConfigError(f"--index {args.index}: the config has {len(config.workers)} worker(s)")
+    worker = config.workers[args.index]
+    from services.cluster import resolve_model
+    from services.engine.engine import Engine
+    from services.worker.server import build_engine_config, serve_worker
+    engine = Engine(build_engine_config(resolve_model(config.model), worker))
+    asyncio.run(serve_worker(engine, worker.address))
+    return 0
+
+
+def cmd_scheduler(args) -> int:
+    config = load_config(args.config)
+    from services.cluster import resolve_model
+    from services.scheduler.server import serve_scheduler
+    asyncio.run(serve_scheduler(config.scheduler, resolve_model(config.model),
+                                [w.address for w in config.workers]))
+    return 0
+
+
+def cmd_router(args) -> int:
+    config = load_config(args.config)
+    from services.router.server import serve_router
+    asyncio.run(serve_router(config.router, config.scheduler.address))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from services.client import RouterClient, chat_request, sampling_params
+    from services.common.proto.qos.v1 import router_pb2
+    address = args.router or load_config(args.config).router.address
+    sampling = sampling_params(max_tokens=args.max_tokens, temperature=args.temperature)
+    request = (router_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling) if args.raw
+               else chat_request(args.prompt, sampling))
+
+    async def run() -> int:
+        async with RouterClient(address) as client:
+            try:
+                answer = await client.generate(request, priority=args.priority, tenant=args.tenant,
+                                               on_text=lambda t: print(t, end="", flush=True))
+            except grpc.aio.AioRpcError as exc:
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+        print()
+        print(f"[{args.priority or 'medium'} | pool {answer.pool} | {len(answer.token_ids)} tokens | "
+              f"TTFT {answer.ttft_ms:.0f} ms | total {answer.e2e_ms:.0f} ms | {answer.finish_reason}]",
+              file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_demo(args) -> int:
+    from services.demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qos-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start router, scheduler and workers; Ctrl-C stops them")
+    _config_args(p)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("generate", help="stream one answer through the router")
+    _config_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
+    p.add_argument("--priority", choices=["high", "medium", "low"])
+    p.add_argument("--tenant")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
+    _config_args(p)
+    p.add_argument("--requests-per-priority", type=int, default=6)
+    p.set_defaults(func=cmd_demo)
+
+    for name, func, text in [("router", cmd_router, "run the router"),
+                             ("scheduler", cmd_scheduler, "run a pool's scheduler"),
+                             ("worker", cmd_worker, "run one worker")]:
+        p = sub.add_parser(name, help=text)
+        _config_args(p)
+        if name == "worker":
+            p.add_argument("--index", type=int, default=0, help="which [[workers]] entry to run")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        sys.exit(args.func(args))
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"qos-serve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

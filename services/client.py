@@ -1,0 +1,81 @@
+"""A small async client for the Router: stream one answer, with the priority in metadata."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.priority import PRIORITY_HEADER, TENANT_HEADER
+from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+@dataclass(slots=True)
+class Answer:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    ttft_ms: float = 0.0          # measured by the client: request sent -> first token
+    e2e_ms: float = 0.0           # request sent -> last chunk
+    server_timings: common_pb2.Timings | None = None
+    pool: str = ""
+
+
+def sampling_params(max_tokens: int | None = None, temperature: float | None = None, **extra):
+    params = common_pb2.SamplingParams(**extra)
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if temperature is not None:
+        params.temperature = temperature
+    return params
+
+
+class RouterClient:
+    def __init__(self, address: str):
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> "RouterClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def stream(self, request: router_pb2.GenerateRequest, priority: str | None = None,
+               tenant: str | None = None):
+        """The raw call: iterate it for chunks, cancel() it to stop."""
+        metadata = []
+        if priority is not None:
+            metadata.append((PRIORITY_HEADER, priority))
+        if tenant is not None:
+            metadata.append((TENANT_HEADER, tenant))
+        return self.stub.Generate(request, metadata=metadata)
+
+    async def generate(self, request: router_pb2.GenerateRequest, priority: str | None = None,
+                       tenant: str | None = None, on_text=None) -> Answer:
+        """Stream a whole answer; `on_text(delta)` sees the text as it arrives."""
+        answer = Answer()
+        started = time.perf_counter()
+        async for chunk in self.stream(request, priority, tenant):
+            if chunk.token_ids and not answer.token_ids:
+                answer.ttft_ms = (time.perf_counter() - started) * 1000
+            answer.text += chunk.text
+            answer.token_ids.extend(chunk.token_ids)
+            answer.pool = chunk.pool
+            if on_text and chunk.text:
+                on_text(chunk.text)
+            if chunk.finish_reason:
+                answer.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason) \
+                    .removeprefix("FINISH_REASON_").lower()
+                answer.server_timings = chunk.timings
+        answer.e2e_ms = (time.perf_counter() - started) * 1000
+        return answer
+
+
+def chat_request(prompt: str, sampling: common_pb2.SamplingParams | None = None) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="user", content=prompt)],
+                                      sampling=sampling)

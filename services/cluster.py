@@ -1,0 +1,178 @@
+"""Start a local cluster (workers, scheduler, router) as separate processes on loopback.
+
+Used by `qos-serve up`, the demo and the end-to-end tests. Ports given as 0 are resolved to free
+ones first; the resolved config is written to a file every process reads. Children die with the
+parent (PR_SET_PDEATHSIG), so nothing is left behind even if the parent is killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import dataclasses
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from services.common.config import ClusterConfig
+from services.common.grpc_server import wait_healthy
+from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_SECONDS = 120.0
+STOP_TIMEOUT_SECONDS = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def resolve_model(model: str, progress: bool = True) -> str:
+    if model == "default":
+        from services.engine.default_model import default_model_dir   # no torch import here
+        return str(default_model_dir(progress=progress))
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {model} has no config.json")
+    return str(Path(model).resolve())
+
+
+def resolve_ports(config: ClusterConfig) -> ClusterConfig:
+    config = dataclasses.replace(config)
+    for section in [config.router, config.scheduler, *config.workers]:
+        if section.port == 0:
+            section.port = free_port(section.host)
+    return config
+
+
+def _die_with_parent() -> None:
+    # Linux: deliver SIGTERM to the child when the parent exits, however it exits.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    """with LocalCluster(config) as cluster: ... cluster.router_address ..."""
+
+    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False):
+        self.config = resolve_ports(config)
+        self.config.model = resolve_model(self.config.model, progress=not quiet)
+        self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
+        self.config_path = Path(self._tmp.name) / "cluster.json"
+        self.config.write_json(self.config_path)
+        self.log_dir = log_dir or Path(self._tmp.name)
+        self.quiet = quiet
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    @property
+    def router_address(self) -> str:
+        return self.config.router.address
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.config.scheduler.address
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        command = [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
+        stream = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None
+        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None,
+                                   preexec_fn=_die_with_parent)
+        self.processes[name] = process
+        return process
+
+    def start_worker(self, index: int) -> subprocess.Popen:
+        return self._spawn(f"worker-{index}", "worker", "--index", str(index))
+
+    def start(self) -> "LocalCluster":
+        try:
+            for i in range(len(self.config.workers)):
+                self.start_worker(i)
+            self._spawn("scheduler", "scheduler")
+            self._spawn("router", "router")
+            asyncio.run(self._wait_ready())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
+        addresses = [(f"worker-{i}", w.address) for i, w in enumerate(self.config.workers)]
+        addresses += [("scheduler", self.scheduler_address), ("router", self.router_address)]
+        for name, address in addresses:
+            self._check_alive()
+            if not await wait_healthy(address, timeout=deadline - time.monotonic()):
+                raise TimeoutError(f"{name} at {address} did not become healthy")
+        # Healthy is not enough for the scheduler: it must also have connected to every worker.
+        async with grpc.aio.insecure_channel(self.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while (await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers < len(self.config.workers):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the scheduler did not connect to all its workers")
+                await asyncio.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {process.returncode} during start-up"
+                                   + (f"; see {self.log_dir / (name + '.log')}" if self.quiet else ""))
+
+    def stop(self) -> None:
+        """SIGTERM everything (each service stops gracefully), then SIGKILL what is left."""
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        for name, process in self.processes.items():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time; killing it", name)
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_until_signal(cluster: LocalCluster) -> None:
+    """`qos-serve up`: start, print where things are, stop cleanly on Ctrl-C or SIGTERM."""
+    stop = False
+
+    def request_stop(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    with cluster:
+        print(f"qos-serve up: router {cluster.router_address}, scheduler {cluster.scheduler_address}, "
+              f"{len(cluster.config.workers)} worker(s); model {Path(cluster.config.model).name}. "
+              "Ctrl-C stops.", flush=True)
+        while not stop:
+            for name, process in cluster.processes.items():
+                if process.poll() is not None:
+                    print(f"{name} exited with code {process.returncode}; stopping", file=sys.stderr)
+                    stop = True
+            time.sleep(0.2)
+        print("stopping...", flush=True)
+    print("stopped", flush=True)

@@ -1,0 +1,147 @@
+"""The cluster configuration: one file (TOML, or JSON with the same shape) for every service.
+
+    model = "default"                 # the embedded SmolLM2-135M-Instruct, or a model folder
+
+    [router]
+    port = 50051
+
+    [scheduler]
+    port = 50052
+    policy = "fcfs"
+
+    [[workers]]
+    port = 50053
+    device = "cpu"
+    threads = 1
+    kv_cache_mb = 256
+
+A port of 0 means "pick a free one" (`qos-serve up` resolves them before starting anything).
+Services bind to loopback unless a host is given.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_HOST = "127.0.0.1"
+POLICIES = ("fcfs",)
+
+
+class ConfigError(ValueError):
+    """The configuration file is wrong; the message names the key."""
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = DEFAULT_HOST
+    port: int = 50051
+    default_max_tokens: int = 256
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    host: str = DEFAULT_HOST
+    port: int = 50052
+    pool: str = "cpu"                 # this pool's name, reported in every response
+    policy: str = "fcfs"
+    max_running: int = 64             # sequences holding KV blocks at once, per worker
+    max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
+    max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
+    retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    host: str = DEFAULT_HOST
+    port: int = 50053
+    device: str = "cpu"
+    dtype: str | None = None          # default: fp32 on CPU, bf16 on CUDA, fp16 on NPU
+    threads: int = 1                  # torch CPU threads, set explicitly in every worker
+    kv_cache_mb: int | None = 256     # KV budget; unset = kv_cache_fraction of free memory
+    kv_cache_fraction: float = 0.1
+    block_size: int = 16
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    model: str = "default"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workers: list[WorkerConfig] = field(default_factory=lambda: [WorkerConfig()])
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items()}
+
+    def write_json(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+
+def _section(cls, raw: dict, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {where}.{unknown[0]}; known: {', '.join(known)}")
+    obj = cls(**raw)
+    for name, value in raw.items():
+        default = getattr(cls(), name)
+        if default is not None and value is not None and not isinstance(value, type(default)) \
+                and not (isinstance(default, float) and isinstance(value, int)):
+            raise ConfigError(f"{where}.{name} must be {type(default).__name__}, got {value!r}")
+    if hasattr(obj, "port") and not 0 <= obj.port <= 65535:
+        raise ConfigError(f"{where}.port must be in 0..65535, got {obj.port}")
+    return obj
+
+
+def parse_config(raw: dict) -> ClusterConfig:
+    known = {"model", "router", "scheduler", "workers"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
+    workers = raw.get("workers", [{}])
+    if not isinstance(workers, list) or not workers:
+        raise ConfigError("workers must be a non-empty list of [[workers]] tables")
+    config = ClusterConfig(
+        model=str(raw.get("model", "default")),
+        router=_section(RouterConfig, raw.get("router", {}), "router"),
+        scheduler=_section(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
+        workers=[_section(WorkerConfig, w, f"workers[{i}]") for i, w in enumerate(workers)],
+    )
+    s = config.scheduler
+    if s.policy not in POLICIES:
+        raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
+    if s.max_running < 1 or s.max_step_tokens < s.max_running:
+        raise ConfigError("need scheduler.max_running >= 1 and max_step_tokens >= max_running")
+    for i, w in enumerate(config.workers):
+        if w.threads < 0:
+            raise ConfigError(f"workers[{i}].threads must be >= 0")
+    return config
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    if path is None:
+        return ClusterConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return parse_config(raw)

@@ -1,0 +1,78 @@
+from services.common.proto.qos.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "sampling", "model")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    sampling: _common_pb2.SamplingParams
+    model: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class GenerateRequestBytes(_message.Message):
+    __slots__ = ("prompt", "messages", "sampling", "model")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    prompt: bytes
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessageBytes]
+    sampling: _common_pb2.SamplingParams
+    model: bytes
+    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ...) -> None: ...
+
+class ChatMessageBytes(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: bytes
+    content: bytes
+    def __init__(self, role: _Optional[bytes] = ..., content: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PriorityStats(_message.Message):
+    __slots__ = ("priority", "requests", "completed", "failed", "cancelled", "output_tokens", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms", "e2e_p99_ms")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P95_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_P95_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    priority: _common_pb2.Priority
+    requests: int
+    completed: int
+    failed: int
+    cancelled: int
+    output_tokens: int
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p95_ms: float
+    e2e_p99_ms: float
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p95_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p95_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ...) -> None: ...
+
+class RouterStats(_message.Message):
+    __slots__ = ("priorities",)
+    PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    priorities: _containers.RepeatedCompositeFieldContainer[PriorityStats]
+    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ...) -> None: ...

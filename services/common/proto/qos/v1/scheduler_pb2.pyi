@@ -1,0 +1,70 @@
+from services.common.proto.qos.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    priority: _common_pb2.Priority
+    tenant: str
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PoolStatsRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class ClassStats(_message.Message):
+    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    priority: _common_pb2.Priority
+    waiting: int
+    running: int
+    kv_blocks: int
+    output_tokens: int
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CLASSES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    model: str
+    device: str
+    workers: int
+    max_context: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    block_size: int
+    classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
+    steps: int
+    policy: str
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ...) -> None: ...

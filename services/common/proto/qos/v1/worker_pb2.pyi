@@ -1,0 +1,127 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    device_type: str
+    dtype: str
+    model: str
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    max_context: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    active_sequences: int
+    threads: int
+    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+
+class EngineSampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_generated")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: EngineSampling
+    num_generated: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+
+class ScheduledSequence(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
+    released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprob", "finish_reason")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprob: float
+    finish_reason: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class DeviceStats(_message.Message):
+    __slots__ = ("memory_used_bytes", "memory_total_bytes", "utilization")
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization: float
+    def __init__(self, memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "tokens", "forward_ms", "device", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    forward_ms: float
+    device: DeviceStats
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., device: _Optional[_Union[DeviceStats, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,78 @@
+"""A request as the scheduler tracks it, and the events its client stream is fed with."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import grpc
+
+from services.common.proto.qos.v1 import common_pb2
+from services.common.step import SamplingParams
+from services.scheduler.detokenizer import IncrementalDetokenizer
+
+
+class Phase(Enum):
+    WAITING = "waiting"     # queued, holds no blocks
+    RUNNING = "running"     # admitted to a worker, holds blocks
+    FINISHED = "finished"   # completed, cancelled or failed; holds nothing
+
+
+@dataclass(slots=True, frozen=True)
+class Failure:
+    """Ends a client stream with a gRPC status."""
+    code: grpc.StatusCode
+    message: str
+    trailers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    seq_id: int
+    priority: int
+    tenant: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.perf_counter)
+    output_ids: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    worker: int | None = None        # index of the worker it runs on
+    blocks: list[int] = field(default_factory=list)
+    # The worker's view: tokens it was given as the prompt when announced (the prompt, or after a
+    # preemption the prompt plus output so far) and how many of all tokens are in its KV cache.
+    announced: bool = False
+    computed: int = 0
+    new_blocks: list[int] = field(default_factory=list)   # allocated, not yet sent to the worker
+    cancelled: bool = False
+    first_scheduled_at: float | None = None
+    first_token_at: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens known but not yet in the KV cache: the rest of the prompt, or the last sampled
+        token (or, after a preemption, everything again)."""
+        return self.num_tokens - self.computed
+
+    def ms_since_arrival(self, moment: float | None) -> float:
+        return 0.0 if moment is None else (moment - self.arrival) * 1000
+
+    def timings(self, now: float | None = None) -> common_pb2.Timings:
+        return common_pb2.Timings(queue_ms=self.ms_since_arrival(self.first_scheduled_at),
+                                  ttft_ms=self.ms_since_arrival(self.first_token_at),
+                                  e2e_ms=self.ms_since_arrival(now))
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=len(self.prompt_ids),
+                                completion_tokens=len(self.output_ids))

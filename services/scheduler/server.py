@@ -1,0 +1,183 @@
+"""The Scheduler gRPC service: intake (tokenize, check, queue), streaming, pool stats."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from pathlib import Path
+
+import grpc
+
+from services.common.config import SchedulerConfig
+from services.common.grpc_server import run_server
+from services.common.priority import ORDER, priority_name
+from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.step import SamplingParams
+from services.common.tokenizer import TextTokenizer
+from services.scheduler.batcher import ContinuousBatcher
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.kv_blocks import blocks_for_tokens
+from services.scheduler.queue_policy import create_request_queue
+from services.scheduler.request import Failure, Request
+from services.scheduler.worker_link import WorkerLink
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class RequestRejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, trailers=()):
+        super().__init__(message)
+        self.code, self.message, self.trailers = code, message, tuple(trailers)
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig, model_dir: str, worker_addresses: list[str]):
+        self.config = config
+        self.model_name = Path(model_dir).name
+        self.tokenizer = TextTokenizer.from_model_dir(model_dir)
+        self.links = [WorkerLink(i, address) for i, address in enumerate(worker_addresses)]
+        self.batcher = ContinuousBatcher(config.pool, self.links, create_request_queue(config.policy),
+                                         config.max_running, config.max_step_tokens)
+        self.seq_ids = itertools.count(1)
+        self.tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self.tasks = [asyncio.create_task(link.keep_connected()) for link in self.links]
+        self.tasks.append(asyncio.create_task(self.batcher.run()))
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for link in self.links:
+            await link.close()
+
+    # --- intake ---------------------------------------------------------------------------------
+
+    def _model_limits(self) -> tuple[int, int, list[int]]:
+        infos = [l.info for l in self.links if l.info is not None]
+        if not infos:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
+                                  "no worker of this pool has connected yet; retry shortly")
+        return (min(i.max_context for i in infos), max(i.num_blocks for i in infos),
+                list(infos[0].eos_token_ids))
+
+    def intake(self, submit: scheduler_pb2.SubmitRequest) -> Request:
+        max_context, largest_pool, _ = self._model_limits()
+        if submit.messages:
+            messages = [{"role": m.role, "content": m.content} for m in submit.messages]
+            try:
+                prompt_ids = self.tokenizer.encode_chat(messages)
+            except ValueError as exc:   # no template, or the template refused the conversation
+                raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {exc}") from exc
+        else:
+            prompt_ids = self.tokenizer.encode(submit.prompt)
+        if not prompt_ids:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
+        if len(prompt_ids) >= max_context:
+            raise RequestRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt is {len(prompt_ids)} tokens; the context window is {max_context} tokens "
+                "and must leave room for at least one generated token")
+        s = submit.sampling
+        room = max_context - len(prompt_ids)
+        if s.HasField("max_tokens"):
+            if s.max_tokens > room:
+                raise RequestRejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"max_tokens={s.max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens "
+                    f"and the context window {max_context}, leaving {room}")
+            max_tokens = s.max_tokens
+        else:
+            max_tokens = min(DEFAULT_MAX_TOKENS, room)
+        try:
+            sampling = SamplingParams(
+                temperature=s.temperature if s.HasField("temperature") else 1.0,
+                top_k=s.top_k if s.HasField("top_k") else 0,
+                top_p=s.top_p if s.HasField("top_p") else 1.0,
+                seed=s.seed if s.HasField("seed") else None,
+                max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        except ValueError as exc:
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        need = blocks_for_tokens(len(prompt_ids) + max_tokens, self.links[0].info.block_size)
+        if need > largest_pool:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs {need} KV blocks (prompt + max_tokens); the largest worker "
+                f"of pool {self.config.pool} has {largest_pool}")
+        if self.batcher.queue.waiting(submit.priority) >= self.config.max_queue:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the {priority_name(submit.priority)} queue of pool {self.config.pool} is full "
+                f"({self.config.max_queue} waiting)",
+                trailers=[("retry-after-ms", str(self.config.retry_after_ms))])
+        return Request(
+            request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
+            tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
+            detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
+                                               stop=list(s.stop)))
+
+    # --- RPCs -----------------------------------------------------------------------------------
+
+    async def Submit(self, submit: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
+        try:
+            request = self.intake(submit)
+        except RequestRejected as rejected:
+            if rejected.trailers:
+                context.set_trailing_metadata(rejected.trailers)
+            await context.abort(rejected.code, rejected.message)
+        self.batcher.submit(request)
+        try:
+            while True:
+                event = await request.events.get()
+                if isinstance(event, Failure):
+                    if event.trailers:
+                        context.set_trailing_metadata(event.trailers)
+                    await context.abort(event.code, event.message)
+                yield event
+                if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            # Runs when the stream ends for any reason, the client's cancellation included.
+            self.batcher.cancel(request)
+
+    def pool_stats(self) -> scheduler_pb2.PoolStats:
+        connected = [l for l in self.links if l.is_connected and l.info is not None]
+        held = self.batcher.kv_blocks_by_priority()
+        running = self.batcher.running_by_priority()
+        info = next((l.info for l in self.links if l.info is not None), None)
+        return scheduler_pb2.PoolStats(
+            pool=self.config.pool, model=self.model_name, policy=self.batcher.queue.name,
+            device=info.device_type if info else "", workers=len(connected),
+            max_context=info.max_context if info else 0,
+            block_size=info.block_size if info else 0,
+            kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
+            kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
+            steps=self.batcher.steps,
+            classes=[scheduler_pb2.ClassStats(
+                priority=p, waiting=self.batcher.queue.waiting(p), running=running[p],
+                kv_blocks=held[p], output_tokens=self.batcher.output_tokens[p]) for p in ORDER])
+
+    async def GetPoolStats(self, request, context) -> scheduler_pb2.PoolStats:
+        return self.pool_stats()
+
+    async def WatchPoolStats(self, request, context):
+        interval = (request.interval_ms or 1000) / 1000
+        while True:
+            yield self.pool_stats()
+            await asyncio.sleep(interval)
+
+
+async def serve_scheduler(config: SchedulerConfig, model_dir: str, worker_addresses: list[str]) -> None:
+    service = SchedulerService(config, model_dir, worker_addresses)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
+        return ["qos.v1.Scheduler"]
+
+    async def started(_port: int) -> None:
+        await service.start()
+
+    await run_server("scheduler", config.address, register, on_started=started,
+                     on_stopping=service.stop)

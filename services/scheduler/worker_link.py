@@ -1,0 +1,109 @@
+"""The scheduler's connection to one worker: Info, the Execute stream, reconnection.
+
+The link owns the worker's KV block pool: block ids are only meaningful for the worker that
+allocated its cache, and a worker that restarts has lost every block, so the pool is rebuilt from
+its Info each time the link (re)connects.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
+from services.scheduler.kv_blocks import KVBlockPool
+
+log = logging.getLogger(__name__)
+
+RECONNECT_INTERVAL_SECONDS = 0.5
+
+
+class WorkerUnavailable(ConnectionError):
+    """The worker cannot be reached, or its stream broke."""
+
+
+class WorkerLink:
+    def __init__(self, index: int, address: str):
+        self.index = index
+        self.address = address
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.pool: KVBlockPool | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._plans: asyncio.Queue | None = None
+        self._results = None
+        self._call = None
+        self.connected = asyncio.Event()
+
+    @property
+    def is_connected(self) -> bool:
+        return self.connected.is_set()
+
+    async def connect(self) -> None:
+        """Open the channel and the Execute stream; raises WorkerUnavailable."""
+        await self.close()
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        stub = worker_pb2_grpc.WorkerStub(self._channel)
+        try:
+            self.info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0)
+            self._plans = asyncio.Queue()
+            self._call = stub.Execute(self._plan_iterator(self._plans))
+            self._results = self._call.__aiter__()
+        except grpc.aio.AioRpcError as exc:
+            await self.close()
+            raise WorkerUnavailable(f"worker {self.address}: {exc.code().name} {exc.details()}") from exc
+        self.pool = KVBlockPool(self.info.num_blocks, self.info.block_size)
+        self.connected.set()
+        log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
+                 self.info.model, self.info.device, self.info.num_blocks, self.info.block_size)
+
+    async def keep_connected(self) -> None:
+        """Reconnect whenever the link is down (run as a background task)."""
+        while True:
+            if not self.is_connected:
+                try:
+                    await self.connect()
+                except WorkerUnavailable as exc:
+                    log.debug("%s", exc)
+            await asyncio.sleep(RECONNECT_INTERVAL_SECONDS)
+
+    @staticmethod
+    async def _plan_iterator(queue: asyncio.Queue):
+        while True:
+            plan = await queue.get()
+            if plan is None:
+                return
+            yield plan
+
+    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        """Send one plan and wait for its result; raises WorkerUnavailable when the stream breaks
+        (the link is then marked down and every block it held is gone)."""
+        if not self.is_connected:
+            raise WorkerUnavailable(f"worker {self.address} is not connected")
+        self._plans.put_nowait(plan)
+        try:
+            result = await self._results.__anext__()
+        except (grpc.aio.AioRpcError, StopAsyncIteration) as exc:
+            detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) \
+                else "stream ended"
+            await self.close()
+            raise WorkerUnavailable(f"worker {self.address} failed: {detail}") from exc
+        if result.step_id != plan.step_id:
+            await self.close()
+            raise WorkerUnavailable(f"worker {self.address} answered step {result.step_id} "
+                                    f"to plan {plan.step_id}")
+        return result
+
+    async def close(self) -> None:
+        self.connected.clear()
+        self.pool = None
+        if self._plans is not None:
+            self._plans.put_nowait(None)
+            self._plans = None
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None

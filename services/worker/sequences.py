@@ -1,0 +1,97 @@
+"""The worker's per-sequence state, and turning a StepPlan diff into the engine's StepBatch.
+
+Pure Python (the engine call happens in the server): each sequence keeps its tokens, how many of
+them are in the KV cache, its block table and sampling parameters, so a plan only carries ids,
+token counts and new block ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import SampledToken, SamplingParams, SequenceWork, StepBatch
+
+
+class PlanError(ValueError):
+    """A plan inconsistent with the sequences the worker holds (a scheduler bug)."""
+
+
+@dataclass(slots=True)
+class SequenceState:
+    tokens: list[int]             # prompt, then every sampled token
+    prompt_len: int
+    sampling: SamplingParams
+    num_generated: int            # before this worker saw it (resumed after preemption)
+    block_table: list[int] = field(default_factory=list)
+    computed: int = 0             # tokens whose K/V are in the cache
+
+
+def sampling_from_proto(p: worker_pb2.EngineSampling) -> SamplingParams:
+    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                          seed=p.seed if p.HasField("seed") else None, max_tokens=p.max_tokens,
+                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+class SequenceTable:
+    def __init__(self) -> None:
+        self.sequences: dict[int, SequenceState] = {}
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def clear(self) -> None:
+        self.sequences.clear()
+
+    def apply(self, plan: worker_pb2.StepPlan) -> StepBatch:
+        """Update state from the plan and return the engine's work. Raises PlanError, leaving the
+        table unchanged, when the plan does not fit the state."""
+        self._check(plan)
+        for seq_id in plan.released_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in plan.new_sequences:
+            self.sequences[new.seq_id] = SequenceState(
+                tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
+                sampling=sampling_from_proto(new.sampling), num_generated=new.num_generated)
+        work = []
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            seq.block_table.extend(item.new_block_ids)
+            start = seq.computed
+            end = start + item.num_tokens
+            work.append(SequenceWork(
+                seq_id=item.seq_id, token_ids=seq.tokens[start:end], position=start,
+                block_table=seq.block_table, sampling=seq.sampling,
+                num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
+                sample=end == len(seq.tokens)))
+        return StepBatch(work)
+
+    def _check(self, plan: worker_pb2.StepPlan) -> None:
+        released = set(plan.released_seq_ids)
+        known = set(self.sequences) - released
+        for new in plan.new_sequences:
+            if new.seq_id in known:
+                raise PlanError(f"sequence {new.seq_id} announced twice")
+            if not new.prompt_token_ids:
+                raise PlanError(f"sequence {new.seq_id} has an empty prompt")
+            known.add(new.seq_id)
+        lengths = {n.seq_id: len(n.prompt_token_ids) for n in plan.new_sequences}
+        for item in plan.scheduled:
+            if item.seq_id not in known:
+                raise PlanError(f"sequence {item.seq_id} is not known to this worker")
+            seq = self.sequences.get(item.seq_id) if item.seq_id not in lengths else None
+            total = lengths.get(item.seq_id, len(seq.tokens) if seq else 0)
+            computed = seq.computed if seq else 0
+            if item.num_tokens < 1 or computed + item.num_tokens > total:
+                raise PlanError(f"sequence {item.seq_id}: {item.num_tokens} tokens scheduled but "
+                                f"{total - computed} are ready to compute")
+
+    def commit(self, batch: StepBatch, tokens: list[SampledToken]) -> None:
+        """After a successful step: advance computed counts, append sampled tokens, drop the
+        sequences that finished."""
+        for work in batch.sequences:
+            self.sequences[work.seq_id].computed = work.end
+        for token in tokens:
+            seq = self.sequences[token.seq_id]
+            seq.tokens.append(token.token_id)
+            if token.finish_reason is not None:
+                del self.sequences[token.seq_id]

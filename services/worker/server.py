@@ -1,0 +1,120 @@
+"""The Worker gRPC service: the engine behind one bidirectional Execute stream.
+
+Engine steps run in a single dedicated thread, off the event loop, so health checks and Info stay
+responsive while the model computes.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from services.common.grpc_server import run_server
+from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
+from services.engine.device import free_memory_bytes
+from services.engine.engine import Engine, EngineConfig, InvalidStepError
+from services.worker.sequences import PlanError, SequenceTable
+
+log = logging.getLogger(__name__)
+
+UTILIZATION_WINDOW_SECONDS = 5.0
+
+
+class BusyTracker:
+    """Share of recent wall time spent in engine steps (the resource monitor's utilization)."""
+
+    def __init__(self, window: float = UTILIZATION_WINDOW_SECONDS):
+        self.window = window
+        self.spans: deque[tuple[float, float]] = deque()
+
+    def add(self, start: float, end: float) -> None:
+        self.spans.append((start, end))
+
+    def utilization(self, now: float) -> float:
+        while self.spans and self.spans[0][1] < now - self.window:
+            self.spans.popleft()
+        busy = sum(end - max(start, now - self.window) for start, end in self.spans)
+        return min(1.0, busy / self.window)
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.table = SequenceTable()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.busy = BusyTracker()
+        self.stream_open = False
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        e = self.engine
+        return worker_pb2.WorkerInfo(
+            device=str(e.device), device_type=e.device.type, dtype=str(e.dtype).removeprefix("torch."),
+            model=Path(e.config.model_dir).name, block_size=e.kv_spec.block_size,
+            num_blocks=e.kv_spec.num_blocks, bytes_per_block=e.kv_spec.bytes_per_block,
+            max_context=e.max_context, vocab_size=e.model_config.vocab_size,
+            eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
+            threads=e.threads)
+
+    async def Info(self, request, context) -> worker_pb2.WorkerInfo:
+        return self.info()
+
+    async def Execute(self, request_iterator, context):
+        if self.stream_open:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this worker already serves a scheduler (one Execute stream at a time)")
+        self.stream_open = True
+        loop = asyncio.get_running_loop()
+        try:
+            async for plan in request_iterator:
+                yield await loop.run_in_executor(self.executor, self._run_plan, plan)
+        finally:
+            # The scheduler went away: its sequences and their block tables mean nothing now.
+            self.table.clear()
+            self.stream_open = False
+            log.info("execute stream closed; dropped all sequence state")
+
+    def _run_plan(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        started = time.perf_counter()
+        try:
+            batch = self.table.apply(plan)
+            output = self.engine.step(batch) if batch.sequences else None
+        except (PlanError, InvalidStepError) as exc:
+            log.error("step %d refused: %s", plan.step_id, exc)
+            return worker_pb2.StepResult(step_id=plan.step_id, error=str(exc))
+        tokens = output.tokens if output else []
+        self.table.commit(batch, tokens)
+        finished = time.perf_counter()
+        self.busy.add(started, finished)
+        return worker_pb2.StepResult(
+            step_id=plan.step_id,
+            tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
+                                            finish_reason=t.finish_reason.value if t.finish_reason else "")
+                    for t in tokens],
+            forward_ms=(finished - started) * 1000,
+            device=worker_pb2.DeviceStats(
+                memory_used_bytes=self.engine.kv_spec.total_bytes,
+                memory_total_bytes=self.engine.kv_spec.total_bytes + free_memory_bytes(self.engine.device),
+                utilization=self.busy.utilization(finished)))
+
+
+def build_engine_config(model_dir: str, worker) -> EngineConfig:
+    return EngineConfig(model_dir=model_dir, device=worker.device, dtype=worker.dtype,
+                        block_size=worker.block_size,
+                        kv_cache_bytes=worker.kv_cache_mb * 2**20 if worker.kv_cache_mb else None,
+                        kv_cache_fraction=worker.kv_cache_fraction, num_threads=worker.threads)
+
+
+async def serve_worker(engine: Engine, address: str) -> None:
+    service = WorkerService(engine)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+        return ["qos.v1.Worker"]
+
+    await run_server("worker", address, register)
+    service.executor.shutdown(wait=False, cancel_futures=True)
