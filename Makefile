@@ -23,7 +23,7 @@ model: venv
 	$(PY) -m services.engine.default_model
 
 demo: model
-	$(PY) -m services.engine.demo
+	$(PY) -m services.cli demo
 
 test: model
 	$(PY) -m pytest -q tests

@@ -25,11 +25,13 @@ CHANNEL_OPTIONS = [
 
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
                      on_started: Callable[[int], Awaitable[None]] | None = None,
-                     on_stopping: Callable[[], Awaitable[None]] | None = None) -> None:
+                     on_stopping: Callable[[], Awaitable[None]] | None = None,
+                     ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then stop with a grace period.
 
     `register` adds the servicers and returns their full service names, which the standard
-    grpc.health.v1 service reports as SERVING (and NOT_SERVING while shutting down)."""
+    grpc.health.v1 service reports as SERVING once `ready` is set (at once without one), and
+    NOT_SERVING while shutting down."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     services = register(server)
     health = health_aio.HealthServicer()
@@ -38,11 +40,17 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     if port == 0:
         raise OSError(f"{name}: cannot bind {address}")
     await server.start()
-    for service in ["", *services]:
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s", name, address.rsplit(":", 1)[0] + f":{port}")
     if on_started is not None:
         await on_started(port)
+
+    async def report_serving() -> None:
+        if ready is not None:
+            await ready.wait()
+        for service in ["", *services]:
+            await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    serving_task = asyncio.create_task(report_serving())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -52,6 +60,7 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     log.info("%s stopping (grace %.0f s)", name, SHUTDOWN_GRACE_SECONDS)
+    serving_task.cancel()
     for service in ["", *services]:
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     if on_stopping is not None:

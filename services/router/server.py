@@ -53,6 +53,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.pool_stats: scheduler_pb2.PoolStats | None = None
         self.counters = {p: PriorityCounters() for p in ORDER}
         self.watch_task: asyncio.Task | None = None
+        self.knows_pool = asyncio.Event()   # health says SERVING only once the pool is known
 
     async def start(self) -> None:
         self.watch_task = asyncio.create_task(self._watch_pool())
@@ -69,9 +70,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 async for stats in self.scheduler.WatchPoolStats(
                         scheduler_pb2.PoolStatsRequest(interval_ms=500)):
                     self.pool_stats = stats
+                    self.knows_pool.set()
             except grpc.aio.AioRpcError as exc:
                 log.debug("pool stats stream from %s: %s", self.scheduler_address, exc.code().name)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
 
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         received = time.perf_counter()
@@ -151,4 +153,4 @@ async def serve_router(config: RouterConfig, scheduler_address: str) -> None:
         await service.start()
 
     await run_server("router", config.address, lambda server: register_router(server, service),
-                     on_started=started, on_stopping=service.stop)
+                     on_started=started, on_stopping=service.stop, ready=service.knows_pool)

@@ -94,14 +94,15 @@ class ContinuousBatcher:
                     builder = self._plan(link)
                     if builder.scheduled or builder.plan.released_seq_ids:
                         builders[link.index] = builder
-            if not any(b.scheduled for b in builders.values()):
+            if not builders:
+                # Nothing to compute or release: sleep until a request arrives or is cancelled
+                # (or briefly, to notice workers that reconnect).
                 self.wakeup.clear()
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), IDLE_WAIT_SECONDS)
                 except asyncio.TimeoutError:
                     pass
-                if not builders:
-                    continue
+                continue
             self.steps += 1
             await asyncio.gather(*(self._execute(self.links[i], b) for i, b in builders.items()))
 

@@ -86,7 +86,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if s.max_tokens > room:
                 raise RequestRejected(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"max_tokens={s.max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens "
+                    f"sampling.max_tokens={s.max_tokens} does not fit: the prompt is {len(prompt_ids)} tokens "
                     f"and the context window {max_context}, leaving {room}")
             max_tokens = s.max_tokens
         else:

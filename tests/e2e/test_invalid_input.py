@@ -1,0 +1,84 @@
+"""Bad input gets INVALID_ARGUMENT (or FAILED_PRECONDITION) with a message naming the field."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.client import chat_request, sampling_params
+from services.common.proto.qos.v1 import common_pb2, router_pb2
+from tests.e2e.conftest import run
+
+pytestmark = pytest.mark.slow
+
+
+async def call(address: str, request, metadata=(), serializer=None):
+    """One Generate call, drained; returns (status code, details)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        generate = channel.unary_stream(
+            "/qos.v1.Router/Generate",
+            request_serializer=serializer or router_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=common_pb2.GenerateChunk.FromString)
+        try:
+            async for _ in generate(request, metadata=metadata):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+    return grpc.StatusCode.OK, ""
+
+
+def ask(**sampling) -> router_pb2.GenerateRequest:
+    return chat_request("Hello", sampling_params(**sampling))
+
+
+@pytest.mark.parametrize("request_, metadata, field", [
+    (ask(max_tokens=4), [("x-priority", "urgent")], "x-priority 'urgent'"),
+    (router_pb2.GenerateRequest(prompt=""), [], "prompt is empty"),
+    (router_pb2.GenerateRequest(prompt="hi", messages=[common_pb2.ChatMessage(role="user", content="x")]),
+     [], "either prompt or messages"),
+    (router_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")]), [],
+     "messages[0].role"),
+    (router_pb2.GenerateRequest(prompt="word " * 9000), [], "context window is 8192 tokens"),
+    (ask(max_tokens=0), [], "sampling.max_tokens must be > 0"),
+    (ask(max_tokens=-3), [], "sampling.max_tokens must be > 0"),
+    (ask(max_tokens=10_000), [], "sampling.max_tokens=10000 exceeds the model's context window"),
+    (ask(max_tokens=8180), [], "sampling.max_tokens=8180 does not fit"),
+    (ask(temperature=-0.5), [], "sampling.temperature"),
+    (ask(top_p=0.0), [], "sampling.top_p"),
+    (ask(top_p=1.5), [], "sampling.top_p"),
+    (ask(top_k=-1), [], "sampling.top_k"),
+])
+def test_invalid_argument_names_the_field(cluster, request_, metadata, field):
+    code, details = run(call(cluster.router_address, request_, metadata))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert field in details
+
+
+@pytest.mark.parametrize("raw, field", [
+    (router_pb2.GenerateRequestBytes(prompt=b"caf\xc3"), "prompt is not valid UTF-8"),
+    (router_pb2.GenerateRequestBytes(messages=[router_pb2.ChatMessageBytes(
+        role=b"user", content=b"ok \xff")]), "messages[0].content is not valid UTF-8"),
+])
+def test_invalid_utf8_names_the_field(cluster, raw, field):
+    code, details = run(call(cluster.router_address, raw,
+                             serializer=router_pb2.GenerateRequestBytes.SerializeToString))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in details
+
+
+def test_more_kv_than_the_pool_has_is_resource_exhausted(cluster):
+    # Fits the context window, but not the worker's 256 MiB of KV blocks.
+    code, details = run(call(cluster.router_address, ask(max_tokens=8000)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "KV blocks" in details
+
+
+def test_unknown_model_is_failed_precondition(cluster):
+    request = router_pb2.GenerateRequest(prompt="hi", model="gpt-17")
+    code, details = run(call(cluster.router_address, request))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "'gpt-17'" in details
+
+
+def test_valid_request_still_succeeds(cluster):
+    code, _ = run(call(cluster.router_address, ask(max_tokens=3, temperature=0.0), [("x-priority", "HIGH")]))
+    assert code == grpc.StatusCode.OK

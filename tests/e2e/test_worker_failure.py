@@ -1,0 +1,67 @@
+"""A worker killed mid-stream: every affected client gets UNAVAILABLE quickly, never a hang, and
+the cluster serves again once the worker is back."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.conftest import cluster_config, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_killed_worker_fails_streams_fast_and_recovery_follows():
+    with LocalCluster(cluster_config(), quiet=True) as cluster:
+        async def stream_until_killed(client, prompt):
+            call = client.stream(chat_request(prompt, sampling_params(max_tokens=500, ignore_eos=True)),
+                                 priority="medium")
+            tokens = 0
+            try:
+                async for chunk in call:
+                    tokens += len(chunk.token_ids)
+                    if tokens == 3:
+                        started.set()
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details(), time.monotonic()
+            return grpc.StatusCode.OK, "", time.monotonic()
+
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                streams = [asyncio.create_task(stream_until_killed(client, f"Story number {i}"))
+                           for i in range(6)]
+                await asyncio.wait_for(started.wait(), 60)
+                await asyncio.sleep(0.3)
+                cluster.processes["worker-0"].send_signal(signal.SIGKILL)
+                killed_at = time.monotonic()
+                return await asyncio.wait_for(asyncio.gather(*streams), 10), killed_at
+
+        started = asyncio.Event()
+        outcomes, killed_at = run(go())
+        for code, details, ended in outcomes:
+            assert code == grpc.StatusCode.UNAVAILABLE, details
+            assert "worker" in details
+            assert ended - killed_at < 2.0
+
+        cluster.processes["worker-0"].wait()
+        cluster.start_worker(0)
+
+        async def serve_again():
+            async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
+                stats = scheduler_pb2_grpc.SchedulerStub(channel)
+                for _ in range(600):
+                    if (await stats.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers == 1:
+                        break
+                    await asyncio.sleep(0.1)
+            async with RouterClient(cluster.router_address) as client:
+                return await client.generate(chat_request("Hello!", sampling_params(max_tokens=8)),
+                                             priority="high")
+
+        answer = run(serve_again())
+        assert answer.finish_reason in ("stop", "length") and answer.token_ids
