@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench model clean
+.PHONY: venv demo test test-fast bench model protos up clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,14 @@ test-fast: venv
 
 bench: model
 	$(PY) bench/engine_throughput.py --json bench/results/engine_throughput.json
+
+# Regenerate the gRPC stubs from protos/ (they are committed; run after editing a .proto).
+protos: venv
+	scripts/gen_protos.sh $(PY)
+
+# A cluster that stays up until Ctrl-C.
+up: model
+	$(VENV)/bin/qos-serve up --config configs/local.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

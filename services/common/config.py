@@ -37,7 +37,6 @@ class ConfigError(ValueError):
 class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = 50051
-    default_max_tokens: int = 256
 
     @property
     def address(self) -> str:

@@ -36,6 +36,8 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     services = register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for service in ["", *services]:   # the stock servicer starts "" as SERVING; not yet
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"{name}: cannot bind {address}")

@@ -70,7 +70,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 async for stats in self.scheduler.WatchPoolStats(
                         scheduler_pb2.PoolStatsRequest(interval_ms=500)):
                     self.pool_stats = stats
-                    self.knows_pool.set()
+                    if stats.max_context:   # a worker has connected: the model's limits are known
+                        self.knows_pool.set()
             except grpc.aio.AioRpcError as exc:
                 log.debug("pool stats stream from %s: %s", self.scheduler_address, exc.code().name)
             await asyncio.sleep(0.2)
