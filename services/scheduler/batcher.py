@@ -44,6 +44,7 @@ class _StepBuilder:
         self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
         self.budget = budget
         self.scheduled: list[tuple[Request, int]] = []
+        self.preempted = False   # memory ran short this step: admit nobody new
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.plan.scheduled.append(worker_pb2.ScheduledSequence(
@@ -117,11 +118,16 @@ class ContinuousBatcher:
             if request.phase is not Phase.RUNNING:
                 continue  # preempted a moment ago to make room
             self._schedule(link, builder, request)
-        while builder.budget > 0 and len(running) < self.max_running:
+        # After a preemption, admitting would hand the victim's blocks straight back (thrashing).
+        while builder.budget > 0 and len(running) < self.max_running and not builder.preempted:
             request = self.queue.peek()
             if request is None or not self._admit(link, request):
                 break
             self._schedule(link, builder, request)
+        # Sequences preempted while planning gave their blocks to this very plan: the worker must
+        # drop them first, in the same plan.
+        builder.plan.released_seq_ids.extend(self.to_release[link.index])
+        self.to_release[link.index] = []
         return builder
 
     def _admit(self, link: WorkerLink, request: Request) -> bool:
@@ -147,12 +153,14 @@ class ContinuousBatcher:
             if victim is None:
                 break
             self._preempt(link, victim)
+            builder.preempted = True
         if need > pool.num_free:
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
             num_tokens = (len(request.blocks) + pool.num_free) * pool.block_size - request.computed
             num_tokens = min(num_tokens, request.pending)
             if num_tokens <= 0:
                 self._preempt(link, request)
+                builder.preempted = True
                 return
             need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0:
@@ -201,6 +209,10 @@ class ContinuousBatcher:
             result = await link.execute(builder.plan)
         except WorkerUnavailable as exc:
             self._fail_worker(link, str(exc))
+            return
+        except Exception as exc:   # never let one link's surprise stop the loop for everyone
+            log.exception("step on worker %s failed", link.address)
+            self._fail_worker(link, f"worker {link.address} failed: {exc!r}")
             return
         if result.error:
             # The worker refused the plan: a bug on our side. Fail what it carried, keep serving.
@@ -262,10 +274,11 @@ class ContinuousBatcher:
     def _fail_worker(self, link: WorkerLink, reason: str) -> None:
         log.error("%s; failing its %d running requests", reason, len(self.running[link.index]))
         for request in list(self.running[link.index]):
+            self._release(link, request)
             request.phase = Phase.FINISHED
             request.events.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, reason))
-        self.running[link.index].clear()
-        self.to_release[link.index].clear()
+        if not link.is_connected:   # a worker that comes back starts empty: nothing to release
+            self.to_release[link.index].clear()
 
     # --- stats --------------------------------------------------------------------------------
 

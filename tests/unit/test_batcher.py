@@ -1,0 +1,201 @@
+"""The scheduler's batching loop against simulated workers (pure Python, no torch, no gRPC).
+
+The simulated worker uses the real worker-side sequence table and checks every plan the way the
+engine does: the tokens computed must be covered by the sequence's blocks, and no block may be
+held by two sequences. Its "model" is deterministic, so outputs can be compared across runs.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.proto.qos.v1 import common_pb2, worker_pb2
+from services.common.step import SampledToken, FinishReason, SamplingParams
+from services.scheduler.batcher import ContinuousBatcher
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.scheduler.queue_policy import create_request_queue
+from services.scheduler.request import Failure, Request
+from services.scheduler.worker_link import WorkerUnavailable
+from services.worker.sequences import SequenceTable
+
+BLOCK = 4
+
+
+class LetterDecoder:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 97 + 3
+
+
+class SimulatedWorker:
+    def __init__(self, index: int, num_blocks: int):
+        self.index = index
+        self.address = f"sim-{index}"
+        self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=BLOCK, max_context=4096)
+        self.pool = KVBlockPool(num_blocks, BLOCK)
+        self.table = SequenceTable()
+        self.plans: list[worker_pb2.StepPlan] = []
+        self.fail_next = False
+
+    @property
+    def is_connected(self) -> bool:
+        return self.pool is not None
+
+    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        if self.fail_next:
+            self.pool = None
+            raise WorkerUnavailable(f"worker {self.address} failed: killed")
+        self.plans.append(plan)
+        batch = self.table.apply(plan)
+        owners: dict[int, int] = {}
+        for seq in self.table.sequences.values():
+            for block in seq.block_table:
+                assert owners.setdefault(block, id(seq)) == id(seq), "a block shared by two sequences"
+        tokens = []
+        for work in batch.sequences:
+            assert blocks_for_tokens(work.end, BLOCK) <= len(work.block_table), "tokens not covered by blocks"
+            if work.sample:
+                seq = self.table.sequences[work.seq_id]
+                token = next_token(seq.tokens[:work.end])
+                generated = work.num_generated + 1
+                reason = FinishReason.LENGTH if generated >= work.sampling.max_tokens else None
+                tokens.append(SampledToken(work.seq_id, token, 0.0, reason))
+        self.table.commit(batch, tokens)
+        return worker_pb2.StepResult(step_id=plan.step_id, tokens=[
+            worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id,
+                                    finish_reason=t.finish_reason.value if t.finish_reason else "")
+            for t in tokens])
+
+
+def make_request(seq_id: int, prompt_len: int, max_tokens: int, stop=()) -> Request:
+    prompt = [(seq_id * 7 + i) % 50 + 3 for i in range(prompt_len)]
+    return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=common_pb2.PRIORITY_MEDIUM,
+                   tenant="", prompt_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                   detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt, stop=list(stop)))
+
+
+async def drain(request: Request) -> tuple[list[int], str, object]:
+    tokens, text = [], ""
+    while True:
+        event = await request.events.get()
+        if isinstance(event, Failure):
+            return tokens, text, event
+        tokens.extend(event.token_ids)
+        text += event.text
+        if event.finish_reason:
+            return tokens, text, event
+
+
+async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1):
+    links = [SimulatedWorker(i, num_blocks) for i in range(workers)]
+    batcher = ContinuousBatcher("sim", links, create_request_queue("fcfs"), max_running, max_step_tokens)
+    loop = asyncio.create_task(batcher.run())
+    for request in requests:
+        batcher.submit(request)
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 10)
+    finally:
+        loop.cancel()
+    return results, batcher, links
+
+
+def expected_output(request: Request) -> list[int]:
+    tokens = list(request.prompt_ids)
+    for _ in range(request.sampling.max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(request.prompt_ids):]
+
+
+def test_chunked_prefill_respects_the_step_budget_and_outputs_are_exact():
+    requests = [make_request(i, prompt_len=10 + 9 * i, max_tokens=5) for i in range(6)]
+    results, batcher, (worker,) = asyncio.run(serve(requests, max_step_tokens=16))
+    for request, (tokens, _, last) in zip(requests, results):
+        assert tokens == expected_output(request)
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == 5
+    assert all(sum(s.num_tokens for s in plan.scheduled) <= 16 for plan in worker.plans)
+    assert worker.pool.num_used == 0 and not worker.table.sequences
+
+
+def test_preemption_when_blocks_run_out_keeps_streams_exact():
+    # 12 blocks of 4 tokens: four 10-token prompts growing to 30 tokens cannot all fit at once.
+    requests = [make_request(i, prompt_len=10, max_tokens=20) for i in range(4)]
+    results, batcher, (worker,) = asyncio.run(serve(requests, num_blocks=12, max_step_tokens=64))
+    assert batcher.preemptions > 0
+    for request, (tokens, text, last) in zip(requests, results):
+        assert tokens == expected_output(request)                 # no gap, no duplicate
+        assert text == LetterDecoder().decode(tokens)
+    assert worker.pool.num_used == 0
+
+
+def test_stop_string_finishes_and_releases_on_the_worker():
+    probe = make_request(1, prompt_len=6, max_tokens=12)
+    text = LetterDecoder().decode(expected_output(probe))
+    stop = text[5:7]
+    request = make_request(1, prompt_len=6, max_tokens=12, stop=[stop])
+    ((tokens, streamed, last),), batcher, (worker,) = asyncio.run(serve([request]))
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert streamed == text[:text.index(stop)]
+    assert worker.pool.num_used == 0
+
+
+def test_cancellation_frees_blocks_and_tells_the_worker():
+    async def scenario():
+        worker = SimulatedWorker(0, 64)
+        batcher = ContinuousBatcher("sim", [worker], create_request_queue("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
+        for r in requests:
+            batcher.submit(r)
+        for r in requests:        # each has streamed a token
+            await r.events.get()
+        for r in requests:
+            batcher.cancel(r)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not worker.table.sequences:
+                break
+        loop.cancel()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.pool.num_used == 0
+    assert not worker.table.sequences
+
+
+def test_worker_failure_fails_its_streams_with_unavailable():
+    async def scenario():
+        worker = SimulatedWorker(0, 64)
+        batcher = ContinuousBatcher("sim", [worker], create_request_queue("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
+        for r in requests:
+            batcher.submit(r)
+        for r in requests:
+            await r.events.get()
+        worker.fail_next = True
+        outcomes = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 5)
+        loop.cancel()
+        return outcomes
+
+    for _, _, last in asyncio.run(scenario()):
+        assert isinstance(last, Failure) and last.code == grpc.StatusCode.UNAVAILABLE
+        assert "killed" in last.message
+
+
+def test_requests_spread_over_two_workers():
+    requests = [make_request(i, prompt_len=12, max_tokens=4) for i in range(8)]
+    results, _, workers = asyncio.run(serve(requests, workers=2, max_running=4))
+    assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
+    assert all(any(p.new_sequences for p in w.plans) for w in workers)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown scheduling policy 'lottery'"):
+        create_request_queue("lottery")
