@@ -120,8 +120,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in RELAYED_TRAILERS)
             if trailers:
                 context.set_trailing_metadata(trailers)
-            details = exc.details() if exc.code() != grpc.StatusCode.UNAVAILABLE or "worker" in \
-                (exc.details() or "") else f"scheduler {self.scheduler_address} unavailable: {exc.details()}"
+            details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "worker" not in details:
+                # Not a status the scheduler sent: the scheduler itself could not be reached.
+                details = f"scheduler {self.scheduler_address} unavailable: {details}"
             await context.abort(exc.code(), details)
         finally:
             if not finished:

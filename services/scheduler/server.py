@@ -55,16 +55,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     # --- intake ---------------------------------------------------------------------------------
 
-    def _model_limits(self) -> tuple[int, int, list[int]]:
+    def _model_limits(self) -> tuple[int, int]:
+        """(context window, blocks of the largest worker) from the workers seen so far."""
         infos = [l.info for l in self.links if l.info is not None]
         if not infos:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE,
                                   "no worker of this pool has connected yet; retry shortly")
-        return (min(i.max_context for i in infos), max(i.num_blocks for i in infos),
-                list(infos[0].eos_token_ids))
+        return min(i.max_context for i in infos), max(i.num_blocks for i in infos)
 
     def intake(self, submit: scheduler_pb2.SubmitRequest) -> Request:
-        max_context, largest_pool, _ = self._model_limits()
+        max_context, largest_pool = self._model_limits()
         if submit.messages:
             messages = [{"role": m.role, "content": m.content} for m in submit.messages]
             try:
