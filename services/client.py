@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.priority import PRIORITY_HEADER, TENANT_HEADER
+from services.common.priority import PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER
 from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -46,9 +46,11 @@ class RouterClient:
         await self.close()
 
     def stream(self, request: router_pb2.GenerateRequest, priority: str | None = None,
-               tenant: str | None = None):
+               tenant: str | None = None, slo_ms: int | None = None):
         """The raw call: iterate it for chunks, cancel() it to stop."""
         metadata = []
+        if slo_ms is not None:
+            metadata.append((SLO_HEADER, str(slo_ms)))
         if priority is not None:
             metadata.append((PRIORITY_HEADER, priority))
         if tenant is not None:
@@ -56,11 +58,11 @@ class RouterClient:
         return self.stub.Generate(request, metadata=metadata)
 
     async def generate(self, request: router_pb2.GenerateRequest, priority: str | None = None,
-                       tenant: str | None = None, on_text=None) -> Answer:
+                       tenant: str | None = None, on_text=None, slo_ms: int | None = None) -> Answer:
         """Stream a whole answer; `on_text(delta)` sees the text as it arrives."""
         answer = Answer()
         started = time.perf_counter()
-        async for chunk in self.stream(request, priority, tenant):
+        async for chunk in self.stream(request, priority, tenant, slo_ms):
             if chunk.token_ids and not answer.token_ids:
                 answer.ttft_ms = (time.perf_counter() - started) * 1000
             answer.text += chunk.text

@@ -7,7 +7,7 @@
 
     [scheduler]
     port = 50052
-    policy = "fcfs"
+    policy = "qos"
 
     [[workers]]
     port = 50053
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_HOST = "127.0.0.1"
-POLICIES = ("fcfs",)
+POLICIES = ("qos", "fcfs")
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,9 @@ class SchedulerConfig:
     host: str = DEFAULT_HOST
     port: int = 50052
     pool: str = "cpu"                 # this pool's name, reported in every response
-    policy: str = "fcfs"
+    policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
+    weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
+    kv_caps: list = field(default_factory=lambda: [1.0, 0.7, 0.3])    # share of each worker's KV
     max_running: int = 64             # sequences holding KV blocks at once, per worker
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
@@ -124,6 +126,10 @@ def parse_config(raw: dict) -> ClusterConfig:
     s = config.scheduler
     if s.policy not in POLICIES:
         raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
+    if len(s.weights) != 3 or not all(isinstance(w, (int, float)) and w > 0 for w in s.weights):
+        raise ConfigError(f"scheduler.weights must be 3 numbers > 0 (high, medium, low), got {s.weights}")
+    if len(s.kv_caps) != 3 or not all(isinstance(c, (int, float)) and 0 < c <= 1 for c in s.kv_caps):
+        raise ConfigError(f"scheduler.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
     if s.max_running < 1 or s.max_step_tokens < s.max_running:
         raise ConfigError("need scheduler.max_running >= 1 and max_step_tokens >= max_running")
     for i, w in enumerate(config.workers):

@@ -5,7 +5,7 @@ from services.common.proto.qos.v1 import common_pb2
 
 PRIORITY_HEADER = "x-priority"
 TENANT_HEADER = "x-tenant"
-REQUEST_ID_HEADER = "x-request-id"
+SLO_HEADER = "x-slo-ms"
 
 PRIORITIES = {
     "high": common_pb2.PRIORITY_HIGH,
@@ -31,3 +31,16 @@ def parse_priority(value: str | None) -> int:
 
 def priority_name(priority: int) -> str:
     return NAMES.get(priority, "medium")
+
+
+def parse_slo_ms(value: str | None) -> int:
+    """`x-slo-ms` metadata -> milliseconds (0 = none). Raises ValueError naming the value."""
+    if value is None:
+        return 0
+    try:
+        slo = int(value)
+    except ValueError:
+        raise ValueError(f"invalid x-slo-ms {value!r}: a whole number of milliseconds") from None
+    if slo <= 0:
+        raise ValueError(f"invalid x-slo-ms {value!r}: must be > 0")
+    return slo

@@ -12,7 +12,8 @@ import grpc
 
 from services.common.config import RouterConfig
 from services.common.grpc_server import CHANNEL_OPTIONS, run_server
-from services.common.priority import (ORDER, PRIORITY_HEADER, TENANT_HEADER, parse_priority)
+from services.common.priority import (ORDER, PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER,
+                                      parse_priority, parse_slo_ms)
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
                                           scheduler_pb2_grpc)
 from services.router.validation import InvalidRequest, decode_request
@@ -81,6 +82,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         metadata = dict(context.invocation_metadata() or ())
         try:
             priority = parse_priority(metadata.get(PRIORITY_HEADER))
+            slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         counters = self.counters[priority]
@@ -99,7 +101,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                 f"(pool {stats.pool} serves {stats.model!r})")
         submit = scheduler_pb2.SubmitRequest(
             request_id=uuid.uuid4().hex, priority=priority, tenant=metadata.get(TENANT_HEADER, ""),
-            prompt=request.prompt, messages=request.messages, sampling=request.sampling)
+            prompt=request.prompt, messages=request.messages, sampling=request.sampling,
+            slo_ms=slo_ms)
         call = self.scheduler.Submit(submit)
         first = True
         finished = False

@@ -1,23 +1,25 @@
 """The continuous-batching loop: each step, plan work for every worker, run it, stream the tokens.
 
-A step for one worker: running sequences first (decodes, then prefill chunks, oldest first), then
-new admissions from the waiting queue, all within a token budget so that no step runs long.
-KV blocks are allocated as tokens need them; when a worker's blocks run out, the most recently
-admitted sequence is preempted (blocks freed, requeued at the front, recomputed later; its client
-stream simply continues).
+A step for one worker is filled lane by lane as the policy says (services/scheduler/policy.py):
+each lane offers its running sequences (decodes first, then prefill chunks, oldest first) and
+then its waiting requests; the policy picks which lane's next item gets tokens, until the step's
+token budget is spent. KV blocks are allocated as tokens need them, within each class's cap.
+When blocks run short, running sequences the policy allows are preempted (blocks freed,
+requeued at the front of their lane, recomputed later; their client streams simply continue).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import grpc
 
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.scheduler.kv_blocks import blocks_for_tokens
-from services.scheduler.queue_policy import RequestQueue
+from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.scheduler.monitor import ResourceMonitor
+from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Failure, Phase, Request
 from services.scheduler.worker_link import WorkerLink, WorkerUnavailable
 
@@ -37,6 +39,10 @@ def engine_sampling(request: Request) -> worker_pb2.EngineSampling:
     return proto
 
 
+def cap_blocks(pool: KVBlockPool, share: float) -> int:
+    return int(share * pool.num_blocks + 1e-9)
+
+
 class _StepBuilder:
     """Collects one worker's plan for one step."""
 
@@ -53,27 +59,35 @@ class _StepBuilder:
         self.scheduled.append((request, num_tokens))
         self.budget -= num_tokens
 
+    def is_scheduled(self, request: Request) -> bool:
+        return any(r is request for r, _ in self.scheduled)
+
 
 class ContinuousBatcher:
-    def __init__(self, pool_name: str, links: list[WorkerLink], queue: RequestQueue,
-                 max_running: int, max_step_tokens: int):
+    def __init__(self, pool_name: str, links: list[WorkerLink], policy: SchedulingPolicy,
+                 max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None):
         self.pool_name = pool_name
         self.links = links
-        self.queue = queue
+        self.policy = policy
         self.max_running = max_running
         self.max_step_tokens = max_step_tokens
+        self.monitor = monitor
         self.running: dict[int, list[Request]] = {link.index: [] for link in links}
         self.to_release: dict[int, list[int]] = {link.index: [] for link in links}
         self.cancelled: set[Request] = set()
         self.wakeup = asyncio.Event()
         self.steps = 0
         self.output_tokens: Counter = Counter()
+        self.served_tokens: Counter = Counter()     # prefill + decode, per priority
         self.preemptions = 0
+        self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
+        self.preempted_by_priority: Counter = Counter()
+        self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
 
     # --- called by the gRPC handlers ------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        self.queue.add(request)
+        self.policy.add(request)
         self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
@@ -87,14 +101,7 @@ class ContinuousBatcher:
 
     async def run(self) -> None:
         while True:
-            self._reap_cancelled()
-            builders = {}
-            # Admit to the emptiest worker first, so load spreads across workers.
-            for link in sorted(self.links, key=lambda l: -(l.pool.num_free if l.pool else -1)):
-                if link.is_connected:
-                    builder = self._plan(link)
-                    if builder.scheduled or builder.plan.released_seq_ids:
-                        builders[link.index] = builder
+            builders = self.plan_step()
             if not builders:
                 # Nothing to compute or release: sleep until a request arrives or is cancelled
                 # (or briefly, to notice workers that reconnect).
@@ -105,37 +112,87 @@ class ContinuousBatcher:
                     pass
                 continue
             self.steps += 1
+            started = time.perf_counter()
             await asyncio.gather(*(self._execute(self.links[i], b) for i, b in builders.items()))
+            tokens = sum(n for b in builders.values() for _, n in b.scheduled)
+            if tokens:
+                rate = tokens / max(time.perf_counter() - started, 1e-6)
+                self.tokens_per_second = rate if not self.tokens_per_second \
+                    else 0.8 * self.tokens_per_second + 0.2 * rate
+
+    def estimated_wait_ms(self, priority: int, prompt_tokens: int) -> float:
+        """Rough time to a new request's first token: the tokens queued ahead of it in its lane
+        plus its own prompt, at the lane's fair share of the recent token rate. 0 when no rate
+        has been measured yet."""
+        if not self.tokens_per_second:
+            return 0.0
+        policy = self.policy
+        lane = policy.lane_of_priority(priority)
+        ahead = sum(r.pending for r in policy.queue(lane))
+        backlogged = {l for l in policy.lanes if policy.queue(l)} | {
+            policy.lane_of(r) for rs in self.running.values() for r in rs} | {lane}
+        share = policy.share(lane, backlogged)
+        return (ahead + prompt_tokens) / (self.tokens_per_second * share) * 1000
+
+    def plan_step(self) -> dict[int, _StepBuilder]:
+        """Plans for every connected worker with something to do (tested directly)."""
+        self._reap_cancelled()
+        policy = self.policy
+        backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
+        backlogged |= {policy.lane_of(r) for rs in self.running.values() for r in rs if r.pending}
+        policy.backlog_changed(backlogged)
+        builders = {}
+        # Admit to the emptiest worker first, so load spreads across workers.
+        for link in sorted(self.links, key=lambda l: -(l.pool.num_free if l.pool else -1)):
+            if link.is_connected:
+                builder = self._plan(link)
+                if builder.scheduled or builder.plan.released_seq_ids:
+                    builders[link.index] = builder
+                for priority, held in link.pool.holdings().items():
+                    self.kv_peak[priority] = max(self.kv_peak[priority], held)
+        return builders
 
     def _plan(self, link: WorkerLink) -> _StepBuilder:
         released, self.to_release[link.index] = self.to_release[link.index], []
         builder = _StepBuilder(self.steps, self.max_step_tokens, released)
+        policy = self.policy
         running = self.running[link.index]
-        # Decodes first (one token each, latency-critical), then prefill chunks; oldest first.
+        lanes: dict[int, deque[Request]] = {lane: deque() for lane in policy.lanes}
+        # Within a lane: decodes first (one token each, latency-critical), then prefill chunks;
+        # oldest first.
         for request in sorted(running, key=lambda r: r.pending > 1):
-            if builder.budget == 0:
-                break
-            if request.phase is not Phase.RUNNING:
-                continue  # preempted a moment ago to make room
-            self._schedule(link, builder, request)
-        # After a preemption, admitting would hand the victim's blocks straight back (thrashing).
-        while builder.budget > 0 and len(running) < self.max_running and not builder.preempted:
-            request = self.queue.peek()
-            if request is None or not self._admit(link, request):
-                break
-            self._schedule(link, builder, request)
+            lanes[policy.lane_of(request)].append(request)
+        active = {lane for lane in policy.lanes if lanes[lane] or policy.queue(lane)}
+        while builder.budget > 0 and active:
+            lane = policy.pick_lane(active)
+            if lanes[lane]:
+                request = lanes[lane].popleft()
+                if request.phase is not Phase.RUNNING:
+                    continue  # preempted a moment ago to make room
+            elif (policy.queue(lane) and len(running) < self.max_running and not builder.preempted
+                  and self._admit(link, builder, policy.queue(lane)[0])):
+                request = running[-1]
+            else:
+                # After a preemption no one is admitted: it would take the victim's blocks back.
+                active.discard(lane)
+                continue
+            tokens = self._schedule(link, builder, request)
+            if tokens:
+                policy.charge(lane, tokens)
+                self.served_tokens[request.priority] += tokens
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
         builder.plan.released_seq_ids.extend(self.to_release[link.index])
         self.to_release[link.index] = []
         return builder
 
-    def _admit(self, link: WorkerLink, request: Request) -> bool:
+    def _admit(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> bool:
         # Admit only when the whole known sequence (+1 for its next token) fits now, so admitted
         # prompts rarely need to preempt others to finish their prefill.
-        if link.pool.num_free < blocks_for_tokens(request.num_tokens + 1, link.pool.block_size):
+        need = blocks_for_tokens(request.num_tokens + 1, link.pool.block_size)
+        if not self._make_room(link, builder, request, need, admitting=True):
             return False
-        self.queue.remove(request)
+        self.policy.remove(request)
         request.phase = Phase.RUNNING
         request.worker = link.index
         request.computed = 0
@@ -144,24 +201,52 @@ class ContinuousBatcher:
         self.running[link.index].append(request)
         return True
 
-    def _schedule(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> None:
+    def _make_room(self, link: WorkerLink, builder: _StepBuilder, request: Request, need: int,
+                   admitting: bool) -> bool:
+        """Ensure `need` more blocks fit the pool and the request's class cap, preempting what the
+        policy allows (lowest class first, newest first) only if that is enough."""
+        pool = link.pool
+        cap = cap_blocks(pool, self.policy.kv_cap(request.priority))
+        short_pool = need - pool.num_free
+        short_cap = pool.held(request.priority) + need - cap
+        if short_pool <= 0 and short_cap <= 0:
+            return True
+        victims = []
+        for victim in sorted(self.running[link.index], key=lambda r: (-r.priority, -r.seq_id)):
+            if short_pool <= 0 and short_cap <= 0:
+                break
+            if victim is request or builder.is_scheduled(victim) or not victim.blocks \
+                    or not self.policy.may_preempt(request, victim, admitting):
+                continue
+            same_class = victim.priority == request.priority
+            if short_pool <= 0 and not same_class:
+                continue   # only the cap binds, and other classes' blocks do not count against it
+            victims.append(victim)
+            short_pool -= len(victim.blocks)
+            if same_class:
+                short_cap -= len(victim.blocks)
+        if short_pool > 0 or short_cap > 0:
+            return False
+        for victim in victims:
+            self._preempt(link, victim)
+        builder.preempted = builder.preempted or bool(victims)
+        return True
+
+    def _schedule(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> int:
+        """Schedule the request's next chunk (as much as fits); returns the tokens scheduled."""
         pool = link.pool
         num_tokens = min(request.pending, builder.budget)
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
-        while need > pool.num_free:
-            victim = self._newest_unscheduled(link, builder, besides=request)
-            if victim is None:
-                break
-            self._preempt(link, victim)
-            builder.preempted = True
-        if need > pool.num_free:
+        if need > 0 and not self._make_room(link, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
-            num_tokens = (len(request.blocks) + pool.num_free) * pool.block_size - request.computed
-            num_tokens = min(num_tokens, request.pending)
+            room = min(pool.num_free, cap_blocks(pool, self.policy.kv_cap(request.priority))
+                       - pool.held(request.priority))
+            num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
+                             request.pending, builder.budget)
             if num_tokens <= 0:
                 self._preempt(link, request)
                 builder.preempted = True
-                return
+                return 0
             need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0:
             blocks = pool.allocate(request.priority, need)
@@ -173,22 +258,17 @@ class ContinuousBatcher:
                 sampling=engine_sampling(request), num_generated=len(request.output_ids)))
             request.announced = True
         builder.add(request, num_tokens)
-
-    def _newest_unscheduled(self, link: WorkerLink, builder: _StepBuilder,
-                            besides: Request) -> Request | None:
-        scheduled = {r for r, _ in builder.scheduled}
-        for candidate in reversed(self.running[link.index]):
-            if candidate is not besides and candidate not in scheduled:
-                return candidate
-        return None
+        return num_tokens
 
     def _preempt(self, link: WorkerLink, request: Request) -> None:
         log.info("preempting %s (%d tokens) on worker %d", request.request_id, request.num_tokens,
                  link.index)
         self.preemptions += 1
+        self.preempted_by_priority[request.priority] += 1
+        request.preemptions += 1
         self._release(link, request)
         request.phase = Phase.WAITING
-        self.queue.add_front(request)
+        self.policy.add_front(request)
 
     def _release(self, link: WorkerLink, request: Request) -> None:
         """Take a running request off its worker: blocks back to the pool, state dropped there."""
@@ -221,6 +301,8 @@ class ContinuousBatcher:
                 self._finish(request, failure=Failure(grpc.StatusCode.INTERNAL,
                                                       f"worker refused the step: {result.error}"))
             return
+        if self.monitor is not None and link.pool is not None:
+            self.monitor.observe(result.device.utilization, link.pool.num_free / link.pool.num_blocks)
         for request, num_tokens in builder.scheduled:
             if request.phase is Phase.RUNNING:
                 request.computed += num_tokens
@@ -257,7 +339,7 @@ class ContinuousBatcher:
         if request.phase is Phase.RUNNING:
             self._release(self.links[request.worker], request)
         elif request.phase is Phase.WAITING and not request.cancelled:
-            self.queue.remove(request)
+            self.policy.remove(request)
         request.phase = Phase.FINISHED
         if failure is not None:
             request.events.put_nowait(failure)
@@ -265,7 +347,7 @@ class ContinuousBatcher:
     def _reap_cancelled(self) -> None:
         for request in self.cancelled:
             if request.phase is Phase.WAITING:
-                self.queue.remove(request)
+                self.policy.remove(request)
             elif request.phase is Phase.RUNNING:
                 self._release(self.links[request.worker], request)
             request.phase = Phase.FINISHED

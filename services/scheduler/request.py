@@ -47,6 +47,8 @@ class Request:
     computed: int = 0
     new_blocks: list[int] = field(default_factory=list)   # allocated, not yet sent to the worker
     cancelled: bool = False
+    preemptions: int = 0
+    slo_ms: float | None = None
     first_scheduled_at: float | None = None
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

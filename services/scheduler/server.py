@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter
 import logging
 from pathlib import Path
 
@@ -17,7 +18,8 @@ from services.common.tokenizer import TextTokenizer
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.kv_blocks import blocks_for_tokens
-from services.scheduler.queue_policy import create_request_queue
+from services.scheduler.monitor import ResourceMonitor
+from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Failure, Request
 from services.scheduler.worker_link import WorkerLink
 
@@ -38,8 +40,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.model_name = Path(model_dir).name
         self.tokenizer = TextTokenizer.from_model_dir(model_dir)
         self.links = [WorkerLink(i, address) for i, address in enumerate(worker_addresses)]
-        self.batcher = ContinuousBatcher(config.pool, self.links, create_request_queue(config.policy),
-                                         config.max_running, config.max_step_tokens)
+        self.policy = create_policy(config.policy, QoSSettings(
+            weights=dict(zip(ORDER, map(float, config.weights))),
+            kv_caps=dict(zip(ORDER, map(float, config.kv_caps)))))
+        self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
+        self.batcher = ContinuousBatcher(config.pool, self.links, self.policy, config.max_running,
+                                         config.max_step_tokens, self.monitor)
+        self.rejected: Counter = Counter()
         self.seq_ids = itertools.count(1)
         self.tasks: list[asyncio.Task] = []
 
@@ -100,23 +107,39 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
         except ValueError as exc:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        need = blocks_for_tokens(len(prompt_ids) + max_tokens, self.links[0].info.block_size)
-        if need > largest_pool:
-            raise RequestRejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the request needs {need} KV blocks (prompt + max_tokens); the largest worker "
-                f"of pool {self.config.pool} has {largest_pool}")
-        if self.batcher.queue.waiting(submit.priority) >= self.config.max_queue:
-            raise RequestRejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the {priority_name(submit.priority)} queue of pool {self.config.pool} is full "
-                f"({self.config.max_queue} waiting)",
-                trailers=[("retry-after-ms", str(self.config.retry_after_ms))])
+        self._check_capacity(submit, len(prompt_ids), max_tokens, largest_pool)
         return Request(
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
-                                               stop=list(s.stop)))
+                                               stop=list(s.stop)),
+            slo_ms=submit.slo_ms or None)
+
+    def _check_capacity(self, submit, prompt_len: int, max_tokens: int, largest_pool: int) -> None:
+        """Admission control: refuse at once what cannot be served (RESOURCE_EXHAUSTED)."""
+        priority, name = submit.priority, priority_name(submit.priority)
+        retry = [("retry-after-ms", str(self.config.retry_after_ms))]
+        need = blocks_for_tokens(prompt_len + max_tokens, self.links[0].info.block_size)
+        share = self.policy.kv_cap(priority)
+        cap = int(share * largest_pool + 1e-9)
+        if need > cap:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request needs {need} KV blocks (prompt + max_tokens) but the {name} class may "
+                f"hold at most {cap} ({share:.0%} of the largest worker's {largest_pool} blocks of "
+                f"pool {self.config.pool})")
+        if self.policy.waiting(priority) >= self.config.max_queue:
+            raise RequestRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the {name} queue of pool {self.config.pool} is full ({self.config.max_queue} "
+                "waiting)", trailers=retry)
+        if submit.slo_ms:
+            wait_ms = self.batcher.estimated_wait_ms(priority, prompt_len)
+            if wait_ms > submit.slo_ms:
+                raise RequestRejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"estimated wait of {wait_ms:.0f} ms for the first token exceeds x-slo-ms="
+                    f"{submit.slo_ms}", trailers=retry)
 
     # --- RPCs -----------------------------------------------------------------------------------
 
@@ -124,6 +147,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         try:
             request = self.intake(submit)
         except RequestRejected as rejected:
+            if rejected.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.rejected[submit.priority] += 1
             if rejected.trailers:
                 context.set_trailing_metadata(rejected.trailers)
             await context.abort(rejected.code, rejected.message)
@@ -143,21 +168,31 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.batcher.cancel(request)
 
     def pool_stats(self) -> scheduler_pb2.PoolStats:
+        b = self.batcher
         connected = [l for l in self.links if l.is_connected and l.info is not None]
-        held = self.batcher.kv_blocks_by_priority()
-        running = self.batcher.running_by_priority()
+        held = b.kv_blocks_by_priority()
+        running = b.running_by_priority()
+        preempted = b.preempted_by_priority
+        weights = self.policy.weights()
         info = next((l.info for l in self.links if l.info is not None), None)
         return scheduler_pb2.PoolStats(
-            pool=self.config.pool, model=self.model_name, policy=self.batcher.queue.name,
+            pool=self.config.pool, model=self.model_name, policy=self.policy.name,
             device=info.device_type if info else "", workers=len(connected),
             max_context=info.max_context if info else 0,
             block_size=info.block_size if info else 0,
             kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
             kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
-            steps=self.batcher.steps,
+            steps=b.steps, preemptions=b.preemptions,
+            utilization=self.monitor.utilization if self.monitor else 0.0,
             classes=[scheduler_pb2.ClassStats(
-                priority=p, waiting=self.batcher.queue.waiting(p), running=running[p],
-                kv_blocks=held[p], output_tokens=self.batcher.output_tokens[p]) for p in ORDER])
+                priority=p, waiting=self.policy.waiting(p), running=running[p], kv_blocks=held[p],
+                output_tokens=b.output_tokens[p], weight=weights[p], kv_cap=self.policy.kv_cap(p),
+                served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
+                rejected=self.rejected[p], preempted=preempted[p]) for p in ORDER],
+            weight_changes=[scheduler_pb2.WeightChange(
+                at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
+                utilization=c.utilization, free_kv=c.free_kv)
+                for c in (self.monitor.changes if self.monitor else ())])
 
     async def GetPoolStats(self, request, context) -> scheduler_pb2.PoolStats:
         return self.pool_stats()

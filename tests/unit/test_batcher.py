@@ -16,7 +16,7 @@ from services.common.step import SampledToken, FinishReason, SamplingParams
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
-from services.scheduler.queue_policy import create_request_queue
+from services.scheduler.policy import create_policy
 from services.scheduler.request import Failure, Request
 from services.scheduler.worker_link import WorkerUnavailable
 from services.worker.sequences import SequenceTable
@@ -94,7 +94,7 @@ async def drain(request: Request) -> tuple[list[int], str, object]:
 
 async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1):
     links = [SimulatedWorker(i, num_blocks) for i in range(workers)]
-    batcher = ContinuousBatcher("sim", links, create_request_queue("fcfs"), max_running, max_step_tokens)
+    batcher = ContinuousBatcher("sim", links, create_policy("fcfs"), max_running, max_step_tokens)
     loop = asyncio.create_task(batcher.run())
     for request in requests:
         batcher.submit(request)
@@ -148,7 +148,7 @@ def test_stop_string_finishes_and_releases_on_the_worker():
 def test_cancellation_frees_blocks_and_tells_the_worker():
     async def scenario():
         worker = SimulatedWorker(0, 64)
-        batcher = ContinuousBatcher("sim", [worker], create_request_queue("fcfs"), 8, 16)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
         loop = asyncio.create_task(batcher.run())
         requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
         for r in requests:
@@ -172,7 +172,7 @@ def test_cancellation_frees_blocks_and_tells_the_worker():
 def test_worker_failure_fails_its_streams_with_unavailable():
     async def scenario():
         worker = SimulatedWorker(0, 64)
-        batcher = ContinuousBatcher("sim", [worker], create_request_queue("fcfs"), 8, 16)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
         loop = asyncio.create_task(batcher.run())
         requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
         for r in requests:
@@ -198,4 +198,4 @@ def test_requests_spread_over_two_workers():
 
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown scheduling policy 'lottery'"):
-        create_request_queue("lottery")
+        create_policy("lottery")

@@ -1,0 +1,202 @@
+"""Scheduling policies: which requests wait where, who gets each step's tokens, KV caps, and who
+may preempt whom. One small interface, a class per policy, made by name with create_policy().
+
+    fcfs  one lane in arrival order; no caps; priorities ignored (the benchmark's baseline)
+    qos   a lane per priority, weighted fair queueing over served tokens (5:3:2), KV caps per class
+          (High 100%, Medium 70%, Low 30%), High preempts lower classes
+
+The batcher plans a step lane by lane: it asks `pick_lane` which lane's next item gets tokens,
+schedules it, and reports the tokens with `charge`.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.common.priority import ORDER, priority_name
+from services.common.proto.qos.v1 import common_pb2
+from services.scheduler.request import Request
+
+log = logging.getLogger(__name__)
+
+HIGH, MEDIUM, LOW = common_pb2.PRIORITY_HIGH, common_pb2.PRIORITY_MEDIUM, common_pb2.PRIORITY_LOW
+
+
+@dataclass(slots=True)
+class QoSSettings:
+    weights: dict[int, float] = field(default_factory=lambda: {HIGH: 5.0, MEDIUM: 3.0, LOW: 2.0})
+    kv_caps: dict[int, float] = field(default_factory=lambda: {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3})
+
+    def __post_init__(self) -> None:
+        for p in ORDER:
+            if not self.weights.get(p, 0) > 0:
+                raise ValueError(f"weight of {priority_name(p)} must be > 0")
+            if not 0 < self.kv_caps.get(p, 0) <= 1:
+                raise ValueError(f"kv cap of {priority_name(p)} must be in (0, 1]")
+
+
+class SchedulingPolicy(ABC):
+    name: str
+
+    def __init__(self) -> None:
+        self._queues: dict[int, deque[Request]] = {lane: deque() for lane in self.lanes}
+
+    # --- lanes and waiting queues -----------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def lanes(self) -> tuple[int, ...]:
+        """Lane ids in tie-break order (first wins a tie)."""
+
+    @abstractmethod
+    def lane_of(self, request: Request) -> int: ...
+
+    def lane_of_priority(self, priority: int) -> int:
+        return priority if priority in self._queues else self.lanes[0]
+
+    def share(self, lane: int, backlogged: set[int]) -> float:
+        """Fraction of the token rate `lane` gets while `backlogged` lanes compete."""
+        weights = self.weights_by_lane()
+        return weights[lane] / sum(weights[l] for l in backlogged)
+
+    def weights_by_lane(self) -> dict[int, float]:
+        return {lane: 1.0 for lane in self.lanes}
+
+    def add(self, request: Request) -> None:
+        self._queues[self.lane_of(request)].append(request)
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request: first in its lane."""
+        self._queues[self.lane_of(request)].appendleft(request)
+
+    def remove(self, request: Request) -> None:
+        self._queues[self.lane_of(request)].remove(request)
+
+    def queue(self, lane: int) -> deque[Request]:
+        return self._queues[lane]
+
+    def waiting(self, priority: int) -> int:
+        return sum(1 for q in self._queues.values() for r in q if r.priority == priority)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    # --- sharing a step -----------------------------------------------------------------------
+
+    @abstractmethod
+    def pick_lane(self, candidates: Iterable[int]) -> int:
+        """Among lanes that have work this step, the one whose next item gets tokens."""
+
+    def charge(self, lane: int, tokens: int) -> None:
+        """`tokens` were scheduled for `lane`."""
+
+    def backlog_changed(self, backlogged: set[int]) -> None:
+        """Lanes with work at the start of a step (for virtual-time bookkeeping)."""
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def kv_cap(self, priority: int) -> float:
+        """Largest share of a worker's KV blocks the class may hold."""
+        return 1.0
+
+    @abstractmethod
+    def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
+        """Whether `victim` (running, not scheduled this step) may lose its blocks for `requester`."""
+
+    def weights(self) -> dict[int, float]:
+        return {p: 1.0 for p in ORDER}
+
+    def set_weight(self, priority: int, weight: float) -> None:
+        raise NotImplementedError(f"policy {self.name} has no weights")
+
+
+class FCFSPolicy(SchedulingPolicy):
+    """First come, first served: one lane, running work before admissions, no caps."""
+    name = "fcfs"
+    ONLY_LANE = 0
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        return (self.ONLY_LANE,)
+
+    def lane_of(self, request: Request) -> int:
+        return self.ONLY_LANE
+
+    def pick_lane(self, candidates: Iterable[int]) -> int:
+        return self.ONLY_LANE
+
+    def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
+        # Only to let running work progress, taking from the most recent arrivals.
+        return not admitting and victim.seq_id > requester.seq_id
+
+
+class QoSPolicy(SchedulingPolicy):
+    """Weighted fair queueing over served tokens, per-class KV caps, preemption by priority.
+
+    Each class has a virtual time, advanced by tokens served / weight; each slice of a step's
+    budget goes to the backlogged class with the smallest. A class that was idle re-enters at the
+    smallest virtual time among the backlogged ones, so idle time banks no credit."""
+    name = "qos"
+
+    def __init__(self, settings: QoSSettings | None = None):
+        super().__init__()
+        self.settings = settings or QoSSettings()
+        self._weights = dict(self.settings.weights)
+        self.virtual_time = {p: 0.0 for p in ORDER}
+        self._backlogged: set[int] = set()
+        self.served = {p: 0 for p in ORDER}
+
+    @property
+    def lanes(self) -> tuple[int, ...]:
+        return ORDER
+
+    def lane_of(self, request: Request) -> int:
+        return request.priority
+
+    def backlog_changed(self, backlogged: set[int]) -> None:
+        returning = backlogged - self._backlogged
+        if returning and backlogged - returning:
+            floor = min(self.virtual_time[p] for p in backlogged - returning)
+            for p in returning:
+                self.virtual_time[p] = max(self.virtual_time[p], floor)
+        self._backlogged = set(backlogged)
+
+    def pick_lane(self, candidates: Iterable[int]) -> int:
+        # min() keeps the first of equals: ORDER makes High win ties.
+        return min((p for p in ORDER if p in set(candidates)), key=lambda p: self.virtual_time[p])
+
+    def charge(self, lane: int, tokens: int) -> None:
+        self.virtual_time[lane] += tokens / self._weights[lane]
+        self.served[lane] += tokens
+
+    def kv_cap(self, priority: int) -> float:
+        return self.settings.kv_caps[priority]
+
+    def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
+        if victim.priority > requester.priority:        # enum order: High=1 < Medium=2 < Low=3
+            return requester.priority == HIGH or not admitting
+        # Within a class, only so that running work progresses, taking from the newest.
+        return (not admitting and victim.priority == requester.priority
+                and victim.seq_id > requester.seq_id)
+
+    def weights(self) -> dict[int, float]:
+        return dict(self._weights)
+
+    def weights_by_lane(self) -> dict[int, float]:
+        return dict(self._weights)
+
+    def set_weight(self, priority: int, weight: float) -> None:
+        if weight <= 0:
+            raise ValueError("weights must be > 0")
+        self._weights[priority] = weight
+
+
+def create_policy(name: str, settings: QoSSettings | None = None) -> SchedulingPolicy:
+    if name == FCFSPolicy.name:
+        return FCFSPolicy()
+    if name == QoSPolicy.name:
+        return QoSPolicy(settings)
+    raise ValueError(f"unknown scheduling policy {name!r}; known: fcfs, qos")
