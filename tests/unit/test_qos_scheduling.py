@@ -1,0 +1,202 @@
+"""The QoS policy on the real batcher, stepped by hand against simulated workers (no clock, no
+gRPC, no torch): fair shares, KV caps, preemption for High, bounded delay, the resource monitor."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from services.common.proto.qos.v1 import common_pb2
+from services.common.step import SamplingParams
+from services.scheduler.batcher import ContinuousBatcher, cap_blocks
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.kv_blocks import blocks_for_tokens
+from services.scheduler.monitor import ResourceMonitor
+from services.scheduler.policy import HIGH, LOW, MEDIUM, QoSPolicy, create_policy
+from services.scheduler.request import Failure, Phase, Request
+from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
+
+
+class Harness:
+    """A batcher over simulated workers, advanced one step at a time."""
+
+    def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1):
+        self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
+        self.policy = create_policy(policy)
+        self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
+        self.next_id = 1
+        self.requests: list[Request] = []
+
+    def submit(self, priority: int, prompt_len: int, max_tokens: int) -> Request:
+        seq_id = self.next_id
+        self.next_id += 1
+        prompt = [(seq_id * 7 + i) % 50 + 3 for i in range(prompt_len)]
+        request = Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant="",
+                          prompt_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                          detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt))
+        self.requests.append(request)
+        self.batcher.submit(request)
+        return request
+
+    def step(self) -> dict:
+        builders = self.batcher.plan_step()
+
+        async def execute():
+            await asyncio.gather(*(self.batcher._execute(self.workers[i], b) for i, b in builders.items()))
+
+        asyncio.run(execute())
+        self.batcher.steps += 1
+        return builders
+
+
+def events(request: Request) -> list:
+    out = []
+    while not request.events.empty():
+        out.append(request.events.get_nowait())
+    return out
+
+
+def served_ratio(served, priorities):
+    total = sum(served[p] for p in priorities)
+    return [served[p] / total for p in priorities]
+
+
+@pytest.mark.parametrize("classes, weights", [((HIGH, MEDIUM, LOW), (5, 3, 2)), ((HIGH, LOW), (5, 2))])
+def test_backlogged_classes_share_served_tokens_by_weight(classes, weights):
+    # Each class has far more ready work (48 sequences) than a 64-token step can serve.
+    h = Harness(max_step_tokens=64)
+    for p in classes:
+        for _ in range(48):
+            h.submit(p, prompt_len=100, max_tokens=2000)
+    while sum(h.batcher.served_tokens.values()) < 12_000:
+        h.step()
+    got = served_ratio(h.batcher.served_tokens, classes)
+    want = [w / sum(weights) for w in weights]
+    for g, w in zip(got, want):
+        assert abs(g - w) <= 0.05 * w, (got, want)
+
+
+def test_idle_class_banks_no_credit():
+    h = Harness(max_step_tokens=32)
+    for _ in range(40):
+        h.submit(LOW, prompt_len=50, max_tokens=3000)
+    for _ in range(300):          # Low alone: it gets everything (work-conserving)
+        h.step()
+    assert h.batcher.served_tokens[HIGH] == 0
+    for _ in range(40):
+        h.submit(HIGH, prompt_len=50, max_tokens=3000)
+    before = dict(h.batcher.served_tokens)
+    for _ in range(300):
+        h.step()
+    high = h.batcher.served_tokens[HIGH] - before.get(HIGH, 0)
+    low = h.batcher.served_tokens[LOW] - before[LOW]
+    # High returns at Low's virtual time: 5:2 from then on, not a flood paid for by Low's past.
+    assert abs(high / (high + low) - 5 / 7) <= 0.05 * 5 / 7
+
+
+def test_high_gets_its_first_token_within_two_steps_when_low_and_medium_hold_every_block():
+    h = Harness(num_blocks=40, max_step_tokens=256)
+    # Low may hold 12 blocks (30%), Medium 28 (70%). These sequences grow to exactly that:
+    # 44 + 4 tokens = 12 blocks of 4, and 2 x (52 + 4) tokens = 28 blocks.
+    low = h.submit(LOW, prompt_len=44, max_tokens=4)
+    mediums = [h.submit(MEDIUM, prompt_len=52, max_tokens=4) for _ in range(2)]
+    pool = h.workers[0].pool
+    for _ in range(3):
+        h.step()
+        if pool.num_free == 0:
+            break
+    assert pool.num_free == 0 and pool.held(LOW) == 12 and pool.held(MEDIUM) == 28
+    high = h.submit(HIGH, prompt_len=20, max_tokens=5)
+    for _ in range(2):
+        h.step()
+        if high.output_ids:
+            break
+    assert high.output_ids, "High waited more than 2 steps"
+    assert low.preemptions == 1
+    for _ in range(200):
+        if all(r.phase is Phase.FINISHED for r in h.requests):
+            break
+        h.step()
+    for request in [low, *mediums, high]:
+        assert request.phase is Phase.FINISHED
+        assert request.output_ids == expected_output(request)   # the preempted one too, exactly
+
+
+def test_long_low_prompt_delays_a_new_high_prompt_by_at_most_one_step():
+    h = Harness(max_step_tokens=512)
+    low = h.submit(LOW, prompt_len=4000, max_tokens=10)
+    h.step()                                   # the Low prompt is being prefilled, 512 at a time
+    assert 0 < low.computed < 4000
+    high = h.submit(HIGH, prompt_len=30, max_tokens=4)
+    builders = h.step()                        # the very next step carries all of High's prompt
+    scheduled = {r.seq_id: n for r, n in builders[0].scheduled}
+    assert scheduled[high.seq_id] == 30
+    assert high.output_ids                     # and samples its first token
+    assert low.computed < 4000                 # while Low's prefill is still going on
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from([HIGH, MEDIUM, LOW]),
+                          st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=25),
+       st.integers(20, 60))
+def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_blocks):
+    h = Harness(num_blocks=num_blocks, max_step_tokens=48, max_running=16)
+    pool = h.workers[0].pool
+    pending = sorted(arrivals, key=lambda a: a[0])
+    rejected = 0
+    step = 0
+    while pending or any(r.phase is not Phase.FINISHED for r in h.requests):
+        while pending and pending[0][0] <= step:
+            _, priority, prompt_len, max_tokens = pending.pop(0)
+            # The scheduler's intake refuses what could never fit the class cap.
+            if blocks_for_tokens(prompt_len + max_tokens, BLOCK) > cap_blocks(pool, h.policy.kv_cap(priority)):
+                rejected += 1
+                continue
+            h.submit(priority, prompt_len, max_tokens)
+        h.step()
+        step += 1
+        assert pool.held(LOW) <= cap_blocks(pool, 0.3)
+        assert pool.held(MEDIUM) <= cap_blocks(pool, 0.7)
+        assert step < 5000, "no progress"
+    for request in h.requests:
+        got = events(request)
+        finals = [e for e in got if isinstance(e, Failure) or e.finish_reason]
+        assert len(finals) == 1 and got[-1] is finals[0]
+        assert request.output_ids == expected_output(request)
+    assert pool.num_used == 0
+
+
+def test_fcfs_ignores_priorities():
+    h = Harness(policy="fcfs", max_step_tokens=64)
+    low = h.submit(LOW, prompt_len=200, max_tokens=5)
+    high = h.submit(HIGH, prompt_len=20, max_tokens=5)
+    builders = h.step()
+    assert [r.seq_id for r, _ in builders[0].scheduled] == [low.seq_id]   # Low came first
+
+
+def test_resource_monitor_lowers_and_restores_low_weight():
+    policy = QoSPolicy()
+    monitor = ResourceMonitor(policy)
+    monitor.observe(utilization=0.95, free_kv=0.5)      # busy but memory is fine: no change
+    assert policy.weights()[LOW] == 2
+    monitor.observe(utilization=0.95, free_kv=0.05)
+    assert policy.weights()[LOW] == 1
+    monitor.observe(utilization=0.7, free_kv=0.5)       # between thresholds: hold
+    assert policy.weights()[LOW] == 1
+    monitor.observe(utilization=0.3, free_kv=0.05)
+    assert policy.weights()[LOW] == 2
+    assert [(c.old, c.new) for c in monitor.changes] == [(2, 1), (1, 2)]
+    assert policy.weights()[HIGH] == 5 and policy.weights()[MEDIUM] == 3
+
+
+def test_lower_low_weight_shifts_the_shares():
+    h = Harness(max_step_tokens=64)
+    for p in (HIGH, MEDIUM, LOW):
+        for _ in range(48):
+            h.submit(p, prompt_len=100, max_tokens=2000)
+    h.policy.set_weight(LOW, 1.0)
+    while sum(h.batcher.served_tokens.values()) < 9_000:
+        h.step()
+    low_share = served_ratio(h.batcher.served_tokens, (HIGH, MEDIUM, LOW))[2]
+    assert abs(low_share - 1 / 9) <= 0.05 / 9 * 2 + 0.005
