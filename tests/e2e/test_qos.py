@@ -1,0 +1,160 @@
+"""QoS through the real gRPC stack: preemption keeps streams exact, admission rules, Stats."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig
+from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.step import SamplingParams
+from services.common.tokenizer import TextTokenizer
+from services.engine.batch_runner import BatchRunner, GenerationRequest
+from services.engine.engine import Engine, EngineConfig
+from tests.e2e.conftest import run
+
+pytestmark = pytest.mark.slow
+
+
+def small_cluster(kv_cache_mb: int, **scheduler) -> LocalCluster:
+    return LocalCluster(ClusterConfig(
+        router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, **scheduler),
+        workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)]), quiet=True)
+
+
+async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
+    async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
+        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+
+
+def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():
+    # 8 MiB of KV = 11 blocks of 16 tokens: Low may hold 3, Medium 7. One Low and two Medium
+    # answers hold 9; a High request then needs 3 more and takes them from Low.
+    with small_cluster(kv_cache_mb=8) as cluster:
+        greedy = sampling_params(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = {"low": "Count to five.", "medium": "Name a fruit.", "medium2": "Say something nice.",
+                   "high": "Hi!"}
+
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                started = {name: asyncio.Event() for name in prompts}
+
+                async def ask(name, priority):
+                    answer = await client.generate(chat_request(prompts[name], greedy), priority=priority,
+                                                   on_text=lambda _: started[name].set())
+                    started[name].set()
+                    return answer
+
+                background = [asyncio.create_task(ask("low", "low")),
+                              asyncio.create_task(ask("medium", "medium")),
+                              asyncio.create_task(ask("medium2", "medium"))]
+                await asyncio.gather(*(started[n].wait() for n in ("low", "medium", "medium2")))
+                high = await ask("high", "high")
+                return [*await asyncio.gather(*background), high], await pool_stats(cluster)
+
+        answers, stats = run(go())
+        assert stats.preemptions >= 1
+        low_stats = next(c for c in stats.classes if c.priority == common_pb2.PRIORITY_LOW)
+        assert low_stats.preempted >= 1
+
+        tokenizer = TextTokenizer.from_model_dir(cluster.config.model)
+        engine = Engine(EngineConfig(model_dir=cluster.config.model, num_threads=1, kv_cache_bytes=32 * 2**20))
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        names = ["low", "medium", "medium2", "high"]
+        direct = BatchRunner(engine, max_running=1).run(
+            [GenerationRequest(tokenizer.encode_chat([{"role": "user", "content": prompts[n]}]), params)
+             for n in names])
+        for name, answer, reference in zip(names, answers, direct):
+            assert answer.token_ids == reference.token_ids, name
+            assert answer.text == tokenizer.decode(reference.token_ids), name
+
+
+@pytest.fixture(scope="module")
+def tight_cluster():
+    # 32 MiB = 45 blocks: Low may hold 13 (208 tokens); at most 2 requests wait per class.
+    with small_cluster(kv_cache_mb=32, max_queue=2, retry_after_ms=750) as cluster:
+        yield cluster
+
+
+async def outcome(client, prompt, priority, max_tokens, slo_ms=None):
+    try:
+        answer = await client.generate(chat_request(prompt, sampling_params(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True)), priority=priority, slo_ms=slo_ms)
+        return grpc.StatusCode.OK, answer, ()
+    except grpc.aio.AioRpcError as exc:
+        return exc.code(), exc.details(), tuple(exc.trailing_metadata() or ())
+
+
+def test_kv_need_over_the_class_cap_is_refused_at_once(tight_cluster):
+    async def go():
+        async with RouterClient(tight_cluster.router_address) as client:
+            return (await outcome(client, "Write a long story.", "low", 300),
+                    await outcome(client, "Write a long story.", "high", 5))
+
+    (code, details, _), (high_code, _, _) = run(go())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the low class may hold at most 13" in details
+    assert high_code == grpc.StatusCode.OK
+
+
+def test_queue_overflow_is_refused_with_retry_after(tight_cluster):
+    async def go():
+        async with RouterClient(tight_cluster.router_address) as client:
+            # Low can run ~4 of these at once within its 13 blocks; 2 more may wait; the rest
+            # must be refused rather than queued without bound.
+            return await asyncio.gather(*[outcome(client, f"Tell me about {i}.", "low", 100)
+                                          for i in range(14)])
+
+    results = run(go())
+    refused = [(d, t) for code, d, t in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    served = [a for code, a, _ in results if code == grpc.StatusCode.OK]
+    assert refused and served
+    for details, trailers in refused:
+        assert "the low queue of pool cpu is full" in details
+        assert ("retry-after-ms", "750") in trailers
+
+
+def test_slo_that_cannot_be_met_is_refused(tight_cluster):
+    async def go():
+        async with RouterClient(tight_cluster.router_address) as client:
+            await outcome(client, "Warm up.", "medium", 8)           # the pool learns its token rate
+            busy = [asyncio.create_task(outcome(client, f"Story {i}", "medium", 60)) for i in range(6)]
+            await asyncio.sleep(0.5)
+            tight = await outcome(client, "Quick question?", "medium", 4, slo_ms=1)
+            loose = await outcome(client, "Quick question?", "high", 4, slo_ms=600_000)
+            await asyncio.gather(*busy)
+            return tight, loose
+
+    (code, details, trailers), (loose_code, _, _) = run(go())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "exceeds x-slo-ms=1" in details
+    assert any(k == "retry-after-ms" for k, _ in trailers)
+    assert loose_code == grpc.StatusCode.OK
+
+
+def test_invalid_slo_header_is_invalid_argument(tight_cluster):
+    async def go():
+        async with grpc.aio.insecure_channel(tight_cluster.router_address) as channel:
+            from services.common.proto.qos.v1 import router_pb2_grpc
+            call = router_pb2_grpc.RouterStub(channel).Generate(
+                chat_request("Hi", sampling_params(max_tokens=2)), metadata=[("x-slo-ms", "soon")])
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+
+    code, details = run(go())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "x-slo-ms 'soon'" in details
+
+
+def test_stats_show_policy_weights_and_caps(tight_cluster):
+    stats = run(pool_stats(tight_cluster))
+    assert stats.policy == "qos"
+    by_priority = {c.priority: c for c in stats.classes}
+    assert [by_priority[p].weight for p in (1, 2, 3)] == [5, 3, 2]
+    assert [round(by_priority[p].kv_cap, 2) for p in (1, 2, 3)] == [1.0, 0.7, 0.3]
+    assert by_priority[3].rejected >= 1      # from the tests above
