@@ -44,23 +44,31 @@ def cap_blocks(pool: KVBlockPool, share: float) -> int:
 
 
 class _StepBuilder:
-    """Collects one worker's plan for one step."""
+    """Collects one worker's plan for one step; finish() writes it into the StepPlan."""
 
     def __init__(self, step_id: int, budget: int, released: list[int]):
         self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
         self.budget = budget
         self.scheduled: list[tuple[Request, int]] = []
+        self.scheduled_ids: set[int] = set()
         self.preempted = False   # memory ran short this step: admit nobody new
 
     def add(self, request: Request, num_tokens: int) -> None:
-        self.plan.scheduled.append(worker_pb2.ScheduledSequence(
-            seq_id=request.seq_id, num_tokens=num_tokens, new_block_ids=request.new_blocks))
-        request.new_blocks = []
+        if request.new_blocks:
+            self.plan.block_grants.add(seq_id=request.seq_id, block_ids=request.new_blocks)
+            request.new_blocks = []
         self.scheduled.append((request, num_tokens))
+        self.scheduled_ids.add(request.seq_id)
         self.budget -= num_tokens
 
     def is_scheduled(self, request: Request) -> bool:
-        return any(r is request for r, _ in self.scheduled)
+        return request.seq_id in self.scheduled_ids
+
+    def finish(self, released: list[int]) -> worker_pb2.StepPlan:
+        self.plan.released_seq_ids.extend(released)
+        self.plan.scheduled_seq_ids.extend([r.seq_id for r, _ in self.scheduled])
+        self.plan.scheduled_num_tokens.extend([n for _, n in self.scheduled])
+        return self.plan
 
 
 class ContinuousBatcher:
@@ -139,7 +147,8 @@ class ContinuousBatcher:
         self._reap_cancelled()
         policy = self.policy
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
-        backlogged |= {policy.lane_of(r) for rs in self.running.values() for r in rs if r.pending}
+        # A running sequence always has work: the rest of its prompt or its last sampled token.
+        backlogged |= {policy.lane_of(r) for rs in self.running.values() for r in rs}
         policy.backlog_changed(backlogged)
         builders = {}
         # Admit to the emptiest worker first, so load spreads across workers.
@@ -160,31 +169,48 @@ class ContinuousBatcher:
         lanes: dict[int, deque[Request]] = {lane: deque() for lane in policy.lanes}
         # Within a lane: decodes first (one token each, latency-critical), then prefill chunks;
         # oldest first.
-        for request in sorted(running, key=lambda r: r.pending > 1):
+        prefills = []
+        for request in running:
+            if request.pending > 1:
+                prefills.append(request)
+            else:
+                lanes[policy.lane_of(request)].append(request)
+        for request in prefills:
             lanes[policy.lane_of(request)].append(request)
         active = {lane for lane in policy.lanes if lanes[lane] or policy.queue(lane)}
         while builder.budget > 0 and active:
-            lane = policy.pick_lane(active)
-            if lanes[lane]:
-                request = lanes[lane].popleft()
-                if request.phase is not Phase.RUNNING:
-                    continue  # preempted a moment ago to make room
-            elif (policy.queue(lane) and len(running) < self.max_running and not builder.preempted
-                  and self._admit(link, builder, policy.queue(lane)[0])):
-                request = running[-1]
-            else:
-                # After a preemption no one is admitted: it would take the victim's blocks back.
-                active.discard(lane)
-                continue
-            tokens = self._schedule(link, builder, request)
-            if tokens:
-                policy.charge(lane, tokens)
+            lane, allowance = policy.pick_lane(active)
+            taken = 0
+            # The lane keeps the turn until it used its allowance (at least one item).
+            while builder.budget > 0 and (taken == 0 or taken < allowance):
+                request = self._next_item(link, builder, lanes[lane], lane)
+                if request is None:
+                    active.discard(lane)
+                    break
+                tokens = self._schedule(link, builder, request)
+                taken += tokens
                 self.served_tokens[request.priority] += tokens
+            if taken:
+                policy.charge(lane, taken)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
-        builder.plan.released_seq_ids.extend(self.to_release[link.index])
+        builder.finish(self.to_release[link.index])
         self.to_release[link.index] = []
         return builder
+
+    def _next_item(self, link: WorkerLink, builder: _StepBuilder, running_in_lane: deque,
+                   lane: int) -> Request | None:
+        """The lane's next running sequence, else its next admissible waiting request, else None."""
+        while running_in_lane:
+            request = running_in_lane.popleft()
+            if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room
+                return request
+        queue = self.policy.queue(lane)
+        # After a preemption no one is admitted: it would take the victim's blocks back.
+        if (queue and len(self.running[link.index]) < self.max_running and not builder.preempted
+                and self._admit(link, builder, queue[0])):
+            return self.running[link.index][-1]
+        return None
 
     def _admit(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> bool:
         # Admit only when the whole known sequence (+1 for its next token) fits now, so admitted
@@ -235,14 +261,15 @@ class ContinuousBatcher:
     def _schedule(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> int:
         """Schedule the request's next chunk (as much as fits); returns the tokens scheduled."""
         pool = link.pool
-        num_tokens = min(request.pending, builder.budget)
+        pending = request.pending
+        num_tokens = pending if pending < builder.budget else builder.budget
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0 and not self._make_room(link, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
             room = min(pool.num_free, cap_blocks(pool, self.policy.kv_cap(request.priority))
                        - pool.held(request.priority))
             num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
-                             request.pending, builder.budget)
+                             pending, builder.budget)
             if num_tokens <= 0:
                 self._preempt(link, request)
                 builder.preempted = True

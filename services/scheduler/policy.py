@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.priority import ORDER, priority_name
@@ -87,8 +86,9 @@ class SchedulingPolicy(ABC):
     # --- sharing a step -----------------------------------------------------------------------
 
     @abstractmethod
-    def pick_lane(self, candidates: Iterable[int]) -> int:
-        """Among lanes that have work this step, the one whose next item gets tokens."""
+    def pick_lane(self, candidates: set[int]) -> tuple[int, float]:
+        """Among lanes that have work this step, the one whose items get tokens next, and how many
+        tokens it may take before the choice is made again (it always gets at least one item)."""
 
     def charge(self, lane: int, tokens: int) -> None:
         """`tokens` were scheduled for `lane`."""
@@ -125,8 +125,8 @@ class FCFSPolicy(SchedulingPolicy):
     def lane_of(self, request: Request) -> int:
         return self.ONLY_LANE
 
-    def pick_lane(self, candidates: Iterable[int]) -> int:
-        return self.ONLY_LANE
+    def pick_lane(self, candidates: set[int]) -> tuple[int, float]:
+        return self.ONLY_LANE, float("inf")
 
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
         # Only to let running work progress, taking from the most recent arrivals.
@@ -140,6 +140,7 @@ class QoSPolicy(SchedulingPolicy):
     budget goes to the backlogged class with the smallest. A class that was idle re-enters at the
     smallest virtual time among the backlogged ones, so idle time banks no credit."""
     name = "qos"
+    MIN_QUANTUM_TOKENS = 16
 
     def __init__(self, settings: QoSSettings | None = None):
         super().__init__()
@@ -164,9 +165,17 @@ class QoSPolicy(SchedulingPolicy):
                 self.virtual_time[p] = max(self.virtual_time[p], floor)
         self._backlogged = set(backlogged)
 
-    def pick_lane(self, candidates: Iterable[int]) -> int:
-        # min() keeps the first of equals: ORDER makes High win ties.
-        return min((p for p in ORDER if p in set(candidates)), key=lambda p: self.virtual_time[p])
+    def pick_lane(self, candidates: set[int]) -> tuple[int, float]:
+        # Smallest virtual time first; High wins ties (enum order). The lane keeps the turn until
+        # its virtual time passes the runner-up's: tokens = gap x weight.
+        ranked = sorted(candidates, key=lambda p: (self.virtual_time[p], p))
+        lane = ranked[0]
+        if len(ranked) == 1:
+            return lane, float("inf")
+        gap = (self.virtual_time[ranked[1]] - self.virtual_time[lane]) * self._weights[lane]
+        # A minimum quantum keeps lanes from alternating token by token when their virtual times
+        # are close (cheaper planning); long-run shares are unchanged.
+        return lane, max(gap, self.MIN_QUANTUM_TOKENS)
 
     def charge(self, lane: int, tokens: int) -> None:
         self.virtual_time[lane] += tokens / self._weights[lane]

@@ -65,7 +65,7 @@ class Request:
     def pending(self) -> int:
         """Tokens known but not yet in the KV cache: the rest of the prompt, or the last sampled
         token (or, after a preemption, everything again)."""
-        return self.num_tokens - self.computed
+        return len(self.prompt_ids) + len(self.output_ids) - self.computed
 
     def ms_since_arrival(self, moment: float | None) -> float:
         return 0.0 if moment is None else (moment - self.arrival) * 1000

@@ -52,14 +52,15 @@ class SequenceTable:
             self.sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
                 sampling=sampling_from_proto(new.sampling), num_generated=new.num_generated)
+        for grant in plan.block_grants:
+            self.sequences[grant.seq_id].block_table.extend(grant.block_ids)
         work = []
-        for item in plan.scheduled:
-            seq = self.sequences[item.seq_id]
-            seq.block_table.extend(item.new_block_ids)
+        for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
+            seq = self.sequences[seq_id]
             start = seq.computed
-            end = start + item.num_tokens
+            end = start + num_tokens
             work.append(SequenceWork(
-                seq_id=item.seq_id, token_ids=seq.tokens[start:end], position=start,
+                seq_id=seq_id, token_ids=seq.tokens[start:end], position=start,
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
                 sample=end == len(seq.tokens)))
@@ -74,15 +75,22 @@ class SequenceTable:
             if not new.prompt_token_ids:
                 raise PlanError(f"sequence {new.seq_id} has an empty prompt")
             known.add(new.seq_id)
+        if len(plan.scheduled_seq_ids) != len(plan.scheduled_num_tokens):
+            raise PlanError("scheduled_seq_ids and scheduled_num_tokens differ in length")
+        if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
+            raise PlanError("a sequence is scheduled twice in one step")
+        for grant in plan.block_grants:
+            if grant.seq_id not in known:
+                raise PlanError(f"blocks granted to sequence {grant.seq_id}, unknown to this worker")
         lengths = {n.seq_id: len(n.prompt_token_ids) for n in plan.new_sequences}
-        for item in plan.scheduled:
-            if item.seq_id not in known:
-                raise PlanError(f"sequence {item.seq_id} is not known to this worker")
-            seq = self.sequences.get(item.seq_id) if item.seq_id not in lengths else None
-            total = lengths.get(item.seq_id, len(seq.tokens) if seq else 0)
+        for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
+            if seq_id not in known:
+                raise PlanError(f"sequence {seq_id} is not known to this worker")
+            seq = self.sequences.get(seq_id) if seq_id not in lengths else None
+            total = lengths.get(seq_id, len(seq.tokens) if seq else 0)
             computed = seq.computed if seq else 0
-            if item.num_tokens < 1 or computed + item.num_tokens > total:
-                raise PlanError(f"sequence {item.seq_id}: {item.num_tokens} tokens scheduled but "
+            if num_tokens < 1 or computed + num_tokens > total:
+                raise PlanError(f"sequence {seq_id}: {num_tokens} tokens scheduled but "
                                 f"{total - computed} are ready to compute")
 
     def commit(self, batch: StepBatch, tokens: list[SampledToken]) -> None:

@@ -119,7 +119,7 @@ def test_chunked_prefill_respects_the_step_budget_and_outputs_are_exact():
         assert tokens == expected_output(request)
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == 5
-    assert all(sum(s.num_tokens for s in plan.scheduled) <= 16 for plan in worker.plans)
+    assert all(sum(plan.scheduled_num_tokens) <= 16 for plan in worker.plans)
     assert worker.pool.num_used == 0 and not worker.table.sequences
 
 
