@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)
     p.add_argument("--requests-per-priority", type=int, default=6)
+    p.add_argument("--policy", choices=["qos", "fcfs"], default="qos",
+                   help="scheduling policy of the demo cluster (fcfs: the baseline to compare)")
     p.set_defaults(func=cmd_demo)
 
     for name, func, text in [("router", cmd_router, "run the router"),

@@ -36,9 +36,11 @@ MAX_TOKENS = {"high": 32, "medium": 48, "low": 64}
 HIGH_DELAY_SECONDS = 0.3
 
 
-def demo_config() -> ClusterConfig:
-    # Free ports, so the demo never collides with a running `qos-serve up`.
-    return ClusterConfig(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0),
+def demo_config(policy: str) -> ClusterConfig:
+    # Free ports, so the demo never collides with a running `qos-serve up`. A 128-token step
+    # budget keeps steps short on 2 CPU cores, so a High arrival waits little for the step in flight.
+    return ClusterConfig(router=RouterConfig(port=0),
+                         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=128),
                          workers=[WorkerConfig(port=0, threads=2, kv_cache_mb=256)])
 
 
@@ -96,7 +98,7 @@ def report(results, elapsed: float) -> None:
 
 
 def run_demo(args) -> int:
-    config = load_config(args.config) if args.config else demo_config()
+    config = load_config(args.config) if args.config else demo_config(args.policy)
     print("starting a local cluster (router, scheduler, CPU worker)...", flush=True)
     started = time.perf_counter()
     with LocalCluster(config, quiet=True) as cluster:
