@@ -134,7 +134,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 call.cancel()   # the client went away: cancel the chain behind us
 
     async def Stats(self, request, context) -> router_pb2.RouterStats:
-        return router_pb2.RouterStats(priorities=[self.counters[p].to_proto(p) for p in ORDER])
+        return router_pb2.RouterStats(priorities=[self.counters[p].to_proto(p) for p in ORDER],
+                                      pools=[self.pool_stats] if self.pool_stats else [])
 
 
 def register_router(server: grpc.aio.Server, service: RouterService) -> list[str]:

@@ -158,3 +158,18 @@ def test_stats_show_policy_weights_and_caps(tight_cluster):
     assert [by_priority[p].weight for p in (1, 2, 3)] == [5, 3, 2]
     assert [round(by_priority[p].kv_cap, 2) for p in (1, 2, 3)] == [1.0, 0.7, 0.3]
     assert by_priority[3].rejected >= 1      # from the tests above
+
+
+def test_router_stats_show_the_pool_weights_and_counts(tight_cluster):
+    from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+
+    async def go():
+        async with grpc.aio.insecure_channel(tight_cluster.router_address) as channel:
+            return await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest())
+
+    stats = run(go())
+    (pool,) = stats.pools
+    assert pool.policy == "qos" and [c.weight for c in pool.classes] == [5, 3, 2]
+    by_priority = {p.priority: p for p in stats.priorities}
+    assert by_priority[common_pb2.PRIORITY_LOW].requests >= 14
+    assert by_priority[common_pb2.PRIORITY_LOW].failed >= 1

@@ -1,4 +1,5 @@
 from services.common.proto.qos.v1 import common_pb2 as _common_pb2
+from services.common.proto.qos.v1 import scheduler_pb2 as _scheduler_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -72,7 +73,9 @@ class PriorityStats(_message.Message):
     def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p95_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p95_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("priorities",)
+    __slots__ = ("priorities", "pools")
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityStats]
-    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[_scheduler_pb2.PoolStats]
+    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[_scheduler_pb2.PoolStats, _Mapping]]] = ...) -> None: ...
