@@ -1,0 +1,166 @@
+"""Cost-aware pool choice: which pool serves a request, from cached pool load only (no I/O).
+
+Rules, in order (../shared/DESIGN.md, Routing semantics):
+  0. only pools that serve the model (and LoRA, when the request names an adapter) are candidates;
+     none -> NoPoolError (the router answers FAILED_PRECONDITION naming the model);
+  1. High (real-time)          -> the primary pool (the GPU pool, or the configured primary);
+  2. a LoRA adapter            -> the NPU pool, if it has room;
+  3. primary queue < threshold -> the primary pool;
+  4. otherwise                 -> the cheapest pool with free capacity whose observed time to first
+                                  token meets the request's SLO (x-slo-ms, or its class default);
+  5. otherwise                 -> queue on the primary.
+The overflow threshold adapts: it drops while the cheap pools idle and the primary queues, and
+rises while the cheap pools back up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+HIGH, MEDIUM, LOW = 1, 2, 3            # qos.v1.Priority values
+DEFAULT_COST = {"cuda": 1.0, "npu": 0.3, "cpu": 0.1}
+DEFAULT_SLO_MS = {HIGH: 200.0, MEDIUM: 2_000.0, LOW: 30_000.0}
+
+
+class NoPoolError(LookupError):
+    """No pool can serve the request; the message names the model (and what was missing)."""
+
+
+@dataclass(slots=True, frozen=True)
+class PoolSpec:
+    name: str
+    device: str                          # cuda | npu | cpu
+    models: frozenset[str]
+    cost_per_token: float | None = None  # None: the device's default
+    lora: bool = False
+    primary: bool = False                # the pool High goes to when there is no GPU pool
+
+    @property
+    def cost(self) -> float:
+        return DEFAULT_COST[self.device] if self.cost_per_token is None else self.cost_per_token
+
+
+@dataclass(slots=True)
+class PoolLoad:
+    """What the router caches from a pool's stats stream."""
+    healthy: bool = False
+    queued: int = 0                      # requests waiting, all classes
+    free_kv: float = 1.0                 # free share of the pool's KV blocks
+    ttft_ms: float = 0.0                 # observed time to first token, recent requests (p90)
+    utilization: float = 0.0
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    model: str
+    priority: int
+    lora: str | None = None
+    slo_ms: float | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    pool: str
+    rule: str                            # which rule chose it, for traces and tests
+
+
+@dataclass(slots=True)
+class OverflowThreshold:
+    """Primary-pool queue depth above which work overflows to cheaper pools."""
+    value: float = 8.0
+    minimum: float = 1.0
+    maximum: float = 64.0
+    step: float = 1.25                   # multiplicative change per adjustment
+
+    def adapt(self, primary_queued: int, cheap_idle: bool, cheap_backed_up: bool) -> None:
+        if cheap_backed_up:
+            self.value = min(self.maximum, self.value * self.step)
+        elif cheap_idle and primary_queued > 0:
+            self.value = max(self.minimum, self.value / self.step)
+
+
+@dataclass(slots=True)
+class PoolRouter:
+    pools: list[PoolSpec]
+    threshold: OverflowThreshold = field(default_factory=OverflowThreshold)
+    min_free_kv: float = 0.1             # "free capacity": at least this share of KV blocks free
+    max_queue_for_overflow: int = 4      # a cheap pool queueing more than this is backed up
+    loads: dict[str, PoolLoad] = field(default_factory=dict)
+    _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
+    _by_cost: list[PoolSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique: {names}")
+        for pool in self.pools:
+            if pool.device not in DEFAULT_COST:
+                raise ValueError(f"pool {pool.name}: device must be cuda, npu or cpu, got {pool.device!r}")
+            self.loads.setdefault(pool.name, PoolLoad())
+        # Precomputed so that route() only walks short lists.
+        self._by_cost = sorted(self.pools, key=lambda p: (p.cost, p.name))
+        for pool in self._by_cost:
+            for model in pool.models:
+                self._by_model.setdefault(model, []).append(pool)
+
+    # --- cached state ---------------------------------------------------------------------------
+
+    def update(self, name: str, load: PoolLoad) -> None:
+        """A pool's new stats (from its stats stream); also adapts the overflow threshold."""
+        self.loads[name] = load
+        primaries = [p for p in self.pools if self._is_primary(p)]
+        cheap = [p for p in self.pools if not self._is_primary(p) and self.loads[p.name].healthy]
+        if not primaries or not cheap:
+            return
+        primary_queued = min(self.loads[p.name].queued for p in primaries)
+        cheap_idle = all(self.loads[p.name].queued == 0 and self.loads[p.name].utilization < 0.5
+                         for p in cheap)
+        cheap_backed_up = all(self.loads[p.name].queued > self.max_queue_for_overflow for p in cheap)
+        self.threshold.adapt(primary_queued, cheap_idle, cheap_backed_up)
+
+    def _is_primary(self, pool: PoolSpec) -> bool:
+        has_gpu = any(p.device == "cuda" for p in self.pools)
+        return pool.device == "cuda" if has_gpu else pool.primary
+
+    # --- the decision ----------------------------------------------------------------------------
+
+    def route(self, request: RouteRequest) -> Decision:
+        candidates = self._by_model.get(request.model)
+        if not candidates:
+            raise NoPoolError(f"model {request.model!r} is not served by any pool")
+        if request.lora:
+            candidates = [p for p in candidates if p.lora]
+            if not candidates:
+                raise NoPoolError(f"no pool serving model {request.model!r} supports LoRA adapters "
+                                  f"(requested {request.lora!r})")
+        loads = self.loads
+        healthy = [p for p in candidates if loads[p.name].healthy] or candidates
+        primary = self._primary(healthy)
+
+        if request.priority == HIGH:
+            return Decision(primary.name, "high-to-primary")
+        if request.lora:
+            for pool in healthy:
+                if pool.device == "npu" and loads[pool.name].free_kv >= self.min_free_kv:
+                    return Decision(pool.name, "lora-to-npu")
+        if loads[primary.name].queued < self.threshold.value:
+            return Decision(primary.name, "primary-under-threshold")
+        slo = request.slo_ms if request.slo_ms else DEFAULT_SLO_MS.get(request.priority, DEFAULT_SLO_MS[MEDIUM])
+        for pool in healthy:                       # cheapest first
+            if pool is primary:
+                continue
+            load = loads[pool.name]
+            if load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
+                    and load.ttft_ms <= slo:
+                return Decision(pool.name, "overflow-cheapest")
+        return Decision(primary.name, "queue-on-primary")
+
+    def _primary(self, candidates: list[PoolSpec]) -> PoolSpec:
+        loads = self.loads
+        gpus = [p for p in candidates if p.device == "cuda"]
+        if gpus:
+            return min(gpus, key=lambda p: loads[p.name].queued)
+        marked = [p for p in candidates if p.primary]
+        if marked:
+            return marked[0]
+        # No GPU and no primary among the candidates: the most capable left is the priciest.
+        return candidates[-1]

@@ -1,0 +1,117 @@
+"""The routing rules, table-driven (pure Python)."""
+from __future__ import annotations
+
+import pytest
+
+from services.router.routing import (HIGH, LOW, MEDIUM, NoPoolError, OverflowThreshold, PoolLoad,
+                                     PoolRouter, PoolSpec, RouteRequest)
+
+M = "smollm2"
+GPU = PoolSpec("gpu", "cuda", frozenset({M, "llama-8b"}))
+NPU = PoolSpec("npu", "npu", frozenset({M}), lora=True)
+CPU = PoolSpec("cpu", "cpu", frozenset({M}))
+CPU_BIG = PoolSpec("cpu-big", "cpu", frozenset({M}), cost_per_token=0.2, primary=True)
+
+
+def router(pools, **loads) -> PoolRouter:
+    r = PoolRouter(list(pools))
+    for name, load in loads.items():
+        r.loads[name.replace("_", "-")] = load
+    return r
+
+
+def load(queued=0, free_kv=0.9, ttft_ms=100.0, utilization=0.3, healthy=True) -> PoolLoad:
+    return PoolLoad(healthy=healthy, queued=queued, free_kv=free_kv, ttft_ms=ttft_ms, utilization=utilization)
+
+
+BUSY_GPU = load(queued=20)
+
+CASES = [
+    # (description, pools, loads, request, expected pool, expected rule)
+    ("high goes to the GPU even when it queues", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load()),
+     RouteRequest(M, HIGH), "gpu", "high-to-primary"),
+    ("high goes to the primary when there is no GPU", [CPU, CPU_BIG], dict(cpu=load(), cpu_big=load(queued=50)),
+     RouteRequest(M, HIGH), "cpu-big", "high-to-primary"),
+    ("LoRA goes to the NPU when it has room", [GPU, NPU, CPU], dict(gpu=load(), npu=load(), cpu=load()),
+     RouteRequest(M, LOW, lora="adapter-1"), "npu", "lora-to-npu"),
+    ("LoRA with a full NPU falls back through the other rules", [GPU, NPU], dict(gpu=load(), npu=load(free_kv=0.02)),
+     RouteRequest(M, LOW, lora="a"), "npu", "primary-under-threshold"),
+    ("under the threshold, low stays on the GPU", [GPU, NPU, CPU], dict(gpu=load(queued=3), npu=load(), cpu=load()),
+     RouteRequest(M, LOW), "gpu", "primary-under-threshold"),
+    ("over the threshold, low overflows to the cheapest pool", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load()),
+     RouteRequest(M, LOW), "cpu", "overflow-cheapest"),
+    ("a cheap pool without free KV is skipped", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load(free_kv=0.01)),
+     RouteRequest(M, LOW), "npu", "overflow-cheapest"),
+    ("a cheap pool too slow for the SLO is skipped", [GPU, NPU, CPU],
+     dict(gpu=BUSY_GPU, npu=load(ttft_ms=900), cpu=load(ttft_ms=5000)),
+     RouteRequest(M, MEDIUM, slo_ms=1000), "npu", "overflow-cheapest"),
+    ("the class default SLO applies without x-slo-ms", [GPU, CPU], dict(gpu=BUSY_GPU, cpu=load(ttft_ms=5000)),
+     RouteRequest(M, MEDIUM), "gpu", "queue-on-primary"),
+    ("low's default SLO is generous", [GPU, CPU], dict(gpu=BUSY_GPU, cpu=load(ttft_ms=5000)),
+     RouteRequest(M, LOW), "cpu", "overflow-cheapest"),
+    ("no cheap pool fits: queue on the GPU", [GPU, CPU], dict(gpu=BUSY_GPU, cpu=load(queued=30)),
+     RouteRequest(M, LOW), "gpu", "queue-on-primary"),
+    ("only pools serving the model are candidates", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load()),
+     RouteRequest("llama-8b", LOW), "gpu", "queue-on-primary"),
+    ("an unhealthy pool is not chosen", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load(healthy=False)),
+     RouteRequest(M, LOW), "npu", "overflow-cheapest"),
+    ("the least-queued GPU pool is the primary", [GPU, PoolSpec("gpu2", "cuda", frozenset({M}))],
+     dict(gpu=BUSY_GPU, gpu2=load(queued=1)), RouteRequest(M, HIGH), "gpu2", "high-to-primary"),
+]
+
+
+@pytest.mark.parametrize("description, pools, loads, request_, pool, rule", CASES, ids=[c[0] for c in CASES])
+def test_rules(description, pools, loads, request_, pool, rule):
+    decision = router(pools, **loads).route(request_)
+    assert (decision.pool, decision.rule) == (pool, rule)
+
+
+@pytest.mark.parametrize("request_, message", [
+    (RouteRequest("gpt-17", LOW), "model 'gpt-17' is not served by any pool"),
+    (RouteRequest("llama-8b", LOW, lora="x"), "no pool serving model 'llama-8b' supports LoRA"),
+])
+def test_unservable_requests_name_the_model(request_, message):
+    with pytest.raises(NoPoolError, match=message):
+        router([GPU, NPU, CPU]).route(request_)
+
+
+def test_costs_default_by_device():
+    assert (GPU.cost, NPU.cost, CPU.cost, CPU_BIG.cost) == (1.0, 0.3, 0.1, 0.2)
+
+
+@pytest.mark.parametrize("primary_queued, cheap, expected", [
+    (10, load(queued=0, utilization=0.1), 8 / 1.25),      # cheap pools idle, GPU queues: lower
+    (0, load(queued=0, utilization=0.1), 8.0),            # nothing queues: keep
+    (10, load(queued=9, utilization=0.9), 8 * 1.25),      # cheap pools back up: raise
+    (10, load(queued=2, utilization=0.7), 8.0),           # in between: keep
+])
+def test_threshold_adapts_to_load(primary_queued, cheap, expected):
+    r = router([GPU, CPU], cpu=cheap)
+    r.update("gpu", load(queued=primary_queued))     # one stats update, one adjustment
+    assert r.threshold.value == pytest.approx(expected)
+
+
+def test_threshold_stays_within_bounds():
+    t = OverflowThreshold(value=2.0, minimum=1.0, maximum=4.0)
+    for _ in range(10):
+        t.adapt(primary_queued=5, cheap_idle=True, cheap_backed_up=False)
+    assert t.value == 1.0
+    for _ in range(10):
+        t.adapt(primary_queued=5, cheap_idle=False, cheap_backed_up=True)
+    assert t.value == 4.0
+
+
+def test_lowered_threshold_overflows_sooner():
+    r = router([GPU, CPU], gpu=load(queued=5), cpu=load())
+    assert r.route(RouteRequest(M, LOW)).pool == "gpu"          # 5 < 8
+    for _ in range(3):
+        r.update("gpu", load(queued=5))                          # CPU idles while the GPU queues
+    assert r.threshold.value < 5
+    assert r.route(RouteRequest(M, LOW)).pool == "cpu"
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unique"):
+        PoolRouter([CPU, CPU])
+    with pytest.raises(ValueError, match="device must be cuda, npu or cpu"):
+        PoolRouter([PoolSpec("tpu", "tpu", frozenset({M}))])
