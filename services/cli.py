@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from services.common.config import ConfigError, load_config
 from services.common.grpc_server import setup_logging
@@ -29,9 +30,10 @@ def cmd_up(args) -> int:
 
 def cmd_worker(args) -> int:
     config = load_config(args.config)
-    if not 0 <= args.index < len(config.workers):
-        raise ConfigError(f"--index {args.index}: the config has {len(config.workers)} worker(s)")
-    worker = config.workers[args.index]
+    pool = config.pool(args.pool)
+    if not 0 <= args.index < len(pool.workers):
+        raise ConfigError(f"--index {args.index}: pool {pool.name} has {len(pool.workers)} worker(s)")
+    worker = pool.workers[args.index]
     from services.cluster import resolve_model
     from services.engine.engine import Engine
     from services.worker.server import build_engine_config, serve_worker
@@ -44,15 +46,17 @@ def cmd_scheduler(args) -> int:
     config = load_config(args.config)
     from services.cluster import resolve_model
     from services.scheduler.server import serve_scheduler
-    asyncio.run(serve_scheduler(config.scheduler, resolve_model(config.model),
-                                [w.address for w in config.workers]))
+    pool = config.pool(args.pool)
+    asyncio.run(serve_scheduler(pool.scheduler, pool.name, resolve_model(config.model),
+                                [w.address for w in pool.workers]))
     return 0
 
 
 def cmd_router(args) -> int:
     config = load_config(args.config)
+    from services.cluster import resolve_model
     from services.router.server import serve_router
-    asyncio.run(serve_router(config.router, config.scheduler.address))
+    asyncio.run(serve_router(config.router, config.pools, Path(resolve_model(config.model)).name))
     return 0
 
 
@@ -120,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                              ("worker", cmd_worker, "run one worker")]:
         p = sub.add_parser(name, help=text)
         _config_args(p)
+        if name in ("worker", "scheduler"):
+            p.add_argument("--pool", help="which pool (default: the first)")
         if name == "worker":
-            p.add_argument("--index", type=int, default=0, help="which [[workers]] entry to run")
+            p.add_argument("--index", type=int, default=0, help="which of the pool's workers to run")
         p.set_defaults(func=func)
     return parser
 

@@ -47,7 +47,8 @@ def resolve_model(model: str, progress: bool = True) -> str:
 
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     config = dataclasses.replace(config)
-    for section in [config.router, config.scheduler, *config.workers]:
+    sections = [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]
+    for section in sections:
         if section.port == 0:
             section.port = free_port(section.host)
     return config
@@ -80,24 +81,30 @@ class LocalCluster:
 
     @property
     def scheduler_address(self) -> str:
-        return self.config.scheduler.address
+        """The first pool's scheduler."""
+        return self.config.pools[0].scheduler.address
+
+    @staticmethod
+    def worker_name(pool: str, index: int) -> str:
+        return f"{pool}/worker-{index}"
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         command = [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
-        stream = open(self.log_dir / f"{name}.log", "ab") if self.quiet else None
+        stream = open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") if self.quiet else None
         process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None,
                                    preexec_fn=_die_with_parent)
         self.processes[name] = process
         return process
 
-    def start_worker(self, index: int) -> subprocess.Popen:
-        return self._spawn(f"worker-{index}", "worker", "--index", str(index))
+    def start_worker(self, pool: str, index: int) -> subprocess.Popen:
+        return self._spawn(self.worker_name(pool, index), "worker", "--pool", pool, "--index", str(index))
 
     def start(self) -> "LocalCluster":
         try:
-            for i in range(len(self.config.workers)):
-                self.start_worker(i)
-            self._spawn("scheduler", "scheduler")
+            for pool in self.config.pools:
+                for i in range(len(pool.workers)):
+                    self.start_worker(pool.name, i)
+                self._spawn(f"{pool.name}/scheduler", "scheduler", "--pool", pool.name)
             self._spawn("router", "router")
             asyncio.run(self._wait_ready())
         except BaseException:
@@ -107,20 +114,26 @@ class LocalCluster:
 
     async def _wait_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_SECONDS
-        addresses = [(f"worker-{i}", w.address) for i, w in enumerate(self.config.workers)]
-        addresses += [("scheduler", self.scheduler_address), ("router", self.router_address)]
+        addresses = []
+        for pool in self.config.pools:
+            addresses += [(self.worker_name(pool.name, i), w.address) for i, w in enumerate(pool.workers)]
+            addresses.append((f"{pool.name}/scheduler", pool.scheduler.address))
         for name, address in addresses:
             self._check_alive()
             if not await wait_healthy(address, timeout=deadline - time.monotonic()):
                 raise TimeoutError(f"{name} at {address} did not become healthy")
-        # Healthy is not enough for the scheduler: it must also have connected to every worker.
-        async with grpc.aio.insecure_channel(self.scheduler_address) as channel:
-            stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            while (await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers < len(self.config.workers):
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the scheduler did not connect to all its workers")
-                await asyncio.sleep(0.1)
+        # Healthy is not enough for a scheduler: it must also have connected to every worker.
+        for pool in self.config.pools:
+            async with grpc.aio.insecure_channel(pool.scheduler.address) as channel:
+                stub = scheduler_pb2_grpc.SchedulerStub(channel)
+                while (await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers < len(pool.workers):
+                    self._check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"pool {pool.name}: the scheduler did not connect to all its workers")
+                    await asyncio.sleep(0.1)
+        # The router reports SERVING once it knows every pool's model and limits.
+        if not await wait_healthy(self.router_address, timeout=deadline - time.monotonic()):
+            raise TimeoutError(f"router at {self.router_address} did not become healthy")
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
@@ -165,9 +178,10 @@ def run_until_signal(cluster: LocalCluster) -> None:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     with cluster:
-        print(f"qos-serve up: router {cluster.router_address}, scheduler {cluster.scheduler_address}, "
-              f"{len(cluster.config.workers)} worker(s); model {Path(cluster.config.model).name}. "
-              "Ctrl-C stops.", flush=True)
+        pools = ", ".join(f"{p.name} ({p.device}, scheduler {p.scheduler.address}, "
+                          f"{len(p.workers)} worker(s))" for p in cluster.config.pools)
+        print(f"qos-serve up: router {cluster.router_address}; pools: {pools}; model "
+              f"{Path(cluster.config.model).name}. Ctrl-C stops.", flush=True)
         while not stop:
             for name, process in cluster.processes.items():
                 if process.poll() is not None:

@@ -13,7 +13,8 @@ import grpc
 
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
-from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig, load_config
+from services.common.config import (ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig,
+                                   load_config, single_pool)
 
 DOCUMENT = ("The city council met on Tuesday to discuss the new public library. Residents asked for "
             "longer opening hours, more study rooms and a larger children's section. The architect "
@@ -39,9 +40,9 @@ HIGH_DELAY_SECONDS = 0.3
 def demo_config(policy: str) -> ClusterConfig:
     # Free ports, so the demo never collides with a running `qos-serve up`. A 128-token step
     # budget keeps steps short on 2 CPU cores, so a High arrival waits little for the step in flight.
-    return ClusterConfig(router=RouterConfig(port=0),
-                         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=128),
-                         workers=[WorkerConfig(port=0, threads=2, kv_cache_mb=256)])
+    return single_pool(router=RouterConfig(port=0),
+                       scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=128),
+                       workers=[WorkerConfig(port=0, threads=2, kv_cache_mb=256)])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -103,7 +104,7 @@ def run_demo(args) -> int:
     started = time.perf_counter()
     with LocalCluster(config, quiet=True) as cluster:
         print(f"cluster ready in {time.perf_counter() - started:.1f} s: router {cluster.router_address}, "
-              f"policy {config.scheduler.policy}\n", flush=True)
+              f"policy {config.pools[0].scheduler.policy}\n", flush=True)
         results, elapsed = asyncio.run(burst(cluster.router_address, args.requests_per_priority))
         report(results, elapsed)
         print("\nstopping the cluster...", flush=True)

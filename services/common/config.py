@@ -47,7 +47,6 @@ class RouterConfig:
 class SchedulerConfig:
     host: str = DEFAULT_HOST
     port: int = 50052
-    pool: str = "cpu"                 # this pool's name, reported in every response
     policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
     weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
     kv_caps: list = field(default_factory=lambda: [1.0, 0.7, 0.3])    # share of each worker's KV
@@ -78,17 +77,46 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
-class ClusterConfig:
-    model: str = "default"
-    router: RouterConfig = field(default_factory=RouterConfig)
+class PoolConfig:
+    """A pool: one scheduler and its workers, all on one kind of device."""
+    name: str = "cpu"                 # reported as `pool` in every response
+    device: str = "cpu"               # cuda | npu | cpu: what the pool's workers run on
+    cost_per_token: float | None = None   # default by device: cuda 1.0, npu 0.3, cpu 0.1
+    primary: bool = False             # takes High when there is no GPU pool
+    lora: bool = False                # can serve requests naming a LoRA adapter
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: list[WorkerConfig] = field(default_factory=lambda: [WorkerConfig()])
 
+
+@dataclass(slots=True)
+class ClusterConfig:
+    model: str = "default"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
+
+    def pool(self, name: str | None) -> PoolConfig:
+        """The named pool, or the first one."""
+        if name is None:
+            return self.pools[0]
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise ConfigError(f"no pool named {name!r}; pools: {', '.join(p.name for p in self.pools)}")
+
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items()}
+        return asdict(self)
 
     def write_json(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2))
+
+
+def single_pool(router: RouterConfig | None = None, scheduler: SchedulerConfig | None = None,
+                workers: list[WorkerConfig] | None = None, model: str = "default",
+                name: str = "cpu") -> ClusterConfig:
+    """A one-pool cluster (what the top-level [scheduler] and [[workers]] tables describe)."""
+    return ClusterConfig(model=model, router=router or RouterConfig(), pools=[PoolConfig(
+        name=name, primary=True, scheduler=scheduler or SchedulerConfig(),
+        workers=workers or [WorkerConfig()])])
 
 
 def _section(cls, raw: dict, where: str):
@@ -109,33 +137,59 @@ def _section(cls, raw: dict, where: str):
     return obj
 
 
+def _check_scheduler(s: SchedulerConfig, where: str) -> None:
+    if s.policy not in POLICIES:
+        raise ConfigError(f"{where}.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
+    if len(s.weights) != 3 or not all(isinstance(w, (int, float)) and w > 0 for w in s.weights):
+        raise ConfigError(f"{where}.weights must be 3 numbers > 0 (high, medium, low), got {s.weights}")
+    if len(s.kv_caps) != 3 or not all(isinstance(c, (int, float)) and 0 < c <= 1 for c in s.kv_caps):
+        raise ConfigError(f"{where}.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
+    if s.max_running < 1 or s.max_step_tokens < s.max_running:
+        raise ConfigError(f"need {where}.max_running >= 1 and max_step_tokens >= max_running")
+
+
+def _parse_pool(raw: dict, where: str) -> PoolConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers")}
+    pool = _section(PoolConfig, flat, where)
+    pool.scheduler = _section(SchedulerConfig, raw.get("scheduler", {}), f"{where}.scheduler")
+    _check_scheduler(pool.scheduler, f"{where}.scheduler")
+    workers = raw.get("workers", [{}])
+    if not isinstance(workers, list) or not workers:
+        raise ConfigError(f"{where}.workers must be a non-empty list of worker tables")
+    pool.workers = [_section(WorkerConfig, w, f"{where}.workers[{i}]") for i, w in enumerate(workers)]
+    if pool.device not in ("cuda", "npu", "cpu"):
+        raise ConfigError(f"{where}.device must be cuda, npu or cpu, got {pool.device!r}")
+    for i, w in enumerate(pool.workers):
+        if w.threads < 0:
+            raise ConfigError(f"{where}.workers[{i}].threads must be >= 0")
+        # Never label a pool with a device it does not have.
+        if w.device.split(":")[0] != pool.device:
+            raise ConfigError(f"{where}.workers[{i}].device is {w.device!r} but the pool is {pool.device!r}")
+    return pool
+
+
 def parse_config(raw: dict) -> ClusterConfig:
-    known = {"model", "router", "scheduler", "workers"}
+    known = {"model", "router", "pools", "scheduler", "workers"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
-    workers = raw.get("workers", [{}])
-    if not isinstance(workers, list) or not workers:
-        raise ConfigError("workers must be a non-empty list of [[workers]] tables")
-    config = ClusterConfig(
-        model=str(raw.get("model", "default")),
-        router=_section(RouterConfig, raw.get("router", {}), "router"),
-        scheduler=_section(SchedulerConfig, raw.get("scheduler", {}), "scheduler"),
-        workers=[_section(WorkerConfig, w, f"workers[{i}]") for i, w in enumerate(workers)],
-    )
-    s = config.scheduler
-    if s.policy not in POLICIES:
-        raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
-    if len(s.weights) != 3 or not all(isinstance(w, (int, float)) and w > 0 for w in s.weights):
-        raise ConfigError(f"scheduler.weights must be 3 numbers > 0 (high, medium, low), got {s.weights}")
-    if len(s.kv_caps) != 3 or not all(isinstance(c, (int, float)) and 0 < c <= 1 for c in s.kv_caps):
-        raise ConfigError(f"scheduler.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
-    if s.max_running < 1 or s.max_step_tokens < s.max_running:
-        raise ConfigError("need scheduler.max_running >= 1 and max_step_tokens >= max_running")
-    for i, w in enumerate(config.workers):
-        if w.threads < 0:
-            raise ConfigError(f"workers[{i}].threads must be >= 0")
-    return config
+    if "pools" in raw and ("scheduler" in raw or "workers" in raw):
+        raise ConfigError("give either [[pools]] or a single pool's [scheduler] and [[workers]], not both")
+    if "pools" in raw:
+        if not isinstance(raw["pools"], list) or not raw["pools"]:
+            raise ConfigError("pools must be a non-empty list of [[pools]] tables")
+        pools = [_parse_pool(p, f"pools[{i}]") for i, p in enumerate(raw["pools"])]
+    else:
+        single = {"name": "cpu", "primary": True, "scheduler": raw.get("scheduler", {}),
+                  "workers": raw.get("workers", [{}])}
+        pools = [_parse_pool(single, "pool")]
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"pool names must be unique, got {names}")
+    return ClusterConfig(model=str(raw.get("model", "default")),
+                         router=_section(RouterConfig, raw.get("router", {}), "router"), pools=pools)
 
 
 def load_config(path: str | Path | None) -> ClusterConfig:

@@ -6,6 +6,7 @@ from services.common.proto.qos.v1 import common_pb2
 PRIORITY_HEADER = "x-priority"
 TENANT_HEADER = "x-tenant"
 SLO_HEADER = "x-slo-ms"
+LORA_HEADER = "x-lora"
 
 PRIORITIES = {
     "high": common_pb2.PRIORITY_HIGH,

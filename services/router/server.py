@@ -1,5 +1,6 @@
-"""The Router gRPC service: validate, classify by `x-priority`, forward to the pool's scheduler,
-relay the stream, keep per-priority stats."""
+"""The Router gRPC service: validate, classify by `x-priority`, choose a pool by cost and load
+(services/router/routing.py, from cached pool stats only), forward to its scheduler, relay the
+stream with the cost charged, keep stats per priority, pool and tenant."""
 from __future__ import annotations
 
 import asyncio
@@ -10,12 +11,13 @@ from collections import deque
 
 import grpc
 
-from services.common.config import RouterConfig
+from services.common.config import PoolConfig, RouterConfig
 from services.common.grpc_server import CHANNEL_OPTIONS, run_server
-from services.common.priority import (ORDER, PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER,
-                                      parse_priority, parse_slo_ms)
+from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_HEADER,
+                                      TENANT_HEADER, parse_priority, parse_slo_ms)
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
                                           scheduler_pb2_grpc)
+from services.router.routing import NoPoolError, PoolLoad, PoolRouter, PoolSpec, RouteRequest
 from services.router.validation import InvalidRequest, decode_request
 
 log = logging.getLogger(__name__)
@@ -31,51 +33,94 @@ def percentile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class PriorityCounters:
+class Counters:
+    """Requests, tokens, cost and latency samples for one priority, pool or tenant."""
+
     def __init__(self) -> None:
         self.requests = self.completed = self.failed = self.cancelled = self.output_tokens = 0
+        self.cost_units = 0.0
         self.ttft_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self.e2e_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
 
-    def to_proto(self, priority: int) -> router_pb2.PriorityStats:
+    def to_priority_proto(self, priority: int) -> router_pb2.PriorityStats:
         return router_pb2.PriorityStats(
             priority=priority, requests=self.requests, completed=self.completed, failed=self.failed,
-            cancelled=self.cancelled, output_tokens=self.output_tokens,
+            cancelled=self.cancelled, output_tokens=self.output_tokens, cost_units=self.cost_units,
             ttft_p50_ms=percentile(self.ttft_ms, 0.50), ttft_p95_ms=percentile(self.ttft_ms, 0.95),
             ttft_p99_ms=percentile(self.ttft_ms, 0.99), e2e_p50_ms=percentile(self.e2e_ms, 0.50),
             e2e_p95_ms=percentile(self.e2e_ms, 0.95), e2e_p99_ms=percentile(self.e2e_ms, 0.99))
 
+    def to_group_proto(self, name: str) -> router_pb2.GroupStats:
+        return router_pb2.GroupStats(
+            name=name, requests=self.requests, completed=self.completed, failed=self.failed,
+            output_tokens=self.output_tokens, cost_units=self.cost_units,
+            ttft_p50_ms=percentile(self.ttft_ms, 0.50), ttft_p99_ms=percentile(self.ttft_ms, 0.99),
+            e2e_p99_ms=percentile(self.e2e_ms, 0.99))
+
+
+class PoolHandle:
+    """One pool as the router sees it: its scheduler stub and its latest stats."""
+
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self.channel = grpc.aio.insecure_channel(config.scheduler.address, options=CHANNEL_OPTIONS)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.stats: scheduler_pb2.PoolStats | None = None
+
+
+def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
+    total = stats.kv_blocks_total or 1
+    return PoolLoad(healthy=stats.workers > 0, queued=sum(c.waiting for c in stats.classes),
+                    free_kv=1.0 - stats.kv_blocks_used / total, ttft_ms=stats.ttft_p90_ms,
+                    utilization=stats.utilization)
+
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, scheduler_address: str):
-        self.scheduler_address = scheduler_address
-        self.channel = grpc.aio.insecure_channel(scheduler_address, options=CHANNEL_OPTIONS)
-        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.pool_stats: scheduler_pb2.PoolStats | None = None
-        self.counters = {p: PriorityCounters() for p in ORDER}
-        self.watch_task: asyncio.Task | None = None
-        self.knows_pool = asyncio.Event()   # health says SERVING only once the pool is known
+    def __init__(self, pools: list[PoolConfig], model_name: str):
+        self.model_name = model_name
+        self.pools = {p.name: PoolHandle(p) for p in pools}
+        self.routing = PoolRouter([PoolSpec(p.name, p.device, frozenset({model_name}),
+                                            p.cost_per_token, p.lora, p.primary) for p in pools])
+        self.specs = {spec.name: spec for spec in self.routing.pools}
+        self.by_priority = {p: Counters() for p in ORDER}
+        self.by_pool = {name: Counters() for name in self.pools}
+        self.by_tenant: dict[str, Counters] = {}
+        self.watch_tasks: list[asyncio.Task] = []
+        self.knows_pools = asyncio.Event()   # health says SERVING once every pool is known
 
     async def start(self) -> None:
-        self.watch_task = asyncio.create_task(self._watch_pool())
+        self.watch_tasks = [asyncio.create_task(self._watch_pool(h)) for h in self.pools.values()]
 
     async def stop(self) -> None:
-        if self.watch_task:
-            self.watch_task.cancel()
-        await self.channel.close()
+        for task in self.watch_tasks:
+            task.cancel()
+        for handle in self.pools.values():
+            await handle.channel.close()
 
-    async def _watch_pool(self) -> None:
-        """Cache the pool's stats (model, context window, load): the request path reads only this."""
+    async def _watch_pool(self, handle: PoolHandle) -> None:
+        """Cache a pool's stats (model, limits, load): the request path reads only this."""
+        name = handle.config.name
         while True:
             try:
-                async for stats in self.scheduler.WatchPoolStats(
-                        scheduler_pb2.PoolStatsRequest(interval_ms=500)):
-                    self.pool_stats = stats
-                    if stats.max_context:   # a worker has connected: the model's limits are known
-                        self.knows_pool.set()
+                async for stats in handle.scheduler.WatchPoolStats(
+                        scheduler_pb2.PoolStatsRequest(interval_ms=200)):
+                    if stats.device and stats.device != handle.config.device:
+                        log.error("pool %s is configured as %s but its workers run on %s; not routing "
+                                  "to it", name, handle.config.device, stats.device)
+                        self.routing.update(name, PoolLoad(healthy=False))
+                        continue
+                    handle.stats = stats
+                    self.routing.update(name, pool_load(stats))
+                    if all(h.stats is not None and h.stats.max_context for h in self.pools.values()):
+                        self.knows_pools.set()
             except grpc.aio.AioRpcError as exc:
-                log.debug("pool stats stream from %s: %s", self.scheduler_address, exc.code().name)
+                log.debug("pool %s stats stream: %s", name, exc.code().name)
+            self.routing.update(name, PoolLoad(healthy=False))
             await asyncio.sleep(0.2)
+
+    def _max_context(self) -> int | None:
+        known = [h.stats.max_context for h in self.pools.values() if h.stats and h.stats.max_context]
+        return min(known) if known else None
 
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         received = time.perf_counter()
@@ -85,57 +130,76 @@ class RouterService(router_pb2_grpc.RouterServicer):
             slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        counters = self.counters[priority]
-        counters.requests += 1
-        stats = self.pool_stats
-        max_context = stats.max_context if stats and stats.max_context else None
+        tenant = metadata.get(TENANT_HEADER, "")
+        groups = [self.by_priority[priority], self.by_tenant.setdefault(tenant, Counters())]
+        for group in groups:
+            group.requests += 1
         try:
-            request = decode_request(raw, max_context)
+            request = decode_request(raw, self._max_context())
         except InvalidRequest as exc:
-            counters.failed += 1
+            for group in groups:
+                group.failed += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if request.model and stats and request.model != stats.model:
-            counters.failed += 1
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"model {request.model!r} is not served by any pool "
-                                f"(pool {stats.pool} serves {stats.model!r})")
+        lora = metadata.get(LORA_HEADER) or None
+        try:
+            decision = self.routing.route(RouteRequest(request.model or self.model_name, priority,
+                                                       lora, slo_ms or None))
+        except NoPoolError as exc:
+            for group in groups:
+                group.failed += 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        pool = self.pools[decision.pool]
+        groups.append(self.by_pool[decision.pool])
+        self.by_pool[decision.pool].requests += 1
         submit = scheduler_pb2.SubmitRequest(
-            request_id=uuid.uuid4().hex, priority=priority, tenant=metadata.get(TENANT_HEADER, ""),
-            prompt=request.prompt, messages=request.messages, sampling=request.sampling,
-            slo_ms=slo_ms)
-        call = self.scheduler.Submit(submit)
+            request_id=uuid.uuid4().hex, priority=priority, tenant=tenant, prompt=request.prompt,
+            messages=request.messages, sampling=request.sampling, slo_ms=slo_ms, lora=lora or "")
+        call = pool.scheduler.Submit(submit)
         first = True
         finished = False
         try:
             async for chunk in call:
-                if first and chunk.token_ids:
-                    counters.ttft_ms.append((time.perf_counter() - received) * 1000)
-                    first = False
-                counters.output_tokens += len(chunk.token_ids)
+                elapsed_ms = (time.perf_counter() - received) * 1000
+                for group in groups:
+                    group.output_tokens += len(chunk.token_ids)
+                    if first and chunk.token_ids:
+                        group.ttft_ms.append(elapsed_ms)
+                first = first and not chunk.token_ids
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     finished = True
-                    counters.completed += 1
-                    counters.e2e_ms.append((time.perf_counter() - received) * 1000)
+                    chunk.cost_units = (chunk.usage.prompt_tokens + chunk.usage.completion_tokens) \
+                        * self.specs[decision.pool].cost
+                    for group in groups:
+                        group.completed += 1
+                        group.e2e_ms.append(elapsed_ms)
+                        group.cost_units += chunk.cost_units
                 yield chunk
         except grpc.aio.AioRpcError as exc:
-            counters.failed += 1
             finished = True
+            for group in groups:
+                group.failed += 1
             trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in RELAYED_TRAILERS)
             if trailers:
                 context.set_trailing_metadata(trailers)
             details = exc.details() or ""
             if exc.code() == grpc.StatusCode.UNAVAILABLE and "worker" not in details:
                 # Not a status the scheduler sent: the scheduler itself could not be reached.
-                details = f"scheduler {self.scheduler_address} unavailable: {details}"
+                details = f"pool {decision.pool} scheduler {pool.config.scheduler.address} " \
+                          f"unavailable: {details}"
             await context.abort(exc.code(), details)
         finally:
             if not finished:
-                counters.cancelled += 1
+                for group in groups:
+                    group.cancelled += 1
                 call.cancel()   # the client went away: cancel the chain behind us
 
     async def Stats(self, request, context) -> router_pb2.RouterStats:
-        return router_pb2.RouterStats(priorities=[self.counters[p].to_proto(p) for p in ORDER],
-                                      pools=[self.pool_stats] if self.pool_stats else [])
+        return router_pb2.RouterStats(
+            priorities=[self.by_priority[p].to_priority_proto(p) for p in ORDER],
+            pools=[h.stats for h in self.pools.values() if h.stats is not None],
+            by_pool=[c.to_group_proto(name) for name, c in self.by_pool.items()],
+            by_tenant=[c.to_group_proto(name) for name, c in sorted(self.by_tenant.items())],
+            overflow_threshold=self.routing.threshold.value)
 
 
 def register_router(server: grpc.aio.Server, service: RouterService) -> list[str]:
@@ -153,11 +217,11 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
     return ["qos.v1.Router"]
 
 
-async def serve_router(config: RouterConfig, scheduler_address: str) -> None:
-    service = RouterService(scheduler_address)
+async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
+    service = RouterService(pools, model_name)
 
     async def started(_port: int) -> None:
         await service.start()
 
     await run_server("router", config.address, lambda server: register_router(server, service),
-                     on_started=started, on_stopping=service.stop, ready=service.knows_pool)
+                     on_started=started, on_stopping=service.stop, ready=service.knows_pools)

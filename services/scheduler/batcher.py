@@ -91,6 +91,7 @@ class ContinuousBatcher:
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.preempted_by_priority: Counter = Counter()
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
+        self.recent_ttft_ms: deque[float] = deque(maxlen=200)
 
     # --- called by the gRPC handlers ------------------------------------------------------------
 
@@ -345,6 +346,7 @@ class ContinuousBatcher:
         self.output_tokens[request.priority] += 1
         if request.first_token_at is None:
             request.first_token_at = now
+            self.recent_ttft_ms.append((now - request.arrival) * 1000)
         detok = request.detokenizer
         text = detok.add(token.token_id)
         reason = "stop" if detok.stopped else token.finish_reason

@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 
 
+def p90(values) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else 0.0
+
+
 class RequestRejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, trailers=()):
         super().__init__(message)
@@ -35,8 +40,10 @@ class RequestRejected(Exception):
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, model_dir: str, worker_addresses: list[str]):
+    def __init__(self, config: SchedulerConfig, pool_name: str, model_dir: str,
+                 worker_addresses: list[str]):
         self.config = config
+        self.pool_name = pool_name
         self.model_name = Path(model_dir).name
         self.tokenizer = TextTokenizer.from_model_dir(model_dir)
         self.links = [WorkerLink(i, address) for i, address in enumerate(worker_addresses)]
@@ -44,7 +51,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             weights=dict(zip(ORDER, map(float, config.weights))),
             kv_caps=dict(zip(ORDER, map(float, config.kv_caps)))))
         self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
-        self.batcher = ContinuousBatcher(config.pool, self.links, self.policy, config.max_running,
+        self.batcher = ContinuousBatcher(pool_name, self.links, self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor)
         self.rejected: Counter = Counter()
         self.seq_ids = itertools.count(1)
@@ -71,6 +78,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return min(i.max_context for i in infos), max(i.num_blocks for i in infos)
 
     def intake(self, submit: scheduler_pb2.SubmitRequest) -> Request:
+        if submit.lora:
+            raise RequestRejected(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"LoRA adapter {submit.lora!r} requested, but pool {self.pool_name} "
+                                  "serves no LoRA adapters")
         max_context, largest_pool = self._model_limits()
         if submit.messages:
             messages = [{"role": m.role, "content": m.content} for m in submit.messages]
@@ -127,11 +138,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request needs {need} KV blocks (prompt + max_tokens) but the {name} class may "
                 f"hold at most {cap} ({share:.0%} of the largest worker's {largest_pool} blocks of "
-                f"pool {self.config.pool})")
+                f"pool {self.pool_name})")
         if self.policy.waiting(priority) >= self.config.max_queue:
             raise RequestRejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the {name} queue of pool {self.config.pool} is full ({self.config.max_queue} "
+                f"the {name} queue of pool {self.pool_name} is full ({self.config.max_queue} "
                 "waiting)", trailers=retry)
         if submit.slo_ms:
             wait_ms = self.batcher.estimated_wait_ms(priority, prompt_len)
@@ -176,13 +187,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         weights = self.policy.weights()
         info = next((l.info for l in self.links if l.info is not None), None)
         return scheduler_pb2.PoolStats(
-            pool=self.config.pool, model=self.model_name, policy=self.policy.name,
+            pool=self.pool_name, model=self.model_name, policy=self.policy.name,
             device=info.device_type if info else "", workers=len(connected),
             max_context=info.max_context if info else 0,
             block_size=info.block_size if info else 0,
             kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
             kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
-            steps=b.steps, preemptions=b.preemptions,
+            steps=b.steps, preemptions=b.preemptions, ttft_p90_ms=p90(b.recent_ttft_ms),
             utilization=self.monitor.utilization if self.monitor else 0.0,
             classes=[scheduler_pb2.ClassStats(
                 priority=p, waiting=self.policy.waiting(p), running=running[p], kv_blocks=held[p],
@@ -204,8 +215,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(interval)
 
 
-async def serve_scheduler(config: SchedulerConfig, model_dir: str, worker_addresses: list[str]) -> None:
-    service = SchedulerService(config, model_dir, worker_addresses)
+async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: str,
+                          worker_addresses: list[str]) -> None:
+    service = SchedulerService(config, pool_name, model_dir, worker_addresses)
 
     def register(server: grpc.aio.Server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)

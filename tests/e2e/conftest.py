@@ -6,12 +6,12 @@ import asyncio
 import pytest
 
 from services.cluster import LocalCluster
-from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig
+from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
 
 
-def cluster_config(**scheduler) -> ClusterConfig:
-    return ClusterConfig(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, **scheduler),
-                         workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=256)])
+def cluster_config(kv_cache_mb: int = 256, **scheduler) -> ClusterConfig:
+    return single_pool(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, **scheduler),
+                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)])
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,18 @@ import pytest
 
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
-from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
-from tests.e2e.conftest import run
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
 
 def small_cluster(kv_cache_mb: int, **scheduler) -> LocalCluster:
-    return LocalCluster(ClusterConfig(
-        router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, **scheduler),
-        workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)]), quiet=True)
+    return LocalCluster(cluster_config(kv_cache_mb=kv_cache_mb, **scheduler), quiet=True)
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:

@@ -79,7 +79,7 @@ def test_cancelled_streams_free_their_blocks_and_worker_state(cluster):
                 if pool.kv_blocks_used == 0:
                     break
                 await asyncio.sleep(0.05)
-        async with grpc.aio.insecure_channel(cluster.config.workers[0].address) as channel:
+        async with grpc.aio.insecure_channel(cluster.config.pools[0].workers[0].address) as channel:
             worker = worker_pb2_grpc.WorkerStub(channel)
             for _ in range(100):   # released with the scheduler's next plan, sent at once
                 info = await worker.Info(worker_pb2.InfoRequest())

@@ -38,7 +38,7 @@ def test_killed_worker_fails_streams_fast_and_recovery_follows():
                            for i in range(6)]
                 await asyncio.wait_for(started.wait(), 60)
                 await asyncio.sleep(0.3)
-                cluster.processes["worker-0"].send_signal(signal.SIGKILL)
+                cluster.processes["cpu/worker-0"].send_signal(signal.SIGKILL)
                 killed_at = time.monotonic()
                 return await asyncio.wait_for(asyncio.gather(*streams), 10), killed_at
 
@@ -49,8 +49,8 @@ def test_killed_worker_fails_streams_fast_and_recovery_follows():
             assert "worker" in details
             assert ended - killed_at < 2.0
 
-        cluster.processes["worker-0"].wait()
-        cluster.start_worker(0)
+        cluster.processes["cpu/worker-0"].wait()
+        cluster.start_worker("cpu", 0)
 
         async def serve_again():
             async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:

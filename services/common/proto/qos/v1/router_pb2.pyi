@@ -45,7 +45,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PriorityStats(_message.Message):
-    __slots__ = ("priority", "requests", "completed", "failed", "cancelled", "output_tokens", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms", "e2e_p99_ms")
+    __slots__ = ("priority", "requests", "completed", "failed", "cancelled", "output_tokens", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p95_ms", "e2e_p99_ms", "cost_units")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class PriorityStats(_message.Message):
     E2E_P50_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_P95_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    COST_UNITS_FIELD_NUMBER: _ClassVar[int]
     priority: _common_pb2.Priority
     requests: int
     completed: int
@@ -70,12 +71,41 @@ class PriorityStats(_message.Message):
     e2e_p50_ms: float
     e2e_p95_ms: float
     e2e_p99_ms: float
-    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p95_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p95_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ...) -> None: ...
+    cost_units: float
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., cancelled: _Optional[int] = ..., output_tokens: _Optional[int] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p95_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p50_ms: _Optional[float] = ..., e2e_p95_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ..., cost_units: _Optional[float] = ...) -> None: ...
+
+class GroupStats(_message.Message):
+    __slots__ = ("name", "requests", "completed", "failed", "output_tokens", "cost_units", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COST_UNITS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P50_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    E2E_P99_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    requests: int
+    completed: int
+    failed: int
+    output_tokens: int
+    cost_units: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p99_ms: float
+    def __init__(self, name: _Optional[str] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_units: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("priorities", "pools")
+    __slots__ = ("priorities", "pools", "by_pool", "by_tenant", "overflow_threshold")
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    BY_POOL_FIELD_NUMBER: _ClassVar[int]
+    BY_TENANT_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityStats]
     pools: _containers.RepeatedCompositeFieldContainer[_scheduler_pb2.PoolStats]
-    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[_scheduler_pb2.PoolStats, _Mapping]]] = ...) -> None: ...
+    by_pool: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    by_tenant: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    overflow_threshold: float
+    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[_scheduler_pb2.PoolStats, _Mapping]]] = ..., by_pool: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., by_tenant: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., overflow_threshold: _Optional[float] = ...) -> None: ...
