@@ -20,6 +20,8 @@ class Answer:
     e2e_ms: float = 0.0           # request sent -> last chunk
     server_timings: common_pb2.Timings | None = None
     pool: str = ""
+    cost_units: float = 0.0
+    total_tokens: int = 0     # usage: prompt + completion tokens
 
 
 def sampling_params(max_tokens: int | None = None, temperature: float | None = None, **extra):
@@ -74,6 +76,8 @@ class RouterClient:
                 answer.finish_reason = common_pb2.FinishReason.Name(chunk.finish_reason) \
                     .removeprefix("FINISH_REASON_").lower()
                 answer.server_timings = chunk.timings
+                answer.cost_units = chunk.cost_units
+                answer.total_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
         answer.e2e_ms = (time.perf_counter() - started) * 1000
         return answer
 

@@ -37,6 +37,7 @@ class ConfigError(ValueError):
 class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = 50051
+    routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
 
     @property
     def address(self) -> str:
@@ -188,8 +189,10 @@ def parse_config(raw: dict) -> ClusterConfig:
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ConfigError(f"pool names must be unique, got {names}")
-    return ClusterConfig(model=str(raw.get("model", "default")),
-                         router=_section(RouterConfig, raw.get("router", {}), "router"), pools=pools)
+    router = _section(RouterConfig, raw.get("router", {}), "router")
+    if router.routing not in ("cost", "primary"):
+        raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
+    return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools)
 
 
 def load_config(path: str | Path | None) -> ClusterConfig:

@@ -81,6 +81,7 @@ class OverflowThreshold:
 @dataclass(slots=True)
 class PoolRouter:
     pools: list[PoolSpec]
+    mode: str = "cost"                   # "cost": the rules above; "primary": everything on the primary
     threshold: OverflowThreshold = field(default_factory=OverflowThreshold)
     min_free_kv: float = 0.1             # "free capacity": at least this share of KV blocks free
     max_queue_for_overflow: int = 4      # a cheap pool queueing more than this is backed up
@@ -89,6 +90,8 @@ class PoolRouter:
     _by_cost: list[PoolSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.mode not in ("cost", "primary"):
+            raise ValueError(f"routing mode must be cost or primary, got {self.mode!r}")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique: {names}")
@@ -117,6 +120,11 @@ class PoolRouter:
         cheap_backed_up = all(self.loads[p.name].queued > self.max_queue_for_overflow for p in cheap)
         self.threshold.adapt(primary_queued, cheap_idle, cheap_backed_up)
 
+    def note_dispatch(self, name: str) -> None:
+        """A request was just sent to `name`: count it as queued until the pool's next stats, so a
+        burst arriving between two stats updates does not all land on one pool."""
+        self.loads[name].queued += 1
+
     def _is_primary(self, pool: PoolSpec) -> bool:
         has_gpu = any(p.device == "cuda" for p in self.pools)
         return pool.device == "cuda" if has_gpu else pool.primary
@@ -138,6 +146,8 @@ class PoolRouter:
 
         if request.priority == HIGH:
             return Decision(primary.name, "high-to-primary")
+        if self.mode == "primary":
+            return Decision(primary.name, "primary-only")
         if request.lora:
             for pool in healthy:
                 if pool.device == "npu" and loads[pool.name].free_kv >= self.min_free_kv:

@@ -76,11 +76,12 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, pools: list[PoolConfig], model_name: str):
+    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str = "cost"):
         self.model_name = model_name
         self.pools = {p.name: PoolHandle(p) for p in pools}
         self.routing = PoolRouter([PoolSpec(p.name, p.device, frozenset({model_name}),
-                                            p.cost_per_token, p.lora, p.primary) for p in pools])
+                                            p.cost_per_token, p.lora, p.primary) for p in pools],
+                                  mode=routing)
         self.specs = {spec.name: spec for spec in self.routing.pools}
         self.by_priority = {p: Counters() for p in ORDER}
         self.by_pool = {name: Counters() for name in self.pools}
@@ -149,6 +150,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 group.failed += 1
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         pool = self.pools[decision.pool]
+        self.routing.note_dispatch(decision.pool)
         groups.append(self.by_pool[decision.pool])
         self.by_pool[decision.pool].requests += 1
         submit = scheduler_pb2.SubmitRequest(
@@ -218,7 +220,7 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
 
 
 async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
-    service = RouterService(pools, model_name)
+    service = RouterService(pools, model_name, config.routing)
 
     async def started(_port: int) -> None:
         await service.start()

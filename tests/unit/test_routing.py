@@ -115,3 +115,23 @@ def test_config_errors():
         PoolRouter([CPU, CPU])
     with pytest.raises(ValueError, match="device must be cuda, npu or cpu"):
         PoolRouter([PoolSpec("tpu", "tpu", frozenset({M}))])
+
+
+def test_dispatches_count_as_queued_until_the_next_stats():
+    r = router([GPU, CPU], gpu=load(queued=0), cpu=load())
+    chosen = []
+    for _ in range(12):                       # a burst between two stats updates
+        decision = r.route(RouteRequest(M, LOW))
+        r.note_dispatch(decision.pool)
+        chosen.append(decision.pool)
+    assert chosen[:8] == ["gpu"] * 8 and "cpu" in chosen[8:]
+    r.update("gpu", load(queued=0))           # fresh stats replace the local count
+    assert r.route(RouteRequest(M, LOW)).pool == "gpu"
+
+
+def test_primary_mode_keeps_everything_on_the_primary():
+    r = PoolRouter([GPU, CPU], mode="primary")
+    r.loads.update(gpu=BUSY_GPU, cpu=load())
+    assert r.route(RouteRequest(M, LOW)).pool == "gpu"
+    with pytest.raises(ValueError, match="routing mode"):
+        PoolRouter([GPU], mode="random")
