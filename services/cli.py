@@ -79,7 +79,8 @@ def cmd_generate(args) -> int:
                 print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
         print()
-        print(f"[{args.priority or 'medium'} | pool {answer.pool} | {len(answer.token_ids)} tokens | "
+        print(f"[{args.priority or 'medium'} | pool {answer.pool} | cost {answer.cost_units:.1f} | "
+              f"{len(answer.token_ids)} tokens | "
               f"TTFT {answer.ttft_ms:.0f} ms | total {answer.e2e_ms:.0f} ms | {answer.finish_reason}]",
               file=sys.stderr)
         return 0
