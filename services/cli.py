@@ -3,6 +3,7 @@
     qos-serve up [--config FILE]                 router + scheduler + worker(s) on loopback
     qos-serve generate --priority high "prompt"  stream an answer through the router
     qos-serve demo                               a local cluster serving a mixed-priority burst
+    qos-serve stats [--watch]                    the cluster per priority
     qos-serve router|scheduler|worker --config FILE [--index N]   one service
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ def cmd_worker(args) -> int:
     from services.engine.engine import Engine
     from services.worker.server import build_engine_config, serve_worker
     engine = Engine(build_engine_config(resolve_model(config.model), worker))
-    asyncio.run(serve_worker(engine, worker.address))
+    asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port))
     return 0
 
 
@@ -88,6 +89,12 @@ def cmd_generate(args) -> int:
     return asyncio.run(run())
 
 
+def cmd_stats(args) -> int:
+    from services.stats_view import show
+    address = args.router or load_config(args.config).router.address
+    return show(address, args.watch)
+
+
 def cmd_demo(args) -> int:
     from services.demo import run_demo
     return run_demo(args)
@@ -112,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("stats", help="the cluster per priority: latency percentiles, queues, KV, weights")
+    _config_args(p)
+    p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh in place every SECONDS (default 2)")
+    p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)

@@ -51,6 +51,8 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     for section in sections:
         if section.port == 0:
             section.port = free_port(section.host)
+        if section.metrics_port == 0:
+            section.metrics_port = free_port(section.host)
     return config
 
 

@@ -38,6 +38,7 @@ class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = 50051
     routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
+    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
 
     @property
     def address(self) -> str:
@@ -55,6 +56,7 @@ class SchedulerConfig:
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED
+    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
 
     @property
     def address(self) -> str:
@@ -71,6 +73,7 @@ class WorkerConfig:
     kv_cache_mb: int | None = 256     # KV budget; unset = kv_cache_fraction of free memory
     kv_cache_fraction: float = 0.1
     block_size: int = 16
+    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
 
     @property
     def address(self) -> str:

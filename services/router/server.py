@@ -12,9 +12,12 @@ from collections import deque
 import grpc
 
 from services.common.config import PoolConfig, RouterConfig
+from prometheus_client import CollectorRegistry
+
 from services.common.grpc_server import CHANNEL_OPTIONS, run_server
+from services.common.metrics import RequestMetrics, serve_metrics
 from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_HEADER,
-                                      TENANT_HEADER, parse_priority, parse_slo_ms)
+                                      TENANT_HEADER, parse_priority, parse_slo_ms, priority_name)
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
                                           scheduler_pb2_grpc)
 from services.router.routing import NoPoolError, PoolLoad, PoolRouter, PoolSpec, RouteRequest
@@ -87,6 +90,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.by_pool = {name: Counters() for name in self.pools}
         self.by_tenant: dict[str, Counters] = {}
         self.watch_tasks: list[asyncio.Task] = []
+        self.registry = CollectorRegistry()
+        self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
         self.knows_pools = asyncio.Event()   # health says SERVING once every pool is known
 
     async def start(self) -> None:
@@ -130,8 +135,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             priority = parse_priority(metadata.get(PRIORITY_HEADER))
             slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
         except ValueError as exc:
+            self.metrics.rejections.labels("unknown", "invalid_argument").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tenant = metadata.get(TENANT_HEADER, "")
+        name = priority_name(priority)
         groups = [self.by_priority[priority], self.by_tenant.setdefault(tenant, Counters())]
         for group in groups:
             group.requests += 1
@@ -140,6 +147,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except InvalidRequest as exc:
             for group in groups:
                 group.failed += 1
+            self.metrics.rejections.labels(name, "invalid_argument").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         lora = metadata.get(LORA_HEADER) or None
         try:
@@ -148,6 +156,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         except NoPoolError as exc:
             for group in groups:
                 group.failed += 1
+            self.metrics.rejections.labels(name, "no_pool").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         pool = self.pools[decision.pool]
         self.routing.note_dispatch(decision.pool)
@@ -157,7 +166,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             request_id=uuid.uuid4().hex, priority=priority, tenant=tenant, prompt=request.prompt,
             messages=request.messages, sampling=request.sampling, slo_ms=slo_ms, lora=lora or "")
         call = pool.scheduler.Submit(submit)
-        first = True
+        first, first_token_s = True, 0.0
         finished = False
         try:
             async for chunk in call:
@@ -166,6 +175,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     group.output_tokens += len(chunk.token_ids)
                     if first and chunk.token_ids:
                         group.ttft_ms.append(elapsed_ms)
+                if first and chunk.token_ids:
+                    first_token_s = elapsed_ms / 1000
+                self.metrics.tokens.labels(name, decision.pool).inc(len(chunk.token_ids))
                 first = first and not chunk.token_ids
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     finished = True
@@ -175,11 +187,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         group.completed += 1
                         group.e2e_ms.append(elapsed_ms)
                         group.cost_units += chunk.cost_units
+                    self.metrics.finished((name, decision.pool), first_token_s, elapsed_ms / 1000,
+                                          chunk.usage.completion_tokens)
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             finished = True
             for group in groups:
                 group.failed += 1
+            self.metrics.requests.labels(name, decision.pool, "failed").inc()
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                self.metrics.rejections.labels(name, "resource_exhausted").inc()
             trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k in RELAYED_TRAILERS)
             if trailers:
                 context.set_trailing_metadata(trailers)
@@ -191,6 +208,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(exc.code(), details)
         finally:
             if not finished:
+                self.metrics.requests.labels(name, decision.pool, "cancelled").inc()
                 for group in groups:
                     group.cancelled += 1
                 call.cancel()   # the client went away: cancel the chain behind us
@@ -221,6 +239,7 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
 
 async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
     service = RouterService(pools, model_name, config.routing)
+    serve_metrics(service.registry, config.host, config.metrics_port, "router")
 
     async def started(_port: int) -> None:
         await service.start()

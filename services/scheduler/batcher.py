@@ -92,6 +92,7 @@ class ContinuousBatcher:
         self.preempted_by_priority: Counter = Counter()
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
+        self.on_finished = None      # callable(request, now): a request completed (metrics)
 
     # --- called by the gRPC handlers ------------------------------------------------------------
 
@@ -360,6 +361,8 @@ class ContinuousBatcher:
             chunk.timings.CopyFrom(request.timings(now))
             request.events.put_nowait(chunk)
             self._finish(request)
+            if self.on_finished is not None:
+                self.on_finished(request, now)
         else:
             chunk.timings.CopyFrom(request.timings())
             request.events.put_nowait(chunk)

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import grpc
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from services.common.config import SchedulerConfig
+from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.grpc_server import run_server
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -34,9 +38,10 @@ def p90(values) -> float:
 
 
 class RequestRejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, trailers=()):
+    def __init__(self, code: grpc.StatusCode, message: str, trailers=(), reason: str = ""):
         super().__init__(message)
         self.code, self.message, self.trailers = code, message, tuple(trailers)
+        self.reason = reason or code.name.lower()
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -54,6 +59,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher = ContinuousBatcher(pool_name, self.links, self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor)
         self.rejected: Counter = Counter()
+        self.registry = CollectorRegistry()
+        self.metrics = RequestMetrics(self.registry, ("priority",))
+        self.registry.register(StateCollector(self._state_metrics))
+        self.batcher.on_finished = self._record_finished
         self.seq_ids = itertools.count(1)
         self.tasks: list[asyncio.Task] = []
 
@@ -138,19 +147,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the request needs {need} KV blocks (prompt + max_tokens) but the {name} class may "
                 f"hold at most {cap} ({share:.0%} of the largest worker's {largest_pool} blocks of "
-                f"pool {self.pool_name})")
+                f"pool {self.pool_name})", reason="kv_cap")
         if self.policy.waiting(priority) >= self.config.max_queue:
             raise RequestRejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the {name} queue of pool {self.pool_name} is full ({self.config.max_queue} "
-                "waiting)", trailers=retry)
+                "waiting)", trailers=retry, reason="queue_full")
         if submit.slo_ms:
             wait_ms = self.batcher.estimated_wait_ms(priority, prompt_len)
             if wait_ms > submit.slo_ms:
                 raise RequestRejected(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"estimated wait of {wait_ms:.0f} ms for the first token exceeds x-slo-ms="
-                    f"{submit.slo_ms}", trailers=retry)
+                    f"{submit.slo_ms}", trailers=retry, reason="slo")
 
     # --- RPCs -----------------------------------------------------------------------------------
 
@@ -160,6 +169,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except RequestRejected as rejected:
             if rejected.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.rejected[submit.priority] += 1
+            self.metrics.rejections.labels(priority_name(submit.priority), rejected.reason).inc()
             if rejected.trailers:
                 context.set_trailing_metadata(rejected.trailers)
             await context.abort(rejected.code, rejected.message)
@@ -177,6 +187,33 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             # Runs when the stream ends for any reason, the client's cancellation included.
             self.batcher.cancel(request)
+
+    def _record_finished(self, request: Request, now: float) -> None:
+        self.metrics.finished((priority_name(request.priority),),
+                              request.first_token_at - request.arrival, now - request.arrival,
+                              len(request.output_ids))
+
+    def _state_metrics(self):
+        b, policy = self.batcher, self.policy
+        gauges = {
+            "qos_queue_depth": ("Requests waiting", lambda p: policy.waiting(p)),
+            "qos_running": ("Requests holding KV blocks", lambda p: b.running_by_priority()[p]),
+            "qos_kv_blocks": ("KV blocks held", lambda p: b.kv_blocks_by_priority()[p]),
+            "qos_kv_blocks_peak": ("Most KV blocks held on one worker", lambda p: b.kv_peak[p]),
+            "qos_weight": ("Fair-queueing weight", lambda p: policy.weights()[p]),
+            "qos_kv_cap_share": ("KV cap, share of a worker's blocks", lambda p: policy.kv_cap(p)),
+        }
+        for name, (text, read) in gauges.items():
+            family = GaugeMetricFamily(name, text, labels=["priority"])
+            for p in ORDER:
+                family.add_metric([priority_name(p)], read(p))
+            yield family
+        for name, text, values in [("qos_tokens_served", "Prefill + decode tokens computed", b.served_tokens),
+                                   ("qos_preemptions", "Sequences preempted", b.preempted_by_priority)]:
+            family = CounterMetricFamily(name, text, labels=["priority"])
+            for p in ORDER:
+                family.add_metric([priority_name(p)], values[p])
+            yield family
 
     def pool_stats(self) -> scheduler_pb2.PoolStats:
         b = self.batcher
@@ -226,5 +263,6 @@ async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: st
     async def started(_port: int) -> None:
         await service.start()
 
+    serve_metrics(service.registry, config.host, config.metrics_port, "scheduler")
     await run_server("scheduler", config.address, register, on_started=started,
                      on_stopping=service.stop)

@@ -14,7 +14,11 @@ from pathlib import Path
 
 import grpc
 
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
 from services.common.grpc_server import run_server
+from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
 from services.engine.device import free_memory_bytes
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
@@ -49,6 +53,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.busy = BusyTracker()
         self.stream_open = False
+        self.registry = CollectorRegistry()
+        self.step_seconds = Histogram("qos_worker_step_seconds", "Engine step wall time",
+                                      buckets=TOKEN_BUCKETS + (5.0, 10.0), registry=self.registry)
+        self.step_tokens = Counter("qos_worker_tokens_total", "Tokens computed (prefill + decode)",
+                                   registry=self.registry)
+        self.registry.register(StateCollector(self._state_metrics))
+
+    def _state_metrics(self):
+        yield GaugeMetricFamily("qos_worker_utilization", "Share of recent time spent in steps",
+                                value=self.busy.utilization(time.perf_counter()))
+        yield GaugeMetricFamily("qos_worker_active_sequences", "Sequences held", value=len(self.table))
+        yield GaugeMetricFamily("qos_worker_kv_blocks", "KV blocks allocated",
+                                value=self.engine.kv_spec.num_blocks)
 
     def info(self) -> worker_pb2.WorkerInfo:
         e = self.engine
@@ -90,6 +107,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.table.commit(batch, tokens)
         finished = time.perf_counter()
         self.busy.add(started, finished)
+        self.step_seconds.observe(finished - started)
+        self.step_tokens.inc(batch.num_tokens)
         return worker_pb2.StepResult(
             step_id=plan.step_id,
             tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
@@ -109,8 +128,10 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
                         kv_cache_fraction=worker.kv_cache_fraction, num_threads=worker.threads)
 
 
-async def serve_worker(engine: Engine, address: str) -> None:
+async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
+                       metrics_port: int | None = None) -> None:
     service = WorkerService(engine)
+    serve_metrics(service.registry, metrics_host, metrics_port, "worker")
 
     def register(server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)

@@ -1,0 +1,68 @@
+"""`qos-serve stats`: the cluster per priority, from the router's Stats RPC, as one table."""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import grpc
+
+from services.common.priority import ORDER, priority_name
+from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+
+
+def render(stats: router_pb2.RouterStats) -> str:
+    """The table: one row per priority, then one line per pool."""
+    pools = list(stats.pools)
+    waiting = {p: 0 for p in ORDER}
+    held = {p: 0 for p in ORDER}
+    rejected = {p: 0 for p in ORDER}
+    total_blocks = sum(pool.kv_blocks_total for pool in pools) or 1
+    for pool in pools:
+        for c in pool.classes:
+            waiting[c.priority] += c.waiting
+            held[c.priority] += c.kv_blocks
+            rejected[c.priority] += c.rejected
+    weights = {c.priority: c.weight for c in pools[0].classes} if pools else {}
+    header = (f"{'priority':<8} {'requests':>8} {'ok':>6} {'failed':>6} {'cancel':>6} "
+              f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'e2e p50':>8} {'p95':>7} {'p99':>7} "
+              f"{'queue':>5} {'KV':>5} {'weight':>6} {'rejected':>8} {'cost':>8}")
+    lines = [header]
+    for s in stats.priorities:
+        p = s.priority
+        lines.append(
+            f"{priority_name(p):<8} {s.requests:>8} {s.completed:>6} {s.failed:>6} {s.cancelled:>6} "
+            f"{s.ttft_p50_ms:>7.0f}ms {s.ttft_p95_ms:>5.0f}ms {s.ttft_p99_ms:>5.0f}ms "
+            f"{s.e2e_p50_ms:>6.0f}ms {s.e2e_p95_ms:>5.0f}ms {s.e2e_p99_ms:>5.0f}ms "
+            f"{waiting[p]:>5} {held[p] / total_blocks:>5.0%} {weights.get(p, 0):>6g} "
+            f"{rejected[p]:>8} {s.cost_units:>8.1f}")
+    for pool in pools:
+        lines.append(f"pool {pool.pool}: {pool.device or '?'} x{pool.workers}, policy {pool.policy}, "
+                     f"KV {pool.kv_blocks_used}/{pool.kv_blocks_total} blocks, "
+                     f"{pool.preemptions} preemptions, {pool.steps} steps, TTFT p90 "
+                     f"{pool.ttft_p90_ms:.0f} ms, weight changes {len(pool.weight_changes)}")
+    lines.append(f"overflow threshold: {stats.overflow_threshold:g} queued")
+    return "\n".join(lines)
+
+
+async def fetch(address: str) -> router_pb2.RouterStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest(), timeout=5)
+
+
+def show(address: str, watch: float | None) -> int:
+    try:
+        if watch is None:
+            print(render(asyncio.run(fetch(address))))
+            return 0
+        while True:
+            table = render(asyncio.run(fetch(address)))
+            # Clear the screen and redraw in place.
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + address + "\n" + table + "\n")
+            sys.stdout.flush()
+            time.sleep(watch)
+    except grpc.aio.AioRpcError as exc:
+        print(f"qos-serve stats: router {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,84 @@
+"""Prometheus endpoints on every service, and the `qos-serve stats` table, on a real cluster."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from tests.e2e.conftest import run
+
+pytestmark = pytest.mark.slow
+
+SENT = {"high": 3, "medium": 2, "low": 4}
+
+
+@pytest.fixture(scope="module")
+def loaded_cluster():
+    config = single_pool(router=RouterConfig(port=0, metrics_port=0),
+                         scheduler=SchedulerConfig(port=0, metrics_port=0),
+                         workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, metrics_port=0)])
+    with LocalCluster(config, quiet=True) as cluster:
+        async def load():
+            async with RouterClient(cluster.router_address) as client:
+                await asyncio.gather(*[
+                    client.generate(chat_request(f"Say {i}", sampling_params(max_tokens=6, ignore_eos=True)),
+                                    priority=p) for p, n in SENT.items() for i in range(n)])
+        run(load())
+        yield cluster
+
+
+def scrape(host: str, port: int) -> dict:
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def by_priority(samples: dict, name: str, **fixed) -> dict:
+    out = {}
+    for (sample, labels), value in samples.items():
+        labels = dict(labels)
+        if sample == name and all(labels.get(k) == v for k, v in fixed.items()):
+            out[labels["priority"]] = out.get(labels["priority"], 0) + value
+    return out
+
+
+def test_router_and_scheduler_histograms_count_every_request(loaded_cluster):
+    config = loaded_cluster.config
+    router = scrape(config.router.host, config.router.metrics_port)
+    scheduler_cfg = config.pools[0].scheduler
+    scheduler = scrape(scheduler_cfg.host, scheduler_cfg.metrics_port)
+    for samples in (router, scheduler):
+        for histogram in ("qos_ttft_seconds_count", "qos_e2e_seconds_count",
+                          "qos_time_per_output_token_seconds_count"):
+            assert by_priority(samples, histogram) == SENT, histogram
+    assert by_priority(scheduler, "qos_tokens_served_total")["low"] > 0
+    assert by_priority(scheduler, "qos_weight") == {"high": 5, "medium": 3, "low": 2}
+    assert by_priority(scheduler, "qos_queue_depth") == {"high": 0, "medium": 0, "low": 0}
+
+
+def test_worker_exposes_step_metrics(loaded_cluster):
+    worker = loaded_cluster.config.pools[0].workers[0]
+    samples = scrape(worker.host, worker.metrics_port)
+    assert samples[("qos_worker_step_seconds_count", ())] > 0
+    assert samples[("qos_worker_active_sequences", ())] == 0
+
+
+def test_stats_command_shows_the_cluster_per_priority(loaded_cluster):
+    out = subprocess.run([sys.executable, "-m", "services.cli", "stats", "--router",
+                          loaded_cluster.router_address], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}
+    for priority, count in SENT.items():
+        row = lines[priority]
+        assert row[1] == str(count)          # requests
+    assert "weight" in out.stdout and "pool cpu" in out.stdout
