@@ -12,10 +12,13 @@ from collections import deque
 import grpc
 
 from services.common.config import PoolConfig, RouterConfig
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from services.common.grpc_server import CHANNEL_OPTIONS, run_server
 from services.common.metrics import RequestMetrics, serve_metrics
+from services.common.tracing import extract_metadata, inject_metadata, setup_tracing, shutdown_tracing
 from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_HEADER,
                                       TENANT_HEADER, parse_priority, parse_slo_ms, priority_name)
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
@@ -93,6 +96,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
         self.knows_pools = asyncio.Event()   # health says SERVING once every pool is known
+        self.tracer = setup_tracing("router")
 
     async def start(self) -> None:
         self.watch_tasks = [asyncio.create_task(self._watch_pool(h)) for h in self.pools.values()]
@@ -129,6 +133,15 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return min(known) if known else None
 
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
+        span = self.tracer.start_span("router.generate", kind=SpanKind.SERVER,
+                                      context=extract_metadata(context.invocation_metadata()))
+        try:
+            async for chunk in self._generate(raw, context, span):
+                yield chunk
+        finally:
+            span.end()
+
+    async def _generate(self, raw, context: grpc.aio.ServicerContext, span):
         received = time.perf_counter()
         metadata = dict(context.invocation_metadata() or ())
         try:
@@ -139,25 +152,38 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tenant = metadata.get(TENANT_HEADER, "")
         name = priority_name(priority)
+        span.set_attributes({"qos.priority": name, "qos.tenant": tenant})
         groups = [self.by_priority[priority], self.by_tenant.setdefault(tenant, Counters())]
         for group in groups:
             group.requests += 1
         try:
             request = decode_request(raw, self._max_context())
         except InvalidRequest as exc:
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
             for group in groups:
                 group.failed += 1
             self.metrics.rejections.labels(name, "invalid_argument").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         lora = metadata.get(LORA_HEADER) or None
+        parent = trace.set_span_in_context(span)
+        route_span = self.tracer.start_span("router.route", context=parent)
         try:
             decision = self.routing.route(RouteRequest(request.model or self.model_name, priority,
                                                        lora, slo_ms or None))
         except NoPoolError as exc:
+            route_span.set_status(Status(StatusCode.ERROR, str(exc)))
+            route_span.end()
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
             for group in groups:
                 group.failed += 1
             self.metrics.rejections.labels(name, "no_pool").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        route_span.set_attributes({"qos.pool": decision.pool, "qos.route.rule": decision.rule,
+                                   "qos.route.threshold": self.routing.threshold.value,
+                                   **{f"qos.route.queued.{n}": l.queued for n, l in self.routing.loads.items()},
+                                   **{f"qos.route.free_kv.{n}": l.free_kv for n, l in self.routing.loads.items()}})
+        route_span.end()
+        span.set_attribute("qos.pool", decision.pool)
         pool = self.pools[decision.pool]
         self.routing.note_dispatch(decision.pool)
         groups.append(self.by_pool[decision.pool])
@@ -165,7 +191,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         submit = scheduler_pb2.SubmitRequest(
             request_id=uuid.uuid4().hex, priority=priority, tenant=tenant, prompt=request.prompt,
             messages=request.messages, sampling=request.sampling, slo_ms=slo_ms, lora=lora or "")
-        call = pool.scheduler.Submit(submit)
+        call = pool.scheduler.Submit(submit, metadata=inject_metadata(parent))
         first, first_token_s = True, 0.0
         finished = False
         try:
@@ -189,11 +215,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         group.cost_units += chunk.cost_units
                     self.metrics.finished((name, decision.pool), first_token_s, elapsed_ms / 1000,
                                           chunk.usage.completion_tokens)
+                    span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,
+                                         "qos.output_tokens": chunk.usage.completion_tokens,
+                                         "qos.cost_units": chunk.cost_units,
+                                         "qos.ttft_ms": first_token_s * 1000})
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             finished = True
             for group in groups:
                 group.failed += 1
+            span.set_status(Status(StatusCode.ERROR, f"{exc.code().name}: {exc.details()}"))
             self.metrics.requests.labels(name, decision.pool, "failed").inc()
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.metrics.rejections.labels(name, "resource_exhausted").inc()
@@ -246,3 +277,4 @@ async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name
 
     await run_server("router", config.address, lambda server: register_router(server, service),
                      on_started=started, on_stopping=service.stop, ready=service.knows_pools)
+    shutdown_tracing()

@@ -284,7 +284,8 @@ class ContinuousBatcher:
         if not request.announced:
             builder.plan.new_sequences.append(worker_pb2.NewSequence(
                 seq_id=request.seq_id, prompt_token_ids=request.all_ids,
-                sampling=engine_sampling(request), num_generated=len(request.output_ids)))
+                sampling=engine_sampling(request), num_generated=len(request.output_ids),
+                traceparent=request.traceparent))
             request.announced = True
         builder.add(request, num_tokens)
         return num_tokens
@@ -368,6 +369,7 @@ class ContinuousBatcher:
             request.events.put_nowait(chunk)
 
     def _finish(self, request: Request, failure: Failure | None = None) -> None:
+        request.finished_at = request.finished_at or time.perf_counter()
         if request.phase is Phase.RUNNING:
             self._release(self.links[request.worker], request)
         elif request.phase is Phase.WAITING and not request.cancelled:

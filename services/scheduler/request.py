@@ -37,6 +37,9 @@ class Request:
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer
     arrival: float = field(default_factory=time.perf_counter)
+    arrival_ns: int = field(default_factory=time.time_ns)      # wall clock, for span timestamps
+    traceparent: str = ""            # W3C context of the request's scheduler span (or "")
+    finished_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
     worker: int | None = None        # index of the worker it runs on
@@ -66,6 +69,10 @@ class Request:
         """Tokens known but not yet in the KV cache: the rest of the prompt, or the last sampled
         token (or, after a preemption, everything again)."""
         return len(self.prompt_ids) + len(self.output_ids) - self.computed
+
+    def wall_ns(self, moment: float) -> int:
+        """A perf_counter moment as wall-clock nanoseconds (span timestamps)."""
+        return self.arrival_ns + int((moment - self.arrival) * 1e9)
 
     def ms_since_arrival(self, moment: float | None) -> float:
         return 0.0 if moment is None else (moment - self.arrival) * 1000

@@ -3,18 +3,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
 import logging
+import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
-
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.config import SchedulerConfig
-from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.grpc_server import run_server
+from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
+from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing, traceparent
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.step import SamplingParams
@@ -63,6 +66,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics = RequestMetrics(self.registry, ("priority",))
         self.registry.register(StateCollector(self._state_metrics))
         self.batcher.on_finished = self._record_finished
+        self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
         self.tasks: list[asyncio.Task] = []
 
@@ -164,29 +168,59 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- RPCs -----------------------------------------------------------------------------------
 
     async def Submit(self, submit: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
+        span = self.tracer.start_span(
+            "scheduler.submit", context=extract_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER, attributes={
+                "qos.request_id": submit.request_id, "qos.priority": priority_name(submit.priority),
+                "qos.tenant": submit.tenant, "qos.pool": self.pool_name})
         try:
             request = self.intake(submit)
         except RequestRejected as rejected:
             if rejected.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.rejected[submit.priority] += 1
             self.metrics.rejections.labels(priority_name(submit.priority), rejected.reason).inc()
+            span.set_attribute("qos.rejected", rejected.reason)
+            span.set_status(Status(StatusCode.ERROR, rejected.message))
+            span.end()
             if rejected.trailers:
                 context.set_trailing_metadata(rejected.trailers)
             await context.abort(rejected.code, rejected.message)
+        request.traceparent = traceparent(trace.set_span_in_context(span))
+        span.set_attribute("qos.prompt_tokens", len(request.prompt_ids))
         self.batcher.submit(request)
+        outcome = "cancelled"
         try:
             while True:
                 event = await request.events.get()
                 if isinstance(event, Failure):
+                    outcome = "failed"
+                    span.set_status(Status(StatusCode.ERROR, event.message))
                     if event.trailers:
                         context.set_trailing_metadata(event.trailers)
                     await context.abort(event.code, event.message)
                 yield event
                 if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    outcome = "completed"
                     return
         finally:
             # Runs when the stream ends for any reason, the client's cancellation included.
             self.batcher.cancel(request)
+            self._end_trace(span, request, outcome)
+
+    def _end_trace(self, span, request: Request, outcome: str) -> None:
+        """Queue, prefill and decode as child spans of the request's span, from its timestamps."""
+        end = request.finished_at or time.perf_counter()
+        parent = trace.set_span_in_context(span)
+        phases = [("scheduler.queue", request.arrival, request.first_scheduled_at or end),
+                  ("scheduler.prefill", request.first_scheduled_at, request.first_token_at or end),
+                  ("scheduler.decode", request.first_token_at, end)]
+        for name, start, stop in phases:
+            if start is not None:
+                self.tracer.start_span(name, context=parent, start_time=request.wall_ns(start)) \
+                    .end(end_time=request.wall_ns(max(start, stop)))
+        span.set_attributes({"qos.output_tokens": len(request.output_ids), "qos.outcome": outcome,
+                             "qos.preempted": request.preemptions})
+        span.end(end_time=request.wall_ns(end))
 
     def _record_finished(self, request: Request, now: float) -> None:
         self.metrics.finished((priority_name(request.priority),),
@@ -266,3 +300,4 @@ async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: st
     serve_metrics(service.registry, config.host, config.metrics_port, "scheduler")
     await run_server("scheduler", config.address, register, on_started=started,
                      on_stopping=service.stop)
+    shutdown_tracing()

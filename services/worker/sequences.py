@@ -24,6 +24,7 @@ class SequenceState:
     num_generated: int            # before this worker saw it (resumed after preemption)
     block_table: list[int] = field(default_factory=list)
     computed: int = 0             # tokens whose K/V are in the cache
+    traceparent: str = ""         # the request's trace context, for step-span links
 
 
 def sampling_from_proto(p: worker_pb2.EngineSampling) -> SamplingParams:
@@ -51,7 +52,8 @@ class SequenceTable:
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
-                sampling=sampling_from_proto(new.sampling), num_generated=new.num_generated)
+                sampling=sampling_from_proto(new.sampling), num_generated=new.num_generated,
+                traceparent=new.traceparent)
         for grant in plan.block_grants:
             self.sequences[grant.seq_id].block_table.extend(grant.block_ids)
         work = []

@@ -18,7 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from services.common.grpc_server import run_server
+from opentelemetry import trace
+from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
+
 from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
+from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
+                                     tracing_configured)
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
 from services.engine.device import free_memory_bytes
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
@@ -59,6 +64,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.step_tokens = Counter("qos_worker_tokens_total", "Tokens computed (prefill + decode)",
                                    registry=self.registry)
         self.registry.register(StateCollector(self._state_metrics))
+        self.tracer = setup_tracing("worker")
+        self.tracing = tracing_configured()
 
     def _state_metrics(self):
         yield GaugeMetricFamily("qos_worker_utilization", "Share of recent time spent in steps",
@@ -95,13 +102,32 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             self.stream_open = False
             log.info("execute stream closed; dropped all sequence state")
 
+    def _start_step_span(self, plan: worker_pb2.StepPlan, batch):
+        """One span per step, child of the first request it serves, linked to every request."""
+        contexts = [span_context_from(self.table.sequences[w.seq_id].traceparent)
+                    for w in batch.sequences if w.seq_id in self.table.sequences]
+        contexts = [c for c in contexts if c is not None]
+        parent = trace.set_span_in_context(NonRecordingSpan(contexts[0])) if contexts else None
+        return self.tracer.start_span(
+            "worker.step", context=parent, links=[Link(c) for c in contexts],
+            attributes={"qos.step.id": plan.step_id, "qos.step.sequences": len(batch.sequences),
+                        "qos.step.tokens": batch.num_tokens,
+                        "qos.step.prefill_tokens": sum(len(w.token_ids) for w in batch.sequences
+                                                       if len(w.token_ids) > 1)})
+
     def _run_plan(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         started = time.perf_counter()
+        span = None
         try:
             batch = self.table.apply(plan)
+            if self.tracing and batch.sequences:
+                span = self._start_step_span(plan, batch)
             output = self.engine.step(batch) if batch.sequences else None
         except (PlanError, InvalidStepError) as exc:
             log.error("step %d refused: %s", plan.step_id, exc)
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                span.end()
             return worker_pb2.StepResult(step_id=plan.step_id, error=str(exc))
         tokens = output.tokens if output else []
         self.table.commit(batch, tokens)
@@ -109,6 +135,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.busy.add(started, finished)
         self.step_seconds.observe(finished - started)
         self.step_tokens.inc(batch.num_tokens)
+        if span is not None:
+            span.set_attribute("qos.step.sampled", len(tokens))
+            span.end()
         return worker_pb2.StepResult(
             step_id=plan.step_id,
             tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
@@ -138,4 +167,5 @@ async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.
         return ["qos.v1.Worker"]
 
     await run_server("worker", address, register)
+    shutdown_tracing()
     service.executor.shutdown(wait=False, cancel_futures=True)

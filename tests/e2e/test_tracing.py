@@ -1,0 +1,92 @@
+"""One trace per request across router -> scheduler -> worker, received by a real OTLP receiver."""
+from __future__ import annotations
+
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster, free_port
+from tests.e2e.conftest import cluster_config, run
+
+pytestmark = pytest.mark.slow
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An in-process OTLP/gRPC trace receiver that keeps every span with its service name."""
+
+    def __init__(self):
+        self.spans: list[tuple[str, object]] = []
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    self.spans.append((attrs.get("service.name"), span))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    collector = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+    yield collector
+    server.stop(0)
+
+
+def attrs(span) -> dict:
+    out = {}
+    for a in span.attributes:
+        v = a.value
+        out[a.key] = v.string_value or v.int_value or v.double_value or v.bool_value
+    return out
+
+
+def test_one_trace_across_three_services(receiver):
+    with LocalCluster(cluster_config(), quiet=True) as cluster:
+        async def ask():
+            async with RouterClient(cluster.router_address) as client:
+                return await client.generate(chat_request("Hello!", sampling_params(max_tokens=5)),
+                                             priority="high", tenant="acme")
+        answer = run(ask())
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            names = {(service, span.name) for service, span in receiver.spans}
+            if {("qos-router", "router.generate"), ("qos-scheduler", "scheduler.decode"),
+                    ("qos-worker", "worker.step")} <= names:
+                break
+            time.sleep(0.2)
+
+    spans = {span.name: (service, span) for service, span in receiver.spans}
+    router_span = spans["router.generate"][1]
+    trace_id = router_span.trace_id
+    mine = [(s, sp) for s, sp in receiver.spans if sp.trace_id == trace_id]
+    assert {s for s, _ in mine} == {"qos-router", "qos-scheduler", "qos-worker"}
+
+    by_name = {sp.name: sp for _, sp in mine}
+    submit = by_name["scheduler.submit"]
+    assert by_name["router.route"].parent_span_id == router_span.span_id
+    assert submit.parent_span_id == router_span.span_id
+    for phase in ("scheduler.queue", "scheduler.prefill", "scheduler.decode"):
+        assert by_name[phase].parent_span_id == submit.span_id
+    steps = [sp for _, sp in mine if sp.name == "worker.step"]
+    assert steps and all(sp.parent_span_id == submit.span_id for sp in steps)
+    assert all(any(link.span_id == submit.span_id for link in sp.links) for sp in steps)
+
+    a = attrs(router_span)
+    assert (a["qos.priority"], a["qos.tenant"], a["qos.pool"]) == ("high", "acme", "cpu")
+    assert a["qos.output_tokens"] == len(answer.token_ids) and a["qos.prompt_tokens"] > 0
+    assert attrs(by_name["router.route"])["qos.route.rule"] == "high-to-primary"
+    s = attrs(submit)
+    assert s["qos.priority"] == "high" and s["qos.outcome"] == "completed" and "qos.preempted" in s
