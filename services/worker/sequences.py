@@ -25,6 +25,7 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
     computed: int = 0             # tokens whose K/V are in the cache
     traceparent: str = ""         # the request's trace context, for step-span links
+    span_context: object = None   # traceparent parsed once, by the server, when tracing is on
 
 
 def sampling_from_proto(p: worker_pb2.EngineSampling) -> SamplingParams:

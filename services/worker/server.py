@@ -104,9 +104,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _start_step_span(self, plan: worker_pb2.StepPlan, batch):
         """One span per step, child of the first request it serves, linked to every request."""
-        contexts = [span_context_from(self.table.sequences[w.seq_id].traceparent)
-                    for w in batch.sequences if w.seq_id in self.table.sequences]
-        contexts = [c for c in contexts if c is not None]
+        contexts = []
+        for work in batch.sequences:
+            seq = self.table.sequences[work.seq_id]
+            if seq.span_context is None and seq.traceparent:
+                seq.span_context = span_context_from(seq.traceparent) or False   # parse once
+            if seq.span_context:
+                contexts.append(seq.span_context)
         parent = trace.set_span_in_context(NonRecordingSpan(contexts[0])) if contexts else None
         return self.tracer.start_span(
             "worker.step", context=parent, links=[Link(c) for c in contexts],
