@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""The QoS benchmark: the same burst, first-come-first-served and then QoS, side by side.
+
+For each policy the driver starts a local cluster itself (router, scheduler, one CPU worker as
+separate processes), sends the workload through the router over gRPC, samples the pool's stats
+while it runs, and stops the cluster. Same requests, same seed, same model, same machine.
+
+Workload `burst` (default; counts scale with --scale):
+  Low    300 requests, the longest prompts the model allows (>= 8x Medium), 128 output tokens
+  Medium 500 requests, ~256-token prompts, 64 output tokens
+  High   200 requests, ~32-token prompts, 32 output tokens
+Low and Medium all arrive at t=0; High arrives as a Poisson stream (--high-rate per second)
+during the flood. Output lengths are fixed (ignore_eos).
+
+    python bench/qos_burst.py [--scale 0.2] [--json out.json] [--plots DIR] [--model DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from services.client import RouterClient, sampling_params  # noqa: E402
+from services.cluster import LocalCluster  # noqa: E402
+from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
+from services.common.priority import priority_name  # noqa: E402
+from services.common.proto.qos.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.common.tokenizer import TextTokenizer  # noqa: E402
+from services.engine.config import load_model_config  # noqa: E402
+
+PRIORITIES = ("high", "medium", "low")
+WORDS = ("time river stone light paper green music table window garden number market summer "
+         "letter story island silver morning travel bridge").split()
+
+
+@dataclass(slots=True)
+class Job:
+    priority: str
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    at: float                     # seconds after the start
+
+
+@dataclass(slots=True)
+class Outcome:
+    priority: str
+    ok: bool
+    code: str = "OK"
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    tokens: int = 0
+    done_at: float = 0.0          # seconds after the start
+
+
+@dataclass(slots=True)
+class Sample:
+    at: float
+    kv: dict = field(default_factory=dict)        # priority -> blocks
+    waiting: dict = field(default_factory=dict)   # priority -> requests
+    total_blocks: int = 0
+
+
+def text_of_tokens(tokenizer: TextTokenizer, rng: random.Random, tokens: int) -> tuple[str, int]:
+    """A prompt of about `tokens` tokens of ordinary words; returns it with its exact length."""
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    text = " ".join(words)
+    ids = tokenizer.encode(text)
+    if len(ids) > tokens:       # trim to the budget exactly
+        text = tokenizer.decode(ids[:tokens])
+        ids = tokenizer.encode(text)
+    return text, len(ids)
+
+
+def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    medium_prompt = 256
+    low_prompt = min(max_context - 128 - 16, 16 * medium_prompt)
+    if low_prompt < 8 * medium_prompt:
+        raise SystemExit(f"the model's context ({max_context}) is too short for Low prompts of "
+                         f">= {8 * medium_prompt} tokens")
+    jobs = []
+    for priority, count, prompt_len, out in [("low", 300, low_prompt, 128), ("medium", 500, medium_prompt, 64)]:
+        for _ in range(max(1, round(count * scale))):
+            text, n = text_of_tokens(tokenizer, rng, prompt_len)
+            jobs.append(Job(priority, text, n, out, 0.0))
+    t = 0.0
+    for _ in range(max(1, round(200 * scale))):
+        t += rng.expovariate(high_rate)
+        text, n = text_of_tokens(tokenizer, rng, 32)
+        jobs.append(Job("high", text, n, 32, t))
+    return jobs
+
+
+async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -> tuple[list, list, float]:
+    samples: list[Sample] = []
+    started = time.perf_counter()
+
+    async def sample_stats(stop: asyncio.Event):
+        async with grpc.aio.insecure_channel(scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while not stop.is_set():
+                s = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())
+                samples.append(Sample(time.perf_counter() - started,
+                                      {priority_name(c.priority): c.kv_blocks for c in s.classes},
+                                      {priority_name(c.priority): c.waiting for c in s.classes},
+                                      s.kv_blocks_total))
+                await asyncio.sleep(0.1)
+
+    async with RouterClient(address) as client:
+        async def one(job: Job) -> Outcome:
+            await asyncio.sleep(max(0.0, job.at - (time.perf_counter() - started)))
+            request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
+                max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
+            try:
+                answer = await client.generate(request, priority=job.priority)
+                result = Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
+                                 tokens=len(answer.token_ids))
+            except grpc.aio.AioRpcError as exc:
+                result = Outcome(job.priority, False, code=exc.code().name)
+            result.done_at = time.perf_counter() - started
+            bar.update()
+            return result
+
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_stats(stop))
+        outcomes = await asyncio.gather(*(one(job) for job in jobs))
+        stop.set()
+        await sampler
+    return outcomes, samples, time.perf_counter() - started
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def summarise(outcomes: list[Outcome], samples: list[Sample], low_kv_peak_blocks: int,
+              total_blocks: int) -> dict:
+    def of(priority):
+        return [o for o in outcomes if o.priority == priority]
+
+    ok = {p: [o for o in of(p) if o.ok] for p in PRIORITIES}
+    low_done = max((o.done_at for o in ok["low"]), default=0.0)
+    return {
+        "high_p99_ttft_ms": p99([o.ttft_ms for o in ok["high"]]),
+        "high_p99_e2e_ms": p99([o.e2e_ms for o in ok["high"]]),
+        "high_success_rate": len(ok["high"]) / max(1, len(of("high"))),
+        "medium_p99_ttft_ms": p99([o.ttft_ms for o in ok["medium"]]),
+        "low_tok_s": sum(o.tokens for o in ok["low"]) / low_done if low_done else 0.0,
+        "low_kv_peak_frac": low_kv_peak_blocks / total_blocks if total_blocks else 0.0,
+        **{f"rejected_{p}": sum(1 for o in of(p) if o.code == "RESOURCE_EXHAUSTED") for p in PRIORITIES},
+        "failed_other": sum(1 for o in outcomes if not o.ok and o.code != "RESOURCE_EXHAUSTED"),
+    }
+
+
+def run_policy(policy: str, model: str, jobs: list[Job], args) -> tuple[dict, list, list]:
+    config = single_pool(
+        model=model, router=RouterConfig(port=0),
+        scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
+                                  max_running=args.max_running),
+        workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
+    with LocalCluster(config, quiet=True) as cluster:
+        with tqdm(total=len(jobs), desc=f"{policy:>4}", unit="req", file=sys.stderr) as bar:
+            outcomes, samples, wall = asyncio.run(run_jobs(cluster.router_address,
+                                                           cluster.scheduler_address, jobs, bar))
+
+        async def final_stats():
+            async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
+                return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(
+                    scheduler_pb2.PoolStatsRequest())
+        stats = asyncio.run(final_stats())
+    low = next(c for c in stats.classes if priority_name(c.priority) == "low")
+    summary = summarise(outcomes, samples, low.kv_blocks_peak, stats.kv_blocks_total)
+    summary["wall_s"] = wall
+    summary["preemptions"] = stats.preemptions
+    return summary, outcomes, samples
+
+
+def plot(report: dict, runs: dict, directory: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    colors = {"high": "tab:red", "medium": "tab:orange", "low": "tab:blue"}
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for policy, style in (("fcfs", "--"), ("qos", "-")):
+        for priority in PRIORITIES:
+            values = sorted(o.ttft_ms for o in runs[policy][0] if o.ok and o.priority == priority)
+            if values:
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style,
+                        color=colors[priority], label=f"{priority} ({policy})")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF, {report['workload']}, {report['model']}")
+    ax.axvline(200, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(directory / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    for key, ylabel, name in (("kv", "KV blocks held (% of pool)", "kv_blocks.png"),
+                              ("waiting", "requests waiting", "queue_depth.png")):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, policy in zip(axes, ("fcfs", "qos")):
+            samples = runs[policy][1]
+            xs = [s.at for s in samples]
+            for priority in PRIORITIES:
+                ys = [getattr(s, key).get(priority, 0) * (100 / s.total_blocks if key == "kv" and s.total_blocks else 1)
+                      for s in samples]
+                ax.plot(xs, ys, color=colors[priority], label=priority)
+            if key == "kv":
+                ax.axhline(30, color="tab:blue", lw=0.8, ls=":", label="Low cap 30%")
+            ax.set_title(policy)
+            ax.set_xlabel("seconds")
+        axes[0].set_ylabel(ylabel)
+        axes[1].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(directory / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"), ("high_p99_e2e_ms", "High P99 e2e (ms)", "{:.0f}"),
+        ("high_success_rate", "High success rate", "{:.1%}"), ("medium_p99_ttft_ms", "Medium P99 TTFT (ms)", "{:.0f}"),
+        ("low_tok_s", "Low throughput (tok/s)", "{:.0f}"), ("low_kv_peak_frac", "Low KV peak (% blocks)", "{:.1%}"),
+        ("rejected_high", "rejected High", "{}"), ("rejected_medium", "rejected Medium", "{}"),
+        ("rejected_low", "rejected Low", "{}"), ("preemptions", "preemptions", "{}"), ("wall_s", "wall time (s)", "{:.0f}")]
+
+
+def print_table(report: dict) -> None:
+    print(f"\nworkload {report['workload']}: {report['requests']}; model {report['model']}; "
+          f"{report['machine']}\n")
+    print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>10}")
+    for key, label, fmt in KEYS:
+        a, b = report["fcfs"][key], report["qos"][key]
+        change = f"{b / a:.2f}x" if isinstance(a, float) and a and key not in ("high_success_rate",) else ""
+        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>10}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
+    parser.add_argument("--high-rate", type=float, default=10.0, help="High arrivals per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="worker torch threads")
+    parser.add_argument("--kv-cache-mb", type=int, default=1024)
+    parser.add_argument("--max-step-tokens", type=int, default=256)
+    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--plots", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+
+    if args.model:
+        model = args.model
+    else:
+        from services.engine.bench_model import bench_model_dir
+        model = str(bench_model_dir())
+    tokenizer = TextTokenizer.from_model_dir(model)
+    jobs = burst_workload(tokenizer, load_model_config(model).max_context, args.scale, args.high_rate, args.seed)
+    counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.machine())
+    report = {"model": Path(model).name, "workload": "burst",
+              "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
+              "machine": f"{cpu}, worker {args.threads} thread(s), step budget {args.max_step_tokens} tokens"}
+    runs = {}
+    for policy in ("fcfs", "qos"):
+        summary, outcomes, samples = run_policy(policy, model, jobs, args)
+        report[policy] = summary
+        runs[policy] = (outcomes, samples)
+    print_table(report)
+    for path in plot(report, runs, args.plots):
+        print(f"plot: {path}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
