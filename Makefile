@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench model protos up clean
+.PHONY: venv demo test test-fast bench bench-qos model protos up clean
 
 venv: $(STAMP)
 
@@ -34,6 +34,10 @@ test-fast: venv
 
 bench: model
 	$(PY) bench/engine_throughput.py --json bench/results/engine_throughput.json
+
+# The QoS burst benchmark: FCFS vs QoS on the same burst, table + JSON + PNG plots in bench/results.
+bench-qos: model
+	$(PY) bench/qos_burst.py --json bench/results/qos_burst.json --plots bench/results
 
 # Regenerate the gRPC stubs from protos/ (they are committed; run after editing a .proto).
 protos: venv

@@ -95,6 +95,17 @@ def cmd_stats(args) -> int:
     return show(address, args.watch)
 
 
+def cmd_bench(args) -> int:
+    """Run bench/qos_burst.py (a script beside the package) with the remaining arguments."""
+    import runpy
+    script = Path(__file__).resolve().parent.parent / "bench" / "qos_burst.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing: `qos-serve bench` runs from a source checkout")
+    sys.argv = [str(script), *args.bench_args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from services.demo import run_demo
     return run_demo(args)
@@ -126,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2)")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("bench", help="the QoS burst benchmark (FCFS vs QoS); see bench/qos_burst.py -h",
+                       add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)

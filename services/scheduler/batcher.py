@@ -51,7 +51,16 @@ class _StepBuilder:
         self.budget = budget
         self.scheduled: list[tuple[Request, int]] = []
         self.scheduled_ids: set[int] = set()
-        self.preempted = False   # memory ran short this step: admit nobody new
+        # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
+        # higher classes are admitted: admitting the victim's peers would hand its blocks back.
+        self.victim_floor: int | None = None
+
+    def note_victim(self, request: Request) -> None:
+        if self.victim_floor is None or request.priority < self.victim_floor:
+            self.victim_floor = request.priority
+
+    def may_admit(self, request: Request) -> bool:
+        return self.victim_floor is None or request.priority < self.victim_floor
 
     def add(self, request: Request, num_tokens: int) -> None:
         if request.new_blocks:
@@ -208,11 +217,23 @@ class ContinuousBatcher:
             if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room
                 return request
         queue = self.policy.queue(lane)
-        # After a preemption no one is admitted: it would take the victim's blocks back.
-        if (queue and len(self.running[link.index]) < self.max_running and not builder.preempted
-                and self._admit(link, builder, queue[0])):
+        if not queue or not builder.may_admit(queue[0]):
+            return None
+        if len(self.running[link.index]) >= self.max_running and not self._free_slot(link, builder, queue[0]):
+            return None
+        if self._admit(link, builder, queue[0]):
             return self.running[link.index][-1]
         return None
+
+    def _free_slot(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> bool:
+        """All running slots are taken: preempt one sequence the policy lets `request` displace
+        (lowest class, newest first), if any."""
+        for victim in sorted(self.running[link.index], key=lambda r: (-r.priority, -r.seq_id)):
+            if not builder.is_scheduled(victim) and self.policy.may_preempt(request, victim, admitting=True):
+                self._preempt(link, victim)
+                builder.note_victim(victim)
+                return True
+        return False
 
     def _admit(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> bool:
         # Admit only when the whole known sequence (+1 for its next token) fits now, so admitted
@@ -257,7 +278,7 @@ class ContinuousBatcher:
             return False
         for victim in victims:
             self._preempt(link, victim)
-        builder.preempted = builder.preempted or bool(victims)
+            builder.note_victim(victim)
         return True
 
     def _schedule(self, link: WorkerLink, builder: _StepBuilder, request: Request) -> int:
@@ -274,7 +295,7 @@ class ContinuousBatcher:
                              pending, builder.budget)
             if num_tokens <= 0:
                 self._preempt(link, request)
-                builder.preempted = True
+                builder.note_victim(request)
                 return 0
             need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0:

@@ -200,3 +200,30 @@ def test_lower_low_weight_shifts_the_shares():
         h.step()
     low_share = served_ratio(h.batcher.served_tokens, (HIGH, MEDIUM, LOW))[2]
     assert abs(low_share - 1 / 9) <= 0.05 / 9 * 2 + 0.005
+
+
+def test_high_takes_a_running_slot_from_a_lower_class_when_all_slots_are_full():
+    h = Harness(num_blocks=4096, max_running=4, max_step_tokens=256)
+    lows = [h.submit(LOW, prompt_len=20, max_tokens=50) for _ in range(2)]
+    mediums = [h.submit(MEDIUM, prompt_len=20, max_tokens=50) for _ in range(2)]
+    h.step()
+    assert len(h.batcher.running[0]) == 4
+    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
+    h.step()
+    assert high.output_ids, "High waited for a running slot"
+    assert sum(r.preemptions for r in lows) == 1 and all(r.preemptions == 0 for r in mediums)
+    for _ in range(500):
+        if all(r.phase is Phase.FINISHED for r in h.requests):
+            break
+        h.step()
+    assert all(r.output_ids == expected_output(r) for r in h.requests)
+
+
+def test_fcfs_never_preempts_for_a_slot():
+    h = Harness(policy="fcfs", num_blocks=4096, max_running=2, max_step_tokens=256)
+    first = [h.submit(LOW, prompt_len=20, max_tokens=50) for _ in range(2)]
+    h.step()
+    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
+    for _ in range(5):
+        h.step()
+    assert not high.output_ids and all(r.preemptions == 0 for r in first)
