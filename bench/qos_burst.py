@@ -12,7 +12,14 @@ Workload `burst` (default; counts scale with --scale):
 Low and Medium all arrive at t=0; High arrives as a Poisson stream (--high-rate per second)
 during the flood. Output lengths are fixed (ignore_eos).
 
+Trace replay (`--trace azure-code` or `azure-conv`, from bench/traces/, Azure 2023, CC-BY 4.0):
+the first --trace-requests rows after --trace-skip, arrival gaps divided by --time-scale, input
+and output lengths multiplied by --length-scale and capped to fit the model's context. Priority
+rule, from what each request looks like: output <= 64 tokens and input <= 1,024 tokens -> High
+(interactive, short), input > 2,048 tokens -> Low (long-context, batch-like), else Medium.
+
     python bench/qos_burst.py [--scale 0.2] [--json out.json] [--plots DIR] [--model DIR]
+    python bench/qos_burst.py --trace azure-code [--trace-requests 300] [--time-scale 2]
 """
 from __future__ import annotations
 
@@ -81,6 +88,45 @@ def text_of_tokens(tokenizer: TextTokenizer, rng: random.Random, tokens: int) ->
         text = tokenizer.decode(ids[:tokens])
         ids = tokenizer.encode(text)
     return text, len(ids)
+
+
+TRACES = {"azure-code": "azure2023_code.csv", "azure-conv": "azure2023_conv.csv"}
+
+
+def trace_priority(input_tokens: int, output_tokens: int) -> str:
+    if output_tokens <= 64 and input_tokens <= 1024:
+        return "high"
+    if input_tokens > 2048:
+        return "low"
+    return "medium"
+
+
+def trace_workload(tokenizer, max_context: int, trace: str, skip: int, count: int,
+                   time_scale: float, length_scale: float, seed: int) -> list[Job]:
+    import csv
+    from datetime import datetime
+
+    rng = random.Random(seed)
+    path = Path(__file__).resolve().parent / "traces" / TRACES[trace]
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))[skip:skip + count]
+    if not rows:
+        raise SystemExit(f"{path} has no rows after --trace-skip {skip}")
+
+    def seconds(stamp: str) -> float:
+        return datetime.strptime(stamp[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+    start = seconds(rows[0]["TIMESTAMP"])
+    jobs = []
+    for row in rows:
+        # The priority comes from the trace's own lengths, before scaling.
+        context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+        priority = trace_priority(context, generated)
+        out = max(1, min(int(generated * length_scale), max_context // 4))
+        prompt_len = max(1, min(int(context * length_scale), max_context - out - 16))
+        text, n = text_of_tokens(tokenizer, rng, prompt_len)
+        jobs.append(Job(priority, text, n, out, (seconds(row["TIMESTAMP"]) - start) / time_scale))
+    return jobs
 
 
 def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, seed: int) -> list[Job]:
@@ -265,6 +311,11 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, default=Path("bench/results"))
+    parser.add_argument("--trace", choices=sorted(TRACES), help="replay a real trace instead of the burst")
+    parser.add_argument("--trace-skip", type=int, default=0, help="rows to skip first")
+    parser.add_argument("--trace-requests", type=int, default=300)
+    parser.add_argument("--time-scale", type=float, default=1.0, help="divide arrival gaps by this")
+    parser.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths by this")
     args = parser.parse_args()
 
     if args.model:
@@ -273,11 +324,18 @@ def main() -> None:
         from services.engine.bench_model import bench_model_dir
         model = str(bench_model_dir())
     tokenizer = TextTokenizer.from_model_dir(model)
-    jobs = burst_workload(tokenizer, load_model_config(model).max_context, args.scale, args.high_rate, args.seed)
+    max_context = load_model_config(model).max_context
+    if args.trace:
+        jobs = trace_workload(tokenizer, max_context, args.trace, args.trace_skip, args.trace_requests,
+                              args.time_scale, args.length_scale, args.seed)
+    else:
+        jobs = burst_workload(tokenizer, max_context, args.scale, args.high_rate, args.seed)
     counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.machine())
-    report = {"model": Path(model).name, "workload": "burst",
+    workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
+                f"{args.time_scale:g}, lengths x{args.length_scale:g})" if args.trace else "burst")
+    report = {"model": Path(model).name, "workload": workload,
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
               "machine": f"{cpu}, worker {args.threads} thread(s), step budget {args.max_step_tokens} tokens"}
     runs = {}
