@@ -96,12 +96,15 @@ class ContinuousBatcher:
         self.steps = 0
         self.output_tokens: Counter = Counter()
         self.served_tokens: Counter = Counter()     # prefill + decode, per priority
-        self.preemptions = 0
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.preempted_by_priority: Counter = Counter()
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
         self.on_finished = None      # callable(request, now): a request completed (metrics)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(self.preempted_by_priority.values())
 
     # --- called by the gRPC handlers ------------------------------------------------------------
 
@@ -314,7 +317,6 @@ class ContinuousBatcher:
     def _preempt(self, link: WorkerLink, request: Request) -> None:
         log.info("preempting %s (%d tokens) on worker %d", request.request_id, request.num_tokens,
                  link.index)
-        self.preemptions += 1
         self.preempted_by_priority[request.priority] += 1
         request.preemptions += 1
         self._release(link, request)
