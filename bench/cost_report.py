@@ -27,6 +27,7 @@ import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
+from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import (ClusterConfig, PoolConfig, RouterConfig,  # noqa: E402
                                     SchedulerConfig, WorkerConfig)
@@ -51,9 +52,8 @@ def workload(count: int, seed: int) -> list[tuple[str, str]]:
     return [(rng.choice(mix), f"Write two sentences about {rng.choice(TOPICS)}.") for _ in range(count)]
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+def p99(values) -> float:
+    return percentile(values, 0.99, float("nan"))
 
 
 async def run_workload(address: str, requests, bar) -> list[dict]:

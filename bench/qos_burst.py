@@ -39,6 +39,7 @@ import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from services.client import RouterClient, sampling_params  # noqa: E402
+from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.priority import priority_name  # noqa: E402
@@ -187,9 +188,8 @@ async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -
     return outcomes, samples, time.perf_counter() - started
 
 
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+def p99(values) -> float:
+    return percentile(values, 0.99, float("nan"))
 
 
 def summarise(outcomes: list[Outcome], samples: list[Sample], low_kv_peak_blocks: int,

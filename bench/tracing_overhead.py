@@ -24,6 +24,7 @@ from opentelemetry.proto.collector.trace.v1 import (trace_service_pb2,  # noqa: 
 from tqdm import tqdm  # noqa: E402
 
 from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
+from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster, free_port  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 
@@ -39,9 +40,8 @@ class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-def p99(values):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+def p99(values) -> float:
+    return percentile(values, 0.99, float("nan"))
 
 
 async def load(address: str, requests, bar):

@@ -15,6 +15,7 @@ from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.config import (ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig,
                                    load_config, single_pool)
+from services.common.percentile import percentile
 
 DOCUMENT = ("The city council met on Tuesday to discuss the new public library. Residents asked for "
             "longer opening hours, more study rooms and a larger children's section. The architect "
@@ -35,6 +36,7 @@ PROMPTS = {
 }
 MAX_TOKENS = {"high": 32, "medium": 48, "low": 64}
 HIGH_DELAY_SECONDS = 0.3
+NAN = float("nan")
 
 
 def demo_config(policy: str) -> ClusterConfig:
@@ -43,11 +45,6 @@ def demo_config(policy: str) -> ClusterConfig:
     return single_pool(router=RouterConfig(port=0),
                        scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=128),
                        workers=[WorkerConfig(port=0, threads=2, kv_cache_mb=256)])
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def one(client: RouterClient, priority: str, prompt: str, delay: float):
@@ -86,9 +83,9 @@ def report(results, elapsed: float) -> None:
         ok = [a for _, _, a, e in mine if a is not None]
         ttft = [a.ttft_ms for a in ok]
         e2e = [a.e2e_ms for a in ok]
-        print(f"{priority:<8} {len(ok):>4} {len(mine) - len(ok):>6} {percentile(ttft, .5):>7.0f}ms "
-              f"{percentile(ttft, .95):>5.0f}ms {percentile(ttft, .99):>5.0f}ms "
-              f"{percentile(e2e, .5):>6.0f}ms {percentile(e2e, .99):>5.0f}ms "
+        print(f"{priority:<8} {len(ok):>4} {len(mine) - len(ok):>6} {percentile(ttft, .5, NAN):>7.0f}ms "
+              f"{percentile(ttft, .95, NAN):>5.0f}ms {percentile(ttft, .99, NAN):>5.0f}ms "
+              f"{percentile(e2e, .5, NAN):>6.0f}ms {percentile(e2e, .99, NAN):>5.0f}ms "
               f"{sum(len(a.token_ids) for a in ok):>7}")
     for priority, _, _, error in results:
         if error:

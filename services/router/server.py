@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.grpc_server import CHANNEL_OPTIONS, run_server
 from services.common.metrics import RequestMetrics, serve_metrics
+from services.common.percentile import percentile
 from services.common.tracing import extract_metadata, inject_metadata, setup_tracing, shutdown_tracing
 from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_HEADER,
                                       TENANT_HEADER, parse_priority, parse_slo_ms, priority_name)
@@ -30,13 +31,6 @@ log = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 10_000        # most recent requests per priority kept for percentiles
 RELAYED_TRAILERS = ("retry-after-ms",)
-
-
-def percentile(values, q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class Counters:

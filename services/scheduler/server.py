@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from services.common.config import SchedulerConfig
 from services.common.grpc_server import run_server
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
+from services.common.percentile import percentile
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing, traceparent
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -33,11 +34,6 @@ from services.scheduler.worker_link import WorkerLink
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
-
-
-def p90(values) -> float:
-    ordered = sorted(values)
-    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else 0.0
 
 
 class RequestRejected(Exception):
@@ -264,7 +260,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             block_size=info.block_size if info else 0,
             kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
             kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
-            steps=b.steps, preemptions=b.preemptions, ttft_p90_ms=p90(b.recent_ttft_ms),
+            steps=b.steps, preemptions=b.preemptions, ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
             utilization=self.monitor.utilization if self.monitor else 0.0,
             classes=[scheduler_pb2.ClassStats(
                 priority=p, waiting=self.policy.waiting(p), running=running[p], kv_blocks=held[p],
