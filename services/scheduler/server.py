@@ -36,6 +36,28 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 
 
+def coalesce(event, queue: asyncio.Queue):
+    """Merge chunks already waiting behind `event` into it: when this stream falls behind (a busy
+    machine), one message carries several tokens instead of one message per token. Returns the
+    event to send and a failure taken off the queue meanwhile (to send next), or None. A final
+    chunk ends the merge."""
+    if isinstance(event, Failure) or event.finish_reason or queue.empty():
+        return event, None
+    merged = common_pb2.GenerateChunk()
+    merged.CopyFrom(event)
+    while not queue.empty() and not merged.finish_reason:
+        following = queue.get_nowait()
+        if isinstance(following, Failure):
+            return merged, following
+        merged.text += following.text
+        merged.token_ids.extend(following.token_ids)
+        if following.finish_reason:
+            merged.finish_reason = following.finish_reason
+            merged.usage.CopyFrom(following.usage)
+            merged.timings.CopyFrom(following.timings)
+    return merged, None
+
+
 class RequestRejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, trailers=(), reason: str = ""):
         super().__init__(message)
@@ -186,8 +208,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.submit(request)
         outcome = "cancelled"
         try:
+            failure_next = None
             while True:
-                event = await request.events.get()
+                event, failure_next = coalesce(failure_next or await request.events.get(),
+                                               request.events)
                 if isinstance(event, Failure):
                     outcome = "failed"
                     span.set_status(Status(StatusCode.ERROR, event.message))

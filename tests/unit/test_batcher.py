@@ -199,3 +199,40 @@ def test_requests_spread_over_two_workers():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown scheduling policy 'lottery'"):
         create_policy("lottery")
+
+
+def test_queued_chunks_are_coalesced_without_losing_anything():
+    from services.scheduler.server import coalesce
+
+    async def scenario():
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, text in enumerate(["a", "b", "c"]):
+            queue.put_nowait(common_pb2.GenerateChunk(text=text, token_ids=[i]))
+        last = common_pb2.GenerateChunk(text="d", token_ids=[3], finish_reason=common_pb2.FINISH_REASON_STOP)
+        last.usage.completion_tokens = 4
+        queue.put_nowait(last)
+        queue.put_nowait(Failure(grpc.StatusCode.INTERNAL, "never read after the final chunk"))
+        merged, failure = coalesce(await queue.get(), queue)
+        assert failure is None
+        return merged, queue.qsize()
+
+    merged, left = asyncio.run(scenario())
+    assert (merged.text, list(merged.token_ids)) == ("abcd", [0, 1, 2, 3])
+    assert merged.finish_reason == common_pb2.FINISH_REASON_STOP and merged.usage.completion_tokens == 4
+    assert left == 1
+
+
+def test_a_failure_is_not_merged_into_a_chunk():
+    from services.scheduler.server import coalesce
+
+    async def scenario():
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(common_pb2.GenerateChunk(text="a", token_ids=[1]))
+        queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, "worker failed"))
+        first, failure = coalesce(await queue.get(), queue)
+        again, nothing = coalesce(failure, queue)
+        return first, failure, again, nothing, queue.qsize()
+
+    first, failure, again, nothing, left = asyncio.run(scenario())
+    assert first.text == "a" and isinstance(failure, Failure)
+    assert again is failure and nothing is None and left == 0
