@@ -249,12 +249,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _state_metrics(self):
         b, policy = self.batcher, self.policy
+        running, held, weights = b.running_by_priority(), b.kv_blocks_by_priority(), policy.weights()
         gauges = {
             "qos_queue_depth": ("Requests waiting", lambda p: policy.waiting(p)),
-            "qos_running": ("Requests holding KV blocks", lambda p: b.running_by_priority()[p]),
-            "qos_kv_blocks": ("KV blocks held", lambda p: b.kv_blocks_by_priority()[p]),
+            "qos_running": ("Requests holding KV blocks", lambda p: running[p]),
+            "qos_kv_blocks": ("KV blocks held", lambda p: held[p]),
             "qos_kv_blocks_peak": ("Most KV blocks held on one worker", lambda p: b.kv_peak[p]),
-            "qos_weight": ("Fair-queueing weight", lambda p: policy.weights()[p]),
+            "qos_weight": ("Fair-queueing weight", lambda p: weights[p]),
             "qos_kv_cap_share": ("KV cap, share of a worker's blocks", lambda p: policy.kv_cap(p)),
         }
         for name, (text, read) in gauges.items():

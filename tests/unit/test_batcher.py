@@ -145,16 +145,22 @@ def test_stop_string_finishes_and_releases_on_the_worker():
     assert worker.pool.num_used == 0
 
 
+async def three_streaming(worker: SimulatedWorker):
+    """A running batcher loop with three long requests that have each streamed a token."""
+    batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
+    loop = asyncio.create_task(batcher.run())
+    requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
+    for r in requests:
+        batcher.submit(r)
+    for r in requests:
+        await r.events.get()
+    return batcher, loop, requests
+
+
 def test_cancellation_frees_blocks_and_tells_the_worker():
     async def scenario():
         worker = SimulatedWorker(0, 64)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
-        loop = asyncio.create_task(batcher.run())
-        requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
-        for r in requests:
-            batcher.submit(r)
-        for r in requests:        # each has streamed a token
-            await r.events.get()
+        batcher, loop, requests = await three_streaming(worker)
         for r in requests:
             batcher.cancel(r)
         for _ in range(100):
@@ -172,13 +178,7 @@ def test_cancellation_frees_blocks_and_tells_the_worker():
 def test_worker_failure_fails_its_streams_with_unavailable():
     async def scenario():
         worker = SimulatedWorker(0, 64)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
-        loop = asyncio.create_task(batcher.run())
-        requests = [make_request(i, prompt_len=8, max_tokens=1000) for i in range(3)]
-        for r in requests:
-            batcher.submit(r)
-        for r in requests:
-            await r.events.get()
+        _, loop, requests = await three_streaming(worker)
         worker.fail_next = True
         outcomes = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 5)
         loop.cancel()
