@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_HOST = "127.0.0.1"
+DEFAULT_CPU_KV_MB = 256
+DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
 
 
@@ -38,6 +40,7 @@ class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = 50051
     routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
+    admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
     metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
 
     @property
@@ -70,14 +73,25 @@ class WorkerConfig:
     device: str = "cpu"
     dtype: str | None = None          # default: fp32 on CPU, bf16 on CUDA, fp16 on NPU
     threads: int = 1                  # torch CPU threads, set explicitly in every worker
-    kv_cache_mb: int | None = 256     # KV budget; unset = kv_cache_fraction of free memory
-    kv_cache_fraction: float = 0.1
+    kv_cache_mb: int | None = None    # KV budget in MiB; unset: 256 on CPU, else by fraction
+    kv_cache_fraction: float | None = None  # of free memory after the weights; unset: 0.8 on GPU/NPU
     block_size: int = 16
     metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def kv_budget(self) -> tuple[int | None, float]:
+        """(explicit KV bytes or None, share of free memory used when there are none). An
+        accelerator's memory is there for the KV cache, so it takes most of what the weights leave;
+        a CPU worker shares RAM with everything else, so it takes a fixed budget."""
+        fraction = self.kv_cache_fraction if self.kv_cache_fraction is not None else DEFAULT_KV_FRACTION
+        if self.kv_cache_mb is not None:
+            return self.kv_cache_mb * 2**20, fraction
+        if self.kv_cache_fraction is None and self.device.startswith("cpu"):
+            return DEFAULT_CPU_KV_MB * 2**20, fraction
+        return None, fraction
 
 
 @dataclass(slots=True)
@@ -162,12 +176,19 @@ def _parse_pool(raw: dict, where: str) -> PoolConfig:
     workers = raw.get("workers", [{}])
     if not isinstance(workers, list) or not workers:
         raise ConfigError(f"{where}.workers must be a non-empty list of worker tables")
-    pool.workers = [_section(WorkerConfig, w, f"{where}.workers[{i}]") for i, w in enumerate(workers)]
     if pool.device not in ("cuda", "npu", "cpu"):
         raise ConfigError(f"{where}.device must be cuda, npu or cpu, got {pool.device!r}")
+    # A worker that names no device runs on its pool's.
+    pool.workers = [_section(WorkerConfig, {"device": pool.device, **w} if isinstance(w, dict) else w,
+                             f"{where}.workers[{i}]") for i, w in enumerate(workers)]
     for i, w in enumerate(pool.workers):
         if w.threads < 0:
             raise ConfigError(f"{where}.workers[{i}].threads must be >= 0")
+        if w.kv_cache_mb is not None and (not isinstance(w.kv_cache_mb, int) or w.kv_cache_mb <= 0):
+            raise ConfigError(f"{where}.workers[{i}].kv_cache_mb must be a positive integer (MiB)")
+        if w.kv_cache_fraction is not None and (not isinstance(w.kv_cache_fraction, (int, float))
+                                                or not 0 < w.kv_cache_fraction <= 1):
+            raise ConfigError(f"{where}.workers[{i}].kv_cache_fraction must be in (0, 1]")
         # Never label a pool with a device it does not have.
         if w.device.split(":")[0] != pool.device:
             raise ConfigError(f"{where}.workers[{i}].device is {w.device!r} but the pool is {pool.device!r}")
@@ -195,6 +216,8 @@ def parse_config(raw: dict) -> ClusterConfig:
     router = _section(RouterConfig, raw.get("router", {}), "router")
     if router.routing not in ("cost", "primary"):
         raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
+    if router.admission not in ("priority", "fifo"):
+        raise ConfigError(f"router.admission must be priority or fifo, got {router.admission!r}")
     return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools)
 
 

@@ -24,13 +24,19 @@ from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_H
                                       TENANT_HEADER, parse_priority, parse_slo_ms, priority_name)
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
                                           scheduler_pb2_grpc)
+from services.common.intake import PriorityIntake
 from services.router.routing import NoPoolError, PoolLoad, PoolRouter, PoolSpec, RouteRequest
 from services.router.validation import InvalidRequest, decode_request
 
 log = logging.getLogger(__name__)
 
+
+async def _go_ahead(_request) -> None:
+    """The router's admission step: nothing to compute, only the turn (priority order) matters."""
+
 LATENCY_WINDOW = 10_000        # most recent requests per priority kept for percentiles
 RELAYED_TRAILERS = ("retry-after-ms",)
+POOL_GRACE_S = 5.0             # how long the router waits for every pool before serving without some
 
 
 class Counters:
@@ -76,7 +82,8 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str = "cost"):
+    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str = "cost",
+                 admission: str = "priority"):
         self.model_name = model_name
         self.pools = {p.name: PoolHandle(p) for p in pools}
         self.routing = PoolRouter([PoolSpec(p.name, p.device, frozenset({model_name}),
@@ -89,11 +96,28 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.watch_tasks: list[asyncio.Task] = []
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
-        self.knows_pools = asyncio.Event()   # health says SERVING once every pool is known
+        # Requests go on to validation and their pool in priority order (services/common/intake.py).
+        self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority")
+        self.knows_pools = asyncio.Event()   # health says SERVING once the pools are known
         self.tracer = setup_tracing("router")
 
     async def start(self) -> None:
         self.watch_tasks = [asyncio.create_task(self._watch_pool(h)) for h in self.pools.values()]
+        self.watch_tasks.append(asyncio.create_task(self._serve_without_missing_pools()))
+        self.watch_tasks.append(asyncio.create_task(self.admissions.run()))
+
+    async def _serve_without_missing_pools(self) -> None:
+        """Ready at once when every pool answers; after POOL_GRACE_S, ready with those that do.
+        A pool that is down (or not started, as in docker compose without its profile) is
+        unhealthy and gets no requests until it answers."""
+        while not self.knows_pools.is_set():
+            await asyncio.sleep(POOL_GRACE_S)
+            known = [n for n, h in self.pools.items() if h.stats is not None and h.stats.max_context]
+            if known and not self.knows_pools.is_set():
+                missing = sorted(set(self.pools) - set(known))
+                log.warning("serving with pool(s) %s; no answer yet from %s", ", ".join(known),
+                            ", ".join(missing))
+                self.knows_pools.set()
 
     async def stop(self) -> None:
         for task in self.watch_tasks:
@@ -145,6 +169,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.metrics.rejections.labels("unknown", "invalid_argument").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         tenant = metadata.get(TENANT_HEADER, "")
+        await self.admissions.admit(None, priority)
         name = priority_name(priority)
         span.set_attributes({"qos.priority": name, "qos.tenant": tenant})
         groups = [self.by_priority[priority], self.by_tenant.setdefault(tenant, Counters())]
@@ -263,7 +288,7 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
 
 
 async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
-    service = RouterService(pools, model_name, config.routing)
+    service = RouterService(pools, model_name, config.routing, config.admission)
     serve_metrics(service.registry, config.host, config.metrics_port, "router")
 
     async def started(_port: int) -> None:

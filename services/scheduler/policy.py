@@ -39,6 +39,7 @@ class QoSSettings:
 
 class SchedulingPolicy(ABC):
     name: str
+    admits_by_priority = True     # new requests are tokenized and queued High first (intake.py)
 
     def __init__(self) -> None:
         self._queues: dict[int, deque[Request]] = {lane: deque() for lane in self.lanes}
@@ -116,6 +117,7 @@ class SchedulingPolicy(ABC):
 class FCFSPolicy(SchedulingPolicy):
     """First come, first served: one lane, running work before admissions, no caps."""
     name = "fcfs"
+    admits_by_priority = False
     ONLY_LANE = 0
 
     @property

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -25,6 +26,7 @@ from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.common.intake import PriorityIntake
 from services.scheduler.kv_blocks import blocks_for_tokens
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.policy import QoSSettings, create_policy
@@ -86,17 +88,21 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self.tasks = [asyncio.create_task(link.keep_connected()) for link in self.links]
         self.tasks.append(asyncio.create_task(self.batcher.run()))
+        self.tasks.append(asyncio.create_task(self.admissions.run()))
 
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
         for link in self.links:
             await link.close()
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -108,12 +114,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                   "no worker of this pool has connected yet; retry shortly")
         return min(i.max_context for i in infos), max(i.num_blocks for i in infos)
 
-    def intake(self, submit: scheduler_pb2.SubmitRequest) -> Request:
+    async def admit(self, submit: scheduler_pb2.SubmitRequest) -> Request:
+        """Tokenize in the tokenizer thread (the event loop keeps taking in calls and streaming
+        meanwhile), then check the request and build it."""
         if submit.lora:
             raise RequestRejected(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"LoRA adapter {submit.lora!r} requested, but pool {self.pool_name} "
                                   "serves no LoRA adapters")
-        max_context, largest_pool = self._model_limits()
+        self._model_limits()         # no worker yet: refuse before tokenizing
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_thread, self._tokenize, submit)
+        return self.intake(submit, prompt_ids)
+
+    def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
         if submit.messages:
             messages = [{"role": m.role, "content": m.content} for m in submit.messages]
             try:
@@ -122,6 +135,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, f"messages: {exc}") from exc
         else:
             prompt_ids = self.tokenizer.encode(submit.prompt)
+        return prompt_ids
+
+    def intake(self, submit: scheduler_pb2.SubmitRequest, prompt_ids: list[int]) -> Request:
+        """Admission checks on a tokenized request; RequestRejected says why not."""
+        max_context, largest_pool = self._model_limits()
         if not prompt_ids:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty after tokenization")
         if len(prompt_ids) >= max_context:
@@ -191,8 +209,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             kind=SpanKind.SERVER, attributes={
                 "qos.request_id": submit.request_id, "qos.priority": priority_name(submit.priority),
                 "qos.tenant": submit.tenant, "qos.pool": self.pool_name})
+        received, received_ns = time.perf_counter(), time.time_ns()
         try:
-            request = self.intake(submit)
+            request = await self.admissions.admit(submit, submit.priority)
         except RequestRejected as rejected:
             if rejected.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 self.rejected[submit.priority] += 1
@@ -203,6 +222,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if rejected.trailers:
                 context.set_trailing_metadata(rejected.trailers)
             await context.abort(rejected.code, rejected.message)
+        # Time spent waiting for admission counts as queueing (timings, TTFT, spans).
+        request.arrival, request.arrival_ns = received, received_ns
         request.traceparent = traceparent(trace.set_span_in_context(span))
         span.set_attribute("qos.prompt_tokens", len(request.prompt_ids))
         self.batcher.submit(request)
