@@ -38,39 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from services.client import RouterClient, sampling_params  # noqa: E402
 from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.priority import priority_name  # noqa: E402
-from services.common.proto.qos.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
+from services.loadgen import Job, Outcome, run_clients  # noqa: E402
 
 PRIORITIES = ("high", "medium", "low")
 WORDS = ("time river stone light paper green music table window garden number market summer "
          "letter story island silver morning travel bridge").split()
-
-
-@dataclass(slots=True)
-class Job:
-    priority: str
-    prompt: str
-    prompt_tokens: int
-    max_tokens: int
-    at: float                     # seconds after the start
-
-
-@dataclass(slots=True)
-class Outcome:
-    priority: str
-    ok: bool
-    code: str = "OK"
-    ttft_ms: float = 0.0          # measured by the client
-    server_ttft_ms: float = 0.0   # measured by the scheduler (arrival there -> first token)
-    e2e_ms: float = 0.0
-    tokens: int = 0
-    done_at: float = 0.0          # seconds after the start
 
 
 @dataclass(slots=True)
@@ -131,8 +110,10 @@ def trace_workload(tokenizer, max_context: int, trace: str, skip: int, count: in
     return jobs
 
 
-def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, seed: int) -> list[Job]:
+def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, seed: int,
+                   flood_seconds: float) -> list[Job]:
     rng = random.Random(seed)
+    arrivals = random.Random(seed + 1)   # arrival times apart, so the prompts do not depend on them
     medium_prompt = 256
     low_prompt = min(max_context - 128 - 16, 16 * medium_prompt)
     if low_prompt < 8 * medium_prompt:
@@ -142,7 +123,7 @@ def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, 
     for priority, count, prompt_len, out in [("low", 300, low_prompt, 128), ("medium", 500, medium_prompt, 64)]:
         for _ in range(max(1, round(count * scale))):
             text, n = text_of_tokens(tokenizer, rng, prompt_len)
-            jobs.append(Job(priority, text, n, out, 0.0))
+            jobs.append(Job(priority, text, n, out, arrivals.uniform(0.0, flood_seconds)))
     t = 0.0
     for _ in range(max(1, round(200 * scale))):
         t += rng.expovariate(high_rate)
@@ -152,42 +133,32 @@ def burst_workload(tokenizer, max_context: int, scale: float, high_rate: float, 
 
 
 async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -> tuple[list, list, float]:
-    samples: list[Sample] = []
-    started = time.perf_counter()
+    """Send the jobs (one client process per priority, services/loadgen.py) while sampling the
+    pool's stats every 0.1 s. Returns outcomes, samples (times from the common start), wall s."""
+    stamped: list[tuple[float, Sample]] = []
 
     async def sample_stats(stop: asyncio.Event):
         async with grpc.aio.insecure_channel(scheduler_address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             while not stop.is_set():
                 s = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())
-                samples.append(Sample(time.perf_counter() - started,
-                                      {priority_name(c.priority): c.kv_blocks for c in s.classes},
-                                      {priority_name(c.priority): c.waiting for c in s.classes},
-                                      s.kv_blocks_total))
+                stamped.append((time.time(), Sample(0.0, {priority_name(c.priority): c.kv_blocks for c in s.classes},
+                                                    {priority_name(c.priority): c.waiting for c in s.classes},
+                                                    s.kv_blocks_total)))
                 await asyncio.sleep(0.1)
 
-    async with RouterClient(address) as client:
-        async def one(job: Job) -> Outcome:
-            await asyncio.sleep(max(0.0, job.at - (time.perf_counter() - started)))
-            request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
-                max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
-            try:
-                answer = await client.generate(request, priority=job.priority)
-                result = Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
-                                 server_ttft_ms=answer.server_timings.ttft_ms,
-                                 tokens=len(answer.token_ids))
-            except grpc.aio.AioRpcError as exc:
-                result = Outcome(job.priority, False, code=exc.code().name)
-            result.done_at = time.perf_counter() - started
-            bar.update()
-            return result
-
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_stats(stop))
-        outcomes = await asyncio.gather(*(one(job) for job in jobs))
-        stop.set()
-        await sampler
-    return outcomes, samples, time.perf_counter() - started
+    stop = asyncio.Event()
+    sampler = asyncio.create_task(sample_stats(stop))
+    outcomes, start = await run_clients(address, jobs, on_progress=bar.update)
+    wall = time.time() - start
+    stop.set()
+    await sampler
+    samples = []
+    for stamp, sample in stamped:
+        if stamp >= start:
+            sample.at = stamp - start
+            samples.append(sample)
+    return outcomes, samples, wall
 
 
 def p99(values) -> float:
@@ -218,7 +189,8 @@ def summarise(outcomes: list[Outcome], samples: list[Sample], low_kv_peak_blocks
 
 def run_policy(policy: str, model: str, jobs: list[Job], args) -> tuple[dict, list, list]:
     config = single_pool(
-        model=model, router=RouterConfig(port=0),
+        # The baseline is priority-blind end to end: FIFO admission at the router too.
+        model=model, router=RouterConfig(port=0, admission="fifo" if policy == "fcfs" else "priority"),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
@@ -311,11 +283,15 @@ def main() -> None:
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
     parser.add_argument("--high-rate", type=float, default=10.0, help="High arrivals per second")
+    parser.add_argument("--flood-seconds", type=float, default=1.0,
+                        help="Low and Medium arrive at uniform random times in [0, this) (0: all at once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="worker torch threads")
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
-    parser.add_argument("--max-step-tokens", type=int, default=256)
-    parser.add_argument("--max-running", type=int, default=64)
+    parser.add_argument("--max-step-tokens", type=int, default=128,
+                        help="scheduler's tokens per step (bounds a step's time, so High's wait)")
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--policies", default="fcfs,qos", help="comma-separated, for quick checks of one policy")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plots", type=Path, default=Path("bench/results"))
     parser.add_argument("--trace", choices=sorted(TRACES), help="replay a real trace instead of the burst")
@@ -336,7 +312,8 @@ def main() -> None:
         jobs = trace_workload(tokenizer, max_context, args.trace, args.trace_skip, args.trace_requests,
                               args.time_scale, args.length_scale, args.seed)
     else:
-        jobs = burst_workload(tokenizer, max_context, args.scale, args.high_rate, args.seed)
+        jobs = burst_workload(tokenizer, max_context, args.scale, args.high_rate, args.seed,
+                              args.flood_seconds)
     counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.machine())
@@ -346,10 +323,13 @@ def main() -> None:
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
               "machine": f"{cpu}, worker {args.threads} thread(s), step budget {args.max_step_tokens} tokens"}
     runs = {}
-    for policy in ("fcfs", "qos"):
+    for policy in args.policies.split(","):
         summary, outcomes, samples = run_policy(policy, model, jobs, args)
         report[policy] = summary
         runs[policy] = (outcomes, samples)
+    if set(runs) != {"fcfs", "qos"}:
+        print(json.dumps(report, indent=2))
+        return
     print_table(report)
     for path in plot(report, runs, args.plots):
         print(f"plot: {path}")
