@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Output tokens/s of our engine against Hugging Face transformers generate(), in one run.
 
-Same model folder, same machine, same torch thread count, fp32 on CPU, identical prompts and
-output lengths (EOS cannot end a request early on either side). Two phases:
+Same model folder, same machine, same torch thread count, same device and dtype (fp32 on CPU by
+default; `--device cuda --dtype bfloat16` on a GPU), identical prompts and output lengths (EOS cannot end a request early on either side). Two phases:
 
   b1   the first --requests-b1 requests one at a time (engine: BatchRunner with max_running=1;
        HF: generate() on a batch of one).
@@ -13,7 +13,7 @@ output lengths (EOS cannot end a request early on either side). Two phases:
 tokens/s = requested output tokens (the sum of each request's length; HF's extra tokens in a
 static batch are not counted) / wall seconds of the whole phase, prefill included.
 
-    python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] ...
+    python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] [--device cuda] ...
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from services.common.step import SamplingParams  # noqa: E402
 from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
-from services.engine.device import set_cpu_threads  # noqa: E402
+from services.engine.device import DTYPES, open_backend, set_cpu_threads  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, bytes_per_block  # noqa: E402
 
@@ -89,14 +89,15 @@ def progress(desc: str, total: int) -> tqdm:
 
 # --- our engine --------------------------------------------------------------------------------
 
-def load_engine(model_dir: str, threads: int, max_prompt: int, max_output: int) -> Engine:
+def load_engine(model_dir: str, threads: int, max_prompt: int, max_output: int, device: str,
+                dtype: str) -> Engine:
     # Size the KV cache for exactly BATCH worst-case requests rather than a fraction of free
     # memory: BatchRunner admits a request only once its whole KV need is reserved, so too small a
     # cache would silently run fewer than 32 at a time and too large a one only costs RAM.
     per_request = math.ceil((max_prompt + max_output) / DEFAULT_BLOCK_SIZE)
     kv_bytes = BATCH * per_request * bytes_per_block(load_model_config(model_dir), DEFAULT_BLOCK_SIZE,
-                                                     torch.float32)
-    return Engine(EngineConfig(model_dir=model_dir, device="cpu", dtype="float32",
+                                                     DTYPES[dtype])
+    return Engine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
                                block_size=DEFAULT_BLOCK_SIZE, kv_cache_bytes=kv_bytes,
                                num_threads=threads))
 
@@ -140,8 +141,8 @@ def hf_generate(model, requests: list[Request], pad_id: int,
                 bar: tqdm | None = None) -> list[list[int]]:
     """One static batch: left-padded prompts, every row decoding the longest requested length."""
     width = max(len(r.prompt) for r in requests)
-    input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(requests), width), dtype=torch.long)
+    input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long, device=model.device)
+    attention_mask = torch.zeros((len(requests), width), dtype=torch.long, device=model.device)
     for row, request in enumerate(requests):
         input_ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
         attention_mask[row, width - len(request.prompt):] = 1
@@ -183,8 +184,9 @@ def compare_greedy(engine_out: list[list[int]], hf_out: list[list[int]], eos_ids
 
 def print_report(report: dict, seconds: dict) -> None:
     w = report["workload"]
-    print(f"\nmodel {report['model']} | CPU {report['machine']['cpu']} | {report['threads']} threads | "
-          f"torch {report['machine']['torch']}, transformers {report['machine']['transformers']} | fp32")
+    m = report["machine"]
+    print(f"\nmodel {report['model']} | {m['device']} ({m['device_name']}) | CPU {m['cpu']} | "
+          f"{report['threads']} threads | torch {m['torch']}, transformers {m['transformers']} | {report['dtype']}")
     print(f"workload: seed {w['seed']}; b1 {w['requests_b1']} requests, b32 {w['requests_b32']} requests; "
           f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, output {w['output_len'][0]}-"
           f"{w['output_len'][1]} tokens (forced); engine max_step_tokens {w['engine_max_step_tokens']}")
@@ -201,6 +203,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
     parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (both sides)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="both sides")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -230,9 +234,11 @@ def main() -> None:
                              prompt_range, output_range)
     b1, b32 = workload[:args.requests_b1], workload[:args.requests_b32]
 
-    print(f"loading {model_dir} ({threads} threads)", file=sys.stderr)
-    engine = load_engine(model_dir, threads, args.max_prompt, args.max_output)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    backend = open_backend(args.device)
+    print(f"loading {model_dir} on {backend.device} ({backend.name}, {args.dtype}, {threads} threads)",
+          file=sys.stderr)
+    engine = load_engine(model_dir, threads, args.max_prompt, args.max_output, args.device, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(backend.device).eval()
     pad_id = hf.generation_config.pad_token_id
     if pad_id is None:
         pad_id = config.eos_token_ids[0]
@@ -253,8 +259,9 @@ def main() -> None:
     report = {
         "model": Path(model_dir).name,
         "machine": {"cpu": machine_name(), "torch": torch.__version__,
-                    "transformers": transformers.__version__},
-        "threads": threads,
+                    "transformers": transformers.__version__, "device": str(backend.device),
+                    "device_name": backend.name},
+        "threads": threads, "dtype": args.dtype,
         "workload": {"seed": args.seed, "requests_b1": len(b1), "requests_b32": len(b32),
                      "prompt_len": list(prompt_range), "output_len": list(output_range),
                      "useful_tokens_b1": useful_tokens(b1), "useful_tokens_b32": useful_tokens(b32),

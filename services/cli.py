@@ -8,13 +8,20 @@
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import sys
+import os
+
+# Before anything imports torch: never let torch auto-load device extensions. torch_npu installed
+# without the CANN stack would otherwise break `import torch` in every service; the NPU backend
+# imports it itself, guarded (services/engine/device.py).
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path
 
-from services.common.config import ConfigError, load_config
-from services.common.grpc_server import setup_logging
+from services.common.config import ConfigError, load_config  # noqa: E402
+from services.common.grpc_server import setup_logging  # noqa: E402
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +42,21 @@ def cmd_worker(args) -> int:
     if not 0 <= args.index < len(pool.workers):
         raise ConfigError(f"--index {args.index}: pool {pool.name} has {len(pool.workers)} worker(s)")
     worker = pool.workers[args.index]
+    if args.listen:
+        worker.host = args.listen
+    if args.device and (":" in args.device or args.device != worker.device.split(":")[0]):
+        worker.device = args.device      # a bare kind ("cuda") keeps the configured index
+
+    # The device first: a missing GPU or NPU stack fails in seconds, before any model work.
+    from services.engine.device import open_backend
+    try:
+        backend = open_backend(worker.device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     from services.cluster import resolve_model
     from services.engine.engine import Engine
     from services.worker.server import build_engine_config, serve_worker
-    engine = Engine(build_engine_config(resolve_model(config.model), worker))
+    engine = Engine(build_engine_config(resolve_model(config.model), worker), backend)
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port))
     return 0
 
@@ -48,6 +66,8 @@ def cmd_scheduler(args) -> int:
     from services.cluster import resolve_model
     from services.scheduler.server import serve_scheduler
     pool = config.pool(args.pool)
+    if args.listen:
+        pool.scheduler.host = args.listen
     asyncio.run(serve_scheduler(pool.scheduler, pool.name, resolve_model(config.model),
                                 [w.address for w in pool.workers]))
     return 0
@@ -55,6 +75,8 @@ def cmd_scheduler(args) -> int:
 
 def cmd_router(args) -> int:
     config = load_config(args.config)
+    if args.listen:
+        config.router.host = args.listen
     from services.cluster import resolve_model
     from services.router.server import serve_router
     asyncio.run(serve_router(config.router, config.pools, Path(resolve_model(config.model)).name))
@@ -156,10 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
                              ("worker", cmd_worker, "run one worker")]:
         p = sub.add_parser(name, help=text)
         _config_args(p)
+        p.add_argument("--listen", metavar="HOST",
+                       help="address to bind (e.g. 0.0.0.0 in a container); the config's host "
+                            "stays the address the others connect to")
         if name in ("worker", "scheduler"):
             p.add_argument("--pool", help="which pool (default: the first)")
         if name == "worker":
             p.add_argument("--index", type=int, default=0, help="which of the pool's workers to run")
+            p.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the worker's config; "
+                                            "a bare kind keeps the configured index)")
         p.set_defaults(func=func)
     return parser
 
@@ -172,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"qos-serve {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as exc:
+        from services.engine.device import DeviceUnavailableError
+        if not isinstance(exc, DeviceUnavailableError):
+            raise
+        print(f"qos-serve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -2,4 +2,4 @@
 from services.cli import main
 
 if __name__ == "__main__":
-    main(["worker", *__import__("sys").argv[1:]])
+    main(["worker", "--device", "cpu", *__import__("sys").argv[1:]])

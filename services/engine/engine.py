@@ -17,8 +17,7 @@ import torch
 
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
-from services.engine.device import (free_memory_bytes, resolve_device, resolve_dtype,
-                                    set_cpu_threads)
+from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
 from services.engine.sampler import sample
@@ -36,7 +35,7 @@ class InvalidStepError(ValueError):
 class EngineConfig:
     model_dir: str
     device: str = "cpu"
-    dtype: str | None = None                # None: fp32 on CPU, bf16 on CUDA, fp16 on NPU
+    dtype: str | None = None                # None: the device's choice (fp32 on CPU, bf16 on GPUs that have it)
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int | None = None       # explicit KV budget; overrides the fraction
     kv_cache_fraction: float = 0.1          # of free device memory, after the weights are loaded
@@ -54,22 +53,24 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, backend: DeviceBackend | None = None):
+        """`backend`: the device already opened (the worker opens it first, to fail fast)."""
         self.config = config
         self.threads = set_cpu_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.backend = backend or open_backend(config.device)
+        self.device = self.backend.device
+        self.dtype = resolve_dtype(config.dtype, self.backend)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
                                   self.device, self.dtype, config.prepack_linear)
-        budget = config.kv_cache_bytes or int(free_memory_bytes(self.device) * config.kv_cache_fraction)
+        budget = config.kv_cache_bytes or int(self.backend.memory().free_bytes * config.kv_cache_fraction)
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        log.info("engine ready: %s on %s (%s, %d threads); %s", self.model_config.architecture,
-                 self.device, self.dtype, self.threads, self.kv_spec.describe())
+        log.info("engine ready: %s on %s, %s (%s, %d threads); %s", self.model_config.architecture,
+                 self.device, self.backend.name, self.dtype, self.threads, self.kv_spec.describe())
 
     @property
     def max_context(self) -> int:

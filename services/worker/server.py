@@ -25,7 +25,6 @@ from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
                                      tracing_configured)
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
-from services.engine.device import free_memory_bytes
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.worker.sequences import PlanError, SequenceTable
 
@@ -70,6 +69,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def _state_metrics(self):
         yield GaugeMetricFamily("qos_worker_utilization", "Share of recent time spent in steps",
                                 value=self.busy.utilization(time.perf_counter()))
+        hardware = self.engine.backend.utilization()
+        if hardware is not None:
+            yield GaugeMetricFamily("qos_worker_device_utilization",
+                                    "The device's own busy share (NVML / torch_npu)", value=hardware)
         yield GaugeMetricFamily("qos_worker_active_sequences", "Sequences held", value=len(self.table))
         yield GaugeMetricFamily("qos_worker_kv_blocks", "KV blocks allocated",
                                 value=self.engine.kv_spec.num_blocks)
@@ -82,7 +85,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_blocks=e.kv_spec.num_blocks, bytes_per_block=e.kv_spec.bytes_per_block,
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
-            threads=e.threads)
+            threads=e.threads, device_name=e.backend.name)
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
@@ -148,17 +151,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                             finish_reason=t.finish_reason.value if t.finish_reason else "")
                     for t in tokens],
             forward_ms=(finished - started) * 1000,
-            device=worker_pb2.DeviceStats(
-                memory_used_bytes=self.engine.kv_spec.total_bytes,
-                memory_total_bytes=self.engine.kv_spec.total_bytes + free_memory_bytes(self.engine.device),
-                utilization=self.busy.utilization(finished)))
+            device=self._device_stats(finished))
+
+    def _device_stats(self, now: float) -> worker_pb2.DeviceStats:
+        kv_bytes = self.engine.kv_spec.total_bytes
+        stats = worker_pb2.DeviceStats(
+            memory_used_bytes=kv_bytes, memory_total_bytes=kv_bytes + self.engine.backend.memory().free_bytes,
+            utilization=self.busy.utilization(now))
+        hardware = self.engine.backend.utilization()
+        if hardware is not None:
+            stats.device_utilization = hardware
+        return stats
 
 
 def build_engine_config(model_dir: str, worker) -> EngineConfig:
+    kv_bytes, kv_fraction = worker.kv_budget()
     return EngineConfig(model_dir=model_dir, device=worker.device, dtype=worker.dtype,
-                        block_size=worker.block_size,
-                        kv_cache_bytes=worker.kv_cache_mb * 2**20 if worker.kv_cache_mb else None,
-                        kv_cache_fraction=worker.kv_cache_fraction, num_threads=worker.threads)
+                        block_size=worker.block_size, kv_cache_bytes=kv_bytes,
+                        kv_cache_fraction=kv_fraction, num_threads=worker.threads)
 
 
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",

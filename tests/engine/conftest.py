@@ -1,5 +1,10 @@
-"""Fixtures for engine tests: tiny random checkpoints and their transformers reference models."""
+"""Fixtures for engine tests: tiny random checkpoints and their transformers reference models.
+
+QOS_TEST_DEVICE=cuda (or npu) runs the reference-logit tests' engine on that device, in fp32
+(scripts/check_gpu.sh); the largest logit difference seen is printed at the end of the run."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -21,6 +26,27 @@ def tiny_reference(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
+TEST_DEVICE = os.environ.get("QOS_TEST_DEVICE", "cpu")
+LOGIT_DIFFS: list[float] = []      # every max abs diff the reference-logit tests measured
+
+
 @pytest.fixture
 def tiny_engine(tiny_model_dir):
     return make_engine(tiny_model_dir)
+
+
+@pytest.fixture
+def device_engine(tiny_model_dir):
+    """The tiny engine on QOS_TEST_DEVICE (default cpu), fp32."""
+    from services.engine.device import DeviceUnavailableError
+    try:
+        return make_engine(tiny_model_dir, device=TEST_DEVICE, dtype="float32")
+    except DeviceUnavailableError as exc:
+        pytest.fail(f"QOS_TEST_DEVICE={TEST_DEVICE}: {exc}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LOGIT_DIFFS:
+        terminalreporter.write_line(
+            f"reference logits on {TEST_DEVICE} (fp32): max abs diff {max(LOGIT_DIFFS):.3g} over "
+            f"{len(LOGIT_DIFFS)} comparisons")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.engine.config import UnsupportedModelError, load_model_config
-from services.engine.device import DeviceUnavailableError, resolve_device, resolve_dtype
+from services.engine.device import DeviceUnavailableError, open_backend, resolve_device, resolve_dtype
 from services.engine.engine import Engine, EngineConfig
 from services.engine.kv_cache import bytes_per_block, size_kv_cache
 from tests.tiny_models import make_engine
@@ -67,13 +67,14 @@ def test_folder_without_config_refused(tmp_path):
 
 
 def test_devices_and_dtypes():
+    cpu = open_backend("cpu")
     assert resolve_device("cpu").type == "cpu"
-    assert resolve_dtype(None, torch.device("cpu")) == torch.float32
-    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype(None, cpu) == torch.float32
+    assert resolve_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         resolve_device("tpu")
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
-        resolve_dtype("int8", torch.device("cpu"))
+        resolve_dtype("int8", cpu)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

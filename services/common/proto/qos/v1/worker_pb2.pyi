@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads")
+    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_type: str
     dtype: str
@@ -36,7 +37,8 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     active_sequences: int
     threads: int
-    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+    device_name: str
+    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ...) -> None: ...
 
 class EngineSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
@@ -107,14 +109,16 @@ class SampledToken(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
-    __slots__ = ("memory_used_bytes", "memory_total_bytes", "utilization")
+    __slots__ = ("memory_used_bytes", "memory_total_bytes", "utilization", "device_utilization")
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     memory_used_bytes: int
     memory_total_bytes: int
     utilization: float
-    def __init__(self, memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ...) -> None: ...
+    device_utilization: float
+    def __init__(self, memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., device_utilization: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "tokens", "forward_ms", "device", "error")
