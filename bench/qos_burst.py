@@ -9,8 +9,11 @@ Workload `burst` (default; counts scale with --scale):
   Low    300 requests, the longest prompts the model allows (>= 8x Medium), 128 output tokens
   Medium 500 requests, ~256-token prompts, 64 output tokens
   High   200 requests, ~32-token prompts, 32 output tokens
-Low and Medium all arrive at t=0; High arrives as a Poisson stream (--high-rate per second)
-during the flood. Output lengths are fixed (ignore_eos).
+Low and Medium flood in at uniform random times within the first --flood-seconds (1 s: 800
+requests a second; 0: all at the same instant); High arrives as a Poisson stream (--high-rate
+per second) during the flood. Output lengths are fixed (ignore_eos). Each priority is sent by its
+own client process (services/loadgen.py), at a lower CPU priority than the services under test.
+The FCFS run is priority-blind end to end (FCFS scheduler policy, FIFO admission at the router).
 
 Trace replay (`--trace azure-code` or `azure-conv`, from bench/traces/, Azure 2023, CC-BY 4.0):
 the first --trace-requests rows after --trace-skip, arrival gaps divided by --time-scale, input
@@ -26,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections import Counter
+import os
 import platform
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -161,6 +166,19 @@ async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -
     return outcomes, samples, wall
 
 
+def write_outcomes(outcomes: list[Outcome], path: Path) -> Path:
+    """One CSV row per request (times in ms, sent/done in seconds after the start)."""
+    import csv
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [f.name for f in fields(Outcome)]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(names)
+        for outcome in sorted(outcomes, key=lambda o: o.sent_at):
+            writer.writerow([getattr(outcome, name) for name in names])
+    return path
+
+
 def p99(values) -> float:
     return percentile(values, 0.99, float("nan"))
 
@@ -184,6 +202,8 @@ def summarise(outcomes: list[Outcome], samples: list[Sample], low_kv_peak_blocks
         "low_kv_peak_frac": low_kv_peak_blocks / total_blocks if total_blocks else 0.0,
         **{f"rejected_{p}": sum(1 for o in of(p) if o.code == "RESOURCE_EXHAUSTED") for p in PRIORITIES},
         "failed_other": sum(1 for o in outcomes if not o.ok and o.code != "RESOURCE_EXHAUSTED"),
+        "failed_codes": dict(Counter(f"{o.priority}:{o.code}" for o in outcomes
+                                     if not o.ok and o.code != "RESOURCE_EXHAUSTED")),
     }
 
 
@@ -318,15 +338,19 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.machine())
     workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
-                f"{args.time_scale:g}, lengths x{args.length_scale:g})" if args.trace else "burst")
+                f"{args.time_scale:g}, lengths x{args.length_scale:g})" if args.trace
+                else f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)")
     report = {"model": Path(model).name, "workload": workload,
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
-              "machine": f"{cpu}, worker {args.threads} thread(s), step budget {args.max_step_tokens} tokens"}
+              "machine": f"{cpu}, {len(os.sched_getaffinity(0))} cores; worker {args.threads} thread(s), "
+                         f"step budget {args.max_step_tokens} tokens, up to {args.max_running} running"}
     runs = {}
     for policy in args.policies.split(","):
         summary, outcomes, samples = run_policy(policy, model, jobs, args)
         report[policy] = summary
         runs[policy] = (outcomes, samples)
+        print(f"per-request outcomes: {write_outcomes(outcomes, args.plots / f'outcomes_{policy}.csv')}",
+              file=sys.stderr)
     if set(runs) != {"fcfs", "qos"}:
         print(json.dumps(report, indent=2))
         return

@@ -44,7 +44,9 @@ class Outcome:
     server_ttft_ms: float = 0.0   # measured by the scheduler (arrival there -> first token)
     e2e_ms: float = 0.0
     tokens: int = 0
-    done_at: float = 0.0          # seconds after the common start
+    sent_at: float = 0.0          # seconds after the common start
+    done_at: float = 0.0
+    detail: str = ""              # the error message, for failures
 
 
 async def _send(address: str, jobs: list[Job], start: float, done) -> list[Outcome]:
@@ -56,6 +58,7 @@ async def _send(address: str, jobs: list[Job], start: float, done) -> list[Outco
     async with RouterClient(address) as client:
         async def one(job: Job) -> Outcome:
             await asyncio.sleep(max(0.0, start + job.at - time.time()))
+            sent_at = time.time() - start
             request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
                 max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
             try:
@@ -64,8 +67,8 @@ async def _send(address: str, jobs: list[Job], start: float, done) -> list[Outco
                                   server_ttft_ms=answer.server_timings.ttft_ms,
                                   tokens=len(answer.token_ids))
             except grpc.aio.AioRpcError as exc:
-                outcome = Outcome(job.priority, False, code=exc.code().name)
-            outcome.done_at = time.time() - start
+                outcome = Outcome(job.priority, False, code=exc.code().name, detail=exc.details() or "")
+            outcome.sent_at, outcome.done_at = sent_at, time.time() - start
             with done.get_lock():
                 done.value += 1
             return outcome

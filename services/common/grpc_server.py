@@ -13,14 +13,31 @@ from grpc_health.v1.health import aio as health_aio
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_SECONDS = 5.0
-# Small messages, many streams: keepalive notices a vanished peer even on a quiet connection.
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
+KEEPALIVE_MS = 10_000
+
+
+def channel_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+    """Small messages, many streams: keepalive notices a vanished peer even on a quiet connection."""
+    return [
+        ("grpc.keepalive_time_ms", keepalive_ms),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", 64 * 2**20),
+        ("grpc.max_send_message_length", 64 * 2**20),
+    ]
+
+
+def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+    """The channel's options, and a server that accepts those keepalive pings on a stream that
+    carries no data. gRPC servers by default accept such pings only every 5 minutes and hang up
+    with GOAWAY "too_many_pings" after a few: a request waiting minutes for its first token (a
+    Low one in a long queue) failed with UNAVAILABLE "Too many pings" after ~140 s."""
+    return channel_options(keepalive_ms) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2)]
+
+
+CHANNEL_OPTIONS = channel_options()
+SERVER_OPTIONS = server_options()
 
 
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
@@ -32,7 +49,7 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     `register` adds the servicers and returns their full service names, which the standard
     grpc.health.v1 service reports as SERVING once `ready` is set (at once without one), and
     NOT_SERVING while shutting down."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     services = register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
