@@ -291,11 +291,14 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
 def print_table(report: dict) -> None:
     print(f"\nworkload {report['workload']}: {report['requests']}; model {report['model']}; "
           f"{report['machine']}\n")
-    print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>10}")
+    print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>14}")
     for key, label, fmt in KEYS:
         a, b = report["fcfs"][key], report["qos"][key]
-        change = f"{b / a:.2f}x" if isinstance(a, float) and a and key not in ("high_success_rate",) else ""
-        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>10}")
+        change = ""
+        if isinstance(a, float) and isinstance(b, float) and a and b and key != "high_success_rate":
+            # Big drops read better as "how many times lower" than as 0.00x.
+            change = f"{a / b:,.0f}x lower" if a / b >= 10 else f"{b / a:.2f}x"
+        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>14}")
 
 
 def main() -> None:
