@@ -22,21 +22,21 @@ from services.common.percentile import percentile
 from services.common.tracing import extract_metadata, inject_metadata, setup_tracing, shutdown_tracing
 from services.common.priority import (LORA_HEADER, ORDER, PRIORITY_HEADER, SLO_HEADER,
                                       TENANT_HEADER, parse_priority, parse_slo_ms, priority_name)
+from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,
                                           scheduler_pb2_grpc)
-from services.common.intake import PriorityIntake
 from services.router.routing import NoPoolError, PoolLoad, PoolRouter, PoolSpec, RouteRequest
 from services.router.validation import InvalidRequest, decode_request
 
 log = logging.getLogger(__name__)
 
-
-async def _go_ahead(_request) -> None:
-    """The router's admission step: nothing to compute, only the turn (priority order) matters."""
-
 LATENCY_WINDOW = 10_000        # most recent requests per priority kept for percentiles
 RELAYED_TRAILERS = ("retry-after-ms",)
 POOL_GRACE_S = 5.0             # how long the router waits for every pool before serving without some
+
+
+async def _go_ahead(_request) -> None:
+    """The router's admission step: nothing to compute, only the turn (priority order) matters."""
 
 
 class Counters:

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.config import SchedulerConfig
+from services.common.intake import PriorityIntake
 from services.common.grpc_server import run_server
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.percentile import percentile
@@ -26,7 +27,6 @@ from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.common.intake import PriorityIntake
 from services.scheduler.kv_blocks import blocks_for_tokens
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.policy import QoSSettings, create_policy
