@@ -191,8 +191,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    # `bench` hands every flag on to bench/qos_burst.py; argparse's REMAINDER alone does not take
+    # flags that come first (`qos-serve bench --scale 0.1`), so collect the unknown ones here.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "bench":
+        args.bench_args = unknown + args.bench_args
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     setup_logging(args.log_level)
     try:
         sys.exit(args.func(args))
