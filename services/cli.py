@@ -15,6 +15,10 @@ import os
 # imports it itself, guarded (services/engine/device.py).
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+from services.cluster import die_with_parent_if_asked  # noqa: E402
+
+die_with_parent_if_asked()
+
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import sys  # noqa: E402

@@ -10,6 +10,7 @@ import asyncio
 import ctypes
 import dataclasses
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -56,12 +57,24 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     return config
 
 
-def _die_with_parent() -> None:
-    # Linux: deliver SIGTERM to the child when the parent exits, however it exits.
+PARENT_PID_ENV = "QOS_SERVE_PARENT_PID"
+
+
+def die_with_parent_if_asked() -> None:
+    """In a process LocalCluster started: get SIGTERM when the launcher exits, however it exits
+    (Linux PR_SET_PDEATHSIG). Done by the child itself after exec rather than in a preexec_fn:
+    running Python between fork and exec in a process with gRPC threads could abort the child
+    (seen as a service dying with SIGABRT at start-up, about one start in three in a test that
+    runs a gRPC server in the launching process)."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):    # the launcher died before prctl: nothing would signal us
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class LocalCluster:
@@ -93,8 +106,9 @@ class LocalCluster:
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         command = [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
         stream = open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") if self.quiet else None
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None,
-                                   preexec_fn=_die_with_parent)
+                                   env=env)
         self.processes[name] = process
         return process
 
