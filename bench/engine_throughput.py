@@ -39,7 +39,7 @@ from services.common.step import SamplingParams  # noqa: E402
 from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
-from services.engine.device import DTYPES, open_backend, set_cpu_threads  # noqa: E402
+from services.engine.device import DTYPES, CpuBackend, open_backend, set_cpu_threads  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, bytes_per_block  # noqa: E402
 
@@ -70,17 +70,6 @@ def make_workload(count: int, seed: int, vocab: int, prompt_range: tuple[int, in
 
 def useful_tokens(requests: list[Request]) -> int:
     return sum(r.output_len for r in requests)
-
-
-def machine_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def progress(desc: str, total: int) -> tqdm:
@@ -258,7 +247,7 @@ def main() -> None:
 
     report = {
         "model": Path(model_dir).name,
-        "machine": {"cpu": machine_name(), "torch": torch.__version__,
+        "machine": {"cpu": CpuBackend().name, "torch": torch.__version__,
                     "transformers": transformers.__version__, "device": str(backend.device),
                     "device_name": backend.name},
         "threads": threads, "dtype": args.dtype,

@@ -31,7 +31,6 @@ import asyncio
 import json
 from collections import Counter
 import os
-import platform
 import random
 import sys
 import time
@@ -50,6 +49,7 @@ from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
+from services.engine.device import CpuBackend  # noqa: E402
 from services.loadgen import Job, Outcome, run_clients  # noqa: E402
 
 PRIORITIES = ("high", "medium", "low")
@@ -338,8 +338,7 @@ def main() -> None:
         jobs = burst_workload(tokenizer, max_context, args.scale, args.high_rate, args.seed,
                               args.flood_seconds)
     counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.machine())
+    cpu = CpuBackend().name
     workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
                 f"{args.time_scale:g}, lengths x{args.length_scale:g})" if args.trace
                 else f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -84,7 +85,7 @@ class CpuBackend(DeviceBackend):
         for line in _read_lines("/proc/cpuinfo"):
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-        return "cpu"
+        return platform.machine() or "unknown CPU"
 
     def memory(self) -> MemoryInfo:
         fields = {}
