@@ -13,9 +13,7 @@ Pools (both CPU, on this machine): "primary" (cost 1.0 per token, like a GPU poo
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -24,15 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
+from bench.harness import PRIORITIES, make_parser, progress, quantile, write_json  # noqa: E402
 from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
-from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import (ClusterConfig, PoolConfig, RouterConfig,  # noqa: E402
                                     SchedulerConfig, WorkerConfig)
 
-PRIORITIES = ("high", "medium", "low")
 MAX_TOKENS = {"high": 16, "medium": 24, "low": 32}
 TOPICS = ["rivers", "volcanoes", "trains", "bees", "clouds", "chess", "bridges", "tea", "maps", "owls"]
 
@@ -50,10 +46,6 @@ def workload(count: int, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     mix = ["high"] * 2 + ["medium"] * 3 + ["low"] * 5
     return [(rng.choice(mix), f"Write two sentences about {rng.choice(TOPICS)}.") for _ in range(count)]
-
-
-def p99(values) -> float:
-    return percentile(values, 0.99, float("nan"))
 
 
 async def run_workload(address: str, requests, bar) -> list[dict]:
@@ -77,23 +69,21 @@ def summarise(results: list[dict]) -> dict:
                "pools": {name: sum(1 for r in ok if r["pool"] == name) for name in ("primary", "cheap")}}
     for priority in PRIORITIES:
         mine = [r for r in ok if r["priority"] == priority]
-        summary[f"{priority}_p99_ttft_ms"] = p99([r["ttft_ms"] for r in mine])
-        summary[f"{priority}_p99_e2e_ms"] = p99([r["e2e_ms"] for r in mine])
+        summary[f"{priority}_p99_ttft_ms"] = quantile([r["ttft_ms"] for r in mine], 0.99)
+        summary[f"{priority}_p99_e2e_ms"] = quantile([r["e2e_ms"] for r in mine], 0.99)
     return summary
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = make_parser(__doc__, seed=True)
     parser.add_argument("--requests", type=int, default=40)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     requests = workload(args.requests, args.seed)
     report = {}
     for mode in ("primary", "cost"):
         print(f"starting a two-pool cluster, routing={mode}...", file=sys.stderr, flush=True)
         with LocalCluster(cluster_config(mode), quiet=True) as cluster:
-            with tqdm(total=len(requests), desc=f"routing={mode}", file=sys.stderr) as bar:
+            with progress(len(requests), f"routing={mode}") as bar:
                 started = time.perf_counter()
                 results = asyncio.run(run_workload(cluster.router_address, requests, bar))
             report[mode] = summarise(results)
@@ -116,10 +106,8 @@ def main() -> None:
     print(f"\ncost saving {saving:.0%}; latency price: High P99 TTFT "
           f"{b['high_p99_ttft_ms'] / a['high_p99_ttft_ms'] - 1:+.0%}, Low P99 end-to-end "
           f"{b['low_p99_e2e_ms'] / a['low_p99_e2e_ms'] - 1:+.0%}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"primary_only": a, "cost_aware": b, "saving": saving,
-                                         "requests": len(requests), "seed": args.seed}, indent=2) + "\n")
+    write_json(args.json, {"primary_only": a, "cost_aware": b, "saving": saving,
+                           "requests": len(requests), "seed": args.seed})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ static batch are not counted) / wall seconds of the whole phase, prefill include
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# A script in bench/, not a package module: make `services` importable from the repo root.
+# Run as a script: put the repo root on sys.path, for `services` and `bench.harness`.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
@@ -35,11 +34,12 @@ from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from bench.harness import cpu_name, make_parser, progress, write_json  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402
 from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
-from services.engine.device import DTYPES, CpuBackend, open_backend, set_cpu_threads  # noqa: E402
+from services.engine.device import DTYPES, open_backend, set_cpu_threads  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, bytes_per_block  # noqa: E402
 
@@ -70,10 +70,6 @@ def make_workload(count: int, seed: int, vocab: int, prompt_range: tuple[int, in
 
 def useful_tokens(requests: list[Request]) -> int:
     return sum(r.output_len for r in requests)
-
-
-def progress(desc: str, total: int) -> tqdm:
-    return tqdm(total=total, desc=f"{desc:<10}", unit="tok", file=sys.stderr, dynamic_ncols=True)
 
 
 # --- our engine --------------------------------------------------------------------------------
@@ -188,15 +184,13 @@ def print_report(report: dict, seconds: dict) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
+    parser = make_parser(__doc__, seed=True)
     parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (both sides)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="both sides")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--min-output", type=int, default=16)
@@ -240,14 +234,14 @@ def main() -> None:
 
     seconds, outputs = {}, {}
     for phase, requests, batch in (("b1", b1, 1), ("b32", b32, BATCH)):
-        with progress(f"engine {phase}", useful_tokens(requests)) as bar:
+        with progress(useful_tokens(requests), f"{'engine ' + phase:<10}", unit="tok") as bar:
             seconds[f"engine_{phase}"], outputs[f"engine_{phase}"] = run_engine(engine, requests, batch, bar)
-        with progress(f"HF {phase}", useful_tokens(requests)) as bar:
+        with progress(useful_tokens(requests), f"{'HF ' + phase:<10}", unit="tok") as bar:
             seconds[f"hf_{phase}"], outputs[f"hf_{phase}"] = run_hf(hf, requests, batch, pad_id, bar)
 
     report = {
         "model": Path(model_dir).name,
-        "machine": {"cpu": CpuBackend().name, "torch": torch.__version__,
+        "machine": {"cpu": cpu_name(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "device": str(backend.device),
                     "device_name": backend.name},
         "threads": threads, "dtype": args.dtype,
@@ -271,10 +265,7 @@ def main() -> None:
     if not problems:
         print(f"check: engine greedy tokens equal HF's on all {len(b1)} b1 requests")
 
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,12 @@
 Pools: 2 GPU, 3 NPU (one with LoRA), 3 CPU, all serving the model; loads randomised (seeded) so
 every rule is exercised: High, LoRA, under and over the overflow threshold, SLO misses.
 
-    python bench/router_decision.py [--json PATH] [--decisions N]
+    python bench/router_decision.py [--json PATH] [--decisions N] [--seed S]
+
+Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import random
 import sys
 import time
@@ -18,17 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.router.routing import (HIGH, LOW, MEDIUM, PoolLoad, PoolRouter, PoolSpec,  # noqa: E402
+from bench.harness import calibration_line, machine, make_parser, python_loop_ns, quantile, write_json  # noqa: E402
+from services.common.priority import HIGH, LOW, MEDIUM  # noqa: E402
+from services.router.routing import (PoolLoad, PoolRouter, PoolSpec,  # noqa: E402
                                      RouteRequest)
 
 MODEL = "smollm2"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = make_parser(__doc__, seed=True)
     parser.add_argument("--decisions", type=int, default=100_000)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
@@ -55,18 +54,14 @@ def main() -> None:
         decision = router.route(request)
         timings_ns.append(clock() - started)
         rules[decision.rule] = rules.get(decision.rule, 0) + 1
-    timings_ns.sort()
-    p50 = timings_ns[len(timings_ns) // 2] / 1000
-    p99 = timings_ns[int(0.99 * len(timings_ns))] / 1000
-    print(f"{args.decisions} decisions over {len(pools)} pools on {platform.machine()}, "
-          f"Python {platform.python_version()}")
+    p50, p99 = quantile(timings_ns, 0.5) / 1000, quantile(timings_ns, 0.99) / 1000
+    loop_ns = python_loop_ns()
+    print(f"{args.decisions} decisions over {len(pools)} pools on {machine(cpu=False)}")
     print(f"decision: p50 {p50:.2f} us, p99 {p99:.2f} us (target p99 <= 10 us)")
+    print(calibration_line(loop_ns))
     print("rules taken: " + ", ".join(f"{k} {v}" for k, v in sorted(rules.items())))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"decision_p50_us": p50, "decision_p99_us": p99,
-                                         "decisions": args.decisions, "pools": len(pools),
-                                         "rules": rules}, indent=2) + "\n")
+    write_json(args.json, {"decision_p50_us": p50, "decision_p99_us": p99, "decisions": args.decisions,
+                           "pools": len(pools), "rules": rules, "python_loop_ns": loop_ns})
 
 
 if __name__ == "__main__":

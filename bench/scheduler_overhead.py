@@ -7,14 +7,12 @@ plan_step() (reaping, lane choice, block allocation, the StepPlan protobuf). Ste
 sequences decode (mixed priorities), 1,000 wait behind the max_running limit.
 
     python bench/scheduler_overhead.py [--json PATH] [--steps N] [--running N] [--queued N]
+
+Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,12 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tqdm import tqdm  # noqa: E402
 
+from bench.harness import calibration_line, machine, make_parser, python_loop_ns, quantile, write_json  # noqa: E402
 from services.common.priority import ORDER  # noqa: E402
 from services.common.proto.qos.v1 import worker_pb2  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402
 from services.scheduler.batcher import ContinuousBatcher  # noqa: E402
 from services.scheduler.detokenizer import IncrementalDetokenizer  # noqa: E402
-from services.scheduler.kv_blocks import KVBlockPool  # noqa: E402
+from services.common.kv_blocks import KVBlockPool  # noqa: E402
 from services.scheduler.policy import create_policy  # noqa: E402
 from services.scheduler.request import Request  # noqa: E402
 
@@ -74,8 +73,7 @@ def request(seq_id: int) -> Request:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = make_parser(__doc__)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--queued", type=int, default=1000)
@@ -92,8 +90,7 @@ def main() -> None:
         started = time.perf_counter()
         builders = batcher.plan_step()
         elapsed = time.perf_counter() - started
-        await asyncio.gather(*(batcher._execute(worker, b) for b in builders.values()))
-        batcher.steps += 1
+        await batcher.execute(builders)
         return elapsed
 
     async def run() -> list[float]:
@@ -102,17 +99,16 @@ def main() -> None:
             await step()
         return [await step() for _ in tqdm(range(args.steps), desc="planning", file=sys.stderr)]
 
-    times_us = sorted(t * 1e6 for t in asyncio.run(run()))
-    p50 = statistics.median(times_us)
-    p99 = times_us[min(len(times_us) - 1, int(0.99 * len(times_us)))]
+    times_us = [t * 1e6 for t in asyncio.run(run())]
+    p50, p99 = quantile(times_us, 0.5), quantile(times_us, 0.99)
+    loop_ns = python_loop_ns()
     print(f"policy {args.policy}: {args.running} running, {len(batcher.policy)} queued, {args.steps} steps "
-          f"on {platform.processor() or platform.machine()}, Python {platform.python_version()}")
+          f"on {machine(cpu=False)}")
     print(f"plan_step: p50 {p50:.0f} us, p99 {p99:.0f} us (target p99 < 1000 us)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"plan_p50_us": p50, "plan_p99_us": p99, "policy": args.policy,
-                                         "running": args.running, "queued": len(batcher.policy),
-                                         "steps": args.steps}, indent=2) + "\n")
+    print(calibration_line(loop_ns))
+    write_json(args.json, {"plan_p50_us": p50, "plan_p99_us": p99, "policy": args.policy,
+                           "running": args.running, "queued": len(batcher.policy),
+                           "steps": args.steps, "python_loop_ns": loop_ns})
 
 
 if __name__ == "__main__":

@@ -3,12 +3,12 @@
 exported over OTLP/gRPC to a receiver in this process), side by side.
 
     python bench/tracing_overhead.py [--json PATH] [--requests N] [--seed S]
+
+Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import (trace_service_pb2,  # noqa: E402
                                                     trace_service_pb2_grpc)
-from tqdm import tqdm  # noqa: E402
 
+from bench.harness import (PRIORITIES, calibration_line, make_parser, progress,  # noqa: E402
+                           python_loop_ns, quantile, write_json)
 from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
-from services.common.percentile import percentile  # noqa: E402
 from services.cluster import LocalCluster, free_port  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 
@@ -38,10 +38,6 @@ class CountingReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):
         self.spans += sum(len(s.spans) for rs in request.resource_spans for s in rs.scope_spans)
         return trace_service_pb2.ExportTraceServiceResponse()
-
-
-def p99(values) -> float:
-    return percentile(values, 0.99, float("nan"))
 
 
 async def load(address: str, requests, bar):
@@ -59,20 +55,18 @@ async def load(address: str, requests, bar):
 def run_once(requests, label: str) -> dict:
     config = single_pool(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, max_step_tokens=128),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128)])
-    with LocalCluster(config, quiet=True) as cluster, tqdm(total=len(requests), desc=label, file=sys.stderr) as bar:
+    with LocalCluster(config, quiet=True) as cluster, progress(len(requests), label) as bar:
         answers, wall = asyncio.run(load(cluster.router_address, requests, bar))
     tokens = sum(len(a.token_ids) for a in answers)
-    return {"tok_s": tokens / wall, "p99_ttft_ms": p99([a.ttft_ms for a in answers]), "wall_s": wall}
+    return {"tok_s": tokens / wall, "p99_ttft_ms": quantile([a.ttft_ms for a in answers], 0.99), "wall_s": wall}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--json", type=Path)
+    parser = make_parser(__doc__, seed=True)
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    requests = [(rng.choice(["high", "medium", "low"]), f"Describe the number {i}.", rng.randint(16, 48))
+    requests = [(rng.choice(PRIORITIES), f"Describe the number {i}.", rng.randint(16, 48))
                 for i in range(args.requests)]
 
     for var in OTEL_VARS:
@@ -93,6 +87,7 @@ def main() -> None:
         server.stop(0)
 
     loss = 1 - on["tok_s"] / off["tok_s"]
+    loop_ns = python_loop_ns()     # with both clusters stopped
     print(f"\n{len(requests)} requests (seed {args.seed}), SmolLM2-135M, one CPU worker, this machine; "
           f"{receiver.spans} spans received with tracing on\n")
     print(f"{'':<18}{'tracing off':>12}{'tracing on':>12}{'change':>9}")
@@ -100,13 +95,12 @@ def main() -> None:
     print(f"{'P99 TTFT ms':<18}{off['p99_ttft_ms']:>12.0f}{on['p99_ttft_ms']:>12.0f}"
           f"{on['p99_ttft_ms'] / off['p99_ttft_ms'] - 1:>+9.1%}")
     print(f"throughput loss {loss:.1%} (target <= 5%)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "tok_s_tracing_off": off["tok_s"], "tok_s_tracing_on": on["tok_s"],
-            "p99_ttft_ms_off": off["p99_ttft_ms"], "p99_ttft_ms_on": on["p99_ttft_ms"],
-            "throughput_loss": loss, "spans_received": receiver.spans, "requests": len(requests)},
-            indent=2) + "\n")
+    print(calibration_line(loop_ns))
+    write_json(args.json, {
+        "tok_s_tracing_off": off["tok_s"], "tok_s_tracing_on": on["tok_s"],
+        "p99_ttft_ms_off": off["p99_ttft_ms"], "p99_ttft_ms_on": on["p99_ttft_ms"],
+        "throughput_loss": loss, "spans_received": receiver.spans, "requests": len(requests),
+        "python_loop_ns": loop_ns})
 
 
 if __name__ == "__main__":

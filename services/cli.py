@@ -61,7 +61,8 @@ def cmd_worker(args) -> int:
     from services.engine.engine import Engine
     from services.worker.server import build_engine_config, serve_worker
     engine = Engine(build_engine_config(resolve_model(config.model), worker), backend)
-    asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port))
+    asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
+                             worker.drain_seconds))
     return 0
 
 

@@ -28,7 +28,7 @@ from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_SECONDS = 120.0
-STOP_TIMEOUT_SECONDS = 10.0
+STOP_TIMEOUT_SECONDS = 10.0           # beyond the drain time, before a service is killed
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,12 +157,18 @@ class LocalCluster:
                 raise RuntimeError(f"{name} exited with code {process.returncode} during start-up"
                                    + (f"; see {self.log_dir / (name + '.log')}" if self.quiet else ""))
 
+    def drain_seconds(self) -> float:
+        """The longest any service may take to drain after SIGTERM."""
+        sections = [self.config.router] + [s for p in self.config.pools for s in (p.scheduler, *p.workers)]
+        return max(s.drain_seconds for s in sections)
+
     def stop(self) -> None:
-        """SIGTERM everything (each service stops gracefully), then SIGKILL what is left."""
+        """SIGTERM everything: each service drains (finishes what is in flight, takes nothing new)
+        and exits; SIGKILL what is still there after the longest drain time."""
         for process in reversed(list(self.processes.values())):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_SECONDS
+        deadline = time.monotonic() + self.drain_seconds() + STOP_TIMEOUT_SECONDS
         for name, process in self.processes.items():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))

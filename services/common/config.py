@@ -25,6 +25,8 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from services.common.drain import DEFAULT_DRAIN_SECONDS
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
@@ -36,12 +38,13 @@ class ConfigError(ValueError):
 
 
 @dataclass(slots=True)
-class RouterConfig:
+class ServiceConfig:
+    """What every service's table has: where it listens, its metrics, how long it drains."""
     host: str = DEFAULT_HOST
-    port: int = 50051
-    routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
-    admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
+    port: int = 0
     metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
+    # On SIGTERM: requests in flight get this long to finish (new ones are refused meanwhile).
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
 
     @property
     def address(self) -> str:
@@ -49,8 +52,14 @@ class RouterConfig:
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    host: str = DEFAULT_HOST
+class RouterConfig(ServiceConfig):
+    port: int = 50051
+    routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
+    admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
+
+
+@dataclass(slots=True)
+class SchedulerConfig(ServiceConfig):
     port: int = 50052
     policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
     weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
@@ -58,17 +67,11 @@ class SchedulerConfig:
     max_running: int = 64             # sequences holding KV blocks at once, per worker
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
-    retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED
-    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
+    retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
 
 
 @dataclass(slots=True)
-class WorkerConfig:
-    host: str = DEFAULT_HOST
+class WorkerConfig(ServiceConfig):
     port: int = 50053
     device: str = "cpu"
     dtype: str | None = None          # default: fp32 on CPU, bf16 on CUDA, fp16 on NPU
@@ -76,11 +79,6 @@ class WorkerConfig:
     kv_cache_mb: int | None = None    # KV budget in MiB; unset: 256 on CPU, else by fraction
     kv_cache_fraction: float | None = None  # of free memory after the weights; unset: 0.8 on GPU/NPU
     block_size: int = 16
-    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An
@@ -144,15 +142,31 @@ def _section(cls, raw: dict, where: str):
     unknown = sorted(set(raw) - set(known))
     if unknown:
         raise ConfigError(f"unknown key {where}.{unknown[0]}; known: {', '.join(known)}")
-    obj = cls(**raw)
+    defaults = cls()
     for name, value in raw.items():
-        default = getattr(cls(), name)
-        if default is not None and value is not None and not isinstance(value, type(default)) \
-                and not (isinstance(default, float) and isinstance(value, int)):
+        default = getattr(defaults, name)
+        if default is None or value is None:
+            continue
+        # TOML's true is an int to Python: a flag where a number belongs is still the wrong type.
+        wrong_bool = isinstance(value, bool) and not isinstance(default, bool)
+        if wrong_bool or not (isinstance(value, type(default))
+                              or (isinstance(default, float) and isinstance(value, int))):
             raise ConfigError(f"{where}.{name} must be {type(default).__name__}, got {value!r}")
-    if hasattr(obj, "port") and not 0 <= obj.port <= 65535:
-        raise ConfigError(f"{where}.port must be in 0..65535, got {obj.port}")
+    obj = cls(**raw)
+    if isinstance(obj, ServiceConfig):
+        _check_service(obj, where)
     return obj
+
+
+def _check_service(s: ServiceConfig, where: str) -> None:
+    if not 0 <= s.port <= 65535:
+        raise ConfigError(f"{where}.port must be in 0..65535, got {s.port}")
+    if s.metrics_port is not None and (isinstance(s.metrics_port, bool) or not isinstance(s.metrics_port, int)
+                                       or not 0 <= s.metrics_port <= 65535):
+        raise ConfigError(f"{where}.metrics_port must be a port in 0..65535 (0 = a free one), "
+                          f"got {s.metrics_port!r}")
+    if not 0 <= s.drain_seconds <= 3600:
+        raise ConfigError(f"{where}.drain_seconds must be in 0..3600, got {s.drain_seconds}")
 
 
 def _check_scheduler(s: SchedulerConfig, where: str) -> None:
@@ -164,6 +178,10 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
         raise ConfigError(f"{where}.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
     if s.max_running < 1 or s.max_step_tokens < s.max_running:
         raise ConfigError(f"need {where}.max_running >= 1 and max_step_tokens >= max_running")
+    if s.max_queue < 1:
+        raise ConfigError(f"{where}.max_queue must be >= 1, got {s.max_queue}")
+    if s.retry_after_ms < 1:
+        raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
 
 
 def _parse_pool(raw: dict, where: str) -> PoolConfig:

@@ -1,4 +1,5 @@
-"""Running a grpc.aio server the same way in every service: health service, signals, grace."""
+"""Running a grpc.aio server the same way in every service: health service, error mapping,
+signals, graceful drain."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.common.drain import Drain
+from services.common.grpc_errors import ServiceErrorInterceptor
+
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 5.0
+# After the drain: a moment for the last responses to be flushed before open calls are cancelled.
+STOP_GRACE_SECONDS = 1.0
 KEEPALIVE_MS = 10_000
 
 
@@ -41,15 +46,17 @@ SERVER_OPTIONS = server_options()
 
 
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
-                     on_started: Callable[[int], Awaitable[None]] | None = None,
+                     drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
                      ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then stop with a grace period.
+    """Serve until SIGTERM/SIGINT, then drain (services/common/drain.py) and stop.
 
     `register` adds the servicers and returns their full service names, which the standard
     grpc.health.v1 service reports as SERVING once `ready` is set (at once without one), and
-    NOT_SERVING while shutting down."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    NOT_SERVING from the moment the drain begins. Handlers raise ServiceError; the interceptor
+    turns it into the status. `on_stopping` runs after the drain, before the server stops: the
+    service's own loops and channels are needed until the last request in flight is done."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServiceErrorInterceptor()])
     services = register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -78,13 +85,18 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     serving = asyncio.create_task(server.wait_for_termination())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    log.info("%s stopping (grace %.0f s)", name, SHUTDOWN_GRACE_SECONDS)
     serving_task.cancel()
     for service in ["", *services]:
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    drain.begin()
+    if not serving.done():
+        finished = await drain.wait_idle()
+        log.info("%s drained (%s); stopping", name, "all requests finished" if finished
+                 else f"{drain.in_flight} still in flight after {drain.seconds:.0f} s")
     if on_stopping is not None:
         await on_stopping()
-    await server.stop(SHUTDOWN_GRACE_SECONDS)
+    # What is left are long-lived watch streams (stats, health): they end now.
+    await server.stop(STOP_GRACE_SECONDS)
     stopping.cancel()
     log.info("%s stopped", name)
 

@@ -1,5 +1,13 @@
-"""The one place that maps priority names to the protobuf enum and back."""
+"""The one definition of the priority classes, and parsing them from what clients send.
+
+`Priority` mirrors the wire enum `qos.v1.Priority` value for value (its values are read from the
+generated module, so the two cannot drift), and being an IntEnum it compares equal to the plain
+ints protobuf hands out. Everything else (policy, routing, metrics) imports HIGH/MEDIUM/LOW or
+ORDER from here.
+"""
 from __future__ import annotations
+
+from enum import IntEnum
 
 from services.common.proto.qos.v1 import common_pb2
 
@@ -8,20 +16,28 @@ TENANT_HEADER = "x-tenant"
 SLO_HEADER = "x-slo-ms"
 LORA_HEADER = "x-lora"
 
-PRIORITIES = {
-    "high": common_pb2.PRIORITY_HIGH,
-    "medium": common_pb2.PRIORITY_MEDIUM,
-    "low": common_pb2.PRIORITY_LOW,
-}
-NAMES = {value: name for name, value in PRIORITIES.items()}
-ORDER = (common_pb2.PRIORITY_HIGH, common_pb2.PRIORITY_MEDIUM, common_pb2.PRIORITY_LOW)
-DEFAULT_PRIORITY = common_pb2.PRIORITY_MEDIUM
+
+class Priority(IntEnum):
+    HIGH = common_pb2.PRIORITY_HIGH        # real-time chat
+    MEDIUM = common_pb2.PRIORITY_MEDIUM    # ordinary API calls
+    LOW = common_pb2.PRIORITY_LOW          # batch jobs
+
+    @property
+    def label(self) -> str:
+        """"high", "medium" or "low": metric labels, config keys, logs."""
+        return self.name.lower()
 
 
-def parse_priority(value: str | None) -> int:
-    """`x-priority` metadata value -> Priority enum; missing means medium.
+HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
+ORDER = (HIGH, MEDIUM, LOW)            # most urgent first; also the order of per-class lists
+DEFAULT_PRIORITY = MEDIUM
+PRIORITIES = {p.label: p for p in ORDER}
+_LABELS = {int(p): p.label for p in ORDER}
 
-    Raises ValueError naming the value for anything else."""
+
+def parse_priority(value: str | None) -> Priority:
+    """`x-priority` value -> Priority; missing means medium. Raises ValueError naming the value
+    for anything else."""
     if value is None:
         return DEFAULT_PRIORITY
     try:
@@ -31,7 +47,8 @@ def parse_priority(value: str | None) -> int:
 
 
 def priority_name(priority: int) -> str:
-    return NAMES.get(priority, "medium")
+    """The label of a priority value (a wire int or a Priority); "medium" for anything else."""
+    return _LABELS.get(priority, DEFAULT_PRIORITY.label)
 
 
 def parse_slo_ms(value: str | None) -> int:

@@ -7,12 +7,21 @@ position of its first token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import IntEnum
+
+from services.common.proto.qos.v1 import common_pb2
 
 
-class FinishReason(str, Enum):
-    STOP = "stop"          # an EOS or stop token was sampled
-    LENGTH = "length"      # max_tokens reached, or the context window is full
+class FinishReason(IntEnum):
+    """Why a sequence ended: the wire enum qos.v1.FinishReason, value for value, on every hop
+    (engine -> worker -> scheduler -> router -> client)."""
+    STOP = common_pb2.FINISH_REASON_STOP        # EOS, a stop token or a stop string
+    LENGTH = common_pb2.FINISH_REASON_LENGTH    # max_tokens reached, or the context window is full
+
+    @property
+    def label(self) -> str:
+        """"stop" or "length", as OpenAI's API and our logs name it."""
+        return self.name.lower()
 
 
 @dataclass(slots=True, frozen=True)

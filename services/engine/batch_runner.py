@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from services.common.step import FinishReason, SamplingParams, SequenceWork, StepBatch
 from services.engine.engine import Engine
-from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 
 
 @dataclass(slots=True)

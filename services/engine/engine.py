@@ -21,7 +21,7 @@ from services.engine.device import DeviceBackend, open_backend, resolve_dtype, s
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
 from services.engine.sampler import sample
-from services.scheduler.kv_blocks import blocks_for_tokens as blocks_for
+from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.engine.weights import load_safetensors
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Paged KV cache: per-layer K and V tensors of fixed-size blocks, addressed by block ids.
 
-The engine never allocates blocks: the scheduler does (services/scheduler/kv_blocks.py) and sends
+The engine never allocates blocks: the scheduler does (services/common/kv_blocks.py) and sends
 block tables. Here we only size the cache from a memory budget and hold the tensors.
 """
 from __future__ import annotations

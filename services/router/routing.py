@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-HIGH, MEDIUM, LOW = 1, 2, 3            # qos.v1.Priority values
+from services.common.priority import HIGH, LOW, MEDIUM
+
 DEFAULT_COST = {"cuda": 1.0, "npu": 0.3, "cpu": 0.1}
 DEFAULT_SLO_MS = {HIGH: 200.0, MEDIUM: 2_000.0, LOW: 30_000.0}
 

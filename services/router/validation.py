@@ -1,42 +1,71 @@
-"""Checks on a Generate request that need no tokenizer, each failing with a message that names the
-field. Pure Python: raises InvalidRequest, the server maps it to INVALID_ARGUMENT."""
+"""Checks on a Generate request that need no tokenizer, each failing with a ServiceError of kind
+INVALID whose message and `field` name what is wrong. Pure Python.
+
+    parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora -> RequestHead
+    decode_request(raw, context)    the body, parsed with its bytes twin -> GenerateRequest
+"""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Mapping
 
+from services.common.errors import invalid
+from services.common.priority import (LORA_HEADER, PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER,
+                                      Priority, parse_priority, parse_slo_ms)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-class InvalidRequest(ValueError):
-    pass
+@dataclass(slots=True, frozen=True)
+class RequestHead:
+    """What a front learns before reading the body: class, tenant, objective, adapter."""
+    priority: Priority
+    tenant: str = ""
+    slo_ms: int = 0                  # 0: none
+    lora: str | None = None
+
+
+def parse_head(metadata: Mapping[str, str]) -> RequestHead:
+    """gRPC metadata (or HTTP headers, lower-cased) -> RequestHead."""
+    try:
+        priority = parse_priority(metadata.get(PRIORITY_HEADER))
+    except ValueError as exc:
+        raise invalid(str(exc), field=PRIORITY_HEADER) from None
+    try:
+        slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
+    except ValueError as exc:
+        raise invalid(str(exc), field=SLO_HEADER) from None
+    return RequestHead(priority, metadata.get(TENANT_HEADER, ""), slo_ms,
+                       metadata.get(LORA_HEADER) or None)
 
 
 def _text(value: bytes, field: str) -> str:
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"{field} is not valid UTF-8 (byte 0x{value[exc.start]:02x} at offset "
-                             f"{exc.start})") from None
+        raise invalid(f"{field} is not valid UTF-8 (byte 0x{value[exc.start]:02x} at offset "
+                      f"{exc.start})", field=field) from None
 
 
 def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> None:
     if s.HasField("max_tokens"):
         if s.max_tokens <= 0:
-            raise InvalidRequest(f"sampling.max_tokens must be > 0, got {s.max_tokens}")
+            raise invalid(f"sampling.max_tokens must be > 0, got {s.max_tokens}", "sampling.max_tokens")
         if max_context is not None and s.max_tokens >= max_context:
-            raise InvalidRequest(f"sampling.max_tokens={s.max_tokens} exceeds the model's context "
-                                 f"window of {max_context} tokens (prompt included)")
+            raise invalid(f"sampling.max_tokens={s.max_tokens} exceeds the model's context window "
+                          f"of {max_context} tokens (prompt included)", "sampling.max_tokens")
     if s.HasField("temperature") and not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {s.temperature}")
+        raise invalid(f"sampling.temperature must be a finite number >= 0, got {s.temperature}",
+                      "sampling.temperature")
     if s.HasField("top_p") and not (0.0 < s.top_p <= 1.0):
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+        raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}", "sampling.top_p")
     if s.HasField("top_k") and s.top_k < 0:
-        raise InvalidRequest(f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}")
+        raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}", "sampling.top_k")
     for i, stop in enumerate(s.stop):
         if not stop:
-            raise InvalidRequest(f"sampling.stop[{i}] is empty")
+            raise invalid(f"sampling.stop[{i}] is empty", f"sampling.stop[{i}]")
 
 
 def decode_request(raw: router_pb2.GenerateRequestBytes,
@@ -48,15 +77,15 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
                 for i, m in enumerate(raw.messages)]
     model = _text(raw.model, "model")
     if prompt and messages:
-        raise InvalidRequest("set either prompt or messages, not both")
+        raise invalid("set either prompt or messages, not both", "prompt")
     if not messages and not prompt:
-        raise InvalidRequest("prompt is empty: set prompt or messages")
+        raise invalid("prompt is empty: set prompt or messages", "prompt")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                                 f"got {m.role!r}")
+            raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+                          f"messages[{i}].role")
     if messages and not any(m.content for m in messages):
-        raise InvalidRequest("messages are all empty")
+        raise invalid("messages are all empty", "messages")
     check_sampling(raw.sampling, max_context)
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
                                       model=model)

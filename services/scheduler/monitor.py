@@ -12,7 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.scheduler.policy import LOW, SchedulingPolicy
+from services.common.priority import LOW
+from services.scheduler.policy import SchedulingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,11 @@ from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.priority import ORDER, priority_name
-from services.common.proto.qos.v1 import common_pb2
+from services.common.priority import HIGH, LOW, MEDIUM, ORDER, priority_name
 from services.scheduler.request import Request
 
 log = logging.getLogger(__name__)
 
-HIGH, MEDIUM, LOW = common_pb2.PRIORITY_HIGH, common_pb2.PRIORITY_MEDIUM, common_pb2.PRIORITY_LOW
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""A request as the scheduler tracks it, and the events its client stream is fed with."""
+"""A request as the scheduler tracks it. Its client stream is fed through `events`: GenerateChunk
+messages, then either a final chunk (finish_reason set) or a ServiceError saying why it failed."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +7,6 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import grpc
-
-from services.common.proto.qos.v1 import common_pb2
 from services.common.step import SamplingParams
 from services.scheduler.detokenizer import IncrementalDetokenizer
 
@@ -17,14 +15,6 @@ class Phase(Enum):
     WAITING = "waiting"     # queued, holds no blocks
     RUNNING = "running"     # admitted to a worker, holds blocks
     FINISHED = "finished"   # completed, cancelled or failed; holds nothing
-
-
-@dataclass(slots=True, frozen=True)
-class Failure:
-    """Ends a client stream with a gRPC status."""
-    code: grpc.StatusCode
-    message: str
-    trailers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -76,12 +66,3 @@ class Request:
 
     def ms_since_arrival(self, moment: float | None) -> float:
         return 0.0 if moment is None else (moment - self.arrival) * 1000
-
-    def timings(self, now: float | None = None) -> common_pb2.Timings:
-        return common_pb2.Timings(queue_ms=self.ms_since_arrival(self.first_scheduled_at),
-                                  ttft_ms=self.ms_since_arrival(self.first_token_at),
-                                  e2e_ms=self.ms_since_arrival(now))
-
-    def usage(self) -> common_pb2.Usage:
-        return common_pb2.Usage(prompt_tokens=len(self.prompt_ids),
-                                completion_tokens=len(self.output_ids))

@@ -2,7 +2,8 @@
 
 The link owns the worker's KV block pool: block ids are only meaningful for the worker that
 allocated its cache, and a worker that restarts has lost every block, so the pool is rebuilt from
-its Info each time the link (re)connects.
+its Info each time the link (re)connects. A link counts as connected only once the worker has
+answered a first (empty) plan on the new stream, and never to a worker that drains.
 """
 from __future__ import annotations
 
@@ -13,15 +14,12 @@ import grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
-from services.scheduler.kv_blocks import KVBlockPool
+from services.common.kv_blocks import KVBlockPool
+from services.scheduler.batcher import WorkerGone
 
 log = logging.getLogger(__name__)
 
 RECONNECT_INTERVAL_SECONDS = 0.5
-
-
-class WorkerUnavailable(ConnectionError):
-    """The worker cannot be reached, or its stream broke."""
 
 
 class WorkerLink:
@@ -41,19 +39,32 @@ class WorkerLink:
         return self.connected.is_set()
 
     async def connect(self) -> None:
-        """Open the channel and the Execute stream; raises WorkerUnavailable."""
+        """Open the channel and the Execute stream and see it answer; raises WorkerGone."""
         await self.close()
         self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
-            self.info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0)
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0)
+            if info.draining:
+                raise WorkerGone(f"worker {self.address} is draining")
             self._plans = asyncio.Queue()
             self._call = stub.Execute(self._plan_iterator(self._plans))
             self._results = self._call.__aiter__()
-        except grpc.aio.AioRpcError as exc:
+            # A refused stream (another scheduler holds it, or the worker began to drain) shows
+            # here, before any request is placed on it.
+            self._plans.put_nowait(worker_pb2.StepPlan(step_id=0))
+            hello = await asyncio.wait_for(self._results.__anext__(), timeout=5.0)
+            if hello.draining:
+                raise WorkerGone(f"worker {self.address} is draining")
+        except (grpc.aio.AioRpcError, StopAsyncIteration, asyncio.TimeoutError, WorkerGone) as exc:
             await self.close()
-            raise WorkerUnavailable(f"worker {self.address}: {exc.code().name} {exc.details()}") from exc
-        self.pool = KVBlockPool(self.info.num_blocks, self.info.block_size)
+            if isinstance(exc, WorkerGone):
+                raise
+            detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) \
+                else type(exc).__name__
+            raise WorkerGone(f"worker {self.address}: {detail}") from exc
+        self.info = info
+        self.pool = KVBlockPool(info.num_blocks, info.block_size)
         self.connected.set()
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
                  self.info.model, self.info.device, self.info.num_blocks, self.info.block_size)
@@ -64,7 +75,7 @@ class WorkerLink:
             if not self.is_connected:
                 try:
                     await self.connect()
-                except WorkerUnavailable as exc:
+                except WorkerGone as exc:
                     log.debug("%s", exc)
             await asyncio.sleep(RECONNECT_INTERVAL_SECONDS)
 
@@ -77,10 +88,10 @@ class WorkerLink:
             yield plan
 
     async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        """Send one plan and wait for its result; raises WorkerUnavailable when the stream breaks
+        """Send one plan and wait for its result; raises WorkerGone when the stream breaks
         (the link is then marked down and every block it held is gone)."""
         if not self.is_connected:
-            raise WorkerUnavailable(f"worker {self.address} is not connected")
+            raise WorkerGone(f"worker {self.address} is not connected")
         self._plans.put_nowait(plan)
         try:
             result = await self._results.__anext__()
@@ -88,10 +99,10 @@ class WorkerLink:
             detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) \
                 else "stream ended"
             await self.close()
-            raise WorkerUnavailable(f"worker {self.address} failed: {detail}") from exc
+            raise WorkerGone(f"worker {self.address} failed: {detail}") from exc
         if result.step_id != plan.step_id:
             await self.close()
-            raise WorkerUnavailable(f"worker {self.address} answered step {result.step_id} "
+            raise WorkerGone(f"worker {self.address} answered step {result.step_id} "
                                     f"to plan {plan.step_id}")
         return result
 

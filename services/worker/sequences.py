@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import SampledToken, SamplingParams, SequenceWork, StepBatch
+from services.common.wire import sampling_from_engine
 
 
 class PlanError(ValueError):
@@ -26,12 +27,6 @@ class SequenceState:
     computed: int = 0             # tokens whose K/V are in the cache
     traceparent: str = ""         # the request's trace context, for step-span links
     span_context: object = None   # traceparent parsed once, by the server, when tracing is on
-
-
-def sampling_from_proto(p: worker_pb2.EngineSampling) -> SamplingParams:
-    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                          seed=p.seed if p.HasField("seed") else None, max_tokens=p.max_tokens,
-                          stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
 
 
 class SequenceTable:
@@ -53,7 +48,7 @@ class SequenceTable:
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
-                sampling=sampling_from_proto(new.sampling), num_generated=new.num_generated,
+                sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
                 traceparent=new.traceparent)
         for grant in plan.block_grants:
             self.sequences[grant.seq_id].block_table.extend(grant.block_ids)

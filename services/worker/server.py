@@ -17,14 +17,17 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.grpc_server import run_server
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
 
+from services.common.drain import DEFAULT_DRAIN_SECONDS, Drain
+from services.common.errors import ErrorKind, ServiceError
+from services.common.grpc_server import run_server
 from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
                                      tracing_configured)
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.wire import sampled_token_proto
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.worker.sequences import PlanError, SequenceTable
 
@@ -51,8 +54,9 @@ class BusyTracker:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, drain: Drain):
         self.engine = engine
+        self.drain = drain
         self.table = SequenceTable()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.busy = BusyTracker()
@@ -85,25 +89,32 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_blocks=e.kv_spec.num_blocks, bytes_per_block=e.kv_spec.bytes_per_block,
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
-            threads=e.threads, device_name=e.backend.name)
+            threads=e.threads, device_name=e.backend.name, draining=self.drain.draining)
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
 
     async def Execute(self, request_iterator, context):
-        if self.stream_open:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "this worker already serves a scheduler (one Execute stream at a time)")
-        self.stream_open = True
-        loop = asyncio.get_running_loop()
-        try:
-            async for plan in request_iterator:
-                yield await loop.run_in_executor(self.executor, self._run_plan, plan)
-        finally:
-            # The scheduler went away: its sequences and their block tables mean nothing now.
-            self.table.clear()
-            self.stream_open = False
-            log.info("execute stream closed; dropped all sequence state")
+        with self.drain.track():       # refused while draining; counted in flight otherwise
+            if self.stream_open:
+                raise ServiceError(ErrorKind.CONFLICT, "this worker already serves a scheduler "
+                                   "(one Execute stream at a time)")
+            self.stream_open = True
+            loop = asyncio.get_running_loop()
+            try:
+                async for plan in request_iterator:
+                    result = await loop.run_in_executor(self.executor, self._run_plan, plan)
+                    result.draining = self.drain.draining
+                    yield result
+                    if result.draining and not self.table:
+                        # The scheduler has been told and we hold nothing: the drain is done.
+                        log.info("draining: no sequence left; ending the execute stream")
+                        return
+            finally:
+                # The scheduler went away (or we did): its sequences and block tables mean nothing now.
+                self.table.clear()
+                self.stream_open = False
+                log.info("execute stream closed; dropped all sequence state")
 
     def _start_step_span(self, plan: worker_pb2.StepPlan, batch):
         """One span per step, child of the first request it serves, linked to every request."""
@@ -147,9 +158,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             span.end()
         return worker_pb2.StepResult(
             step_id=plan.step_id,
-            tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
-                                            finish_reason=t.finish_reason.value if t.finish_reason else "")
-                    for t in tokens],
+            tokens=[sampled_token_proto(t) for t in tokens],
             forward_ms=(finished - started) * 1000,
             device=self._device_stats(finished))
 
@@ -172,14 +181,14 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
 
 
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
-                       metrics_port: int | None = None) -> None:
-    service = WorkerService(engine)
+                       metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
+    service = WorkerService(engine, Drain(f"worker {address}", drain_seconds))
     serve_metrics(service.registry, metrics_host, metrics_port, "worker")
 
     def register(server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
         return ["qos.v1.Worker"]
 
-    await run_server("worker", address, register)
+    await run_server("worker", address, register, service.drain)
     shutdown_tracing()
     service.executor.shutdown(wait=False, cancel_futures=True)

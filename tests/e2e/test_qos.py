@@ -6,6 +6,7 @@ import asyncio
 import grpc
 import pytest
 
+from services.common.priority import LOW
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -54,7 +55,7 @@ def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():
 
         answers, stats = run(go())
         assert stats.preemptions >= 1
-        low_stats = next(c for c in stats.classes if c.priority == common_pb2.PRIORITY_LOW)
+        low_stats = next(c for c in stats.classes if c.priority == LOW)
         assert low_stats.preempted >= 1
 
         tokenizer = TextTokenizer.from_model_dir(cluster.config.model)
@@ -168,5 +169,5 @@ def test_router_stats_show_the_pool_weights_and_counts(tight_cluster):
     (pool,) = stats.pools
     assert pool.policy == "qos" and [c.weight for c in pool.classes] == [5, 3, 2]
     by_priority = {p.priority: p for p in stats.priorities}
-    assert by_priority[common_pb2.PRIORITY_LOW].requests >= 14
-    assert by_priority[common_pb2.PRIORITY_LOW].failed >= 1
+    assert by_priority[LOW].requests >= 14
+    assert by_priority[LOW].failed >= 1

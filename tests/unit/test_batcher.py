@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 
+from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import SampledToken, FinishReason, SamplingParams
-from services.scheduler.batcher import ContinuousBatcher
+from services.common.errors import ErrorKind, ServiceError, unavailable
+from services.common.wire import sampled_token_proto
+from services.scheduler.batcher import ContinuousBatcher, WorkerGone
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 from services.scheduler.policy import create_policy
-from services.scheduler.request import Failure, Request
-from services.scheduler.worker_link import WorkerUnavailable
+from services.scheduler.output import coalesce
+from services.scheduler.request import Request
 from services.worker.sequences import SequenceTable
 
 BLOCK = 4
@@ -50,7 +52,7 @@ class SimulatedWorker:
     async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         if self.fail_next:
             self.pool = None
-            raise WorkerUnavailable(f"worker {self.address} failed: killed")
+            raise WorkerGone(f"worker {self.address} failed: killed")
         self.plans.append(plan)
         batch = self.table.apply(plan)
         owners: dict[int, int] = {}
@@ -67,15 +69,12 @@ class SimulatedWorker:
                 reason = FinishReason.LENGTH if generated >= work.sampling.max_tokens else None
                 tokens.append(SampledToken(work.seq_id, token, 0.0, reason))
         self.table.commit(batch, tokens)
-        return worker_pb2.StepResult(step_id=plan.step_id, tokens=[
-            worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id,
-                                    finish_reason=t.finish_reason.value if t.finish_reason else "")
-            for t in tokens])
+        return worker_pb2.StepResult(step_id=plan.step_id, tokens=[sampled_token_proto(t) for t in tokens])
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int, stop=()) -> Request:
     prompt = [(seq_id * 7 + i) % 50 + 3 for i in range(prompt_len)]
-    return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=common_pb2.PRIORITY_MEDIUM,
+    return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=MEDIUM,
                    tenant="", prompt_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
                    detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt, stop=list(stop)))
 
@@ -84,7 +83,7 @@ async def drain(request: Request) -> tuple[list[int], str, object]:
     tokens, text = [], ""
     while True:
         event = await request.events.get()
-        if isinstance(event, Failure):
+        if isinstance(event, ServiceError):
             return tokens, text, event
         tokens.extend(event.token_ids)
         text += event.text
@@ -185,7 +184,7 @@ def test_worker_failure_fails_its_streams_with_unavailable():
         return outcomes
 
     for _, _, last in asyncio.run(scenario()):
-        assert isinstance(last, Failure) and last.code == grpc.StatusCode.UNAVAILABLE
+        assert isinstance(last, ServiceError) and last.kind is ErrorKind.UNAVAILABLE
         assert "killed" in last.message
 
 
@@ -202,8 +201,6 @@ def test_unknown_policy_is_refused():
 
 
 def test_queued_chunks_are_coalesced_without_losing_anything():
-    from services.scheduler.server import coalesce
-
     async def scenario():
         queue: asyncio.Queue = asyncio.Queue()
         for i, text in enumerate(["a", "b", "c"]):
@@ -211,7 +208,7 @@ def test_queued_chunks_are_coalesced_without_losing_anything():
         last = common_pb2.GenerateChunk(text="d", token_ids=[3], finish_reason=common_pb2.FINISH_REASON_STOP)
         last.usage.completion_tokens = 4
         queue.put_nowait(last)
-        queue.put_nowait(Failure(grpc.StatusCode.INTERNAL, "never read after the final chunk"))
+        queue.put_nowait(ServiceError(ErrorKind.INTERNAL, "never read after the final chunk"))
         merged, failure = coalesce(await queue.get(), queue)
         assert failure is None
         return merged, queue.qsize()
@@ -223,16 +220,14 @@ def test_queued_chunks_are_coalesced_without_losing_anything():
 
 
 def test_a_failure_is_not_merged_into_a_chunk():
-    from services.scheduler.server import coalesce
-
     async def scenario():
         queue: asyncio.Queue = asyncio.Queue()
         queue.put_nowait(common_pb2.GenerateChunk(text="a", token_ids=[1]))
-        queue.put_nowait(Failure(grpc.StatusCode.UNAVAILABLE, "worker failed"))
+        queue.put_nowait(unavailable("worker failed"))
         first, failure = coalesce(await queue.get(), queue)
         again, nothing = coalesce(failure, queue)
         return first, failure, again, nothing, queue.qsize()
 
     first, failure, again, nothing, left = asyncio.run(scenario())
-    assert first.text == "a" and isinstance(failure, Failure)
+    assert first.text == "a" and isinstance(failure, ServiceError)
     assert again is failure and nothing is None and left == 0

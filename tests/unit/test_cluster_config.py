@@ -62,3 +62,62 @@ def test_bad_worker_settings_name_the_key(worker, message):
 def test_a_worker_entry_that_is_not_a_table_is_refused():
     with pytest.raises(ConfigError, match="must be a table"):
         parse_config({"pools": [{"name": "p", "workers": ["cpu"]}]})
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"routers": {}}, "unknown key routers; known: model, pools, router, scheduler, workers"),
+    ({"pools": []}, "pools must be a non-empty list"),
+    ({"pools": {"name": "p"}}, "pools must be a non-empty list"),
+    ({"pools": [{"name": "a"}], "scheduler": {}}, "either \\[\\[pools\\]\\] or a single pool"),
+    ({"pools": [{"name": "a"}, {"name": "a"}]}, "pool names must be unique"),
+    ({"pools": [{"name": "a", "device": "tpu"}]}, "pools\\[0\\].device must be cuda, npu or cpu"),
+    ({"pools": [{"name": "a", "workers": []}]}, "pools\\[0\\].workers must be a non-empty list"),
+    ({"pools": [{"name": "a", "colour": "red"}]}, "unknown key pools\\[0\\].colour"),
+])
+def test_bad_top_level_and_pool_keys_are_named(raw, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+@pytest.mark.parametrize("router, message", [
+    ({"routing": "random"}, "router.routing must be cost or primary, got 'random'"),
+    ({"admission": "lifo"}, "router.admission must be priority or fifo, got 'lifo'"),
+    ({"port": 70000}, "router.port must be in 0..65535, got 70000"),
+    ({"port": "50051"}, "router.port must be int, got '50051'"),
+    ({"port": True}, "router.port must be int, got True"),
+    ({"metrics_port": -2}, "router.metrics_port must be a port in 0..65535"),
+    ({"drain_seconds": -1}, "router.drain_seconds must be in 0..3600, got -1"),
+    ({"drain_seconds": "long"}, "router.drain_seconds must be float, got 'long'"),
+    ({"http_port": 8000}, "unknown key router.http_port"),
+    ([], "\\[router\\] must be a table"),
+])
+def test_bad_router_settings_name_the_key(router, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"router": router})
+
+
+@pytest.mark.parametrize("scheduler, message", [
+    ({"policy": "lottery"}, "pool.scheduler.policy must be one of qos, fcfs, got 'lottery'"),
+    ({"weights": [5, 3]}, "pool.scheduler.weights must be 3 numbers > 0"),
+    ({"weights": [5, 0, 2]}, "pool.scheduler.weights must be 3 numbers > 0"),
+    ({"kv_caps": [1.0, 0.7, 1.5]}, "pool.scheduler.kv_caps must be 3 shares in \\(0, 1\\]"),
+    ({"max_running": 0}, "need pool.scheduler.max_running >= 1"),
+    ({"max_running": 64, "max_step_tokens": 32}, "max_step_tokens >= max_running"),
+    ({"max_queue": 0}, "pool.scheduler.max_queue must be >= 1, got 0"),
+    ({"retry_after_ms": 0}, "pool.scheduler.retry_after_ms must be >= 1, got 0"),
+    ({"max_queue": 1.5}, "pool.scheduler.max_queue must be int, got 1.5"),
+    ({"drain_seconds": 7200}, "pool.scheduler.drain_seconds must be in 0..3600"),
+    ({"workers": 2}, "unknown key pool.scheduler.workers"),
+])
+def test_bad_scheduler_settings_name_the_key(scheduler, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"scheduler": scheduler})
+
+
+def test_drain_seconds_default_to_30_and_are_read_per_service():
+    config = parse_config({"router": {"drain_seconds": 5}, "scheduler": {"drain_seconds": 12.5},
+                           "workers": [{"drain_seconds": 0}]})
+    assert config.router.drain_seconds == 5
+    assert config.pools[0].scheduler.drain_seconds == 12.5
+    assert config.pools[0].workers[0].drain_seconds == 0
+    assert parse_config({}).router.drain_seconds == 30.0

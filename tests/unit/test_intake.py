@@ -9,7 +9,7 @@ import pytest
 
 from services.common.intake import PriorityIntake
 
-HIGH, MEDIUM, LOW = 1, 2, 3
+from services.common.priority import HIGH, LOW, MEDIUM
 
 
 class Refused(Exception):

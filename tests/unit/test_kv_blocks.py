@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from services.scheduler.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module", ["services.scheduler.kv_blocks", "services.common.step",
+@pytest.mark.parametrize("module", ["services.common.kv_blocks", "services.common.step",
                                     "services.common.tokenizer"])
 def test_scheduler_side_modules_do_not_import_torch(module):
     # The scheduler imports these; it must stay free of torch (fast start, no tensor code).

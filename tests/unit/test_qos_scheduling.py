@@ -9,12 +9,14 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import SamplingParams
-from services.scheduler.batcher import ContinuousBatcher, cap_blocks
+from services.common.errors import ServiceError
+from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.scheduler.kv_blocks import blocks_for_tokens
+from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
-from services.scheduler.policy import HIGH, LOW, MEDIUM, QoSPolicy, create_policy
-from services.scheduler.request import Failure, Phase, Request
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.scheduler.policy import QoSPolicy, create_policy
+from services.scheduler.request import Phase, Request
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
 
 
@@ -40,14 +42,7 @@ class Harness:
         return request
 
     def step(self) -> dict:
-        builders = self.batcher.plan_step()
-
-        async def execute():
-            await asyncio.gather(*(self.batcher._execute(self.workers[i], b) for i, b in builders.items()))
-
-        asyncio.run(execute())
-        self.batcher.steps += 1
-        return builders
+        return asyncio.run(self.batcher.step())
 
 
 def events(request: Request) -> list:
@@ -150,18 +145,18 @@ def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_block
         while pending and pending[0][0] <= step:
             _, priority, prompt_len, max_tokens = pending.pop(0)
             # The scheduler's intake refuses what could never fit the class cap.
-            if blocks_for_tokens(prompt_len + max_tokens, BLOCK) > cap_blocks(pool, h.policy.kv_cap(priority)):
+            if blocks_for_tokens(prompt_len + max_tokens, BLOCK) > cap_blocks(pool.num_blocks, h.policy.kv_cap(priority)):
                 rejected += 1
                 continue
             h.submit(priority, prompt_len, max_tokens)
         h.step()
         step += 1
-        assert pool.held(LOW) <= cap_blocks(pool, 0.3)
-        assert pool.held(MEDIUM) <= cap_blocks(pool, 0.7)
+        assert pool.held(LOW) <= cap_blocks(pool.num_blocks, 0.3)
+        assert pool.held(MEDIUM) <= cap_blocks(pool.num_blocks, 0.7)
         assert step < 5000, "no progress"
     for request in h.requests:
         got = events(request)
-        finals = [e for e in got if isinstance(e, Failure) or e.finish_reason]
+        finals = [e for e in got if isinstance(e, ServiceError) or e.finish_reason]
         assert len(finals) == 1 and got[-1] is finals[0]
         assert request.output_ids == expected_output(request)
     assert pool.num_used == 0

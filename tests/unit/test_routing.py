@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.routing import (HIGH, LOW, MEDIUM, NoPoolError, OverflowThreshold, PoolLoad,
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.router.routing import (NoPoolError, OverflowThreshold, PoolLoad,
                                      PoolRouter, PoolSpec, RouteRequest)
 
 M = "smollm2"

@@ -53,8 +53,9 @@ class RouterServicer:
     def Generate(self, request, context):
         """Streams the answer to one prompt. Metadata: `x-priority` (high|medium|low, default medium),
         `x-tenant` (free text, for accounting). Errors: INVALID_ARGUMENT naming the bad field or value;
-        RESOURCE_EXHAUSTED when the pool cannot take the request; UNAVAILABLE when no pool is reachable
-        or its worker failed mid-stream.
+        RESOURCE_EXHAUSTED when the pool cannot take the request (with `retry-after-ms` trailing
+        metadata when it may later); UNAVAILABLE when no pool is reachable, its worker failed
+        mid-stream, or this router is draining (SIGTERM; with `retry-after-ms`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -76,7 +76,7 @@ class WeightChange(_message.Message):
     def __init__(self, at_unix_s: _Optional[float] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., old_weight: _Optional[float] = ..., new_weight: _Optional[float] = ..., utilization: _Optional[float] = ..., free_kv: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms")
+    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class PoolStats(_message.Message):
     UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_CHANGES_FIELD_NUMBER: _ClassVar[int]
     TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     pool: str
     model: str
     device: str
@@ -107,4 +109,6 @@ class PoolStats(_message.Message):
     utilization: float
     weight_changes: _containers.RepeatedCompositeFieldContainer[WeightChange]
     ttft_p90_ms: float
-    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ...) -> None: ...
+    draining: bool
+    workers_draining: int
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ...) -> None: ...

@@ -59,7 +59,8 @@ class SchedulerServicer:
         """Streams one request's answer. The router has validated the fields it can; the scheduler adds
         the checks that need the tokenizer (INVALID_ARGUMENT when the prompt leaves no room in the
         context window) and its capacity (RESOURCE_EXHAUSTED, with `retry-after-ms` trailing metadata).
-        A worker failure mid-stream ends it with UNAVAILABLE.
+        A worker failure mid-stream ends it with UNAVAILABLE; so does a Submit while the scheduler
+        drains (SIGTERM), with `retry-after-ms`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,3 +1,4 @@
+from services.common.proto.qos.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -11,7 +12,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name")
+    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +26,7 @@ class WorkerInfo(_message.Message):
     ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     THREADS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_type: str
     dtype: str
@@ -38,7 +40,8 @@ class WorkerInfo(_message.Message):
     active_sequences: int
     threads: int
     device_name: str
-    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class EngineSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
@@ -105,8 +108,8 @@ class SampledToken(_message.Message):
     seq_id: int
     token_id: int
     logprob: float
-    finish_reason: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    finish_reason: _common_pb2.FinishReason
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
     __slots__ = ("memory_used_bytes", "memory_total_bytes", "utilization", "device_utilization")
@@ -121,15 +124,17 @@ class DeviceStats(_message.Message):
     def __init__(self, memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., device_utilization: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_ms", "device", "error")
+    __slots__ = ("step_id", "tokens", "forward_ms", "device", "error", "draining")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     device: DeviceStats
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., device: _Optional[_Union[DeviceStats, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., device: _Optional[_Union[DeviceStats, _Mapping]] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...

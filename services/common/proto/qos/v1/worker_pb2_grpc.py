@@ -58,8 +58,10 @@ class WorkerServicer:
 
     def Execute(self, request_iterator, context):
         """One stream per scheduler: each StepPlan in is answered by one StepResult out, in order.
-        A second concurrent stream is refused with FAILED_PRECONDITION. When the stream ends the
-        worker drops every sequence it holds.
+        A second concurrent stream is refused with FAILED_PRECONDITION; a new stream while the worker
+        drains (SIGTERM) with UNAVAILABLE. When the stream ends the worker drops every sequence it
+        holds. A draining worker ends the stream itself once it has said so in a StepResult
+        (`draining`) and holds no sequence.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

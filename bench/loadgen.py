@@ -1,4 +1,5 @@
-"""Load generation for the benchmarks: each traffic class is sent by a client process of its own.
+"""Load generation for the QoS benchmark (bench/qos_burst.py): each traffic class is sent by a
+client process of its own.
 
 Why separate processes: chat users and batch jobs are different clients. One asyncio client that
 sends a 1,000-request burst spends its event loop on the flood's streams, and a High request's
@@ -7,7 +8,12 @@ at full scale of bench/qos_burst.py: up to ~450 ms between a High request's send
 router seeing it). Each process waits for one common start time and sends its jobs at their
 offsets; times are measured inside the process that sent the request.
 
-    outcomes, wall = await run_clients(router_address, jobs, on_progress=bar.update)
+    from bench.loadgen import Job, run_clients
+    outcomes, start = await run_clients(router_address, jobs, on_progress=bar.update)
+
+The client processes are started with the "spawn" method and run `bench.loadgen._client_main`, so
+this module must be imported as `bench.loadgen` with the repository root on sys.path (the bench
+scripts put it there; spawn hands the parent's sys.path to its children).
 """
 from __future__ import annotations
 

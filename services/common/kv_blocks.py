@@ -1,7 +1,8 @@
 """KV block accounting for one pool: which block ids are free and who holds the rest.
 
 Pure Python, no torch: the scheduler owns allocation so per-class quotas are exact; workers only
-index their KV tensors with the block tables they are sent.
+index their KV tensors with the block tables they are sent. Lives in common/ because the engine's
+offline driver (services/engine/batch_runner.py) allocates from the same pool.
 """
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from collections.abc import Hashable, Iterable
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` positions."""
     return -(-num_tokens // block_size)
+
+
+def cap_blocks(num_blocks: int, share: float) -> int:
+    """The most blocks a class may hold when its cap is `share` of `num_blocks` (rounded down,
+    so a cap is never exceeded; the epsilon keeps 0.3 * 10 from flooring to 2)."""
+    return int(share * num_blocks + 1e-9)
 
 
 class KVBlockPool:

@@ -1,0 +1,98 @@
+"""What every benchmark script shares: its argument parser, the JSON result, percentiles, and a
+description of the machine with a calibration figure.
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # in the script, first
+    from bench.harness import make_parser, quantile, write_json
+    parser = make_parser(__doc__, seed=True)       # --json PATH (and --seed); -h shows the docstring
+    args = parser.parse_args()
+    ...
+    write_json(args.json, {"p99_us": quantile(times_us, 0.99), "python_loop_ns": python_loop_ns()})
+
+Torch-free: router_decision.py and scheduler_overhead.py must not import torch, so the CPU's name
+(services.engine.device.CpuBackend, which imports torch) is only looked up when asked for.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from services.common.percentile import percentile
+
+PRIORITIES = ("high", "medium", "low")    # the x-priority values the benchmarks send, most urgent first
+LOOP_ITERATIONS = 1_000_000               # python_loop_ns(): iterations per timed run
+LOOP_REPEATS = 3                          # ... and the best of this many runs
+
+
+def make_parser(doc: str | None, *, seed: bool = False) -> argparse.ArgumentParser:
+    """A parser whose -h text is the script's docstring (layout kept), with --json PATH and, when
+    `seed`, --seed N (default 0)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results to this JSON file")
+    if seed:
+        parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
+    return parser
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    """Write `result` to `path` (folders created, indented, trailing newline) and say so; nothing
+    when `path` is None (no --json given)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """The nearest-rank percentile of services/common/percentile.py, q in [0, 1] (0.5 for P50,
+    0.99 for P99); NaN when there are no values, so that a class with no answers shows as nan
+    rather than as 0 ms."""
+    return percentile(values, q, math.nan)
+
+
+def progress(total: int, desc: str, unit: str = "req") -> tqdm:
+    """A progress bar on stderr, so that stdout holds only the results."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as the worker reports it (CpuBackend.name). Imports torch."""
+    from services.engine.device import CpuBackend
+    return CpuBackend().name
+
+
+def machine(cpu: bool = True) -> str:
+    """One line: the CPU (its model name, or with cpu=False only the architecture, which needs no
+    torch), the cores this process may use, and the Python version."""
+    name = cpu_name() if cpu else platform.machine() or "unknown CPU"
+    return f"{name}, {len(os.sched_getaffinity(0))} cores, Python {platform.python_version()}"
+
+
+def python_loop_ns(iterations: int = LOOP_ITERATIONS, repeats: int = LOOP_REPEATS) -> float:
+    """Calibration: nanoseconds per iteration of `for i in range(n): x += i`, the best of `repeats`
+    runs of `iterations` each (the best, since interference only ever adds time).
+
+    Overhead benchmarks measure pure-Python code, so their figures move with the interpreter's
+    speed on the machine; each one measures this in the same run and reports it beside its result
+    (JSON key "python_loop_ns"), so that results from different machines can be compared."""
+    best = math.inf
+    for _ in range(repeats):
+        x = 0
+        started = time.perf_counter_ns()
+        for i in range(iterations):
+            x += i
+        best = min(best, time.perf_counter_ns() - started)
+    return best / iterations
+
+
+def calibration_line(loop_ns: float) -> str:
+    return f"calibration: {loop_ns:.1f} ns per pure-Python loop iteration on this machine (python_loop_ns)"

@@ -1,0 +1,51 @@
+"""Conversions between the in-process dataclasses (services/common/step.py) and their protobuf
+messages, each written once: a client's SamplingParams -> ours (scheduler intake), ours ->
+EngineSampling (scheduler -> worker) and back (worker), and sampled tokens on the worker hop.
+"""
+from __future__ import annotations
+
+from services.common.proto.qos.v1 import common_pb2, worker_pb2
+from services.common.step import FinishReason, SampledToken, SamplingParams
+
+# What a client gets for a field it leaves unset (common.proto documents the same defaults).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_K = 0
+DEFAULT_TOP_P = 1.0
+
+
+def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
+    """A client's sampling fields with defaults applied; `max_tokens` already resolved against
+    the prompt (the caller knows the context window). Raises ValueError naming a bad field."""
+    return SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else DEFAULT_TEMPERATURE,
+        top_k=s.top_k if s.HasField("top_k") else DEFAULT_TOP_K,
+        top_p=s.top_p if s.HasField("top_p") else DEFAULT_TOP_P,
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
+    proto = worker_pb2.EngineSampling(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos)
+    if params.seed is not None:
+        proto.seed = params.seed
+    return proto
+
+
+def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
+    return SamplingParams(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p,
+                          seed=proto.seed if proto.HasField("seed") else None,
+                          max_tokens=proto.max_tokens, stop_token_ids=tuple(proto.stop_token_ids),
+                          ignore_eos=proto.ignore_eos)
+
+
+def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:
+    return worker_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id,
+                                   logprob=token.logprob, finish_reason=token.finish_reason or 0)
+
+
+def finish_reason(value: int) -> FinishReason | None:
+    """A wire finish reason as ours; None while the sequence goes on."""
+    return FinishReason(value) if value else None

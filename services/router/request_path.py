@@ -1,0 +1,110 @@
+"""One request's way through the router, the same for every front (gRPC today, HTTP next):
+
+    serve(head, read_body) = admit (priority order) -> read the body -> route -> relay
+
+A front parses what it can cheaply (the RequestHead: priority, tenant, SLO, adapter) and hands
+over a function that reads and validates the body; everything after that is here. Failures are
+ServiceErrors, raised to the front, which maps them to its own statuses.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from services.common.errors import ErrorKind, ServiceError
+from services.common.grpc_errors import error_from_rpc
+from services.common.intake import PriorityIntake
+from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
+from services.common.tracing import inject_metadata
+from services.router.pools import PoolDirectory, PoolHandle
+from services.router.routing import NoPoolError, RouteRequest
+from services.router.tally import RouterTotals, Tally
+from services.router.validation import RequestHead
+
+ReadBody = Callable[[int | None], router_pb2.GenerateRequest]   # max context -> validated body
+
+
+async def _go_ahead(_request) -> None:
+    """The router's admission step: nothing to compute, only the turn (priority order) matters."""
+
+
+class RequestPath:
+    def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
+                 model_name: str, admission: str = "priority"):
+        self.pools = pools
+        self.totals = totals
+        self.tracer = tracer
+        self.model_name = model_name
+        # Requests go on to validation and their pool in priority order (services/common/intake.py).
+        self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority")
+
+    async def serve(self, head: RequestHead, read_body: ReadBody,
+                    parent: Context | None = None) -> AsyncIterator[common_pb2.GenerateChunk]:
+        span = self.tracer.start_span("router.generate", kind=SpanKind.SERVER, context=parent)
+        try:
+            await self.admissions.admit(None, head.priority)
+            tally = self.totals.start(head.priority, head.tenant, span)
+            try:
+                body = read_body(self.pools.max_context())
+                pool = self.route(head, body, span)
+                tally.on_routed(pool.name)
+                async for chunk in self.relay(head, body, pool, tally, span):
+                    yield chunk
+            except ServiceError as error:
+                tally.on_fail(error)
+                raise
+        finally:
+            span.end()
+
+    def route(self, head: RequestHead, body: router_pb2.GenerateRequest, span) -> PoolHandle:
+        """The pool for this request, from cached pool stats only."""
+        router = self.pools.router
+        route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
+        try:
+            decision = router.route(RouteRequest(body.model or self.model_name, head.priority,
+                                                 head.lora, head.slo_ms or None))
+        except NoPoolError as exc:
+            route_span.set_status(Status(StatusCode.ERROR, str(exc)))
+            route_span.end()
+            raise ServiceError(ErrorKind.UNSUPPORTED, str(exc), reason="no_pool",
+                               field="x-lora" if head.lora else "model") from None
+        route_span.set_attributes({
+            "qos.pool": decision.pool, "qos.route.rule": decision.rule,
+            "qos.route.threshold": router.threshold.value,
+            **{f"qos.route.queued.{n}": l.queued for n, l in router.loads.items()},
+            **{f"qos.route.free_kv.{n}": l.free_kv for n, l in router.loads.items()}})
+        route_span.end()
+        router.note_dispatch(decision.pool)
+        return self.pools.handles[decision.pool]
+
+    async def relay(self, head: RequestHead, body: router_pb2.GenerateRequest, pool: PoolHandle,
+                    tally: Tally, span) -> AsyncIterator[common_pb2.GenerateChunk]:
+        """Submit to the pool's scheduler and stream its chunks back, the cost on the last one.
+        A consumer that stops early (the client went away) cancels the scheduler's call."""
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=uuid.uuid4().hex, priority=head.priority, tenant=head.tenant,
+            prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
+            lora=head.lora or "")
+        call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))
+        cost = self.pools.specs[pool.name].cost
+        finished = False
+        try:
+            async for chunk in call:
+                tally.on_chunk(chunk)
+                if chunk.finish_reason:
+                    finished = True
+                    chunk.cost_units = (chunk.usage.prompt_tokens + chunk.usage.completion_tokens) * cost
+                    tally.on_done(chunk)
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            finished = True
+            raise error_from_rpc(exc, pool.peer) from None
+        finally:
+            if not finished:
+                tally.on_cancel()
+                call.cancel()

@@ -1,0 +1,136 @@
+"""The router's bookkeeping, kept apart from the request path: per priority, pool and tenant
+counters (Router.Stats), the Prometheus request metrics, and the request span's attributes.
+
+The request path makes one `Tally` per request and tells it what happens: `on_routed`,
+`on_chunk`, then exactly one of `on_done`, `on_fail`, `on_cancel`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from opentelemetry.trace import Span, Status, StatusCode
+from prometheus_client import CollectorRegistry
+
+from services.common.errors import ErrorKind, ServiceError
+from services.common.metrics import RequestMetrics
+from services.common.percentile import percentile
+from services.common.priority import ORDER, priority_name
+from services.common.proto.qos.v1 import common_pb2, router_pb2
+
+LATENCY_WINDOW = 10_000        # most recent requests per group kept for percentiles
+
+
+class Counters:
+    """Requests, tokens, cost and latency samples for one priority, pool or tenant."""
+
+    def __init__(self) -> None:
+        self.requests = self.completed = self.failed = self.cancelled = self.output_tokens = 0
+        self.cost_units = 0.0
+        self.ttft_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+        self.e2e_ms: deque[float] = deque(maxlen=LATENCY_WINDOW)
+
+    def to_priority_proto(self, priority: int) -> router_pb2.PriorityStats:
+        return router_pb2.PriorityStats(
+            priority=priority, requests=self.requests, completed=self.completed, failed=self.failed,
+            cancelled=self.cancelled, output_tokens=self.output_tokens, cost_units=self.cost_units,
+            ttft_p50_ms=percentile(self.ttft_ms, 0.50), ttft_p95_ms=percentile(self.ttft_ms, 0.95),
+            ttft_p99_ms=percentile(self.ttft_ms, 0.99), e2e_p50_ms=percentile(self.e2e_ms, 0.50),
+            e2e_p95_ms=percentile(self.e2e_ms, 0.95), e2e_p99_ms=percentile(self.e2e_ms, 0.99))
+
+    def to_group_proto(self, name: str) -> router_pb2.GroupStats:
+        return router_pb2.GroupStats(
+            name=name, requests=self.requests, completed=self.completed, failed=self.failed,
+            output_tokens=self.output_tokens, cost_units=self.cost_units,
+            ttft_p50_ms=percentile(self.ttft_ms, 0.50), ttft_p99_ms=percentile(self.ttft_ms, 0.99),
+            e2e_p99_ms=percentile(self.e2e_ms, 0.99))
+
+
+class RouterTotals:
+    """Everything the router counts, since it started."""
+
+    def __init__(self, pool_names: list[str]):
+        self.by_priority = {p: Counters() for p in ORDER}
+        self.by_pool = {name: Counters() for name in pool_names}
+        self.by_tenant: dict[str, Counters] = {}
+        self.registry = CollectorRegistry()
+        self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
+
+    def start(self, priority: int, tenant: str, span: Span) -> Tally:
+        return Tally(self, priority, tenant, span)
+
+    def refused_early(self, error: ServiceError) -> None:
+        """Refused before its priority was known (a bad x-priority header)."""
+        self.metrics.rejections.labels("unknown", error.reason).inc()
+
+    def stats_proto(self, pools, threshold: float) -> router_pb2.RouterStats:
+        return router_pb2.RouterStats(
+            priorities=[self.by_priority[p].to_priority_proto(p) for p in ORDER],
+            pools=pools, by_pool=[c.to_group_proto(n) for n, c in self.by_pool.items()],
+            by_tenant=[c.to_group_proto(n) for n, c in sorted(self.by_tenant.items())],
+            overflow_threshold=threshold)
+
+
+class Tally:
+    """One request's share of the totals."""
+
+    def __init__(self, totals: RouterTotals, priority: int, tenant: str, span: Span):
+        self.totals = totals
+        self.name = priority_name(priority)
+        self.span = span
+        self.pool = ""
+        self.started = time.perf_counter()
+        self.first_token_s: float | None = None
+        self.groups = [totals.by_priority[priority],
+                       totals.by_tenant.setdefault(tenant, Counters())]
+        for group in self.groups:
+            group.requests += 1
+        span.set_attributes({"qos.priority": self.name, "qos.tenant": tenant})
+
+    def on_routed(self, pool: str) -> None:
+        self.pool = pool
+        group = self.totals.by_pool[pool]
+        group.requests += 1
+        self.groups.append(group)
+        self.span.set_attribute("qos.pool", pool)
+
+    def on_chunk(self, chunk: common_pb2.GenerateChunk) -> None:
+        if not chunk.token_ids:
+            return
+        elapsed_ms = (time.perf_counter() - self.started) * 1000
+        for group in self.groups:
+            group.output_tokens += len(chunk.token_ids)
+            if self.first_token_s is None:
+                group.ttft_ms.append(elapsed_ms)
+        if self.first_token_s is None:
+            self.first_token_s = elapsed_ms / 1000
+        self.totals.metrics.tokens.labels(self.name, self.pool).inc(len(chunk.token_ids))
+
+    def on_done(self, chunk: common_pb2.GenerateChunk) -> None:
+        elapsed_s = time.perf_counter() - self.started
+        for group in self.groups:
+            group.completed += 1
+            group.e2e_ms.append(elapsed_s * 1000)
+            group.cost_units += chunk.cost_units
+        ttft_s = self.first_token_s if self.first_token_s is not None else elapsed_s
+        self.totals.metrics.finished((self.name, self.pool), ttft_s, elapsed_s,
+                                     chunk.usage.completion_tokens)
+        self.span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,
+                                  "qos.output_tokens": chunk.usage.completion_tokens,
+                                  "qos.cost_units": chunk.cost_units, "qos.ttft_ms": ttft_s * 1000})
+
+    def on_fail(self, error: ServiceError) -> None:
+        for group in self.groups:
+            group.failed += 1
+        self.span.set_status(Status(StatusCode.ERROR, f"{error.kind.status.grpc}: {error.message}"))
+        if self.pool:
+            self.totals.metrics.requests.labels(self.name, self.pool, "failed").inc()
+        if error.kind in (ErrorKind.INVALID, ErrorKind.UNSUPPORTED, ErrorKind.EXHAUSTED,
+                          ErrorKind.TOO_LARGE) or error.reason == "draining":
+            self.totals.metrics.rejections.labels(self.name, error.reason).inc()
+
+    def on_cancel(self) -> None:
+        for group in self.groups:
+            group.cancelled += 1
+        if self.pool:
+            self.totals.metrics.requests.labels(self.name, self.pool, "cancelled").inc()

@@ -1,0 +1,67 @@
+"""What a scheduler tells the world about its pool: the PoolStats message (GetPoolStats,
+WatchPoolStats, the router's cache) and the Prometheus gauges read at scrape time."""
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.common.percentile import percentile
+from services.common.priority import ORDER, priority_name
+from services.common.proto.qos.v1 import scheduler_pb2
+from services.scheduler.batcher import ContinuousBatcher
+from services.scheduler.monitor import ResourceMonitor
+
+
+def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: ResourceMonitor | None,
+               rejected: Counter, draining: bool) -> scheduler_pb2.PoolStats:
+    b, policy = batcher, batcher.policy
+    connected = [l for l in b.links if l.is_connected and l.info is not None]
+    held = b.kv_blocks_by_priority()
+    running = b.running_by_priority()
+    weights = policy.weights()
+    info = next((l.info for l in b.links if l.info is not None), None)
+    return scheduler_pb2.PoolStats(
+        pool=name, model=model, policy=policy.name, draining=draining,
+        device=info.device_type if info else "", workers=len(connected),
+        workers_draining=sum(1 for l in connected if l.index in b.draining_workers),
+        max_context=info.max_context if info else 0,
+        block_size=info.block_size if info else 0,
+        kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
+        kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
+        steps=b.steps, preemptions=b.preemptions, ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
+        utilization=monitor.utilization if monitor else 0.0,
+        classes=[scheduler_pb2.ClassStats(
+            priority=p, waiting=policy.waiting(p), running=running[p], kv_blocks=held[p],
+            output_tokens=b.output_tokens[p], weight=weights[p], kv_cap=policy.kv_cap(p),
+            served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
+            rejected=rejected[p], preempted=b.preempted_by_priority[p]) for p in ORDER],
+        weight_changes=[scheduler_pb2.WeightChange(
+            at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
+            utilization=c.utilization, free_kv=c.free_kv)
+            for c in (monitor.changes if monitor else ())])
+
+
+def state_metrics(batcher: ContinuousBatcher):
+    """Per-class gauges and counters, computed from the batcher's state at scrape time."""
+    b, policy = batcher, batcher.policy
+    running, held, weights = b.running_by_priority(), b.kv_blocks_by_priority(), policy.weights()
+    gauges = {
+        "qos_queue_depth": ("Requests waiting", lambda p: policy.waiting(p)),
+        "qos_running": ("Requests holding KV blocks", lambda p: running[p]),
+        "qos_kv_blocks": ("KV blocks held", lambda p: held[p]),
+        "qos_kv_blocks_peak": ("Most KV blocks held on one worker", lambda p: b.kv_peak[p]),
+        "qos_weight": ("Fair-queueing weight", lambda p: weights[p]),
+        "qos_kv_cap_share": ("KV cap, share of a worker's blocks", lambda p: policy.kv_cap(p)),
+    }
+    for name, (text, read) in gauges.items():
+        family = GaugeMetricFamily(name, text, labels=["priority"])
+        for p in ORDER:
+            family.add_metric([priority_name(p)], read(p))
+        yield family
+    for name, text, values in [("qos_tokens_served", "Prefill + decode tokens computed", b.served_tokens),
+                               ("qos_preemptions", "Sequences preempted", b.preempted_by_priority)]:
+        family = CounterMetricFamily(name, text, labels=["priority"])
+        for p in ORDER:
+            family.add_metric([priority_name(p)], values[p])
+        yield family

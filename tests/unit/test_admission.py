@@ -1,0 +1,100 @@
+"""Admission control without a server: each refusal, its kind, the field it names and when it
+says to retry (services/scheduler/admission.py)."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.common.proto.qos.v1 import common_pb2, worker_pb2
+from services.scheduler.admission import (DEFAULT_MAX_TOKENS, MIN_SLO_RETRY_MS, Admission, PoolLimits,
+                                          pool_limits)
+
+LIMITS = PoolLimits(max_context=1000, block_size=10, largest_worker_blocks=100)
+CAPS = {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3}
+
+
+def admission(waiting: int = 0, wait_ms: float = 0.0, max_queue: int = 8) -> Admission:
+    return Admission("cpu", CAPS.__getitem__, lambda _p: waiting, lambda _p, _n: wait_ms,
+                     max_queue=max_queue, retry_after_ms=750)
+
+
+def refusal(check, *args) -> ServiceError:
+    with pytest.raises(ServiceError) as caught:
+        check(*args)
+    return caught.value
+
+
+def sampling(**fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**fields)
+
+
+def test_a_request_that_fits_gets_its_sampling_resolved():
+    got = admission().check(MEDIUM, [1] * 100, sampling(max_tokens=50, temperature=0.0), 0, LIMITS)
+    assert (got.max_tokens, got.temperature, got.top_p, got.seed) == (50, 0.0, 1.0, None)
+
+
+def test_max_tokens_defaults_to_what_the_context_leaves():
+    assert admission().check(HIGH, [1] * 100, sampling(), 0, LIMITS).max_tokens == DEFAULT_MAX_TOKENS
+    assert admission().check(HIGH, [1] * 900, sampling(), 0, LIMITS).max_tokens == 100
+
+
+@pytest.mark.parametrize("prompt, fields, field, words", [
+    ([], {}, "prompt", "prompt is empty"),
+    ([1] * 1000, {}, "prompt", "context window is 1000 tokens"),
+    ([1] * 900, {"max_tokens": 101}, "sampling.max_tokens", "leaving 100"),
+    ([1] * 10, {"temperature": -1.0}, "sampling.temperature", "temperature must be >= 0"),
+    ([1] * 10, {"top_p": 0.0}, "sampling.top_p", "top_p must be in (0, 1]"),
+    ([1] * 10, {"top_k": -2}, "sampling.top_k", "top_k must be >= 0"),
+])
+def test_invalid_requests_name_the_field(prompt, fields, field, words):
+    error = refusal(admission().check, MEDIUM, prompt, sampling(**fields), 0, LIMITS)
+    assert (error.kind, error.field, error.retry_after_ms) == (ErrorKind.INVALID, field, None)
+    assert words in error.message
+
+
+def test_a_request_over_its_class_cap_is_too_large_for_good():
+    # Low may hold 30 of 100 blocks of 10 tokens: 300 tokens. 250 + 60 = 310 does not fit.
+    error = refusal(admission().check, LOW, [1] * 250, sampling(max_tokens=60), 0, LIMITS)
+    assert error.kind is ErrorKind.TOO_LARGE and error.reason == "kv_cap"
+    assert error.retry_after_ms is None, "retrying the same request cannot help"
+    assert "needs 31 KV blocks" in error.message and "at most 30" in error.message
+    assert error.field == "sampling.max_tokens"
+    # The same request fits Medium's 70% cap, and one token less fits Low's.
+    admission().check(MEDIUM, [1] * 250, sampling(max_tokens=60), 0, LIMITS)
+    admission().check(LOW, [1] * 250, sampling(max_tokens=50), 0, LIMITS)
+
+
+def test_a_full_queue_says_when_to_retry():
+    error = refusal(admission(waiting=8, max_queue=8).check, HIGH, [1] * 10, sampling(), 0, LIMITS)
+    assert (error.kind, error.reason, error.retry_after_ms) == (ErrorKind.EXHAUSTED, "queue_full", 750)
+    assert "high queue of pool cpu is full (8 waiting)" in error.message
+    admission(waiting=7, max_queue=8).check(HIGH, [1] * 10, sampling(), 0, LIMITS)
+
+
+@pytest.mark.parametrize("wait_ms, slo_ms, retry_ms", [(900.0, 500, 400), (520.0, 500, MIN_SLO_RETRY_MS)])
+def test_a_missed_slo_is_refused_with_the_excess_as_retry_after(wait_ms, slo_ms, retry_ms):
+    error = refusal(admission(wait_ms=wait_ms).check, MEDIUM, [1] * 10, sampling(), slo_ms, LIMITS)
+    assert (error.kind, error.reason, error.field) == (ErrorKind.EXHAUSTED, "slo", "x-slo-ms")
+    assert error.retry_after_ms == retry_ms
+    assert f"exceeds x-slo-ms={slo_ms}" in error.message
+
+
+def test_an_slo_that_can_be_met_or_none_passes():
+    admission(wait_ms=400.0).check(MEDIUM, [1] * 10, sampling(), 500, LIMITS)
+    admission(wait_ms=10_000.0).check(MEDIUM, [1] * 10, sampling(), 0, LIMITS)
+
+
+def test_checks_run_in_order_invalid_before_limits():
+    # Invalid and over a full queue at once: the client must fix the request first.
+    error = refusal(admission(waiting=99).check, LOW, [], sampling(), 0, LIMITS)
+    assert error.kind is ErrorKind.INVALID
+
+
+def test_limits_come_from_connected_workers_only_and_need_one():
+    error = refusal(pool_limits, [None, None], "cpu")
+    assert (error.kind, error.reason) == (ErrorKind.UNAVAILABLE, "no_worker")
+    assert error.retry_after_ms and "no worker of pool cpu has connected" in error.message
+    small = worker_pb2.WorkerInfo(max_context=2048, block_size=16, num_blocks=50)
+    large = worker_pb2.WorkerInfo(max_context=1024, block_size=32, num_blocks=400)
+    assert pool_limits([None, small, large], "cpu") == PoolLimits(1024, 32, 400)

@@ -1,0 +1,104 @@
+"""The one error map: every kind's gRPC and HTTP status, the trailers that carry retry-after and
+the kind across a hop, and a real gRPC server whose handlers only raise ServiceError."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import STATUS, ErrorKind, ServiceError
+from services.common.grpc_errors import ServiceErrorInterceptor, error_from_rpc, grpc_status
+
+EXPECTED = {
+    ErrorKind.INVALID: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    ErrorKind.UNAUTHENTICATED: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    ErrorKind.PERMISSION_DENIED: (grpc.StatusCode.PERMISSION_DENIED, 403),
+    ErrorKind.UNSUPPORTED: (grpc.StatusCode.FAILED_PRECONDITION, 404),
+    ErrorKind.CONFLICT: (grpc.StatusCode.FAILED_PRECONDITION, 409),
+    ErrorKind.TOO_LARGE: (grpc.StatusCode.RESOURCE_EXHAUSTED, 400),
+    ErrorKind.EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    ErrorKind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, 503),
+    ErrorKind.CANCELLED: (grpc.StatusCode.CANCELLED, 499),
+    ErrorKind.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    ErrorKind.INTERNAL: (grpc.StatusCode.INTERNAL, 500),
+}
+
+
+def test_every_kind_has_one_grpc_and_one_http_status():
+    assert set(STATUS) == set(ErrorKind) == set(EXPECTED)
+    for kind, (code, http) in EXPECTED.items():
+        assert (grpc_status(kind), kind.status.http) == (code, http), kind
+
+
+def test_retry_after_in_ms_for_grpc_and_whole_seconds_for_http():
+    error = ServiceError(ErrorKind.EXHAUSTED, "queue full", retry_after_ms=1200, field="x")
+    assert dict(error.trailers()) == {"retry-after-ms": "1200", "qos-error-kind": "resource_exhausted",
+                                      "qos-error-field": "x"}
+    assert error.retry_after_seconds == 2
+    assert ServiceError(ErrorKind.EXHAUSTED, "x", retry_after_ms=1).retry_after_seconds == 1
+    assert ServiceError(ErrorKind.INVALID, "bad").retry_after_seconds is None
+    assert ServiceError(ErrorKind.INVALID, "bad").reason == "invalid_argument"
+
+
+class Echo:
+    """Handlers that fail the way request code does: by raising ServiceError."""
+
+    def __init__(self, error: ServiceError):
+        self.error = error
+
+    async def unary(self, request: bytes, context) -> bytes:
+        raise self.error
+
+    async def stream(self, request: bytes, context):
+        yield b"first"
+        raise self.error
+
+
+async def call_both(error: ServiceError):
+    server = grpc.aio.server(interceptors=[ServiceErrorInterceptor()])
+    echo = Echo(error)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
+        "Unary": grpc.unary_unary_rpc_method_handler(echo.unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(echo.stream)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            failures, streamed = [], []
+            try:
+                await channel.unary_unary("/test.Echo/Unary")(b"x")
+            except grpc.aio.AioRpcError as exc:
+                failures.append(exc)
+            try:
+                async for item in channel.unary_stream("/test.Echo/Stream")(b"x"):
+                    streamed.append(item)
+            except grpc.aio.AioRpcError as exc:
+                failures.append(exc)
+            return failures, streamed
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))
+def test_the_interceptor_maps_a_raised_error_and_the_caller_gets_it_back_exactly(kind):
+    error = ServiceError(kind, f"{kind.name} happened", field="sampling.top_p", retry_after_ms=300)
+    failures, streamed = asyncio.run(call_both(error))
+    assert streamed == [b"first"], "a failure mid-stream comes after what was already sent"
+    assert len(failures) == 2
+    for exc in failures:
+        assert exc.code() == EXPECTED[kind][0] and exc.details() == f"{kind.name} happened"
+        relayed = error_from_rpc(exc, "peer")
+        assert (relayed.kind, relayed.field, relayed.retry_after_ms) == (kind, "sampling.top_p", 300)
+
+
+def test_a_status_no_service_of_ours_sent_names_the_peer():
+    async def unreachable():
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await channel.unary_unary("/test.Echo/Unary")(b"x", timeout=5)
+            return caught.value
+
+    error = error_from_rpc(asyncio.run(unreachable()), "pool cpu scheduler 127.0.0.1:1 unavailable")
+    assert error.kind is ErrorKind.UNAVAILABLE
+    assert error.message.startswith("pool cpu scheduler 127.0.0.1:1 unavailable: ")
