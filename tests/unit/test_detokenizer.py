@@ -1,63 +1,22 @@
-"""Streaming detokenization: deltas add up to the real text, characters never arrive broken,
-stop strings end the output exactly before them, and work per token stays bounded.
+"""Streaming detokenization: deltas add up to the real text, characters never arrive broken, and
+work per token stays bounded (stop strings: test_stop_strings.py).
 
 Uses the default model's real tokenizer (SmolLM2, byte-level BPE), the one users stream from.
 """
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import example, given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models
 
-from services.common.tokenizer import TextTokenizer
-from services.engine.default_model import default_model_dir
 from services.scheduler.detokenizer import IncrementalDetokenizer
+from tests.unit.detok_helpers import FFFD, byte_token_ids, encode, stream
 
 ROOT = Path(__file__).resolve().parents[2]
 IM_END = 2  # <|im_end|>, a special token
-FFFD = "\ufffd"
-
-
-@functools.cache
-def load_text_tokenizer() -> TextTokenizer:
-    return TextTokenizer.from_model_dir(default_model_dir(progress=False))
-
-
-@pytest.fixture(scope="module")
-def text_tokenizer() -> TextTokenizer:
-    return load_text_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def tok(text_tokenizer) -> Tokenizer:
-    return text_tokenizer.tokenizer
-
-
-def encode(tok: Tokenizer, text: str) -> list[int]:
-    return tok.encode(text, add_special_tokens=False).ids
-
-
-def stream(tok, ids, prompt_ids=(), **kwargs) -> tuple[list[str], str, IncrementalDetokenizer]:
-    """Feed `ids` one at a time; return the deltas, the flush() text and the detokenizer."""
-    detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
-    deltas = [detok.add(i) for i in ids]
-    return deltas, detok.flush(), detok
-
-
-def byte_token_ids(tok: Tokenizer, data: bytes) -> list[int]:
-    """One token per byte: the worst split a byte-level model can produce (GPT-2 byte alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    char_of = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
-    ids = [tok.token_to_id(char_of[b]) for b in data]
-    assert None not in ids
-    return ids
 
 
 TEXTS = [
@@ -157,118 +116,6 @@ def test_accepts_the_text_tokenizer_wrapper(text_tokenizer):
     ids = text_tokenizer.encode("Wrapped 🍰 tokenizer")
     deltas, tail, _ = stream(text_tokenizer, ids)
     assert "".join(deltas) + tail == "Wrapped 🍰 tokenizer"
-
-
-# --- stop strings ---------------------------------------------------------------------------
-
-def test_single_token_stop_string(tok):
-    ids = encode(tok, "line one\nline two")
-    assert tok.decode([ids[2]]) == "\n"
-    deltas, tail, detok = stream(tok, ids, stop=["\n"])
-    assert detok.stopped and detok.stop_string == "\n"
-    assert "".join(deltas) + tail == "line one" == detok.text
-    assert tail == ""
-
-
-def test_stop_string_spanning_several_tokens(tok):
-    text = "Sure, here it is.\n\nUser: and now something else"
-    ids = encode(tok, text)
-    stop = "\n\nUser:"
-    assert len(encode(tok, stop)) > 1
-    deltas, tail, detok = stream(tok, ids, stop=[stop])
-    assert detok.stopped and detok.stop_string == stop
-    assert "".join(deltas) + tail == "Sure, here it is."
-    assert not any(stop in d or "User" in d for d in deltas)
-
-
-def test_stopped_as_soon_as_the_stop_string_completes(tok):
-    text = "Answer: 42\n\nUser: more"
-    ids = encode(tok, text)
-    detok = IncrementalDetokenizer(tok, (), stop=["\n\nUser:"])
-    for n, token_id in enumerate(ids, 1):
-        detok.add(token_id)
-        if detok.stopped:
-            break
-    assert tok.decode(ids[:n]).endswith("\n\nUser:")  # not a token later
-    assert detok.text == "Answer: 42"
-    # Tokens the engine sampled past the stop are ignored.
-    assert [detok.add(i) for i in ids[n:]] == [""] * len(ids[n:])
-    assert detok.flush() == "" and detok.text == "Answer: 42"
-
-
-def test_stop_string_inside_a_token(tok):
-    text = "The capital of France"
-    ids = encode(tok, text)
-    assert " capital" in [tok.decode([i]) for i in ids]
-    deltas, tail, detok = stream(tok, ids, stop=["apit"])
-    assert "".join(deltas) + tail == "The c"
-    assert detok.stopped
-
-
-def test_stop_string_inside_a_multibyte_character_sequence(tok):
-    deltas, tail, detok = stream(tok, encode(tok, "Cake: 🍰🍰 yum"), stop=["🍰"])
-    assert "".join(deltas) + tail == "Cake: "
-    assert detok.stopped
-
-
-def test_partial_stop_match_that_is_not_a_stop_is_emitted(tok):
-    text = "Step one.\n\nUse it wisely."
-    deltas, tail, detok = stream(tok, encode(tok, text), stop=["\n\nUser:"])
-    assert not detok.stopped and detok.stop_string is None
-    # Released as soon as " it" shows it was not the stop string, not only at flush().
-    assert "".join(deltas) == text and tail == ""
-
-
-def test_possible_stop_start_is_held_until_flush(tok):
-    deltas, tail, detok = stream(tok, encode(tok, "Done.\n\nUs"), stop=["\n\nUser:"])
-    assert "".join(deltas) == "Done."
-    assert tail == "\n\nUs"
-    assert not detok.stopped and detok.text == "Done.\n\nUs"
-
-
-def test_first_completed_stop_string_wins(tok):
-    text = "alpha beta gamma delta"
-    deltas, tail, detok = stream(tok, encode(tok, text), stop=["gamma delta", "beta", "alpha beta g"])
-    assert "".join(deltas) + tail == "alpha "
-    assert detok.stop_string == "beta"
-
-
-def test_stop_at_the_very_start_emits_nothing(tok):
-    deltas, tail, detok = stream(tok, encode(tok, "User: hi"), stop=["User:"])
-    assert deltas == [""] * len(deltas) and tail == "" and detok.stopped
-
-
-def test_empty_stop_strings_are_ignored(tok):
-    deltas, tail, detok = stream(tok, encode(tok, "plain text"), stop=["", "zzz"])
-    assert "".join(deltas) + tail == "plain text" and not detok.stopped
-
-
-PIECES = ["a", "b", " ", "\n", "User", ":", "Use", "r", "é", "🍰", "日本", "END", "E", "ND", "x"]
-
-
-@settings(max_examples=200, deadline=None)
-@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30),
-       stops=st.lists(st.sampled_from(["\n\nUser:", "END", "🍰x", "aa", "r:", "b\n"]),
-                      max_size=3),
-       split_pieces=st.booleans())
-@example(pieces=["a", "a"], stops=["aa"], split_pieces=True)
-@example(pieces=["b", "\n", "\n", "User", ":"], stops=["\n\nUser:", "b\n"], split_pieces=True)
-@example(pieces=["\n", "\n", "Use", "r", ":"], stops=["\n\nUser:"], split_pieces=False)
-def test_stop_strings_match_a_simple_reference(pieces, stops, split_pieces):
-    # Not a fixture argument: Hypothesis would print the whole tokenizer in a failure report.
-    tok = load_text_tokenizer().tokenizer
-    text = "".join(pieces)
-    # Encoding piece by piece gives token boundaries the whole-text encoding would not.
-    ids = [i for p in pieces for i in encode(tok, p)] if split_pieces else encode(tok, text)
-    assert tok.decode(ids) == text
-    # Reference: the output ends before the stop string occurrence that is completed first.
-    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
-    expected = text[:min(hits)[1]] if hits else text
-    deltas, tail, detok = stream(tok, ids, stop=stops)
-    assert "".join(deltas) + tail == expected
-    assert detok.stopped == bool(hits)
-    assert not any(s in "".join(deltas) + tail for s in stops)
-    assert FFFD not in "".join(deltas) + tail
 
 
 # --- bounded work ---------------------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""Stop strings: the output ends exactly before the first one that completes, whatever the token
+boundaries (SmolLM2's real tokenizer)."""
+from __future__ import annotations
+
+from hypothesis import example, given, settings, strategies as st
+
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from tests.unit.detok_helpers import FFFD, encode, load_text_tokenizer, stream
+
+
+def test_single_token_stop_string(tok):
+    ids = encode(tok, "line one\nline two")
+    assert tok.decode([ids[2]]) == "\n"
+    deltas, tail, detok = stream(tok, ids, stop=["\n"])
+    assert detok.stopped and detok.stop_string == "\n"
+    assert "".join(deltas) + tail == "line one" == detok.text
+    assert tail == ""
+
+
+def test_stop_string_spanning_several_tokens(tok):
+    text = "Sure, here it is.\n\nUser: and now something else"
+    ids = encode(tok, text)
+    stop = "\n\nUser:"
+    assert len(encode(tok, stop)) > 1
+    deltas, tail, detok = stream(tok, ids, stop=[stop])
+    assert detok.stopped and detok.stop_string == stop
+    assert "".join(deltas) + tail == "Sure, here it is."
+    assert not any(stop in d or "User" in d for d in deltas)
+
+
+def test_stopped_as_soon_as_the_stop_string_completes(tok):
+    text = "Answer: 42\n\nUser: more"
+    ids = encode(tok, text)
+    detok = IncrementalDetokenizer(tok, (), stop=["\n\nUser:"])
+    for n, token_id in enumerate(ids, 1):
+        detok.add(token_id)
+        if detok.stopped:
+            break
+    assert tok.decode(ids[:n]).endswith("\n\nUser:")  # not a token later
+    assert detok.text == "Answer: 42"
+    # Tokens the engine sampled past the stop are ignored.
+    assert [detok.add(i) for i in ids[n:]] == [""] * len(ids[n:])
+    assert detok.flush() == "" and detok.text == "Answer: 42"
+
+
+def test_stop_string_inside_a_token(tok):
+    text = "The capital of France"
+    ids = encode(tok, text)
+    assert " capital" in [tok.decode([i]) for i in ids]
+    deltas, tail, detok = stream(tok, ids, stop=["apit"])
+    assert "".join(deltas) + tail == "The c"
+    assert detok.stopped
+
+
+def test_stop_string_inside_a_multibyte_character_sequence(tok):
+    deltas, tail, detok = stream(tok, encode(tok, "Cake: 🍰🍰 yum"), stop=["🍰"])
+    assert "".join(deltas) + tail == "Cake: "
+    assert detok.stopped
+
+
+def test_partial_stop_match_that_is_not_a_stop_is_emitted(tok):
+    text = "Step one.\n\nUse it wisely."
+    deltas, tail, detok = stream(tok, encode(tok, text), stop=["\n\nUser:"])
+    assert not detok.stopped and detok.stop_string is None
+    # Released as soon as " it" shows it was not the stop string, not only at flush().
+    assert "".join(deltas) == text and tail == ""
+
+
+def test_possible_stop_start_is_held_until_flush(tok):
+    deltas, tail, detok = stream(tok, encode(tok, "Done.\n\nUs"), stop=["\n\nUser:"])
+    assert "".join(deltas) == "Done."
+    assert tail == "\n\nUs"
+    assert not detok.stopped and detok.text == "Done.\n\nUs"
+
+
+def test_first_completed_stop_string_wins(tok):
+    text = "alpha beta gamma delta"
+    deltas, tail, detok = stream(tok, encode(tok, text), stop=["gamma delta", "beta", "alpha beta g"])
+    assert "".join(deltas) + tail == "alpha "
+    assert detok.stop_string == "beta"
+
+
+def test_stop_at_the_very_start_emits_nothing(tok):
+    deltas, tail, detok = stream(tok, encode(tok, "User: hi"), stop=["User:"])
+    assert deltas == [""] * len(deltas) and tail == "" and detok.stopped
+
+
+def test_empty_stop_strings_are_ignored(tok):
+    deltas, tail, detok = stream(tok, encode(tok, "plain text"), stop=["", "zzz"])
+    assert "".join(deltas) + tail == "plain text" and not detok.stopped
+
+
+PIECES = ["a", "b", " ", "\n", "User", ":", "Use", "r", "é", "🍰", "日本", "END", "E", "ND", "x"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(st.sampled_from(PIECES), max_size=30),
+       stops=st.lists(st.sampled_from(["\n\nUser:", "END", "🍰x", "aa", "r:", "b\n"]),
+                      max_size=3),
+       split_pieces=st.booleans())
+@example(pieces=["a", "a"], stops=["aa"], split_pieces=True)
+@example(pieces=["b", "\n", "\n", "User", ":"], stops=["\n\nUser:", "b\n"], split_pieces=True)
+@example(pieces=["\n", "\n", "Use", "r", ":"], stops=["\n\nUser:"], split_pieces=False)
+def test_stop_strings_match_a_simple_reference(pieces, stops, split_pieces):
+    # Not a fixture argument: Hypothesis would print the whole tokenizer in a failure report.
+    tok = load_text_tokenizer().tokenizer
+    text = "".join(pieces)
+    # Encoding piece by piece gives token boundaries the whole-text encoding would not.
+    ids = [i for p in pieces for i in encode(tok, p)] if split_pieces else encode(tok, text)
+    assert tok.decode(ids) == text
+    # Reference: the output ends before the stop string occurrence that is completed first.
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = text[:min(hits)[1]] if hits else text
+    deltas, tail, detok = stream(tok, ids, stop=stops)
+    assert "".join(deltas) + tail == expected
+    assert detok.stopped == bool(hits)
+    assert not any(s in "".join(deltas) + tail for s in stops)
+    assert FFFD not in "".join(deltas) + tail
