@@ -64,6 +64,7 @@ _KIND_OF_GRPC = {status.grpc: kind for kind, status in STATUS.items()
 RETRY_AFTER_TRAILER = "retry-after-ms"
 KIND_TRAILER = "qos-error-kind"
 FIELD_TRAILER = "qos-error-field"
+REASON_TRAILER = "qos-error-reason"
 
 
 class ServiceError(Exception):
@@ -92,9 +93,9 @@ class ServiceError(Exception):
         return None if self.retry_after_ms is None else max(1, -(-self.retry_after_ms // 1000))
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
-        """Metadata sent with the status: when to retry, and (for our own services down the
-        line) the exact kind and field."""
-        out = [(KIND_TRAILER, self.kind.value)]
+        """Metadata sent with the status: when to retry, and (for our own services up the line)
+        the exact kind, the metric reason and the field."""
+        out = [(KIND_TRAILER, self.kind.value), (REASON_TRAILER, self.reason)]
         if self.field:
             out.append((FIELD_TRAILER, self.field))
         if self.retry_after_ms is not None:
@@ -111,7 +112,8 @@ class ServiceError(Exception):
             return None
         retry = trailers.get(RETRY_AFTER_TRAILER, "")
         return cls(kind, message, field=trailers.get(FIELD_TRAILER) or None,
-                   retry_after_ms=int(retry) if retry.isdigit() else None)
+                   retry_after_ms=int(retry) if retry.isdigit() else None,
+                   reason=trailers.get(REASON_TRAILER) or None)
 
 
 def kind_of_transport_status(name: str) -> ErrorKind:

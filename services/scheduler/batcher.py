@@ -52,6 +52,7 @@ class ContinuousBatcher:
                  max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None):
         self.pool_name = pool_name
         self.links = links
+        self._by_index = {link.index: link for link in links}
         self.policy = policy
         self.monitor = monitor
         self.planner = StepPlanner(policy, max_running, max_step_tokens)
@@ -121,7 +122,8 @@ class ContinuousBatcher:
     async def execute(self, plans: dict[int, StepBuilder]) -> None:
         """Run the plans on their workers, each worker's tokens streamed (postprocessed) as soon
         as that worker answers."""
-        self.steps += 1
+        if any(b.has_work for b in plans.values()):     # heartbeats alone are no step
+            self.steps += 1
         started = time.perf_counter()
         await asyncio.gather(*(self._execute_and_postprocess(self._link(i), b) for i, b in plans.items()))
         tokens = sum(b.num_tokens for b in plans.values())
@@ -153,7 +155,7 @@ class ContinuousBatcher:
         return builders
 
     def _link(self, index: int) -> Worker:
-        return next(link for link in self.links if link.index == index)
+        return self._by_index[index]
 
     # --- execute and postprocess ------------------------------------------------------------------
 

@@ -150,9 +150,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         tokens = output.tokens if output else []
         self.table.commit(batch, tokens)
         finished = time.perf_counter()
-        self.busy.add(started, finished)
-        self.step_seconds.observe(finished - started)
-        self.step_tokens.inc(batch.num_tokens)
+        if batch.sequences:     # plans that only drop sequences, and heartbeats, are not steps
+            self.busy.add(started, finished)
+            self.step_seconds.observe(finished - started)
+            self.step_tokens.inc(batch.num_tokens)
         if span is not None:
             span.set_attribute("qos.step.sampled", len(tokens))
             span.end()

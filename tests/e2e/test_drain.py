@@ -89,9 +89,13 @@ def sigterm_mid_stream(cluster: LocalCluster, name: str, probe, after_exit=None)
             probed = await probe(client)
             assert any(not t.done() for t in tasks), "the streams ended before the drain was probed"
             answers = await asyncio.gather(*tasks)
+            finished_after = time.monotonic() - sent
             code = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: process.wait(timeout=DRAIN_SECONDS + 10))
             exited_after = time.monotonic() - sent
+            print(f"\n{name}: SIGTERM with {STREAMS} streams in flight; all finished "
+                  f"{finished_after:.1f} s later, the process exited {exited_after:.1f} s after "
+                  f"SIGTERM with code {code}")
             if after_exit is not None:
                 probed = await after_exit(client, probed)
             return answers, probed, code, exited_after

@@ -34,7 +34,7 @@ def test_every_kind_has_one_grpc_and_one_http_status():
 def test_retry_after_in_ms_for_grpc_and_whole_seconds_for_http():
     error = ServiceError(ErrorKind.EXHAUSTED, "queue full", retry_after_ms=1200, field="x")
     assert dict(error.trailers()) == {"retry-after-ms": "1200", "qos-error-kind": "resource_exhausted",
-                                      "qos-error-field": "x"}
+                                      "qos-error-field": "x", "qos-error-reason": "resource_exhausted"}
     assert error.retry_after_seconds == 2
     assert ServiceError(ErrorKind.EXHAUSTED, "x", retry_after_ms=1).retry_after_seconds == 1
     assert ServiceError(ErrorKind.INVALID, "bad").retry_after_seconds is None
@@ -82,14 +82,16 @@ async def call_both(error: ServiceError):
 
 @pytest.mark.parametrize("kind", list(ErrorKind))
 def test_the_interceptor_maps_a_raised_error_and_the_caller_gets_it_back_exactly(kind):
-    error = ServiceError(kind, f"{kind.name} happened", field="sampling.top_p", retry_after_ms=300)
+    error = ServiceError(kind, f"{kind.name} happened", field="sampling.top_p", retry_after_ms=300,
+                         reason="queue_full")
     failures, streamed = asyncio.run(call_both(error))
     assert streamed == [b"first"], "a failure mid-stream comes after what was already sent"
     assert len(failures) == 2
     for exc in failures:
         assert exc.code() == EXPECTED[kind][0] and exc.details() == f"{kind.name} happened"
         relayed = error_from_rpc(exc, "peer")
-        assert (relayed.kind, relayed.field, relayed.retry_after_ms) == (kind, "sampling.top_p", 300)
+        assert (relayed.kind, relayed.field, relayed.retry_after_ms, relayed.reason) == \
+            (kind, "sampling.top_p", 300, "queue_full")
 
 
 def test_a_status_no_service_of_ours_sent_names_the_peer():
