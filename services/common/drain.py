@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from services.common.errors import ServiceError, unavailable
 
@@ -31,7 +30,6 @@ class Drain:
         self.service = service          # "router", "scheduler of pool cpu", "worker 127.0.0.1:50053"
         self.seconds = seconds
         self.draining = False
-        self.began_at: float | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -43,7 +41,6 @@ class Drain:
     def begin(self) -> None:
         if not self.draining:
             self.draining = True
-            self.began_at = time.monotonic()
             log.info("%s draining: %d request(s) in flight, up to %.0f s", self.service,
                      self._in_flight, self.seconds)
 
