@@ -38,7 +38,7 @@ def cluster_config(routing: str) -> ClusterConfig:
         return PoolConfig(name=name, device="cpu", cost_per_token=cost, primary=primary,
                           scheduler=SchedulerConfig(port=0, max_running=4, max_step_tokens=64),
                           workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=64)])
-    return ClusterConfig(router=RouterConfig(port=0, routing=routing),
+    return ClusterConfig(router=RouterConfig(port=0, http_port=0, routing=routing),
                          pools=[pool("primary", 1.0, True), pool("cheap", 0.1, False)])
 
 

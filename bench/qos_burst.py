@@ -92,7 +92,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args) -> tuple[dict, li
     """Start a local cluster with `policy`, send `jobs` through it, stop it; the summary figures."""
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
-        model=model, router=RouterConfig(port=0, admission="fifo" if policy == "fcfs" else "priority"),
+        model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])

@@ -53,7 +53,7 @@ async def load(address: str, requests, bar):
 
 
 def run_once(requests, label: str) -> dict:
-    config = single_pool(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, max_step_tokens=128),
+    config = single_pool(router=RouterConfig(port=0, http_port=0), scheduler=SchedulerConfig(port=0, max_step_tokens=128),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128)])
     with LocalCluster(config, quiet=True) as cluster, progress(len(requests), label) as bar:
         answers, wall = asyncio.run(load(cluster.router_address, requests, bar))

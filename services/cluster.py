@@ -54,6 +54,8 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
             section.port = free_port(section.host)
         if section.metrics_port == 0:
             section.metrics_port = free_port(section.host)
+    if config.router.http_port == 0:
+        config.router.http_port = free_port(config.router.host)
     return config
 
 

@@ -42,7 +42,7 @@ NAN = float("nan")
 def demo_config(policy: str) -> ClusterConfig:
     # Free ports, so the demo never collides with a running `qos-serve up`. A 128-token step
     # budget keeps steps short on 2 CPU cores, so a High arrival waits little for the step in flight.
-    return single_pool(router=RouterConfig(port=0),
+    return single_pool(router=RouterConfig(port=0, http_port=0),
                        scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=128),
                        workers=[WorkerConfig(port=0, threads=2, kv_cache_mb=256)])
 

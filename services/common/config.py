@@ -56,6 +56,13 @@ class RouterConfig(ServiceConfig):
     port: int = 50051
     routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
     admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
+    # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
+    http_port: int = 8000
+    http_max_body_bytes: int = 4 * 2**20    # larger request bodies get 413
+
+    @property
+    def http_address(self) -> str | None:
+        return None if self.http_port < 0 else f"{self.host}:{self.http_port}"
 
 
 @dataclass(slots=True)
@@ -236,6 +243,11 @@ def parse_config(raw: dict) -> ClusterConfig:
         raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
     if router.admission not in ("priority", "fifo"):
         raise ConfigError(f"router.admission must be priority or fifo, got {router.admission!r}")
+    if not -1 <= router.http_port <= 65535:
+        raise ConfigError(f"router.http_port must be in 0..65535 (0 = a free port) or -1 (off), "
+                          f"got {router.http_port}")
+    if router.http_max_body_bytes < 1024:
+        raise ConfigError(f"router.http_max_body_bytes must be >= 1024, got {router.http_max_body_bytes}")
     return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools)
 
 

@@ -5,8 +5,8 @@
     3. requests in flight go on until they finish, for at most `drain_seconds`;
     4. only then are the service's own tasks and channels cleaned up, and the process exits 0.
 
-This object is the shared state: handlers call `check()` before taking a request and wrap its
-lifetime in `track()`; the server loop (services/common/grpc_server.py) calls `begin()` and then
+This object is the shared state: handlers wrap a request's lifetime in `track()` (or `enter()`
+and `leave()`), which refuses it while draining; the server loop (services/common/grpc_server.py) calls `begin()` and then
 waits in `wait_idle()`. Pure asyncio, no grpc.
 """
 from __future__ import annotations
@@ -54,18 +54,25 @@ class Drain:
         if self.draining:
             raise self.refusal()
 
-    @contextlib.contextmanager
-    def track(self):
-        """Refuse if draining, else count the request as in flight until the block exits."""
+    def enter(self) -> None:
+        """A request starts: refused if draining, else counted as in flight until leave()."""
         self.check()
         self._in_flight += 1
         self._idle.clear()
+
+    def leave(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    @contextlib.contextmanager
+    def track(self):
+        """enter() ... leave() around a block."""
+        self.enter()
         try:
             yield
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+            self.leave()
 
     async def wait_idle(self) -> bool:
         """Wait until nothing is in flight or the drain time is up; True if everything finished."""

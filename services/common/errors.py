@@ -27,6 +27,7 @@ class ErrorKind(Enum):
     UNSUPPORTED = "failed_precondition"   # names a model / adapter no pool here serves
     CONFLICT = "conflict"                 # clashes with the service's state (a second stream)
     TOO_LARGE = "too_large"               # can never fit as configured (KV cap); shrink it
+    PAYLOAD_TOO_LARGE = "payload_too_large"  # the request body is over the size limit
     EXHAUSTED = "resource_exhausted"      # a limit is reached now (queue, SLO, rate); retry later
     UNAVAILABLE = "unavailable"           # nothing can serve it now (no worker, draining, failure)
     CANCELLED = "cancelled"               # the client went away
@@ -48,6 +49,7 @@ STATUS: dict[ErrorKind, Status] = {
     ErrorKind.UNSUPPORTED: Status("FAILED_PRECONDITION", 404, "not_found_error"),
     ErrorKind.CONFLICT: Status("FAILED_PRECONDITION", 409, "conflict_error"),
     ErrorKind.TOO_LARGE: Status("RESOURCE_EXHAUSTED", 400, "invalid_request_error"),
+    ErrorKind.PAYLOAD_TOO_LARGE: Status("RESOURCE_EXHAUSTED", 413, "invalid_request_error"),
     ErrorKind.EXHAUSTED: Status("RESOURCE_EXHAUSTED", 429, "rate_limit_error"),
     ErrorKind.UNAVAILABLE: Status("UNAVAILABLE", 503, "service_unavailable"),
     ErrorKind.CANCELLED: Status("CANCELLED", 499, "cancelled"),
@@ -59,7 +61,7 @@ STATUS: dict[ErrorKind, Status] = {
 # reached, the connection broke) back to kinds. A status our services send carries its kind in
 # trailing metadata, so it comes back exactly (TOO_LARGE and EXHAUSTED share a gRPC status).
 _KIND_OF_GRPC = {status.grpc: kind for kind, status in STATUS.items()
-                 if kind not in (ErrorKind.TOO_LARGE, ErrorKind.CONFLICT)}
+                 if kind not in (ErrorKind.TOO_LARGE, ErrorKind.PAYLOAD_TOO_LARGE, ErrorKind.CONFLICT)}
 
 RETRY_AFTER_TRAILER = "retry-after-ms"
 KIND_TRAILER = "qos-error-kind"

@@ -8,7 +8,6 @@ ServiceErrors, raised to the front, which maps them to its own statuses.
 """
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -43,9 +42,10 @@ class RequestPath:
         # Requests go on to validation and their pool in priority order (services/common/intake.py).
         self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority")
 
-    async def serve(self, head: RequestHead, read_body: ReadBody,
-                    parent: Context | None = None) -> AsyncIterator[common_pb2.GenerateChunk]:
-        span = self.tracer.start_span("router.generate", kind=SpanKind.SERVER, context=parent)
+    async def serve(self, head: RequestHead, read_body: ReadBody, parent: Context | None = None,
+                    attributes: dict | None = None) -> AsyncIterator[common_pb2.GenerateChunk]:
+        span = self.tracer.start_span("router.generate", kind=SpanKind.SERVER, context=parent,
+                                      attributes={"qos.request_id": head.request_id, **(attributes or {})})
         try:
             await self.admissions.admit(None, head.priority)
             tally = self.totals.start(head.priority, head.tenant, span)
@@ -87,7 +87,7 @@ class RequestPath:
         """Submit to the pool's scheduler and stream its chunks back, the cost on the last one.
         A consumer that stops early (the client went away) cancels the scheduler's call."""
         submit = scheduler_pb2.SubmitRequest(
-            request_id=uuid.uuid4().hex, priority=head.priority, tenant=head.tenant,
+            request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "")
         call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))

@@ -1,5 +1,6 @@
 """The Router's gRPC front: Generate (parse the metadata, then the shared request path:
-services/router/request_path.py) and Stats; drains on SIGTERM.
+services/router/request_path.py) and Stats; the HTTP front beside it (http_front.py); both drain
+on SIGTERM.
 
 Errors are ServiceErrors, mapped to gRPC statuses by the server's interceptor.
 """
@@ -17,6 +18,7 @@ from services.common.grpc_server import run_server
 from services.common.metrics import serve_metrics
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
+from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals
@@ -78,14 +80,24 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
 
 
 async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
+    """The router: gRPC on [router] port, the OpenAI-compatible HTTP front on http_port (unless
+    -1), both on one request path, drained together on SIGTERM."""
     service = RouterService(pools, model_name, config.routing, config.admission,
                             Drain("router", config.drain_seconds))
+    http = HttpFront(service, config) if config.http_port >= 0 else None
     serve_metrics(service.totals.registry, config.host, config.metrics_port, "router")
 
     async def started(_port: int) -> None:
         await service.start()
+        if http is not None:
+            await http.start()
+
+    async def stopping() -> None:
+        if http is not None:
+            await http.stop()
+        await service.stop()
 
     await run_server("router", config.address, lambda server: register_router(server, service),
-                     service.drain, on_started=started, on_stopping=service.stop,
+                     service.drain, on_started=started, on_stopping=stopping,
                      ready=service.pools.ready)
     shutdown_tracing()

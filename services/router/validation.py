@@ -7,7 +7,8 @@ INVALID whose message and `field` name what is wrong. Pure Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from services.common.errors import invalid
@@ -20,11 +21,13 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(slots=True, frozen=True)
 class RequestHead:
-    """What a front learns before reading the body: class, tenant, objective, adapter."""
+    """What a front learns before reading the body: class, tenant, objective, adapter; and the
+    id the router gives the request (the HTTP front returns it as X-Request-Id)."""
     priority: Priority
     tenant: str = ""
     slo_ms: int = 0                  # 0: none
     lora: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:

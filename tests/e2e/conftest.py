@@ -10,7 +10,7 @@ from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig,
 
 
 def cluster_config(kv_cache_mb: int = 256, **scheduler) -> ClusterConfig:
-    return single_pool(router=RouterConfig(port=0), scheduler=SchedulerConfig(port=0, **scheduler),
+    return single_pool(router=RouterConfig(port=0, http_port=0), scheduler=SchedulerConfig(port=0, **scheduler),
                        workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)])
 
 

@@ -21,7 +21,7 @@ SENT = {"high": 3, "medium": 2, "low": 4}
 
 @pytest.fixture(scope="module")
 def loaded_cluster():
-    config = single_pool(router=RouterConfig(port=0, metrics_port=0),
+    config = single_pool(router=RouterConfig(port=0, http_port=0, metrics_port=0),
                          scheduler=SchedulerConfig(port=0, metrics_port=0),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, metrics_port=0)])
     with LocalCluster(config, quiet=True) as cluster:

@@ -22,7 +22,7 @@ def two_pools() -> ClusterConfig:
                           scheduler=SchedulerConfig(port=0, max_running=max_running, max_step_tokens=64),
                           workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=64)])
     # The primary runs 2 sequences at a time, so a burst queues there quickly.
-    return ClusterConfig(router=RouterConfig(port=0),
+    return ClusterConfig(router=RouterConfig(port=0, http_port=0),
                          pools=[pool("big", 0.2, True, 2), pool("small", 0.05, False, 4)])
 
 

@@ -17,6 +17,7 @@ EXPECTED = {
     ErrorKind.UNSUPPORTED: (grpc.StatusCode.FAILED_PRECONDITION, 404),
     ErrorKind.CONFLICT: (grpc.StatusCode.FAILED_PRECONDITION, 409),
     ErrorKind.TOO_LARGE: (grpc.StatusCode.RESOURCE_EXHAUSTED, 400),
+    ErrorKind.PAYLOAD_TOO_LARGE: (grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
     ErrorKind.EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     ErrorKind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, 503),
     ErrorKind.CANCELLED: (grpc.StatusCode.CANCELLED, 499),

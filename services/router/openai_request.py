@@ -1,0 +1,261 @@
+"""OpenAI API request bodies (POST /v1/chat/completions and /v1/completions) -> our request.
+
+Pure: JSON bytes in, an `OpenAIRequest` out, or a ServiceError of kind INVALID whose `field` is
+the body parameter at fault (OpenAI's `param`). Every field is checked for its type and range; a
+field we do not implement is refused by name unless it carries the value that means "off" (so
+clients that send defaults, such as `presence_penalty: 0`, still work), never silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from services.common.errors import invalid
+from services.common.priority import HIGH, LOW, MEDIUM, Priority
+from services.common.proto.qos.v1 import common_pb2, router_pb2
+
+CHAT, COMPLETION = "chat", "completion"
+# service_tier as OpenAI names its tiers -> our classes, and back for the response.
+TIERS = {"priority": HIGH, "default": MEDIUM, "auto": MEDIUM, "flex": LOW}
+TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
+MAX_INT32 = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
+COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (chat: ours, 256)
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
+          "service_tier", "stream", "stream_options",
+          "top_k", "ignore_eos", "stop_token_ids"}       # the last three as vLLM takes them
+# Identifiers and caching hints: they never change an answer, so they are only checked to be strings.
+HINTS = {"safety_identifier", "prompt_cache_key"}
+FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens"},
+          COMPLETION: COMMON | HINTS | {"prompt"}}
+# OpenAI fields we do not implement, with the values that mean "off" (null always does).
+NEUTRAL = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False, 0),
+    "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "store": (False,), "modalities": (["text"],),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "repetition_penalty": (1,),
+    "min_tokens": (0,), "min_p": (0,), "metadata": ({},), "reasoning_effort": (),
+    "audio": (), "prediction": (), "web_search_options": (),
+}
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    kind: str                            # CHAT or COMPLETION
+    model: str
+    body: router_pb2.GenerateRequest     # prompt or messages, sampling, model: the gRPC request
+    stream: bool = False
+    include_usage: bool = False
+    tier: Priority | None = None         # from service_tier; the X-Priority header wins over it
+    user: str = ""
+    max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
+
+
+def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
+    body = _json_object(raw)
+    for name, value in body.items():
+        if name in FIELDS[kind] or value is None:
+            continue
+        if name in NEUTRAL:
+            if value not in NEUTRAL[name]:
+                raise invalid(f"{name} is not supported by this server"
+                              + (f" (only {_show(NEUTRAL[name])})" if NEUTRAL[name] else ""), name)
+        else:
+            raise invalid(f"unknown field {name!r} for {'chat completions' if kind == CHAT else 'completions'}",
+                          name)
+    request = OpenAIRequest(kind, _text(_required(body, "model"), "model", allow_empty=False),
+                            router_pb2.GenerateRequest())
+    request.body.model = request.model
+    if kind == CHAT:
+        request.body.messages.extend(_messages(_required(body, "messages")))
+    else:
+        request.body.prompt = _prompt(_required(body, "prompt"))
+    _sampling(body, request)
+    _options(body, request)
+    return request
+
+
+def _json_object(raw: bytes) -> dict:
+    if not raw.strip():
+        raise invalid("the request body is empty: send a JSON object", "body")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise invalid("the request body is nested too deeply", "body") from None
+    except ValueError as exc:      # JSON syntax, invalid UTF-8, numbers with too many digits
+        raise invalid(f"the request body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {_kind(body)}", "body")
+    return body
+
+
+def _show(values: tuple) -> str:
+    return " or ".join(json.dumps(v) for v in values)
+
+
+def _kind(value) -> str:
+    """A value's JSON type, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {str: "string", int: "number", float: "number", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__)
+
+
+def _required(body: dict, name: str):
+    if body.get(name) is None:
+        raise invalid(f"{name} is required", name)
+    return body[name]
+
+
+def _text(value, field: str, allow_empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{field} must be a string, got {_kind(value)}", field)
+    if not allow_empty and not value:
+        raise invalid(f"{field} must not be empty", field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:   # a lone surrogate from a \ud800-style escape
+        raise invalid(f"{field} is not valid Unicode (a lone surrogate at offset {exc.start})",
+                      field) from None
+    return value
+
+
+def _int(value, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{field} must be an integer, got {_kind(value)}", field)
+    if not low <= value <= high:
+        raise invalid(f"{field} must be in {low}..{high}, got {value}", field)
+    return value
+
+
+def _number(value, field: str, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"{field} must be a finite number, got {value if isinstance(value, float) else _kind(value)}",
+                      field)
+    if value > high or value < low or (low_open and value == low):
+        raise invalid(f"{field} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}",
+                      field)
+    return float(value)
+
+
+def _bool(value, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(f"{field} must be true or false, got {_kind(value)}", field)
+    return value
+
+
+def _messages(value) -> list[common_pb2.ChatMessage]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object with role and content", where)
+        for key in message:
+            if key not in ("role", "content"):
+                raise invalid(f"{where}.{key} is not supported (messages take role and content)",
+                              f"{where}.{key}")
+        role = _text(message.get("role"), f"{where}.role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        out.append(common_pb2.ChatMessage(role=ROLES[role], content=_content(content, f"{where}.content")))
+    if not any(m.content for m in out):
+        raise invalid("messages are all empty", "messages")
+    return out
+
+
+def _content(value, field: str) -> str:
+    """A string, or a list of text parts (OpenAI's content-part form) joined together."""
+    if isinstance(value, str) or not isinstance(value, list):
+        return _text(value, field)
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
+            raise invalid(f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}; "
+                          "only text is supported", where)
+        texts.append(_text(part["text"], f"{where}.text"))
+    return "".join(texts)
+
+
+def _prompt(value) -> str:
+    if isinstance(value, list):
+        if len(value) == 1 and isinstance(value[0], str):
+            value = value[0]
+        else:
+            raise invalid("prompt must be a string (or a list of exactly one string); batches and "
+                          "token ids are not supported", "prompt")
+    return _text(value, "prompt", allow_empty=False)
+
+
+def _sampling(body: dict, request: OpenAIRequest) -> None:
+    s = request.body.sampling
+    limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens")]
+    given = [(name, _int(v, name, 1, MAX_INT32)) for name, v in limits if v is not None]
+    if len({v for _, v in given}) > 1:
+        raise invalid("max_tokens and max_completion_tokens differ: send one of them",
+                      "max_completion_tokens")
+    if given:
+        request.max_tokens_field, s.max_tokens = given[-1]
+    elif request.kind == COMPLETION:
+        s.max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+    if body.get("temperature") is not None:
+        s.temperature = _number(body["temperature"], "temperature", 0.0, 2.0)
+    if body.get("top_p") is not None:
+        s.top_p = _number(body["top_p"], "top_p", 0.0, 1.0, low_open=True)
+    if body.get("top_k") is not None:
+        s.top_k = max(0, _int(body["top_k"], "top_k", -1, MAX_INT32))    # vLLM's -1 means off
+    if body.get("seed") is not None:
+        s.seed = _int(body["seed"], "seed", 0, 2**64 - 1)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+        s.stop.extend(_text(v, f"stop[{i}]" if isinstance(stop, list) else "stop", allow_empty=False)
+                      for i, v in enumerate(stops))
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise invalid(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                          "stop_token_ids")
+        s.stop_token_ids.extend(_int(v, f"stop_token_ids[{i}]", 0, MAX_INT32) for i, v in enumerate(ids))
+    if body.get("ignore_eos") is not None:
+        s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
+
+
+def _options(body: dict, request: OpenAIRequest) -> None:
+    if body.get("n") is not None and _int(body["n"], "n", 1, MAX_INT32) != 1:
+        raise invalid(f"n={body['n']} is not supported: this server returns one choice (n=1)", "n")
+    if body.get("stream") is not None:
+        request.stream = _bool(body["stream"], "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not request.stream:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise invalid("stream_options takes only include_usage", "stream_options")
+        if options.get("include_usage") is not None:
+            request.include_usage = _bool(options["include_usage"], "stream_options.include_usage")
+    tier = body.get("service_tier")
+    if tier is not None:
+        if _text(tier, "service_tier") not in TIERS:
+            raise invalid(f"service_tier must be one of {', '.join(TIERS)}, got {tier!r}", "service_tier")
+        request.tier = TIERS[tier]
+    if body.get("user") is not None:
+        request.user = _text(body["user"], "user")
+    for hint in HINTS:
+        if body.get(hint) is not None:
+            _text(body[hint], hint)

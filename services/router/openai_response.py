@@ -1,0 +1,82 @@
+"""Our stream chunks -> OpenAI's response objects (one JSON body, or Server-Sent Events), and a
+ServiceError -> OpenAI's error body. Pure: dicts in, dicts out; the HTTP front serializes them.
+
+    chat        {"object": "chat.completion", "choices": [{"message": ...}], "usage": ...}
+                stream: "chat.completion.chunk" objects; the first delta carries the role, the
+                last the finish_reason with an empty delta; with stream_options.include_usage a
+                final chunk with no choices carries the usage (and every other has usage null)
+    completion  {"object": "text_completion", "choices": [{"text": ...}]} and chunks alike
+"""
+from __future__ import annotations
+
+from services.common.errors import ServiceError
+from services.common.proto.qos.v1 import common_pb2
+from services.common.step import FinishReason
+from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
+
+
+def finish_label(value: int) -> str | None:
+    return FinishReason(value).label if value else None
+
+
+def usage_of(chunk: common_pb2.GenerateChunk) -> dict:
+    u = chunk.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class OpenAIResponse:
+    """The response to one request: its id, creation time, model and tier on every object."""
+
+    def __init__(self, request: OpenAIRequest, request_id: str, created: int, priority: int):
+        self.request = request
+        self.chat = request.kind == CHAT
+        self.head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + request_id,
+                     "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": created, "model": request.model,
+                     "service_tier": TIER_OF[priority], "system_fingerprint": None}
+        self.text: list[str] = []
+        self.sent_role = False
+
+    # --- one JSON body ----------------------------------------------------------------------------
+
+    def add(self, chunk: common_pb2.GenerateChunk) -> None:
+        self.text.append(chunk.text)
+
+    def body(self, last: common_pb2.GenerateChunk) -> dict:
+        text = "".join(self.text)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                  if self.chat else {"index": 0, "text": text})
+        choice.update(finish_reason=finish_label(last.finish_reason), logprobs=None)
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": [choice], "usage": usage_of(last)}
+
+    # --- Server-Sent Events -----------------------------------------------------------------------
+
+    def events(self, chunk: common_pb2.GenerateChunk) -> list[dict]:
+        """The stream objects for one of our chunks (several tokens may arrive merged)."""
+        out = []
+        if self.chat and not self.sent_role:
+            out.append(self._event({"role": "assistant", "content": ""}))
+            self.sent_role = True
+        if chunk.text:
+            out.append(self._event({"content": chunk.text} if self.chat else chunk.text))
+        if chunk.finish_reason:
+            out.append(self._event({} if self.chat else "", finish_label(chunk.finish_reason)))
+            if self.request.include_usage:
+                out.append({**self.head, "choices": [], "usage": usage_of(chunk)})
+        return out
+
+    def _event(self, delta, finish_reason: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+        choice.update(finish_reason=finish_reason, logprobs=None)
+        event = {**self.head, "choices": [choice]}
+        if self.request.include_usage:
+            event["usage"] = None
+        return event
+
+
+def error_body(error: ServiceError, param: str | None) -> dict:
+    """OpenAI's error shape; `code` is our short reason (queue_full, kv_cap, draining, ...)."""
+    return {"error": {"message": error.message, "type": error.kind.status.http_type,
+                      "param": param, "code": error.reason}}

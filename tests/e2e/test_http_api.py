@@ -1,0 +1,173 @@
+"""The OpenAI-compatible HTTP front against a real local cluster, driven by the official `openai`
+client (and raw HTTP where a client library would hide what is on the wire): the same text as
+the gRPC path, usage, the class a request is served in, precise errors."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import grpc
+import openai
+import pytest
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.common.proto.qos.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.conftest import cluster_config, run
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Name three colours of the rainbow."
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(cluster_config(), quiet=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    router = cluster.config.router
+    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def grpc_answer(cluster, request):
+    async def go():
+        async with RouterClient(cluster.router_address) as c:
+            return await c.generate(request, priority="medium")
+    return run(go())
+
+
+def raw(cluster, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def class_tokens(cluster) -> dict[int, int]:
+    async def go():
+        async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
+            stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+            return {c.priority: c.output_tokens for c in stats.classes}
+    return run(go())
+
+
+def test_models_lists_the_pools_model(client, cluster):
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].owned_by == "qos-serve"
+    status, _, body = raw(cluster, "GET", "/health")
+    assert status == 200 and json.loads(body)["pools"] == ["cpu"]
+
+
+def test_chat_equals_the_grpc_path_streaming_or_not(client, cluster, model):
+    reference = grpc_answer(cluster, chat_request(PROMPT, sampling_params(max_tokens=TOKENS, temperature=0.0)))
+    whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=TOKENS, temperature=0)
+    assert whole.choices[0].message.content == reference.text
+    assert whole.choices[0].finish_reason == reference.finish_reason
+    assert whole.usage.completion_tokens == len(reference.token_ids)
+    assert whole.usage.total_tokens == reference.total_tokens
+    assert whole.object == "chat.completion" and whole.service_tier == "default"
+
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPT}], max_completion_tokens=TOKENS,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reference.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reference.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_equal_the_grpc_path_streaming_or_not(client, cluster, model):
+    prompt = "The three primary colours are"
+    reference = grpc_answer(cluster, router_pb2.GenerateRequest(
+        prompt=prompt, sampling=sampling_params(max_tokens=TOKENS, temperature=0.0)))
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS, temperature=0)
+    assert whole.choices[0].text == reference.text
+    assert whole.usage.completion_tokens == len(reference.token_ids)
+    assert whole.usage.total_tokens == reference.total_tokens
+    streamed = client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == reference.text
+
+
+@pytest.mark.parametrize("header, tier, served_as, tier_echoed", [
+    ("high", None, HIGH, "priority"),
+    ("LOW", None, LOW, "flex"),
+    (None, "priority", HIGH, "priority"),
+    (None, "flex", LOW, "flex"),
+    (None, "auto", MEDIUM, "default"),
+    ("low", "priority", LOW, "flex"),          # the header wins over the body
+])
+def test_x_priority_and_service_tier_reach_the_scheduler_as_the_class(client, cluster, model, header,
+                                                                       tier, served_as, tier_echoed):
+    before = class_tokens(cluster)
+    extra = {"service_tier": tier} if tier else {}
+    answer = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True}, extra_headers={"X-Priority": header} if header else None, **extra)
+    after = class_tokens(cluster)
+    served = {p: after[p] - before[p] for p in after}
+    assert served[served_as] == answer.usage.completion_tokens == 5
+    assert sum(served.values()) == 5
+    assert answer.service_tier == tier_echoed
+
+
+def test_request_id_header_and_chunk_ids_agree(cluster, model):
+    status, headers, body = raw(cluster, "POST", "/v1/chat/completions", json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}).encode())
+    assert status == 200 and json.loads(body)["id"] == "chatcmpl-" + headers["x-request-id"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 2), ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
+    ("max_tokens", 10**30), ("seed", -5), ("stop", [1, 2]), ("service_tier", "scale"),
+    ("stream", "yes"), ("logprobs", True), ("tools", [{"type": "function"}]), ("colour", "red"),
+    ("messages", []), ("top_k", -3), ("ignore_eos", 1),
+])
+def test_each_invalid_field_is_a_400_naming_it(client, model, field, value):
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], field: value}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{k: v for k, v in body.items() if k in ("model", "messages")},
+                                       extra_body={k: v for k, v in body.items() if k not in ("model", "messages")})
+    param = caught.value.param           # the field, or the element of it at fault ("stop[0]")
+    assert caught.value.status_code == 400 and (param == field or param.startswith(field + "["))
+    assert caught.value.type == "invalid_request_error"
+
+
+def test_a_bad_header_and_a_max_tokens_over_the_context_name_what_is_wrong(cluster, model):
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 9000}).encode()
+    status, _, answer = raw(cluster, "POST", "/v1/completions", body)
+    assert status == 400 and json.loads(answer)["error"]["param"] == "max_tokens"
+    status, _, answer = raw(cluster, "POST", "/v1/completions", body, {"X-Priority": "urgent"})
+    assert status == 400 and json.loads(answer)["error"]["param"] == "x-priority"
+
+
+def test_an_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.param == "model" and "gpt-9" in caught.value.message
+
+
+def test_unknown_paths_and_methods_answer_in_openai_shape(cluster):
+    status, _, body = raw(cluster, "GET", "/v1/embeddings")
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+    status, _, body = raw(cluster, "GET", "/v1/chat/completions")
+    assert status == 405 and "error" in json.loads(body)
