@@ -88,7 +88,9 @@ def test_bad_top_level_and_pool_keys_are_named(raw, message):
     ({"metrics_port": -2}, "router.metrics_port must be a port in 0..65535"),
     ({"drain_seconds": -1}, "router.drain_seconds must be in 0..3600, got -1"),
     ({"drain_seconds": "long"}, "router.drain_seconds must be float, got 'long'"),
-    ({"http_port": 8000}, "unknown key router.http_port"),
+    ({"http_port": -2}, "router.http_port must be in 0..65535 \\(0 = a free port\\) or -1 \\(off\\), got -2"),
+    ({"http_max_body_bytes": 10}, "router.http_max_body_bytes must be >= 1024, got 10"),
+    ({"https_port": 8443}, "unknown key router.https_port"),
     ([], "\\[router\\] must be a table"),
 ])
 def test_bad_router_settings_name_the_key(router, message):
