@@ -55,10 +55,11 @@ def parse_slo_ms(value: str | None) -> int:
     """`x-slo-ms` metadata -> milliseconds (0 = none). Raises ValueError naming the value."""
     if value is None:
         return 0
-    try:
-        slo = int(value)
-    except ValueError:
-        raise ValueError(f"invalid x-slo-ms {value!r}: a whole number of milliseconds") from None
+    digits = value.strip()
+    # Plain ASCII digits only: int() would also take "+5", "5_0" and other scripts' digits.
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"invalid x-slo-ms {value!r}: a whole number of milliseconds")
+    slo = int(digits)
     if slo <= 0:
         raise ValueError(f"invalid x-slo-ms {value!r}: must be > 0")
     return slo

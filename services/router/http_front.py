@@ -124,7 +124,7 @@ class GenerationResponse(Response):
         except ServiceError as error:
             await self._error(error, scope, send)
             return
-        await JSONResponse(out.body(chunk), headers={"x-request-id": self.head.request_id})(
+        await JSONResponse(out.body(), headers={"x-request-id": self.head.request_id})(
             scope, None, send)
 
     async def _stream(self, out: OpenAIResponse, chunks, scope, send) -> None:

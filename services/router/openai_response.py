@@ -36,15 +36,18 @@ class OpenAIResponse:
                      "created": created, "model": request.model,
                      "service_tier": TIER_OF[priority], "system_fingerprint": None}
         self.text: list[str] = []
+        self.last: common_pb2.GenerateChunk | None = None
         self.sent_role = False
 
     # --- one JSON body ----------------------------------------------------------------------------
 
     def add(self, chunk: common_pb2.GenerateChunk) -> None:
         self.text.append(chunk.text)
+        self.last = chunk
 
-    def body(self, last: common_pb2.GenerateChunk) -> dict:
-        text = "".join(self.text)
+    def body(self) -> dict:
+        """After add() of every chunk, the last (finished) one included."""
+        last, text = self.last, "".join(self.text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
                   if self.chat else {"index": 0, "text": text})
         choice.update(finish_reason=finish_label(last.finish_reason), logprobs=None)

@@ -5,6 +5,8 @@ on Kubernetes or `docker compose stop` does to us."""
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import signal
 import time
 
@@ -129,17 +131,38 @@ def test_scheduler_drains_on_sigterm():
     assert code == 0 and exited_after < DRAIN_SECONDS
 
 
+def http_probe(cluster) -> tuple[int, int, dict, dict]:
+    """The HTTP front while the router drains: /health, and a new completion request."""
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        health_status = conn.getresponse()
+        health_status.read()
+        conn.request("POST", "/v1/completions", body=json.dumps({"model": "m", "prompt": "Hi"}),
+                     headers={"content-type": "application/json"})
+        refused = conn.getresponse()
+        return health_status.status, refused.status, dict(refused.getheaders()), json.loads(refused.read())
+    finally:
+        conn.close()
+
+
 def test_router_drains_on_sigterm():
     with drain_cluster() as cluster:
         async def probe(client):
-            return await health(cluster.router_address), await refusal(client)
+            http_answers = await asyncio.get_running_loop().run_in_executor(None, http_probe, cluster)
+            return await health(cluster.router_address), await refusal(client), http_answers
 
-        answers, (status, refused), code, exited_after = sigterm_mid_stream(cluster, "router", probe)
+        answers, (status, refused, http_answers), code, exited_after = \
+            sigterm_mid_stream(cluster, "router", probe)
         assert_complete(answers, TextTokenizer.from_model_dir(cluster.config.model))
 
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert refused.code() == grpc.StatusCode.UNAVAILABLE
     assert "router is draining" in refused.details() and retry_after_ms(refused) > 0
+    http_health, http_status, http_headers, http_body = http_answers
+    assert http_health == 503 and http_status == 503 and http_headers["retry-after"] == "1"
+    assert http_body["error"]["code"] == "draining"
     assert code == 0 and exited_after < DRAIN_SECONDS
 
 

@@ -1,0 +1,135 @@
+"""OpenAI request bodies -> our request, and our chunks -> OpenAI's response objects (pure)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.common.proto.qos.v1 import common_pb2
+from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_response import OpenAIResponse, error_body
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def chat(**fields):
+    return parse_openai(CHAT, json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode())
+
+
+def refused(kind: str, raw: bytes) -> ServiceError:
+    with pytest.raises(ServiceError) as caught:
+        parse_openai(kind, raw)
+    assert caught.value.kind is ErrorKind.INVALID
+    return caught.value
+
+
+def test_a_chat_request_maps_to_ours():
+    r = chat(max_completion_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop="END", top_k=-1,
+             stream=True, stream_options={"include_usage": True}, service_tier="flex", user="u1",
+             presence_penalty=0, logprobs=False, tools=[], response_format={"type": "text"})
+    s = r.body.sampling
+    assert (s.max_tokens, s.temperature, s.seed, list(s.stop), s.top_k) == (7, 0.5, 3, ["END"], 0)
+    assert abs(s.top_p - 0.9) < 1e-6
+    assert (r.stream, r.include_usage, r.tier, r.user, r.max_tokens_field) == \
+        (True, True, LOW, "u1", "max_completion_tokens")
+    assert [(m.role, m.content) for m in r.body.messages] == [("user", "Hi")]
+
+
+def test_content_parts_and_the_developer_role():
+    r = chat(messages=[{"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                                         {"type": "text", "text": "brief."}]},
+                       {"role": "assistant", "content": None}, {"role": "user", "content": "Hi"}])
+    assert [(m.role, m.content) for m in r.body.messages] == [("system", "Be brief."), ("assistant", ""),
+                                                             ("user", "Hi")]
+
+
+def test_completions_default_to_16_tokens_as_openai_does_and_take_one_prompt():
+    r = parse_openai(COMPLETION, b'{"model": "m", "prompt": ["Once"]}')
+    assert (r.body.prompt, r.body.sampling.max_tokens, r.tier) == ("Once", 16, None)
+    assert not parse_openai(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}') \
+        .body.sampling.HasField("max_tokens")
+
+
+@pytest.mark.parametrize("tier, priority", [("priority", HIGH), ("default", MEDIUM), ("auto", MEDIUM),
+                                            ("flex", LOW)])
+def test_service_tiers(tier, priority):
+    assert chat(service_tier=tier).tier == priority
+
+
+@pytest.mark.parametrize("raw, field, words", [
+    (b"", "body", "empty"),
+    (b"{", "body", "not valid JSON"),
+    (b'"text"', "body", "must be a JSON object, got string"),
+    (b"[" * 50_000 + b"]" * 50_000, "body", "nested too deeply"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff"}]}', "body", "not valid JSON"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}', "messages[0].content",
+     "lone surrogate"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', "model", "model is required"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x", "name": "bob"}]}',
+     "messages[0].name", "not supported"),
+    (b'{"model": "m", "messages": [{"role": "robot", "content": "x"}]}', "messages[0].role", "robot"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+     "messages[0].content[0]", "only text"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": ""}]}', "messages", "all empty"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+     "temperature", "finite"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 1e999}',
+     "temperature", "finite"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 5, '
+     b'"max_completion_tokens": 6}', "max_completion_tokens", "differ"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+     "stream_options", "only allowed with stream: true"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": true}',
+     "max_tokens", "integer, got boolean"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 0.5}',
+     "frequency_penalty", "not supported"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt": "y"}', "prompt",
+     "unknown field"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}', "stop[1]",
+     "must not be empty"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551616}',
+     "seed", "must be in 0..18446744073709551615"),
+])
+def test_refusals_name_the_parameter(raw, field, words):
+    error = refused(CHAT, raw)
+    assert error.field == field and words in error.message
+
+
+def test_a_prompt_of_token_ids_is_refused_by_name():
+    assert refused(COMPLETION, b'{"model": "m", "prompt": [1, 2, 3]}').field == "prompt"
+
+
+def chunk(text: str, finish: int = 0, prompt: int = 3, completion: int = 2) -> common_pb2.GenerateChunk:
+    c = common_pb2.GenerateChunk(text=text, finish_reason=finish)
+    if finish:
+        c.usage.prompt_tokens, c.usage.completion_tokens = prompt, completion
+    return c
+
+
+def test_chat_stream_events_role_first_finish_last_usage_alone():
+    out = OpenAIResponse(chat(stream=True, stream_options={"include_usage": True}), "abc", 7, HIGH)
+    events = out.events(chunk("Hel")) + out.events(chunk("lo", common_pb2.FINISH_REASON_LENGTH))
+    assert [e["choices"][0]["delta"] if e["choices"] else None for e in events] == \
+        [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}, None]
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, None, "length"]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert all(e["usage"] is None for e in events[:-1])
+    assert {(e["id"], e["object"], e["service_tier"]) for e in events} == \
+        {("chatcmpl-abc", "chat.completion.chunk", "priority")}
+
+
+def test_a_whole_completion_body():
+    out = OpenAIResponse(parse_openai(COMPLETION, b'{"model": "m", "prompt": "x"}'), "id1", 7, LOW)
+    out.add(chunk("a"))
+    out.add(chunk("b", common_pb2.FINISH_REASON_STOP))
+    body = out.body()
+    assert body["object"] == "text_completion" and body["service_tier"] == "flex"
+    assert body["choices"] == [{"index": 0, "text": "ab", "finish_reason": "stop", "logprobs": None}]
+
+
+def test_error_body_shape():
+    error = ServiceError(ErrorKind.EXHAUSTED, "queue full", retry_after_ms=10, reason="queue_full")
+    assert error_body(error, None) == {"error": {"message": "queue full", "type": "rate_limit_error",
+                                                 "param": None, "code": "queue_full"}}
