@@ -8,8 +8,11 @@ at full scale of bench/qos_burst.py: up to ~450 ms between a High request's send
 router seeing it). Each process waits for one common start time and sends its jobs at their
 offsets; times are measured inside the process that sent the request.
 
-    from bench.loadgen import Job, run_clients
-    outcomes, start = await run_clients(router_address, jobs, on_progress=bar.update)
+    from bench.loadgen import Front, Job, run_clients
+    outcomes, start = await run_clients(Front.of("grpc", cluster), jobs, on_progress=bar.update)
+
+`Front.of("http", cluster)` sends the same jobs through the OpenAI-compatible HTTP front instead
+(bench/http_client.py): both fronts, same clients, same measurements.
 
 The client processes are started with the "spawn" method and run `bench.loadgen._client_main`, so
 this module must be imported as `bench.loadgen` with the repository root on sys.path (the bench
@@ -18,10 +21,12 @@ scripts put it there; spawn hands the parent's sys.path to its children).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 START_MARGIN_S = 0.2          # every client gets the start time this far ahead
@@ -30,6 +35,22 @@ START_MARGIN_S = 0.2          # every client gets the start time this far ahead
 # client processes slowed the router's intake of a 1,000-request burst: High P99 TTFT 454 ms vs
 # 241 ms in the same configuration).
 CLIENT_NICE = 10
+
+
+@dataclass(slots=True, frozen=True)
+class Front:
+    """Where the clients send: the router's gRPC address, or its HTTP front (which needs the
+    model's name in every body)."""
+    kind: str                     # "grpc" or "http"
+    address: str                  # host:port
+    model: str = ""
+
+    @classmethod
+    def of(cls, kind: str, cluster) -> "Front":
+        router = cluster.config.router
+        if kind == "http":
+            return cls("http", f"{router.host}:{router.http_port}", Path(cluster.config.model).name)
+        return cls("grpc", router.address)
 
 
 @dataclass(slots=True)
@@ -55,25 +76,53 @@ class Outcome:
     detail: str = ""              # the error message, for failures
 
 
-async def _send(address: str, jobs: list[Job], start: float, done) -> list[Outcome]:
+def _grpc_sender(address: str):
+    """(async context for the client, send(job) -> Outcome fields) over the router's gRPC."""
     import grpc
 
     from services.client import RouterClient, sampling_params
     from services.common.proto.qos.v1 import router_pb2
 
-    async with RouterClient(address) as client:
+    client = RouterClient(address)
+
+    async def send(job: Job) -> Outcome:
+        request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
+            max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
+        try:
+            answer = await client.generate(request, priority=job.priority)
+        except grpc.aio.AioRpcError as exc:
+            return Outcome(job.priority, False, code=exc.code().name, detail=exc.details() or "")
+        return Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
+                       server_ttft_ms=answer.server_timings.ttft_ms, tokens=len(answer.token_ids))
+
+    return client, send
+
+
+def _http_sender(address: str, model: str):
+    """The same over the OpenAI-compatible HTTP front (bench/http_client.py). The scheduler's own
+    TTFT does not travel over HTTP: server_ttft_ms is NaN."""
+    from bench.http_client import HttpError, complete
+
+    async def send(job: Job) -> Outcome:
+        try:
+            answer = await complete(address, model, job.prompt, job.max_tokens, job.priority,
+                                    ignore_eos=True)
+        except HttpError as exc:
+            return Outcome(job.priority, False, code=exc.grpc_code, detail=f"{exc.code}: {exc.message}")
+        return Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
+                       server_ttft_ms=float("nan"), tokens=answer.completion_tokens)
+
+    return contextlib.nullcontext(), send
+
+
+async def _send(front: Front, jobs: list[Job], start: float, done) -> list[Outcome]:
+    resource, send = (_http_sender(front.address, front.model) if front.kind == "http"
+                      else _grpc_sender(front.address))
+    async with resource:
         async def one(job: Job) -> Outcome:
             await asyncio.sleep(max(0.0, start + job.at - time.time()))
             sent_at = time.time() - start
-            request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
-                max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
-            try:
-                answer = await client.generate(request, priority=job.priority)
-                outcome = Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
-                                  server_ttft_ms=answer.server_timings.ttft_ms,
-                                  tokens=len(answer.token_ids))
-            except grpc.aio.AioRpcError as exc:
-                outcome = Outcome(job.priority, False, code=exc.code().name, detail=exc.details() or "")
+            outcome = await send(job)
             outcome.sent_at, outcome.done_at = sent_at, time.time() - start
             with done.get_lock():
                 done.value += 1
@@ -82,22 +131,22 @@ async def _send(address: str, jobs: list[Job], start: float, done) -> list[Outco
         return list(await asyncio.gather(*(one(job) for job in jobs)))
 
 
-def _client_main(address: str, jobs: list[dict], done, conn) -> None:
+def _client_main(front: Front, jobs: list[dict], done, conn) -> None:
     """One client process: say ready, wait for the start time, send, return the outcomes."""
     os.nice(CLIENT_NICE)
     try:
         conn.send("ready")
         start = conn.recv()
-        outcomes = asyncio.run(_send(address, [Job(**job) for job in jobs], start, done))
+        outcomes = asyncio.run(_send(front, [Job(**job) for job in jobs], start, done))
         conn.send([asdict(o) for o in outcomes])
     except BaseException as exc:   # the parent must hear of it rather than wait forever
         conn.send(RuntimeError(f"client process failed: {exc!r}"))
         raise
 
 
-async def run_clients(address: str, jobs: list[Job],
+async def run_clients(front: Front, jobs: list[Job],
                       on_progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], float]:
-    """Send `jobs` through the router at `address`, one client process per priority. Returns the
+    """Send `jobs` through the router's `front`, one client process per priority. Returns the
     outcomes and the common start time (time.time())."""
     context = multiprocessing.get_context("spawn")   # no fork of a process holding gRPC channels
     done = context.Value("i", 0)
@@ -105,7 +154,7 @@ async def run_clients(address: str, jobs: list[Job],
     for priority in sorted({job.priority for job in jobs}):
         ours, theirs = context.Pipe()
         group = [asdict(job) for job in jobs if job.priority == priority]
-        process = context.Process(target=_client_main, args=(address, group, done, theirs),
+        process = context.Process(target=_client_main, args=(front, group, done, theirs),
                                   name=f"client-{priority}", daemon=True)
         process.start()
         clients.append((process, ours))

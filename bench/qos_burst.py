@@ -2,8 +2,9 @@
 """The QoS benchmark: the same burst, first-come-first-served and then QoS, side by side.
 
 For each policy the driver starts a local cluster itself (router, scheduler, one CPU worker as
-separate processes), sends the workload through the router over gRPC, samples the pool's stats
-while it runs, and stops the cluster. Same requests, same seed, same model, same machine.
+separate processes), sends the workload through the router (over gRPC, or with --front http
+through its OpenAI-compatible HTTP front as Server-Sent Events), samples the pool's stats while
+it runs, and stops the cluster. Same requests, same seed, same model, same machine.
 
 Workload `burst` (default; counts scale with --scale):
   Low    300 requests, the longest prompts the model allows (>= 8x Medium), 128 output tokens
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from bench.harness import PRIORITIES, machine, make_parser, progress, write_json  # noqa: E402
-from bench.loadgen import Job, Outcome, run_clients  # noqa: E402
+from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_report import Sample, plot, print_table, summarise, write_outcomes  # noqa: E402
 from bench.qos_workloads import TRACES, burst_workload, trace_workload  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
@@ -59,7 +60,7 @@ async def pool_stats(scheduler_address: str) -> scheduler_pb2.PoolStats:
         return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
 
 
-async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -> tuple[list, list, float]:
+async def run_jobs(front: Front, scheduler_address: str, jobs: list[Job], bar) -> tuple[list, list, float]:
     """Send the jobs (one client process per priority, bench/loadgen.py) while sampling the
     pool's stats every 0.1 s. Returns outcomes, samples (times from the common start), wall s."""
     stamped: list[tuple[float, Sample]] = []
@@ -76,7 +77,7 @@ async def run_jobs(address: str, scheduler_address: str, jobs: list[Job], bar) -
 
     stop = asyncio.Event()
     sampler = asyncio.create_task(sample_stats(stop))
-    outcomes, start = await run_clients(address, jobs, on_progress=bar.update)
+    outcomes, start = await run_clients(front, jobs, on_progress=bar.update)
     wall = time.time() - start
     stop.set()
     await sampler
@@ -98,7 +99,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args) -> tuple[dict, li
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
     with LocalCluster(config, quiet=True) as cluster:
         with progress(len(jobs), f"{policy:>4}") as bar:
-            outcomes, samples, wall = asyncio.run(run_jobs(cluster.router_address,
+            outcomes, samples, wall = asyncio.run(run_jobs(Front.of(args.front, cluster),
                                                            cluster.scheduler_address, jobs, bar))
         stats = asyncio.run(pool_stats(cluster.scheduler_address))
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
@@ -121,6 +122,8 @@ def parse_args():
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--policies", default="fcfs,qos", help="comma-separated, for quick checks of one policy")
+    parser.add_argument("--front", choices=["grpc", "http"], default="grpc",
+                        help="send through the router's gRPC or its OpenAI-compatible HTTP front (SSE)")
     parser.add_argument("--plots", type=Path, default=Path("bench/results"),
                         help="folder for the plots and the per-request CSVs")
     parser.add_argument("--trace", choices=sorted(TRACES), help="replay a real trace instead of the burst")
@@ -152,6 +155,7 @@ def main() -> None:
                 else f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)")
     report = {"model": Path(model).name, "workload": workload,
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
+              "front": args.front,
               "machine": f"{machine()}; worker {args.threads} thread(s), "
                          f"step budget {args.max_step_tokens} tokens, up to {args.max_running} running"}
     runs = {}

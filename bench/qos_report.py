@@ -5,6 +5,7 @@ over time, per priority).
 from __future__ import annotations
 
 import csv
+import math
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -68,12 +69,13 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
 
 def print_table(report: dict) -> None:
     print(f"\nworkload {report['workload']}: {report['requests']}; model {report['model']}; "
-          f"{report['machine']}\n")
+          f"front {report.get('front', 'grpc')}; {report['machine']}\n")
     print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>14}")
     for key, label, fmt in KEYS:
         a, b = report["fcfs"][key], report["qos"][key]
         change = ""
-        if isinstance(a, float) and isinstance(b, float) and a and b and key != "high_success_rate":
+        if isinstance(a, float) and isinstance(b, float) and a and b and math.isfinite(a / b) \
+                and key != "high_success_rate":
             # Big drops read better as "how many times lower" than as 0.00x.
             change = f"{a / b:,.0f}x lower" if a / b >= 10 else f"{b / a:.2f}x"
         print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>14}")
