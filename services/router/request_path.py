@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from services.common.errors import ErrorKind, ServiceError
+from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
@@ -101,6 +101,9 @@ class RequestPath:
                     chunk.cost_units = (chunk.usage.prompt_tokens + chunk.usage.completion_tokens) * cost
                     tally.on_done(chunk)
                 yield chunk
+            if not finished:    # the call ended with OK but no last chunk: never leave a client hanging
+                finished = True
+                raise unavailable(f"{pool.peer}: the stream ended without its last chunk", reason="truncated")
         except grpc.aio.AioRpcError as exc:
             finished = True
             raise error_from_rpc(exc, pool.peer) from None

@@ -1,8 +1,12 @@
-"""One trace per request across router -> scheduler -> worker, received by a real OTLP receiver."""
+"""One trace per request across router -> scheduler -> worker, received by a real OTLP receiver;
+over HTTP, the caller's own trace (W3C traceparent) is continued."""
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,6 +17,9 @@ from services.cluster import LocalCluster, free_port
 from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
+
+CALLER_TRACE, CALLER_SPAN = bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736"), bytes.fromhex("00f067aa0ba902b7")
+CALLER_TRACEPARENT = f"00-{CALLER_TRACE.hex()}-{CALLER_SPAN.hex()}-01"
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -60,15 +67,28 @@ def test_one_trace_across_three_services(receiver):
                 return await client.generate(chat_request("Hello!", sampling_params(max_tokens=5)),
                                              priority="high", tenant="acme")
         answer = run(ask())
+        # Over HTTP, the caller's trace context is continued: our spans join its trace.
+        router = cluster.config.router
+        conn = http.client.HTTPConnection(router.host, router.http_port, timeout=60)
+        conn.request("POST", "/v1/completions", headers={"content-type": "application/json",
+                                                        "traceparent": CALLER_TRACEPARENT},
+                     body=json.dumps({"model": Path(cluster.config.model).name, "prompt": "Hi",
+                                      "max_tokens": 3}))
+        assert conn.getresponse().status == 200
+        conn.close()
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            names = {(service, span.name) for service, span in receiver.spans}
-            if {("qos-router", "router.generate"), ("qos-scheduler", "scheduler.decode"),
-                    ("qos-worker", "worker.step")} <= names:
+            names = {(service, span.name, span.trace_id) for service, span in receiver.spans}
+            if {("qos-router", "router.generate", CALLER_TRACE), ("qos-scheduler", "scheduler.decode", CALLER_TRACE),
+                    ("qos-worker", "worker.step", CALLER_TRACE)} <= names:
                 break
             time.sleep(0.2)
 
-    spans = {span.name: (service, span) for service, span in receiver.spans}
+    continued = [(s, sp) for s, sp in receiver.spans if sp.trace_id == CALLER_TRACE]
+    assert {s for s, _ in continued} == {"qos-router", "qos-scheduler", "qos-worker"}
+    assert next(sp for _, sp in continued if sp.name == "router.generate").parent_span_id == CALLER_SPAN
+
+    spans = {span.name: (service, span) for service, span in receiver.spans if span.trace_id != CALLER_TRACE}
     router_span = spans["router.generate"][1]
     trace_id = router_span.trace_id
     mine = [(s, sp) for s, sp in receiver.spans if sp.trace_id == trace_id]

@@ -118,7 +118,9 @@ def test_compose_file_and_cluster_config_agree():
             has_npu = bool(service.get("devices"))
             assert (has_gpu, has_npu) == (pool.device == "cuda", pool.device == "npu"), name
     router = found[config.router.host]
-    assert {(p["target"], int(p["published"])) for p in router["ports"]} == {(config.router.port,) * 2}
+    # gRPC and the OpenAI-compatible HTTP front, published on the same ports as inside.
+    assert {(p["target"], int(p["published"])) for p in router["ports"]} == \
+        {(config.router.port,) * 2, (config.router.http_port,) * 2}
 
 
 @pytest.mark.parametrize("break_it, named", [
