@@ -50,6 +50,9 @@ class InstantWorker:
         self.known: dict[int, int] = {}
         self.is_connected = True
 
+    async def close(self) -> None:
+        self.is_connected = False
+
     async def execute(self, plan):
         for seq_id in plan.released_seq_ids:
             self.known.pop(seq_id, None)

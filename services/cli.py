@@ -4,7 +4,9 @@
     qos-serve generate --priority high "prompt"  stream an answer through the router
     qos-serve demo                               a local cluster serving a mixed-priority burst
     qos-serve stats [--watch]                    the cluster per priority
+    qos-serve drain worker HOST:PORT [--wait]    a worker finishes what it holds and leaves
     qos-serve router|scheduler|worker --config FILE [--index N]   one service
+    qos-serve worker ... --join SCHEDULER [--port N] [--advertise HOST:PORT]   join a pool at run time
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ def cmd_worker(args) -> int:
     if not 0 <= args.index < len(pool.workers):
         raise ConfigError(f"--index {args.index}: pool {pool.name} has {len(pool.workers)} worker(s)")
     worker = pool.workers[args.index]
+    if args.port is not None:
+        from services.cluster import free_port
+        worker.port = args.port or free_port(worker.host)
+    advertised = args.advertise or worker.address      # where the scheduler reaches us
     if args.listen:
         worker.host = args.listen
     if args.device and (":" in args.device or args.device != worker.device.split(":")[0]):
@@ -62,7 +68,38 @@ def cmd_worker(args) -> int:
     from services.worker.server import build_engine_config, serve_worker
     engine = Engine(build_engine_config(resolve_model(config.model), worker), backend)
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
-                             worker.drain_seconds))
+                             worker.drain_seconds, join=args.join, advertise=advertised))
+    return 0
+
+
+def cmd_drain(args) -> int:
+    """Ask a worker to drain (as SIGTERM does); with --wait, until it has left."""
+    import time
+
+    import grpc
+
+    from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            reply = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            print(f"qos-serve drain: worker {args.address}: {exc.code().name}: {exc.details()}",
+                  file=sys.stderr)
+            return 1
+        print(f"worker {args.address} drains: {reply.active_sequences} sequence(s) to finish", flush=True)
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            try:
+                stub.Info(worker_pb2.InfoRequest(), timeout=2)
+            except grpc.RpcError:
+                print(f"worker {args.address} has left")
+                return 0
+            time.sleep(0.5)
+    if args.wait:
+        print(f"worker {args.address} still there after {args.wait:.0f} s", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -171,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("drain", help="drain a worker (no new sequences, finish, leave), as SIGTERM does")
+    p.add_argument("kind", choices=["worker"])
+    p.add_argument("address", metavar="HOST:PORT")
+    p.add_argument("--wait", type=float, nargs="?", const=120.0, default=0.0, metavar="SECONDS",
+                   help="wait until it has left (default 120 s)")
+    p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_drain)
+
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)
     p.add_argument("--requests-per-priority", type=int, default=6)
@@ -190,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--pool", help="which pool (default: the first)")
         if name == "worker":
             p.add_argument("--index", type=int, default=0, help="which of the pool's workers to run")
+            p.add_argument("--port", type=int, help="serve on this port instead of the configured one "
+                                                    "(0: a free one)")
+            p.add_argument("--join", metavar="SCHEDULER", help="register with this scheduler (HOST:PORT) "
+                                                               "and keep registering: join its pool at run time")
+            p.add_argument("--advertise", metavar="HOST:PORT",
+                           help="the address the scheduler reaches this worker at (default: the "
+                                "configured host and the port)")
             p.add_argument("--device", help="cpu, cuda[:N] or npu[:N] (default: the worker's config; "
                                             "a bare kind keeps the configured index)")
         p.set_defaults(func=func)

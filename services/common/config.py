@@ -59,6 +59,9 @@ class RouterConfig(ServiceConfig):
     # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
     http_port: int = 8000
     http_max_body_bytes: int = 4 * 2**20    # larger request bodies get 413
+    # A request whose pool fails mid-way (its scheduler died, or it has no worker left) moves to
+    # another pool that serves the model, with the tokens already streamed: at most this often.
+    migration_limit: int = 3
 
     @property
     def http_address(self) -> str | None:
@@ -75,6 +78,17 @@ class SchedulerConfig(ServiceConfig):
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
+    # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
+    # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
+    # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker
+    # --join`). Workers may register in every mode; [[pools.workers]] stays their settings.
+    workers_from: str = "config"
+    workers_dns: str = ""             # "qos-workers.ns.svc.cluster.local:50053"
+    workers_dns_interval_s: float = 5.0
+    # With no worker to serve (all failed or left), how long requests wait for one to (re)join
+    # before they are handed back to the router (UNAVAILABLE) to be moved to another pool.
+    orphan_grace_s: float = 10.0
+    step_timeout_s: float = 120.0     # a worker slower than this to answer one step counts as gone
 
 
 @dataclass(slots=True)
@@ -189,6 +203,15 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
         raise ConfigError(f"{where}.max_queue must be >= 1, got {s.max_queue}")
     if s.retry_after_ms < 1:
         raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
+    if s.workers_from not in ("config", "dns", "join"):
+        raise ConfigError(f"{where}.workers_from must be config, dns or join, got {s.workers_from!r}")
+    host, _, port = s.workers_dns.rpartition(":")
+    if s.workers_from == "dns" and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{where}.workers_dns must be HOST:PORT with workers_from = \"dns\", "
+                          f"got {s.workers_dns!r}")
+    for name in ("workers_dns_interval_s", "orphan_grace_s", "step_timeout_s"):
+        if not getattr(s, name) > 0:
+            raise ConfigError(f"{where}.{name} must be > 0, got {getattr(s, name)}")
 
 
 def _parse_pool(raw: dict, where: str) -> PoolConfig:
@@ -246,6 +269,8 @@ def parse_config(raw: dict) -> ClusterConfig:
     if not -1 <= router.http_port <= 65535:
         raise ConfigError(f"router.http_port must be in 0..65535 (0 = a free port) or -1 (off), "
                           f"got {router.http_port}")
+    if not 0 <= router.migration_limit <= 100:
+        raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
     if router.http_max_body_bytes < 1024:
         raise ConfigError(f"router.http_max_body_bytes must be >= 1024, got {router.http_max_body_bytes}")
     return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools)

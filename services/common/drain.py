@@ -29,6 +29,7 @@ class Drain:
     def __init__(self, service: str, seconds: float = DEFAULT_DRAIN_SECONDS):
         self.service = service          # "router", "scheduler of pool cpu", "worker 127.0.0.1:50053"
         self.seconds = seconds
+        self.requested = asyncio.Event()  # SIGTERM, SIGINT or a Drain RPC: run_server begins the drain
         self.draining = False
         self._in_flight = 0
         self._idle = asyncio.Event()
@@ -37,6 +38,10 @@ class Drain:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def request(self) -> None:
+        """Ask the server loop to drain and stop (what SIGTERM does)."""
+        self.requested.set()
 
     def begin(self) -> None:
         if not self.draining:

@@ -25,7 +25,7 @@ def channel_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
     """Small messages, many streams: keepalive notices a vanished peer even on a quiet connection."""
     return [
         ("grpc.keepalive_time_ms", keepalive_ms),
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", min(5_000, keepalive_ms)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.max_receive_message_length", 64 * 2**20),
         ("grpc.max_send_message_length", 64 * 2**20),
@@ -43,20 +43,26 @@ def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
 
 CHANNEL_OPTIONS = channel_options()
 SERVER_OPTIONS = server_options()
+# Scheduler <-> worker: a worker machine that vanishes without closing its connection (power, a
+# network partition) is noticed within ~4 s even in the middle of a long step; a process that
+# dies closes its connection and is noticed at once.
+WORKER_KEEPALIVE_MS = 2_000
+WORKER_CHANNEL_OPTIONS = channel_options(WORKER_KEEPALIVE_MS)
+WORKER_SERVER_OPTIONS = server_options(WORKER_KEEPALIVE_MS)
 
 
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
                      drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
-                     ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (services/common/drain.py) and stop.
+                     ready: asyncio.Event | None = None, options=SERVER_OPTIONS) -> None:
+    """Serve until SIGTERM/SIGINT (or drain.request()), then drain (services/common/drain.py) and stop.
 
     `register` adds the servicers and returns their full service names, which the standard
     grpc.health.v1 service reports as SERVING once `ready` is set (at once without one), and
     NOT_SERVING from the moment the drain begins. Handlers raise ServiceError; the interceptor
     turns it into the status. `on_stopping` runs after the drain, before the server stops: the
     service's own loops and channels are needed until the last request in flight is done."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ServiceErrorInterceptor()])
+    server = grpc.aio.server(options=options, interceptors=[ServiceErrorInterceptor()])
     services = register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -78,12 +84,11 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
 
     serving_task = asyncio.create_task(report_serving())
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, drain.request)
     serving = asyncio.create_task(server.wait_for_termination())
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(drain.requested.wait())
     await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
     serving_task.cancel()
     for service in ["", *services]:

@@ -8,6 +8,7 @@ ServiceErrors, raised to the front, which maps them to its own statuses.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -25,6 +26,8 @@ from services.router.routing import NoPoolError, RouteRequest
 from services.router.tally import RouterTotals, Tally
 from services.router.validation import RequestHead
 
+log = logging.getLogger(__name__)
+
 ReadBody = Callable[[int | None], router_pb2.GenerateRequest]   # max context -> validated body
 
 
@@ -34,8 +37,9 @@ async def _go_ahead(_request) -> None:
 
 class RequestPath:
     def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
-                 model_name: str, admission: str = "priority"):
+                 model_name: str, admission: str = "priority", migration_limit: int = 3):
         self.pools = pools
+        self.migration_limit = migration_limit
         self.totals = totals
         self.tracer = tracer
         self.model_name = model_name
@@ -53,21 +57,51 @@ class RequestPath:
                 body = read_body(self.pools.max_context())
                 pool = self.route(head, body, span)
                 tally.on_routed(pool.name)
-                async for chunk in self.relay(head, body, pool, tally, span):
-                    yield chunk
+                streamed: list[int] = []        # token ids sent to the client, over every pool
+                failed: list[str] = []
+                while True:
+                    try:
+                        async for chunk in self.relay(head, body, pool, tally, span, streamed):
+                            streamed.extend(chunk.token_ids)
+                            yield chunk
+                        return
+                    except ServiceError as error:
+                        failed.append(pool.name)
+                        pool = self._migrate(head, body, span, error, failed, len(streamed))
+                        tally.on_migrated(failed[-1], pool.name, error)
             except ServiceError as error:
                 tally.on_fail(error)
                 raise
         finally:
             span.end()
 
-    def route(self, head: RequestHead, body: router_pb2.GenerateRequest, span) -> PoolHandle:
+    def _migrate(self, head: RequestHead, body: router_pb2.GenerateRequest, span,
+                 error: ServiceError, failed: list[str], streamed: int) -> PoolHandle:
+        """The pool that takes over a request whose pool could not continue it (UNAVAILABLE: its
+        scheduler died, drains, or has no worker left); raises `error`, saying why, if none may."""
+        if error.kind is not ErrorKind.UNAVAILABLE:
+            raise error
+        if len(failed) > self.migration_limit:
+            raise ServiceError(ErrorKind.UNAVAILABLE, f"{error.message}; the request was already moved "
+                               f"{self.migration_limit} time(s) (router.migration_limit)",
+                               retry_after_ms=error.retry_after_ms, reason=error.reason)
+        try:
+            pool = self.route(head, body, span, exclude=frozenset(failed))
+        except ServiceError as none_left:
+            raise ServiceError(ErrorKind.UNAVAILABLE, f"{error.message}; {none_left.message}",
+                               retry_after_ms=error.retry_after_ms or 1000, reason=error.reason) from None
+        log.warning("request %s: pool %s failed after %d token(s) (%s); continuing on pool %s",
+                    head.request_id, failed[-1], streamed, error.message, pool.name)
+        return pool
+
+    def route(self, head: RequestHead, body: router_pb2.GenerateRequest, span,
+              exclude: frozenset[str] = frozenset()) -> PoolHandle:
         """The pool for this request, from cached pool stats only."""
         router = self.pools.router
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
         try:
             decision = router.route(RouteRequest(body.model or self.model_name, head.priority,
-                                                 head.lora, head.slo_ms or None))
+                                                 head.lora, head.slo_ms or None, exclude))
         except NoPoolError as exc:
             route_span.set_status(Status(StatusCode.ERROR, str(exc)))
             route_span.end()
@@ -83,13 +117,14 @@ class RequestPath:
         return self.pools.handles[decision.pool]
 
     async def relay(self, head: RequestHead, body: router_pb2.GenerateRequest, pool: PoolHandle,
-                    tally: Tally, span) -> AsyncIterator[common_pb2.GenerateChunk]:
-        """Submit to the pool's scheduler and stream its chunks back, the cost on the last one.
-        A consumer that stops early (the client went away) cancels the scheduler's call."""
+                    tally: Tally, span, streamed: list[int] = ()) -> AsyncIterator[common_pb2.GenerateChunk]:
+        """Submit to the pool's scheduler and stream its chunks back, the cost on the last one;
+        after a migration, the pool continues after the `streamed` tokens. A consumer that stops
+        early (the client went away) cancels the scheduler's call."""
         submit = scheduler_pb2.SubmitRequest(
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
-            lora=head.lora or "")
+            lora=head.lora or "", resume_token_ids=streamed)
         call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))
         cost = self.pools.specs[pool.name].cost
         finished = False

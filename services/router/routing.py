@@ -56,6 +56,7 @@ class RouteRequest:
     priority: int
     lora: str | None = None
     slo_ms: float | None = None
+    exclude: frozenset[str] = frozenset()   # pools that already failed this request (migration)
 
 
 @dataclass(slots=True, frozen=True)
@@ -141,6 +142,11 @@ class PoolRouter:
             if not candidates:
                 raise NoPoolError(f"no pool serving model {request.model!r} supports LoRA adapters "
                                   f"(requested {request.lora!r})")
+        if request.exclude:
+            candidates = [p for p in candidates if p.name not in request.exclude]
+            if not candidates:
+                raise NoPoolError(f"no other pool serves model {request.model!r} "
+                                  f"(tried {', '.join(sorted(request.exclude))})")
         loads = self.loads
         healthy = [p for p in candidates if loads[p.name].healthy] or candidates
         primary = self._primary(healthy)

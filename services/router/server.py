@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 
 class RouterService:
     def __init__(self, pools: list[PoolConfig], model_name: str, routing: str = "cost",
-                 admission: str = "priority", drain: Drain | None = None):
+                 admission: str = "priority", drain: Drain | None = None, migration_limit: int = 3):
         self.pools = PoolDirectory(pools, model_name, routing)
         self.totals = RouterTotals(list(self.pools.handles))
         self.tracer = setup_tracing("router")
-        self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, admission)
+        self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, admission,
+                                migration_limit)
         self.drain = drain or Drain("router")
         self.tasks: list[asyncio.Task] = []
 
@@ -83,7 +84,7 @@ async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name
     """The router: gRPC on [router] port, the OpenAI-compatible HTTP front on http_port (unless
     -1), both on one request path, drained together on SIGTERM."""
     service = RouterService(pools, model_name, config.routing, config.admission,
-                            Drain("router", config.drain_seconds))
+                            Drain("router", config.drain_seconds), config.migration_limit)
     http = HttpFront(service, config) if config.http_port >= 0 else None
     serve_metrics(service.totals.registry, config.host, config.metrics_port, "router")
 

@@ -11,6 +11,7 @@ from collections import deque
 
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PromCounter
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.metrics import RequestMetrics
@@ -55,6 +56,9 @@ class RouterTotals:
         self.by_tenant: dict[str, Counters] = {}
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
+        self.migrations = PromCounter("qos_migrations", "Requests moved to another pool mid-way",
+                                      ("from_pool", "to_pool"), registry=self.registry)
+        self.migrated = 0
 
     def start(self, priority: int, tenant: str, span: Span) -> Tally:
         return Tally(self, priority, tenant, span)
@@ -68,7 +72,7 @@ class RouterTotals:
             priorities=[self.by_priority[p].to_priority_proto(p) for p in ORDER],
             pools=pools, by_pool=[c.to_group_proto(n) for n, c in self.by_pool.items()],
             by_tenant=[c.to_group_proto(n) for n, c in sorted(self.by_tenant.items())],
-            overflow_threshold=threshold)
+            overflow_threshold=threshold, migrations=self.migrated)
 
 
 class Tally:
@@ -118,6 +122,18 @@ class Tally:
         self.span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,
                                   "qos.output_tokens": chunk.usage.completion_tokens,
                                   "qos.cost_units": chunk.cost_units, "qos.ttft_ms": ttft_s * 1000})
+
+    def on_migrated(self, from_pool: str, to_pool: str, error: ServiceError) -> None:
+        """The request moved to another pool mid-way (its first could not continue it): the pool
+        it left counts it as failed, the one it moves to as its own from now on."""
+        left = self.totals.by_pool[from_pool]
+        left.failed += 1
+        self.groups.remove(left)
+        self.totals.migrations.labels(from_pool, to_pool).inc()
+        self.totals.migrated += 1
+        self.span.add_event("migration", {"qos.migration.from": from_pool, "qos.migration.to": to_pool,
+                                          "qos.migration.reason": error.message})
+        self.on_routed(to_pool)
 
     def on_fail(self, error: ServiceError) -> None:
         for group in self.groups:

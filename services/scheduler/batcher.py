@@ -11,10 +11,9 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable, Protocol
+from typing import Callable
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
-from services.common.kv_blocks import KVBlockPool
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import finish_reason
 from services.scheduler.monitor import ResourceMonitor
@@ -22,52 +21,42 @@ from services.scheduler.output import token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
+from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.2
-# An idle worker gets an empty plan this often: its answer shows it is alive and whether it drains.
-HEARTBEAT_SECONDS = 0.5
-
-
-class WorkerGone(ConnectionError):
-    """The worker cannot be reached, or its stream broke (raised by a link's execute)."""
-
-
-class Worker(Protocol):
-    """A worker as the batcher drives it: services/scheduler/worker_link.py, or a test double."""
-    index: int
-    address: str
-    info: worker_pb2.WorkerInfo | None
-    pool: KVBlockPool | None
-
-    @property
-    def is_connected(self) -> bool: ...
-
-    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult: ...
+STEP_TIMEOUT_SECONDS = 120.0     # a worker that takes longer to answer one step counts as gone
+ORPHAN_GRACE_SECONDS = 10.0      # with no worker to serve, how long requests wait for one to (re)join
 
 
 class ContinuousBatcher:
     def __init__(self, pool_name: str, links: list[Worker], policy: SchedulingPolicy,
-                 max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None):
+                 max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None,
+                 orphan_grace_s: float = ORPHAN_GRACE_SECONDS,
+                 step_timeout_s: float = STEP_TIMEOUT_SECONDS):
         self.pool_name = pool_name
-        self.links = links
-        self._by_index = {link.index: link for link in links}
+        self.workers = WorkerSet(links)
         self.policy = policy
         self.monitor = monitor
         self.planner = StepPlanner(policy, max_running, max_step_tokens)
         for link in links:
             self.planner.add_worker(link.index)
+        self.orphan_grace_s = orphan_grace_s
+        self.step_timeout_s = step_timeout_s
         self.cancelled: set[Request] = set()
-        self.draining_workers: set[int] = set()      # said so in their last answer
-        self.last_answer: dict[int, float] = {}       # link index -> when it last answered
         self.wakeup = asyncio.Event()
         self.steps = 0
         self.output_tokens: Counter = Counter()
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
+        self.failovers: Counter = Counter()         # sequences moved off a worker, by reason
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
+
+    @property
+    def links(self) -> list[Worker]:
+        return list(self.workers)
 
     @property
     def running(self) -> dict[int, list[Request]]:
@@ -125,7 +114,7 @@ class ContinuousBatcher:
         if any(b.has_work for b in plans.values()):     # heartbeats alone are no step
             self.steps += 1
         started = time.perf_counter()
-        await asyncio.gather(*(self._execute_and_postprocess(self._link(i), b) for i, b in plans.items()))
+        await asyncio.gather(*(self._execute_and_postprocess(self.workers[i], b) for i, b in plans.items()))
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
             rate = tokens / max(time.perf_counter() - started, 1e-6)
@@ -135,35 +124,37 @@ class ContinuousBatcher:
     def plan_step(self) -> dict[int, StepBuilder]:
         """Plans for every connected worker with something to do (tested directly)."""
         self._reap_cancelled()
+        now = time.perf_counter()
+        self._hand_back_orphans(now)
         policy = self.policy
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
         # A running sequence always has work: the rest of its prompt or its last sampled token.
         backlogged |= {policy.lane_of(r) for rs in self.running.values() for r in rs}
         policy.backlog_changed(backlogged)
         builders = {}
-        now = time.perf_counter()
         # Admit to the emptiest worker first, so load spreads across workers.
-        for link in sorted(self.links, key=lambda l: -(l.pool.num_free if l.pool else -1)):
+        for link in sorted(self.workers, key=lambda l: -(l.pool.num_free if l.pool else -1)):
             if not link.is_connected:
                 continue
-            builder = self.planner.plan(link, self.steps,
-                                        admits=link.index not in self.draining_workers)
-            if builder.has_work or now - self.last_answer.get(link.index, 0.0) > HEARTBEAT_SECONDS:
+            builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link))
+            if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
             for priority, held in link.pool.holdings().items():
                 self.kv_peak[priority] = max(self.kv_peak[priority], held)
         return builders
 
-    def _link(self, index: int) -> Worker:
-        return self._by_index[index]
-
     # --- execute and postprocess ------------------------------------------------------------------
 
     async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder) -> None:
         try:
-            result = await link.execute(builder.plan)
+            result = await asyncio.wait_for(link.execute(builder.plan), self.step_timeout_s)
         except WorkerGone as exc:
             self.fail_worker(link, str(exc))
+            return
+        except asyncio.TimeoutError:
+            await link.close()
+            self.fail_worker(link, f"worker {link.address} did not answer a step within "
+                                   f"{self.step_timeout_s:.0f} s")
             return
         except Exception as exc:   # never let one link's surprise stop the loop for everyone
             log.exception("step on worker %s failed", link.address)
@@ -173,8 +164,7 @@ class ContinuousBatcher:
 
     def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult) -> None:
         """A worker's answer to its plan: sampled tokens into the streams, finished requests out."""
-        self.last_answer[link.index] = time.perf_counter()
-        self._note_draining(link, result.draining)
+        self.workers.answered(link, result.draining, time.perf_counter())
         if result.error:
             # The worker refused the plan: a bug on our side. Fail what it carried, keep serving.
             log.error("worker %s refused step %d: %s", link.address, result.step_id, result.error)
@@ -196,7 +186,7 @@ class ContinuousBatcher:
             chunk = token_chunk(request, token.token_id, finish_reason(token.finish_reason),
                                 self.pool_name, now)
             self.output_tokens[request.priority] += 1
-            if len(request.output_ids) == 1:
+            if request.first_token_at == now:
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
             request.events.put_nowait(chunk)
             if chunk.finish_reason:
@@ -204,18 +194,10 @@ class ContinuousBatcher:
                 if self.on_finished is not None:
                     self.on_finished(request, now)
 
-    def _note_draining(self, link: Worker, draining: bool) -> None:
-        if draining and link.index not in self.draining_workers:
-            log.info("worker %s drains: no new sequences for it; its %d running finish there",
-                     link.address, len(self.running[link.index]))
-            self.draining_workers.add(link.index)
-        elif not draining:
-            self.draining_workers.discard(link.index)
-
     def _finish(self, request: Request, failure: ServiceError | None = None) -> None:
         request.finished_at = request.finished_at or time.perf_counter()
         if request.phase is Phase.RUNNING:
-            self.planner.release(self._link(request.worker), request)
+            self.planner.release(self.workers[request.worker], request)
         elif request.phase is Phase.WAITING and not request.cancelled:
             self.policy.remove(request)
         request.phase = Phase.FINISHED
@@ -227,29 +209,61 @@ class ContinuousBatcher:
             if request.phase is Phase.WAITING:
                 self.policy.remove(request)
             elif request.phase is Phase.RUNNING:
-                self.planner.release(self._link(request.worker), request)
+                self.planner.release(self.workers[request.worker], request)
             request.phase = Phase.FINISHED
         self.cancelled.clear()
 
-    def fail_worker(self, link: Worker, reason: str) -> None:
-        """The worker is gone: every request running there fails with UNAVAILABLE."""
-        running = self.running[link.index]
+    # --- membership and failures ------------------------------------------------------------------
+
+    def add_link(self, link: Worker) -> None:
+        """A worker joins the pool (registered, or found by DNS)."""
+        self.workers.add(link)
+        self.planner.add_worker(link.index)
+        self.wakeup.set()
+
+    def remove_link(self, link: Worker, reason: str) -> None:
+        """A worker leaves the pool (gone from DNS): its sequences move to the others."""
+        self.fail_worker(link, reason, why="left")
+        self.workers.remove(link)
+        self.planner.remove_worker(link.index)
+
+    def fail_worker(self, link: Worker, reason: str, why: str = "worker_failed") -> None:
+        """The worker is gone: its blocks leave our books and every sequence it held goes back to
+        the front of its class's queue with prompt + output so far, to be recomputed on another
+        worker (as after a preemption); its client stream just continues. Only when the pool has
+        no worker left for orphan_grace_s are requests handed back (UNAVAILABLE)."""
+        running = list(self.running[link.index])
         if running:
-            log.error("%s; failing its %d running requests", reason, len(running))
-        for request in list(running):
+            log.warning("%s; %d sequence(s) go back to the queue to be recomputed elsewhere",
+                        reason, len(running))
+        for request in running:
             self.planner.release(link, request)
-            request.phase = Phase.FINISHED
-            request.events.put_nowait(unavailable(reason, reason="worker_failed"))
-        self.draining_workers.discard(link.index)
-        self.last_answer.pop(link.index, None)
+            request.phase = Phase.WAITING
+            request.failovers.append((time.perf_counter(), why, link.address))
+            self.policy.add_front(request)
+            self.failovers[why] += 1
+        self.workers.forget(link)
         if not link.is_connected:   # a worker that comes back starts empty: nothing to release
             self.planner.to_release[link.index].clear()
+        self.wakeup.set()
+
+    def _hand_back_orphans(self, now: float) -> None:
+        orphaned_for = self.workers.orphaned_for(now)
+        if orphaned_for <= self.orphan_grace_s or not len(self.policy):
+            return
+        waiting = [r for lane in self.policy.lanes for r in self.policy.queue(lane)]
+        log.error("pool %s has had no worker to serve with for %.0f s: handing %d request(s) back",
+                  self.pool_name, orphaned_for, len(waiting))
+        for request in waiting:
+            self._finish(request, unavailable(
+                f"pool {self.pool_name} has no worker left (none for {orphaned_for:.0f} s)",
+                reason="no_worker"))
 
     # --- stats --------------------------------------------------------------------------------
 
     def kv_blocks_by_priority(self) -> Counter:
         held: Counter = Counter()
-        for link in self.links:
+        for link in self.workers:
             if link.pool is not None:
                 held.update(link.pool.holdings())
         return held
@@ -270,3 +284,4 @@ class ContinuousBatcher:
             policy.lane_of(r) for rs in self.running.values() for r in rs} | {lane}
         share = policy.share(lane, backlogged)
         return (ahead + prompt_tokens) / (self.tokens_per_second * share) * 1000
+

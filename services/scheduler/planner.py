@@ -97,6 +97,12 @@ class StepPlanner:
         self.running.setdefault(index, [])
         self.to_release.setdefault(index, [])
 
+    def remove_worker(self, index: int) -> None:
+        """Forget a worker that left; its sequences were moved off it first."""
+        assert not self.running.get(index), "remove_worker with sequences still on it"
+        self.running.pop(index, None)
+        self.to_release.pop(index, None)
+
     def plan(self, worker: Worker, step_id: int, admits: bool = True) -> StepBuilder:
         released, self.to_release[worker.index] = self.to_release[worker.index], []
         builder = StepBuilder(step_id, self.max_step_tokens, released, admits)

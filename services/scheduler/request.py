@@ -41,6 +41,9 @@ class Request:
     new_blocks: list[int] = field(default_factory=list)   # allocated, not yet sent to the worker
     cancelled: bool = False
     preemptions: int = 0
+    # (perf_counter time, why, worker address) each time its worker failed or left mid-sequence
+    failovers: list[tuple[float, str, str]] = field(default_factory=list)
+    resumed: int = 0                 # output tokens another pool streamed before this one took over
     slo_ms: float | None = None
     first_scheduled_at: float | None = None
     first_token_at: float | None = None

@@ -37,9 +37,23 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Request
 from services.scheduler.stats import pool_stats, state_metrics
-from services.scheduler.worker_link import WorkerLink
+from services.scheduler.membership import Membership
 
 log = logging.getLogger(__name__)
+
+
+def resume(request: Request, streamed: list[int]) -> None:
+    """A request migrated from another pool: continue after the tokens it already streamed. They
+    become output so far (recomputed with the prompt, counted toward max_tokens and the seeded
+    random stream), and the detokenizer reads them without emitting their text again, so what
+    follows is exactly what the first pool would have streamed."""
+    if len(streamed) >= request.sampling.max_tokens:
+        raise invalid(f"resume_token_ids holds {len(streamed)} tokens, max_tokens is "
+                      f"{request.sampling.max_tokens}: nothing left to generate", field="resume_token_ids")
+    for token_id in streamed:
+        request.detokenizer.add(token_id)
+    request.output_ids = streamed
+    request.resumed = len(streamed)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -49,13 +63,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.pool_name = pool_name
         self.model_name = Path(model_dir).name
         self.tokenizer = TextTokenizer.from_model_dir(model_dir)
-        self.links = [WorkerLink(i, address) for i, address in enumerate(worker_addresses)]
+        self.worker_addresses = worker_addresses
         self.policy = create_policy(config.policy, QoSSettings(
             weights=dict(zip(ORDER, map(float, config.weights))),
             kv_caps=dict(zip(ORDER, map(float, config.kv_caps)))))
         self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
-        self.batcher = ContinuousBatcher(pool_name, self.links, self.policy, config.max_running,
-                                         config.max_step_tokens, self.monitor)
+        self.batcher = ContinuousBatcher(pool_name, [], self.policy, config.max_running,
+                                         config.max_step_tokens, self.monitor,
+                                         orphan_grace_s=config.orphan_grace_s,
+                                         step_timeout_s=config.step_timeout_s)
+        self.membership = Membership(self.batcher, dns_interval_s=config.workers_dns_interval_s)
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
                                    self.batcher.estimated_wait_ms, config.max_queue,
                                    config.retry_after_ms)
@@ -72,16 +89,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
-        self.tasks = [asyncio.create_task(link.keep_connected()) for link in self.links]
-        self.tasks.append(asyncio.create_task(self.batcher.run()))
-        self.tasks.append(asyncio.create_task(self.admissions.run()))
+        c = self.config
+        self.membership.start(self.worker_addresses if c.workers_from == "config" else [],
+                              c.workers_dns if c.workers_from == "dns" else None)
+        self.tasks = [asyncio.create_task(self.batcher.run()),
+                      asyncio.create_task(self.admissions.run())]
 
     async def stop(self) -> None:
         """After the drain: the loop, the links and the tokenizer thread go."""
         for task in self.tasks:
             task.cancel()
-        for link in self.links:
-            await link.close()
+        await self.membership.stop()
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- intake ---------------------------------------------------------------------------------
@@ -97,15 +115,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self.tokenizer_thread, self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         self._limits())
-        return Request(
+        request = Request(
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
             slo_ms=submit.slo_ms or None)
+        if submit.resume_token_ids:
+            resume(request, list(submit.resume_token_ids))
+        return request
 
     def _limits(self):
-        return pool_limits((l.info for l in self.links if l.is_connected), self.pool_name)
+        return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
 
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
         if not submit.messages:
@@ -180,8 +201,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if start is not None:
                 self.tracer.start_span(name, context=parent, start_time=request.wall_ns(start)) \
                     .end(end_time=request.wall_ns(max(start, stop)))
+        for at, why, address in request.failovers:
+            span.add_event("failover", {"qos.failover.reason": why, "qos.failover.worker": address},
+                           timestamp=request.wall_ns(at))
         span.set_attributes({"qos.output_tokens": len(request.output_ids), "qos.outcome": outcome,
-                             "qos.preempted": request.preemptions})
+                             "qos.preempted": request.preemptions, "qos.failovers": len(request.failovers),
+                             "qos.resumed_tokens": request.resumed})
         span.end(end_time=request.wall_ns(end))
 
     def _record_finished(self, request: Request, now: float) -> None:
@@ -195,6 +220,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetPoolStats(self, request, context) -> scheduler_pb2.PoolStats:
         return self.pool_stats()
+
+    async def Register(self, request: scheduler_pb2.RegisterRequest, context) -> scheduler_pb2.RegisterReply:
+        address = request.address.strip()
+        host, _, port = address.rpartition(":")
+        if not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise invalid(f"address must be HOST:PORT, got {request.address!r}", field="address")
+        self.drain.check()
+        return scheduler_pb2.RegisterReply(pool=self.pool_name, known=self.membership.register(address))
 
     async def WatchPoolStats(self, request, context):
         interval = (request.interval_ms or 1000) / 1000

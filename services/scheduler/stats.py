@@ -24,7 +24,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
     return scheduler_pb2.PoolStats(
         pool=name, model=model, policy=policy.name, draining=draining,
         device=info.device_type if info else "", workers=len(connected),
-        workers_draining=sum(1 for l in connected if l.index in b.draining_workers),
+        workers_draining=sum(1 for l in connected if l.index in b.workers.draining),
+        failovers=sum(b.failovers.values()), worker_addresses=[l.address for l in b.links],
         max_context=info.max_context if info else 0,
         block_size=info.block_size if info else 0,
         kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
@@ -65,3 +66,10 @@ def state_metrics(batcher: ContinuousBatcher):
         for p in ORDER:
             family.add_metric([priority_name(p)], values[p])
         yield family
+    failovers = CounterMetricFamily("qos_failovers", "Sequences moved off a worker that failed or "
+                                    "left, to be recomputed on another", labels=["reason"])
+    for reason in ("worker_failed", "left"):
+        failovers.add_metric([reason], b.failovers[reason])
+    yield failovers
+    yield GaugeMetricFamily("qos_workers", "Workers connected to the pool",
+                            value=sum(1 for link in b.links if link.is_connected))

@@ -12,10 +12,10 @@ import logging
 
 import grpc
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import WORKER_CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.kv_blocks import KVBlockPool
-from services.scheduler.batcher import WorkerGone
+from services.scheduler.worker_set import WorkerGone
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class WorkerLink:
     async def connect(self) -> None:
         """Open the channel and the Execute stream and see it answer; raises WorkerGone."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(self.address, options=WORKER_CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0)

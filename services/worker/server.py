@@ -22,11 +22,11 @@ from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
 
 from services.common.drain import DEFAULT_DRAIN_SECONDS, Drain
 from services.common.errors import ErrorKind, ServiceError
-from services.common.grpc_server import run_server
+from services.common.grpc_server import CHANNEL_OPTIONS, WORKER_SERVER_OPTIONS, run_server
 from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
                                      tracing_configured)
-from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
+from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import sampled_token_proto
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.worker.sequences import PlanError, SequenceTable
@@ -34,6 +34,7 @@ from services.worker.sequences import PlanError, SequenceTable
 log = logging.getLogger(__name__)
 
 UTILIZATION_WINDOW_SECONDS = 5.0
+REGISTER_INTERVAL_S = 2.0
 
 
 class BusyTracker:
@@ -93,6 +94,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
+
+    async def Drain(self, request, context) -> worker_pb2.DrainReply:
+        """`qos-serve drain worker ADDR`: drain as on SIGTERM, then exit."""
+        log.info("drain requested over gRPC")
+        self.drain.request()
+        return worker_pb2.DrainReply(active_sequences=len(self.table))
 
     async def Execute(self, request_iterator, context):
         with self.drain.track():       # refused while draining; counted in flight otherwise
@@ -181,15 +188,47 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
                         kv_cache_fraction=kv_fraction, num_threads=worker.threads)
 
 
+async def join_pool(scheduler: str, advertised: str, drain: Drain) -> None:
+    """`--join`: tell the pool's scheduler where we are, again every REGISTER_INTERVAL_S (so a
+    scheduler that restarts finds us), until we drain."""
+    async with grpc.aio.insecure_channel(scheduler, options=CHANNEL_OPTIONS) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        joined = False
+        while not drain.draining:
+            try:
+                reply = await stub.Register(scheduler_pb2.RegisterRequest(address=advertised), timeout=5)
+                if not joined:
+                    log.info("joined pool %s at scheduler %s as %s", reply.pool, scheduler, advertised)
+                joined = True
+            except grpc.aio.AioRpcError as exc:
+                log.log(logging.WARNING if joined else logging.DEBUG, "registering with %s: %s %s",
+                        scheduler, exc.code().name, exc.details())
+                joined = False
+            await asyncio.sleep(REGISTER_INTERVAL_S)
+
+
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
-                       metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
-    service = WorkerService(engine, Drain(f"worker {address}", drain_seconds))
+                       metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS,
+                       join: str | None = None, advertise: str | None = None) -> None:
+    """Serve the engine on `address`; with `join`, register with that scheduler as `advertise`
+    (default: `address`)."""
+    service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds))
     serve_metrics(service.registry, metrics_host, metrics_port, "worker")
+    tasks: list[asyncio.Task] = []
 
     def register(server: grpc.aio.Server) -> list[str]:
         worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
         return ["qos.v1.Worker"]
 
-    await run_server("worker", address, register, service.drain)
+    async def started(_port: int) -> None:
+        if join:
+            tasks.append(asyncio.create_task(join_pool(join, advertise or address, service.drain)))
+
+    async def stopping() -> None:
+        for task in tasks:
+            task.cancel()
+
+    await run_server("worker", address, register, service.drain, on_started=started,
+                     on_stopping=stopping, options=WORKER_SERVER_OPTIONS)
     shutdown_tracing()
     service.executor.shutdown(wait=False, cancel_futures=True)

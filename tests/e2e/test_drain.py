@@ -28,7 +28,8 @@ DRAIN_SECONDS = 60.0
 
 
 def drain_cluster() -> LocalCluster:
-    config = cluster_config()
+    # The worker test restarts the pool's only worker: requests queued meanwhile must wait for it.
+    config = cluster_config(orphan_grace_s=DRAIN_SECONDS)
     for section in (config.router, config.pools[0].scheduler, *config.pools[0].workers):
         section.drain_seconds = DRAIN_SECONDS
     return LocalCluster(config, quiet=True)

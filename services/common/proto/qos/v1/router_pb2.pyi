@@ -97,15 +97,17 @@ class GroupStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., requests: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cost_units: _Optional[float] = ..., ttft_p50_ms: _Optional[float] = ..., ttft_p99_ms: _Optional[float] = ..., e2e_p99_ms: _Optional[float] = ...) -> None: ...
 
 class RouterStats(_message.Message):
-    __slots__ = ("priorities", "pools", "by_pool", "by_tenant", "overflow_threshold")
+    __slots__ = ("priorities", "pools", "by_pool", "by_tenant", "overflow_threshold", "migrations")
     PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     BY_POOL_FIELD_NUMBER: _ClassVar[int]
     BY_TENANT_FIELD_NUMBER: _ClassVar[int]
     OVERFLOW_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     priorities: _containers.RepeatedCompositeFieldContainer[PriorityStats]
     pools: _containers.RepeatedCompositeFieldContainer[_scheduler_pb2.PoolStats]
     by_pool: _containers.RepeatedCompositeFieldContainer[GroupStats]
     by_tenant: _containers.RepeatedCompositeFieldContainer[GroupStats]
     overflow_threshold: float
-    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[_scheduler_pb2.PoolStats, _Mapping]]] = ..., by_pool: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., by_tenant: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., overflow_threshold: _Optional[float] = ...) -> None: ...
+    migrations: int
+    def __init__(self, priorities: _Optional[_Iterable[_Union[PriorityStats, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[_scheduler_pb2.PoolStats, _Mapping]]] = ..., by_pool: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., by_tenant: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., overflow_threshold: _Optional[float] = ..., migrations: _Optional[int] = ...) -> None: ...

@@ -7,8 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RegisterRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("pool", "known")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    known: bool
+    def __init__(self, pool: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora")
+    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +31,7 @@ class SubmitRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SLO_MS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     priority: _common_pb2.Priority
     tenant: str
@@ -25,7 +40,8 @@ class SubmitRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     slo_ms: int
     lora: str
-    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolStatsRequest(_message.Message):
     __slots__ = ("interval_ms",)
@@ -76,7 +92,7 @@ class WeightChange(_message.Message):
     def __init__(self, at_unix_s: _Optional[float] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., old_weight: _Optional[float] = ..., new_weight: _Optional[float] = ..., utilization: _Optional[float] = ..., free_kv: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining")
+    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining", "failovers", "worker_addresses")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +110,8 @@ class PoolStats(_message.Message):
     TTFT_P90_MS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     WORKERS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     model: str
     device: str
@@ -111,4 +129,6 @@ class PoolStats(_message.Message):
     ttft_p90_ms: float
     draining: bool
     workers_draining: int
-    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ...) -> None: ...
+    failovers: int
+    worker_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., worker_addresses: _Optional[_Iterable[str]] = ...) -> None: ...

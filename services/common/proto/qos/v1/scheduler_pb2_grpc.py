@@ -50,6 +50,11 @@ class SchedulerStub:
                 request_serializer=qos_dot_v1_dot_scheduler__pb2.PoolStatsRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_scheduler__pb2.PoolStats.FromString,
                 _registered_method=True)
+        self.Register = channel.unary_unary(
+                '/qos.v1.Scheduler/Register',
+                request_serializer=qos_dot_v1_dot_scheduler__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.RegisterReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -80,6 +85,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Register(self, request, context):
+        """A worker joins the pool at run time (`qos-serve worker --join SCHEDULER`): the scheduler
+        connects to the address it gives. Idempotent; workers repeat it every few seconds, so a
+        scheduler that restarts learns its workers again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +111,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.WatchPoolStats,
                     request_deserializer=qos_dot_v1_dot_scheduler__pb2.PoolStatsRequest.FromString,
                     response_serializer=qos_dot_v1_dot_scheduler__pb2.PoolStats.SerializeToString,
+            ),
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=qos_dot_v1_dot_scheduler__pb2.RegisterRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.RegisterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +199,33 @@ class Scheduler:
             '/qos.v1.Scheduler/WatchPoolStats',
             qos_dot_v1_dot_scheduler__pb2.PoolStatsRequest.SerializeToString,
             qos_dot_v1_dot_scheduler__pb2.PoolStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Scheduler/Register',
+            qos_dot_v1_dot_scheduler__pb2.RegisterRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,

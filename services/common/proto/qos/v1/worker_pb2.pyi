@@ -11,6 +11,16 @@ class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainReply(_message.Message):
+    __slots__ = ("active_sequences",)
+    ACTIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    active_sequences: int
+    def __init__(self, active_sequences: _Optional[int] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining")
     DEVICE_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=qos_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/qos.v1.Worker/Drain',
+                request_serializer=qos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_worker__pb2.DrainReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -67,6 +72,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Begin draining, as SIGTERM does (`qos-serve drain worker ADDR`): take no new sequences,
+        finish the ones held, then exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +92,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=qos_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=qos_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=qos_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Worker:
             '/qos.v1.Worker/Execute',
             qos_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             qos_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Worker/Drain',
+            qos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            qos_dot_v1_dot_worker__pb2.DrainReply.FromString,
             options,
             channel_credentials,
             insecure,

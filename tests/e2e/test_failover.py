@@ -1,0 +1,155 @@
+"""No lost request, with real processes: a worker SIGKILLed mid-stream (its sequences finish on
+the other worker, with the text they would have had), a worker joining at run time, a worker
+restarted within the grace, and a pool whose scheduler dies (its requests move to another pool
+with the tokens already streamed)."""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import pytest
+
+from services.client import RouterClient, chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
+from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.e2e.conftest import cluster_config, run
+
+pytestmark = pytest.mark.slow
+
+TOKENS = 48
+STORIES = [f"Write a short story about a {thing}." for thing in
+           ("lighthouse", "dragon", "robot", "garden", "river", "violin", "comet", "bakery",
+            "glacier", "train", "owl", "desert", "library", "volcano", "kite", "harbour")]
+
+
+def request(i: int):
+    return chat_request(STORIES[i], sampling_params(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+
+
+async def pool_stats(address: str) -> scheduler_pb2.PoolStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+
+
+async def until(check, timeout: float = 60.0, every: float = 0.1):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out waiting"
+        await asyncio.sleep(every)
+
+
+async def texts(client: RouterClient, count: int, while_streaming=None, priority: str = "medium"):
+    """`count` greedy streams at once; `while_streaming()` runs once each has streamed 3 tokens."""
+    started = [asyncio.Event() for _ in range(count)]
+
+    async def one(i: int):
+        call = client.stream(request(i), priority=priority)
+        tokens, text, last = [], "", None
+        async for chunk in call:
+            tokens += chunk.token_ids
+            text += chunk.text
+            last = chunk
+            if len(tokens) >= 3:
+                started[i].set()
+        return tokens, text, last
+
+    tasks = [asyncio.create_task(one(i)) for i in range(count)]
+    if while_streaming is not None:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        await while_streaming()
+    return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+
+def assert_same(reference, got) -> None:
+    for (ref_tokens, ref_text, _), (tokens, text, last) in zip(reference, got):
+        assert last.finish_reason and last.usage.completion_tokens == TOKENS == len(tokens)
+        assert tokens == ref_tokens and text == ref_text
+
+
+def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
+    config = cluster_config()
+    config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
+    with LocalCluster(config, quiet=True) as cluster:
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                reference = await texts(client, 16)
+
+                async def kill_one():
+                    cluster.processes["cpu/worker-1"].send_signal(signal.SIGKILL)
+
+                got = await texts(client, 16, kill_one)
+                stats = await pool_stats(cluster.scheduler_address)
+                # A third worker joins at run time and takes new sequences.
+                cluster._spawn("cpu/worker-joined", "worker", "--pool", "cpu", "--index", "0",
+                               "--port", "0", "--join", cluster.scheduler_address)
+
+                async def joined():
+                    s = await pool_stats(cluster.scheduler_address)
+                    return s.workers == 2 and len(s.worker_addresses) == 3
+                await until(joined)
+                before = await pool_stats(cluster.scheduler_address)
+                again = await texts(client, 16)
+                after = await pool_stats(cluster.scheduler_address)
+                return reference, got, stats, before, again, after
+
+        reference, got, stats, before, again, after = run(go())
+    assert_same(reference, got)
+    assert stats.failovers > 0 and stats.kv_blocks_used == 0 and stats.workers == 1
+    assert not any(c.running or c.waiting for c in stats.classes)
+    assert_same(reference, again)
+    assert after.kv_blocks_total == before.kv_blocks_total > stats.kv_blocks_total
+
+
+def test_the_only_worker_restarted_within_the_grace_finishes_every_stream():
+    config = cluster_config(orphan_grace_s=120.0)
+    with LocalCluster(config, quiet=True) as cluster:
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                reference = await texts(client, 6)
+
+                async def kill_and_restart():
+                    process = cluster.processes["cpu/worker-0"]
+                    process.send_signal(signal.SIGKILL)
+                    process.wait()
+                    cluster.start_worker("cpu", 0)
+
+                return reference, await texts(client, 6, kill_and_restart)
+
+        reference, got = run(go())
+    assert_same(reference, got)
+
+
+def two_pools() -> ClusterConfig:
+    def pool(name: str, primary: bool) -> PoolConfig:
+        return PoolConfig(name=name, device="cpu", primary=primary,
+                          scheduler=SchedulerConfig(port=0, max_step_tokens=128),
+                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128)])
+    return ClusterConfig(router=RouterConfig(port=0, http_port=0, routing="primary"),
+                         pools=[pool("first", True), pool("second", False)])
+
+
+def test_a_dead_schedulers_requests_move_to_the_other_pool_with_what_they_streamed():
+    with LocalCluster(two_pools(), quiet=True) as cluster:
+        first = cluster.config.pools[0].scheduler.address
+
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                reference = await texts(client, 8, priority="high")
+
+                async def kill_first():
+                    assert (await pool_stats(first)).classes[0].running > 0
+                    cluster.processes["first/scheduler"].send_signal(signal.SIGKILL)
+
+                got = await texts(client, 8, kill_first, priority="high")
+                async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+                    stats = await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest())
+                return reference, got, stats
+
+        reference, got, stats = run(go())
+    assert_same(reference, got)
+    assert {last.pool for _, _, last in got} == {"second"}
+    by_pool = {g.name: g for g in stats.by_pool}
+    assert (by_pool["second"].completed, by_pool["first"].completed, by_pool["first"].failed) == (8, 8, 8)
+    assert stats.migrations == 8 and stats.priorities[0].completed == 16 and stats.priorities[0].failed == 0
