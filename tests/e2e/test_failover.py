@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 import grpc
 import pytest
@@ -153,3 +154,31 @@ def test_a_dead_schedulers_requests_move_to_the_other_pool_with_what_they_stream
     by_pool = {g.name: g for g in stats.by_pool}
     assert (by_pool["second"].completed, by_pool["first"].completed, by_pool["first"].failed) == (8, 8, 8)
     assert stats.migrations == 8 and stats.priorities[0].completed == 16 and stats.priorities[0].failed == 0
+
+
+def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
+    config = cluster_config()
+    config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
+    with LocalCluster(config, quiet=True) as cluster:
+        address = cluster.config.pools[0].workers[1].address
+        drained = {}
+
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                reference = await texts(client, 8)
+
+                async def drain_one():
+                    drained["command"] = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "services.cli", "drain", "worker", address, "--wait", "60",
+                        stdout=asyncio.subprocess.PIPE)
+
+                got = await texts(client, 8, drain_one)
+                out, _ = await drained["command"].communicate()
+                return reference, got, out.decode(), drained["command"].returncode
+
+        reference, got, out, code = run(go())
+        worker_exit = cluster.processes["cpu/worker-1"].wait(timeout=30)
+        stats = run(pool_stats(cluster.scheduler_address))
+    assert_same(reference, got)
+    assert code == 0 and f"worker {address} has left" in out and worker_exit == 0
+    assert stats.workers == 1 and stats.failovers == 0     # its sequences finished there
