@@ -117,12 +117,15 @@ class LocalCluster:
     def start_worker(self, pool: str, index: int) -> subprocess.Popen:
         return self._spawn(self.worker_name(pool, index), "worker", "--pool", pool, "--index", str(index))
 
+    def start_scheduler(self, pool: str) -> subprocess.Popen:
+        return self._spawn(f"{pool}/scheduler", "scheduler", "--pool", pool)
+
     def start(self) -> "LocalCluster":
         try:
             for pool in self.config.pools:
                 for i in range(len(pool.workers)):
                     self.start_worker(pool.name, i)
-                self._spawn(f"{pool.name}/scheduler", "scheduler", "--pool", pool.name)
+                self.start_scheduler(pool.name)
             self._spawn("router", "router")
             asyncio.run(self._wait_ready())
         except BaseException:
