@@ -91,6 +91,7 @@ class StepPlanner:
         self.running: dict[int, list[Request]] = {}
         self.to_release: dict[int, list[int]] = {}     # seq ids the worker must drop next step
         self.served_tokens: Counter = Counter()       # prefill + decode, per priority
+        self.admitted: Counter = Counter()            # sequences placed on each worker
         self.preempted_by_priority: Counter = Counter()
 
     def add_worker(self, index: int) -> None:
@@ -179,6 +180,7 @@ class StepPlanner:
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
+        self.admitted[worker.index] += 1
         return True
 
     def _cap(self, pool: KVBlockPool, request: Request) -> int:

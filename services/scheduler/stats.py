@@ -25,7 +25,11 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
         pool=name, model=model, policy=policy.name, draining=draining,
         device=info.device_type if info else "", workers=len(connected),
         workers_draining=sum(1 for l in connected if l.index in b.workers.draining),
-        failovers=sum(b.failovers.values()), worker_addresses=[l.address for l in b.links],
+        failovers=sum(b.failovers.values()), members=[scheduler_pb2.WorkerState(
+            address=l.address, connected=l.is_connected, draining=l.index in b.workers.draining,
+            running=len(b.running.get(l.index, ())), kv_blocks_total=l.pool.num_blocks if l.pool else 0,
+            kv_blocks_used=l.pool.num_used if l.pool else 0, admitted=b.planner.admitted[l.index])
+            for l in b.links],
         max_context=info.max_context if info else 0,
         block_size=info.block_size if info else 0,
         kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),

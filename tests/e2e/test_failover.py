@@ -88,7 +88,7 @@ def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
 
                 async def joined():
                     s = await pool_stats(cluster.scheduler_address)
-                    return s.workers == 2 and len(s.worker_addresses) == 3
+                    return s.workers == 2 and len(s.members) == 3
                 await until(joined)
                 before = await pool_stats(cluster.scheduler_address)
                 again = await texts(client, 16)
@@ -101,6 +101,9 @@ def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
     assert not any(c.running or c.waiting for c in stats.classes)
     assert_same(reference, again)
     assert after.kv_blocks_total == before.kv_blocks_total > stats.kv_blocks_total
+    configured = {w.address for w in config.pools[0].workers}
+    (newcomer,) = [m for m in after.members if m.address not in configured]
+    assert newcomer.connected and newcomer.admitted > 0, "the worker that joined took no sequence"
 
 
 def test_the_only_worker_restarted_within_the_grace_finishes_every_stream():
