@@ -26,7 +26,8 @@ import asyncio  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path
 
-from services.common.config import ConfigError, load_config  # noqa: E402
+from services.common.config import ConfigError  # noqa: E402
+from services.common.config_file import load_config  # noqa: E402
 from services.common.grpc_server import setup_logging  # noqa: E402
 
 
@@ -121,7 +122,7 @@ def cmd_router(args) -> int:
         config.router.host = args.listen
     from services.cluster import resolve_model
     from services.router.server import serve_router
-    asyncio.run(serve_router(config.router, config.pools, Path(resolve_model(config.model)).name))
+    asyncio.run(serve_router(config, Path(resolve_model(config.model)).name))
     return 0
 
 

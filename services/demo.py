@@ -14,7 +14,8 @@ import grpc
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.config import (ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig,
-                                   load_config, single_pool)
+                                   single_pool)
+from services.common.config_file import load_config
 from services.common.percentile import percentile
 
 DOCUMENT = ("The city council met on Tuesday to discuss the new public library. Residents asked for "

@@ -21,8 +21,7 @@ Services bind to loopback unless a host is given.
 from __future__ import annotations
 
 import json
-import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.common.drain import DEFAULT_DRAIN_SECONDS
@@ -62,6 +61,9 @@ class RouterConfig(ServiceConfig):
     # A request whose pool fails mid-way (its scheduler died, or it has no worker left) moves to
     # another pool that serves the model, with the tokens already streamed: at most this often.
     migration_limit: int = 3
+    # TLS on the router's gRPC and HTTP fronts (PEM files); both empty: plaintext.
+    tls_cert: str = ""
+    tls_key: str = ""
 
     @property
     def http_address(self) -> str | None:
@@ -78,6 +80,7 @@ class SchedulerConfig(ServiceConfig):
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
+    tenant_fairness: bool = True      # qos: inside a class, tenants share by weight, not arrival
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker
@@ -126,10 +129,33 @@ class PoolConfig:
 
 
 @dataclass(slots=True)
+class StoreConfig:
+    """The tenant and billing database (services/store/)."""
+    url: str = ""                     # "" = SQLite in the cache folder; or postgresql://user@host/db
+
+
+@dataclass(slots=True)
+class AuthConfig:
+    required: bool = False            # true: every request needs `authorization: Bearer <key>`
+    admin_key: str = ""               # sees everything; also from $QOS_ADMIN_KEY
+    replicas: int = 1                 # router replicas sharing the tenants' rpm/tpm/concurrency
+
+
+@dataclass(slots=True)
+class BillingConfig:
+    # Cost units = (prompt + completion tokens) x the pool's cost per token x this, by class.
+    multipliers: list = field(default_factory=lambda: [3.0, 1.5, 1.0])   # High, Medium, Low
+    flush_seconds: float = 1.0        # ledger rows are written in batches this often
+
+
+@dataclass(slots=True)
 class ClusterConfig:
     model: str = "default"
     router: RouterConfig = field(default_factory=RouterConfig)
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
+    store: StoreConfig = field(default_factory=StoreConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    billing: BillingConfig = field(default_factory=BillingConfig)
 
     def pool(self, name: str | None) -> PoolConfig:
         """The named pool, or the first one."""
@@ -154,137 +180,3 @@ def single_pool(router: RouterConfig | None = None, scheduler: SchedulerConfig |
     return ClusterConfig(model=model, router=router or RouterConfig(), pools=[PoolConfig(
         name=name, primary=True, scheduler=scheduler or SchedulerConfig(),
         workers=workers or [WorkerConfig()])])
-
-
-def _section(cls, raw: dict, where: str):
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key {where}.{unknown[0]}; known: {', '.join(known)}")
-    defaults = cls()
-    for name, value in raw.items():
-        default = getattr(defaults, name)
-        if default is None or value is None:
-            continue
-        # TOML's true is an int to Python: a flag where a number belongs is still the wrong type.
-        wrong_bool = isinstance(value, bool) and not isinstance(default, bool)
-        if wrong_bool or not (isinstance(value, type(default))
-                              or (isinstance(default, float) and isinstance(value, int))):
-            raise ConfigError(f"{where}.{name} must be {type(default).__name__}, got {value!r}")
-    obj = cls(**raw)
-    if isinstance(obj, ServiceConfig):
-        _check_service(obj, where)
-    return obj
-
-
-def _check_service(s: ServiceConfig, where: str) -> None:
-    if not 0 <= s.port <= 65535:
-        raise ConfigError(f"{where}.port must be in 0..65535, got {s.port}")
-    if s.metrics_port is not None and (isinstance(s.metrics_port, bool) or not isinstance(s.metrics_port, int)
-                                       or not 0 <= s.metrics_port <= 65535):
-        raise ConfigError(f"{where}.metrics_port must be a port in 0..65535 (0 = a free one), "
-                          f"got {s.metrics_port!r}")
-    if not 0 <= s.drain_seconds <= 3600:
-        raise ConfigError(f"{where}.drain_seconds must be in 0..3600, got {s.drain_seconds}")
-
-
-def _check_scheduler(s: SchedulerConfig, where: str) -> None:
-    if s.policy not in POLICIES:
-        raise ConfigError(f"{where}.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
-    if len(s.weights) != 3 or not all(isinstance(w, (int, float)) and w > 0 for w in s.weights):
-        raise ConfigError(f"{where}.weights must be 3 numbers > 0 (high, medium, low), got {s.weights}")
-    if len(s.kv_caps) != 3 or not all(isinstance(c, (int, float)) and 0 < c <= 1 for c in s.kv_caps):
-        raise ConfigError(f"{where}.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
-    if s.max_running < 1 or s.max_step_tokens < s.max_running:
-        raise ConfigError(f"need {where}.max_running >= 1 and max_step_tokens >= max_running")
-    if s.max_queue < 1:
-        raise ConfigError(f"{where}.max_queue must be >= 1, got {s.max_queue}")
-    if s.retry_after_ms < 1:
-        raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
-    if s.workers_from not in ("config", "dns", "join"):
-        raise ConfigError(f"{where}.workers_from must be config, dns or join, got {s.workers_from!r}")
-    host, _, port = s.workers_dns.rpartition(":")
-    if s.workers_from == "dns" and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"{where}.workers_dns must be HOST:PORT with workers_from = \"dns\", "
-                          f"got {s.workers_dns!r}")
-    for name in ("workers_dns_interval_s", "orphan_grace_s", "step_timeout_s"):
-        if not getattr(s, name) > 0:
-            raise ConfigError(f"{where}.{name} must be > 0, got {getattr(s, name)}")
-
-
-def _parse_pool(raw: dict, where: str) -> PoolConfig:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{where}] must be a table")
-    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers")}
-    pool = _section(PoolConfig, flat, where)
-    pool.scheduler = _section(SchedulerConfig, raw.get("scheduler", {}), f"{where}.scheduler")
-    _check_scheduler(pool.scheduler, f"{where}.scheduler")
-    workers = raw.get("workers", [{}])
-    if not isinstance(workers, list) or not workers:
-        raise ConfigError(f"{where}.workers must be a non-empty list of worker tables")
-    if pool.device not in ("cuda", "npu", "cpu"):
-        raise ConfigError(f"{where}.device must be cuda, npu or cpu, got {pool.device!r}")
-    # A worker that names no device runs on its pool's.
-    pool.workers = [_section(WorkerConfig, {"device": pool.device, **w} if isinstance(w, dict) else w,
-                             f"{where}.workers[{i}]") for i, w in enumerate(workers)]
-    for i, w in enumerate(pool.workers):
-        if w.threads < 0:
-            raise ConfigError(f"{where}.workers[{i}].threads must be >= 0")
-        if w.kv_cache_mb is not None and (not isinstance(w.kv_cache_mb, int) or w.kv_cache_mb <= 0):
-            raise ConfigError(f"{where}.workers[{i}].kv_cache_mb must be a positive integer (MiB)")
-        if w.kv_cache_fraction is not None and (not isinstance(w.kv_cache_fraction, (int, float))
-                                                or not 0 < w.kv_cache_fraction <= 1):
-            raise ConfigError(f"{where}.workers[{i}].kv_cache_fraction must be in (0, 1]")
-        # Never label a pool with a device it does not have.
-        if w.device.split(":")[0] != pool.device:
-            raise ConfigError(f"{where}.workers[{i}].device is {w.device!r} but the pool is {pool.device!r}")
-    return pool
-
-
-def parse_config(raw: dict) -> ClusterConfig:
-    known = {"model", "router", "pools", "scheduler", "workers"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
-    if "pools" in raw and ("scheduler" in raw or "workers" in raw):
-        raise ConfigError("give either [[pools]] or a single pool's [scheduler] and [[workers]], not both")
-    if "pools" in raw:
-        if not isinstance(raw["pools"], list) or not raw["pools"]:
-            raise ConfigError("pools must be a non-empty list of [[pools]] tables")
-        pools = [_parse_pool(p, f"pools[{i}]") for i, p in enumerate(raw["pools"])]
-    else:
-        single = {"name": "cpu", "primary": True, "scheduler": raw.get("scheduler", {}),
-                  "workers": raw.get("workers", [{}])}
-        pools = [_parse_pool(single, "pool")]
-    names = [p.name for p in pools]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"pool names must be unique, got {names}")
-    router = _section(RouterConfig, raw.get("router", {}), "router")
-    if router.routing not in ("cost", "primary"):
-        raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
-    if router.admission not in ("priority", "fifo"):
-        raise ConfigError(f"router.admission must be priority or fifo, got {router.admission!r}")
-    if not -1 <= router.http_port <= 65535:
-        raise ConfigError(f"router.http_port must be in 0..65535 (0 = a free port) or -1 (off), "
-                          f"got {router.http_port}")
-    if not 0 <= router.migration_limit <= 100:
-        raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
-    if router.http_max_body_bytes < 1024:
-        raise ConfigError(f"router.http_max_body_bytes must be >= 1024, got {router.http_max_body_bytes}")
-    return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools)
-
-
-def load_config(path: str | Path | None) -> ClusterConfig:
-    if path is None:
-        return ClusterConfig()
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text()
-    try:
-        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
-    return parse_config(raw)

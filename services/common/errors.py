@@ -24,6 +24,7 @@ class ErrorKind(Enum):
     INVALID = "invalid_argument"          # the request is malformed; the message names the field
     UNAUTHENTICATED = "unauthenticated"   # no, unknown or revoked credentials
     PERMISSION_DENIED = "permission_denied"  # credentials fine, not allowed to do this
+    NOT_FOUND = "not_found"               # names a request (or other thing) the caller cannot see
     UNSUPPORTED = "failed_precondition"   # names a model / adapter no pool here serves
     CONFLICT = "conflict"                 # clashes with the service's state (a second stream)
     TOO_LARGE = "too_large"               # can never fit as configured (KV cap); shrink it
@@ -46,6 +47,7 @@ STATUS: dict[ErrorKind, Status] = {
     ErrorKind.INVALID: Status("INVALID_ARGUMENT", 400, "invalid_request_error"),
     ErrorKind.UNAUTHENTICATED: Status("UNAUTHENTICATED", 401, "authentication_error"),
     ErrorKind.PERMISSION_DENIED: Status("PERMISSION_DENIED", 403, "permission_error"),
+    ErrorKind.NOT_FOUND: Status("NOT_FOUND", 404, "not_found_error"),
     ErrorKind.UNSUPPORTED: Status("FAILED_PRECONDITION", 404, "not_found_error"),
     ErrorKind.CONFLICT: Status("FAILED_PRECONDITION", 409, "conflict_error"),
     ErrorKind.TOO_LARGE: Status("RESOURCE_EXHAUSTED", 400, "invalid_request_error"),

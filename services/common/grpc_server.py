@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -54,7 +55,8 @@ WORKER_SERVER_OPTIONS = server_options(WORKER_KEEPALIVE_MS)
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
                      drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
-                     ready: asyncio.Event | None = None, options=SERVER_OPTIONS) -> None:
+                     ready: asyncio.Event | None = None, options=SERVER_OPTIONS,
+                     tls: tuple[str, str] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or drain.request()), then drain (services/common/drain.py) and stop.
 
     `register` adds the servicers and returns their full service names, which the standard
@@ -68,7 +70,11 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for service in ["", *services]:   # the stock servicer starts "" as SERVING; not yet
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(address)
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:       # (certificate chain, private key), PEM files
+        cert, key = (Path(p).expanduser().read_bytes() for p in tls)
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
     if port == 0:
         raise OSError(f"{name}: cannot bind {address}")
     await server.start()

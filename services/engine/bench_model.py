@@ -16,7 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.engine.default_model import cache_root, default_model_dir
+from services.common.paths import cache_root
+from services.engine.default_model import default_model_dir
 
 BENCH_MODEL_NAME = "qos-bench-llama-4L-256"
 SEED = 1234

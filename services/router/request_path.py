@@ -1,10 +1,11 @@
-"""One request's way through the router, the same for every front (gRPC today, HTTP next):
+"""One request's way through the router, the same for every front (gRPC and HTTP):
 
-    serve(head, read_body) = admit (priority order) -> read the body -> route -> relay
+    serve(head, read_body, caller) = let in (key, entitlement, limits) -> admit (priority order)
+                                     -> read the body -> route -> relay (-> migrate) -> settle
 
-A front parses what it can cheaply (the RequestHead: priority, tenant, SLO, adapter) and hands
-over a function that reads and validates the body; everything after that is here. Failures are
-ServiceErrors, raised to the front, which maps them to its own statuses.
+A front parses what it can cheaply (the RequestHead: priority, tenant, SLO, adapter; the caller
+from its API key) and hands over a function that reads and validates the body; everything after
+that is here. Failures are ServiceErrors, raised to the front, which maps them to its own statuses.
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.tracing import inject_metadata
+from services.router.accounts import Accounts
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.tally import RouterTotals, Tally
+from services.router.tenancy import Caller
 from services.router.validation import RequestHead
 
 log = logging.getLogger(__name__)
@@ -37,8 +40,10 @@ async def _go_ahead(_request) -> None:
 
 class RequestPath:
     def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
-                 model_name: str, admission: str = "priority", migration_limit: int = 3):
+                 model_name: str, accounts: Accounts, admission: str = "priority",
+                 migration_limit: int = 3):
         self.pools = pools
+        self.accounts = accounts
         self.migration_limit = migration_limit
         self.totals = totals
         self.tracer = tracer
@@ -46,15 +51,26 @@ class RequestPath:
         # Requests go on to validation and their pool in priority order (services/common/intake.py).
         self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority")
 
-    async def serve(self, head: RequestHead, read_body: ReadBody, parent: Context | None = None,
+    async def serve(self, head: RequestHead, read_body: ReadBody, caller: Caller,
+                    estimated_tokens: int, parent: Context | None = None,
                     attributes: dict | None = None) -> AsyncIterator[common_pb2.GenerateChunk]:
         span = self.tracer.start_span("router.generate", kind=SpanKind.SERVER, context=parent,
                                       attributes={"qos.request_id": head.request_id, **(attributes or {})})
+        try:
+            ticket = self.accounts.admit(caller, head, estimated_tokens)
+        except ServiceError as refused:
+            self.totals.refused_early(refused, head.priority)
+            span.set_status(Status(StatusCode.ERROR, refused.message))
+            span.end()
+            raise
+        tally = pool = None
+        model = self.model_name
         try:
             await self.admissions.admit(None, head.priority)
             tally = self.totals.start(head.priority, head.tenant, span)
             try:
                 body = read_body(self.pools.max_context())
+                model = body.model or model
                 pool = self.route(head, body, span)
                 tally.on_routed(pool.name)
                 streamed: list[int] = []        # token ids sent to the client, over every pool
@@ -73,6 +89,7 @@ class RequestPath:
                 tally.on_fail(error)
                 raise
         finally:
+            self.accounts.settle(ticket, head, tally, self.pools.specs[pool.name] if pool else None, model)
             span.end()
 
     def _migrate(self, head: RequestHead, body: router_pb2.GenerateRequest, span,
@@ -124,16 +141,17 @@ class RequestPath:
         submit = scheduler_pb2.SubmitRequest(
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
-            lora=head.lora or "", resume_token_ids=streamed)
+            lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight)
         call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))
-        cost = self.pools.specs[pool.name].cost
+        spec = self.pools.specs[pool.name]
         finished = False
         try:
             async for chunk in call:
                 tally.on_chunk(chunk)
                 if chunk.finish_reason:
                     finished = True
-                    chunk.cost_units = (chunk.usage.prompt_tokens + chunk.usage.completion_tokens) * cost
+                    chunk.cost_units = self.accounts.amount(
+                        spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens)
                     tally.on_done(chunk)
                 yield chunk
             if not finished:    # the call ended with OK but no last chunk: never leave a client hanging

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from dataclasses import replace
 
 import grpc
 
-from services.common.config import PoolConfig, RouterConfig
+from services.common.config import AuthConfig, BillingConfig, ClusterConfig, PoolConfig, RouterConfig
 from services.common.drain import Drain
-from services.common.errors import ServiceError
+from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import PRIORITIES
 from services.common.grpc_server import run_server
 from services.common.metrics import serve_metrics
 from services.common.proto.qos.v1 import common_pb2, router_pb2
@@ -22,47 +25,90 @@ from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals
-from services.router.validation import decode_request, parse_head
+from services.router.accounts import Accounts
+from services.router.ledger import LedgerWriter
+from services.router.limits import estimate_tokens
+from services.router.tenancy import Caller, TenantBook
+from services.router.validation import RequestHead, decode_request, parse_head
+from services.store.store import Store
 
 log = logging.getLogger(__name__)
 
 
 class RouterService:
-    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str = "cost",
-                 admission: str = "priority", drain: Drain | None = None, migration_limit: int = 3):
-        self.pools = PoolDirectory(pools, model_name, routing)
+    def __init__(self, pools: list[PoolConfig], model_name: str, router: RouterConfig,
+                 store: Store, auth: AuthConfig, billing: BillingConfig, drain: Drain | None = None):
+        self.pools = PoolDirectory(pools, model_name, router.routing)
         self.totals = RouterTotals(list(self.pools.handles))
         self.tracer = setup_tracing("router")
-        self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, admission,
-                                migration_limit)
+        self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
+        self.ledger = LedgerWriter(store, billing.flush_seconds)
+        self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
+        self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
+                                router.admission, router.migration_limit)
         self.drain = drain or Drain("router")
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        await self.book.refresh()          # keys and tenants known before the first request
         self.pools.start()
-        self.tasks = [asyncio.create_task(self.path.admissions.run())]
+        self.tasks = [asyncio.create_task(self.path.admissions.run()),
+                      asyncio.create_task(self.book.keep_fresh()),
+                      asyncio.create_task(self.ledger.run())]
 
     async def stop(self) -> None:
-        """After the drain: the admission task and the pools' channels go."""
+        """After the drain: the background tasks and the pools' channels go, the ledger's last
+        rows are written."""
         for task in self.tasks:
             task.cancel()
+        await self.ledger.flush()
         await self.pools.close()
+        self.book.store.close()
+
+    def let_in(self, metadata: Mapping[str, str]) -> tuple[RequestHead, Caller]:
+        """Both fronts: refused while draining; the head from the metadata (headers), the caller
+        from its key; the tenant and its weight ride along to the scheduler."""
+        self.drain.check()
+        head = parse_head(metadata)
+        caller = self.book.authenticate(metadata.get("authorization"), head.tenant)
+        return replace(head, tenant=caller.name, tenant_weight=caller.tenant.weight), caller
 
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata() or ()
         try:
-            self.drain.check()
-            head = parse_head(dict(metadata))
+            head, caller = self.let_in(dict(metadata))
         except ServiceError as refused:
             self.totals.refused_early(refused)
             raise
+        estimate = estimate_tokens(len(raw.prompt) + sum(len(m.content) for m in raw.messages),
+                                   raw.sampling.max_tokens if raw.sampling.HasField("max_tokens") else None)
         with self.drain.track():
             async for chunk in self.path.serve(head, lambda max_context: decode_request(raw, max_context),
-                                               extract_metadata(metadata)):
+                                               caller, estimate, extract_metadata(metadata)):
                 yield chunk
 
+    def _caller(self, context) -> Caller:
+        metadata = dict(context.invocation_metadata() or ())
+        return self.book.authenticate(metadata.get("authorization"), metadata.get("x-tenant", ""))
+
     async def Stats(self, request, context) -> router_pb2.RouterStats:
+        caller = self._caller(context)
+        if self.book.required and not caller.admin:
+            raise ServiceError(ErrorKind.PERMISSION_DENIED, "the router's stats cover every tenant: "
+                               "they need the admin key", field="authorization", reason="admin_only")
         return self.totals.stats_proto(self.pools.latest_stats(), self.pools.router.threshold.value)
+
+    async def Usage(self, request: router_pb2.UsageRequest, context) -> router_pb2.UsageReply:
+        usage = await self.accounts.usage(self._caller(context), request.tenant or None,
+                                          request.since_unix_s or None)
+        lines = [router_pb2.UsageLine(**{**line, "priority": PRIORITIES[line["priority"]]})
+                 for line in usage.pop("lines")]
+        usage.pop("since")
+        return router_pb2.UsageReply(lines=lines, **usage)
+
+    async def Cancel(self, request: router_pb2.CancelRequest, context) -> router_pb2.CancelReply:
+        entry = self.accounts.cancel(self._caller(context), request.request_id)
+        return router_pb2.CancelReply(request_id=entry.request_id, tenant=entry.tenant)
 
 
 def register_router(server: grpc.aio.Server, service: RouterService) -> list[str]:
@@ -75,18 +121,27 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats, request_deserializer=router_pb2.StatsRequest.FromString,
             response_serializer=router_pb2.RouterStats.SerializeToString),
+        "Usage": grpc.unary_unary_rpc_method_handler(
+            service.Usage, request_deserializer=router_pb2.UsageRequest.FromString,
+            response_serializer=router_pb2.UsageReply.SerializeToString),
+        "Cancel": grpc.unary_unary_rpc_method_handler(
+            service.Cancel, request_deserializer=router_pb2.CancelRequest.FromString,
+            response_serializer=router_pb2.CancelReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("qos.v1.Router", handlers),))
     return ["qos.v1.Router"]
 
 
-async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name: str) -> None:
+async def serve_router(config: ClusterConfig, model_name: str) -> None:
     """The router: gRPC on [router] port, the OpenAI-compatible HTTP front on http_port (unless
     -1), both on one request path, drained together on SIGTERM."""
-    service = RouterService(pools, model_name, config.routing, config.admission,
-                            Drain("router", config.drain_seconds), config.migration_limit)
-    http = HttpFront(service, config) if config.http_port >= 0 else None
-    serve_metrics(service.totals.registry, config.host, config.metrics_port, "router")
+    router = config.router
+    store = await asyncio.to_thread(Store, config.store.url or None)
+    service = RouterService(config.pools, model_name, router, store, config.auth, config.billing,
+                            Drain("router", router.drain_seconds))
+    http = HttpFront(service, router) if router.http_port >= 0 else None
+    serve_metrics(service.totals.registry, router.host, router.metrics_port, "router")
+    warn_if_keys_in_clear(router, config.auth)
 
     async def started(_port: int) -> None:
         await service.start()
@@ -98,7 +153,17 @@ async def serve_router(config: RouterConfig, pools: list[PoolConfig], model_name
             await http.stop()
         await service.stop()
 
-    await run_server("router", config.address, lambda server: register_router(server, service),
+    await run_server("router", router.address, lambda server: register_router(server, service),
                      service.drain, on_started=started, on_stopping=stopping,
-                     ready=service.pools.ready)
+                     ready=service.pools.ready, tls=tls_files(router))
     shutdown_tracing()
+
+
+def tls_files(router: RouterConfig) -> tuple[str, str] | None:
+    return (router.tls_cert, router.tls_key) if router.tls_cert else None
+
+
+def warn_if_keys_in_clear(router: RouterConfig, auth: AuthConfig) -> None:
+    if auth.required and not router.tls_cert and router.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("auth is required but TLS is off on %s: API keys travel in the clear; set "
+                    "[router] tls_cert and tls_key", router.host)

@@ -63,9 +63,10 @@ class RouterTotals:
     def start(self, priority: int, tenant: str, span: Span) -> Tally:
         return Tally(self, priority, tenant, span)
 
-    def refused_early(self, error: ServiceError) -> None:
-        """Refused before its priority was known (a bad x-priority header)."""
-        self.metrics.rejections.labels("unknown", error.reason).inc()
+    def refused_early(self, error: ServiceError, priority: int | None = None) -> None:
+        """Refused before it was admitted: a bad header, no key, a limit."""
+        self.metrics.rejections.labels(priority_name(priority) if priority else "unknown",
+                                       error.reason).inc()
 
     def stats_proto(self, pools, threshold: float) -> router_pb2.RouterStats:
         return router_pb2.RouterStats(
@@ -84,7 +85,10 @@ class Tally:
         self.span = span
         self.pool = ""
         self.started = time.perf_counter()
+        self.started_wall = time.time()
         self.first_token_s: float | None = None
+        self.prompt_tokens = self.completion_tokens = 0    # as far as known (usage comes first)
+        self.outcome = ""                                   # completed | failed | cancelled
         self.groups = [totals.by_priority[priority],
                        totals.by_tenant.setdefault(tenant, Counters())]
         for group in self.groups:
@@ -99,8 +103,11 @@ class Tally:
         self.span.set_attribute("qos.pool", pool)
 
     def on_chunk(self, chunk: common_pb2.GenerateChunk) -> None:
+        if chunk.usage.prompt_tokens:
+            self.prompt_tokens = chunk.usage.prompt_tokens
         if not chunk.token_ids:
             return
+        self.completion_tokens += len(chunk.token_ids)
         elapsed_ms = (time.perf_counter() - self.started) * 1000
         for group in self.groups:
             group.output_tokens += len(chunk.token_ids)
@@ -111,6 +118,8 @@ class Tally:
         self.totals.metrics.tokens.labels(self.name, self.pool).inc(len(chunk.token_ids))
 
     def on_done(self, chunk: common_pb2.GenerateChunk) -> None:
+        self.outcome = "completed"
+        self.completion_tokens = chunk.usage.completion_tokens
         elapsed_s = time.perf_counter() - self.started
         for group in self.groups:
             group.completed += 1
@@ -136,6 +145,7 @@ class Tally:
         self.on_routed(to_pool)
 
     def on_fail(self, error: ServiceError) -> None:
+        self.outcome = "failed"
         for group in self.groups:
             group.failed += 1
         self.span.set_status(Status(StatusCode.ERROR, f"{error.kind.status.grpc}: {error.message}"))
@@ -146,6 +156,7 @@ class Tally:
             self.totals.metrics.rejections.labels(self.name, error.reason).inc()
 
     def on_cancel(self) -> None:
+        self.outcome = "cancelled"
         for group in self.groups:
             group.cancelled += 1
         if self.pool:

@@ -28,6 +28,7 @@ class RequestHead:
     slo_ms: int = 0                  # 0: none
     lora: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tenant_weight: float = 1.0       # the tenant's share inside its class (from its record)
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:

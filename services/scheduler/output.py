@@ -39,6 +39,9 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
                                      token_ids=[token_id], pool=pool)
     if reason is None:
         chunk.timings.CopyFrom(timings(request))
+        if len(request.output_ids) == request.resumed + 1:
+            # The first chunk tells the prompt's size: the router bills a request that ends early.
+            chunk.usage.prompt_tokens = len(request.prompt_ids)
         return chunk
     if not detok.stopped:
         chunk.text += detok.flush()       # text held back in case a stop string was starting

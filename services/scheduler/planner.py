@@ -132,6 +132,7 @@ class StepPlanner:
                 tokens = self._schedule(worker, builder, request)
                 taken += tokens
                 self.served_tokens[request.priority] += tokens
+                policy.charge_tenant(request, tokens)
             if taken:
                 policy.charge(lane, taken)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
@@ -147,13 +148,13 @@ class StepPlanner:
             request = running_in_lane.popleft()
             if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room
                 return request
-        queue = self.policy.queue(lane)
-        if not queue or not builder.may_admit(queue[0]):
+        head = self.policy.queue(lane).peek()
+        if head is None or not builder.may_admit(head):
             return None
         if len(self.running[worker.index]) >= self.max_running \
-                and not self._free_slot(worker, builder, queue[0]):
+                and not self._free_slot(worker, builder, head):
             return None
-        if self._admit(worker, builder, queue[0]):
+        if self._admit(worker, builder, head):
             return self.running[worker.index][-1]
         return None
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.priority import HIGH, LOW, MEDIUM, ORDER, priority_name
 from services.scheduler.request import Request
+from services.scheduler.tenant_queue import TenantQueue
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class QoSSettings:
     weights: dict[int, float] = field(default_factory=lambda: {HIGH: 5.0, MEDIUM: 3.0, LOW: 2.0})
     kv_caps: dict[int, float] = field(default_factory=lambda: {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3})
+    tenant_fairness: bool = True      # inside a class, tenants share by weight (tenant_queue.py)
 
     def __post_init__(self) -> None:
         for p in ORDER:
@@ -39,8 +40,8 @@ class SchedulingPolicy(ABC):
     name: str
     admits_by_priority = True     # new requests are tokenized and queued High first (intake.py)
 
-    def __init__(self) -> None:
-        self._queues: dict[int, deque[Request]] = {lane: deque() for lane in self.lanes}
+    def __init__(self, tenant_fairness: bool = False) -> None:
+        self._queues: dict[int, TenantQueue] = {lane: TenantQueue(tenant_fairness) for lane in self.lanes}
 
     # --- lanes and waiting queues -----------------------------------------------------------
 
@@ -73,8 +74,13 @@ class SchedulingPolicy(ABC):
     def remove(self, request: Request) -> None:
         self._queues[self.lane_of(request)].remove(request)
 
-    def queue(self, lane: int) -> deque[Request]:
+    def queue(self, lane: int) -> TenantQueue:
+        """The lane's waiting requests; `.peek()` is the one to admit next."""
         return self._queues[lane]
+
+    def charge_tenant(self, request: Request, tokens: int) -> None:
+        """`tokens` were served to `request`: its tenant's share inside the lane moves on."""
+        self._queues[self.lane_of(request)].charge(request, tokens)
 
     def waiting(self, priority: int) -> int:
         return sum(1 for q in self._queues.values() for r in q if r.priority == priority)
@@ -143,8 +149,9 @@ class QoSPolicy(SchedulingPolicy):
     MIN_QUANTUM_TOKENS = 16
 
     def __init__(self, settings: QoSSettings | None = None):
-        super().__init__()
-        self.settings = settings or QoSSettings()
+        settings = settings or QoSSettings()
+        super().__init__(settings.tenant_fairness)
+        self.settings = settings
         self._weights = dict(self.settings.weights)
         self.virtual_time = {p: 0.0 for p in ORDER}
         self._backlogged: set[int] = set()

@@ -66,7 +66,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.worker_addresses = worker_addresses
         self.policy = create_policy(config.policy, QoSSettings(
             weights=dict(zip(ORDER, map(float, config.weights))),
-            kv_caps=dict(zip(ORDER, map(float, config.kv_caps)))))
+            kv_caps=dict(zip(ORDER, map(float, config.kv_caps))), tenant_fairness=config.tenant_fairness))
         self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
         self.batcher = ContinuousBatcher(pool_name, [], self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor,
@@ -120,7 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
-            slo_ms=submit.slo_ms or None)
+            slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids))
         return request

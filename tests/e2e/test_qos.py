@@ -9,7 +9,7 @@ import pytest
 from services.common.priority import LOW
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
-from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest

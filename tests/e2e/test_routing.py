@@ -48,8 +48,9 @@ def test_low_burst_overflows_to_the_cheaper_pool_and_high_stays_on_the_primary()
         assert all(a.pool == "big" for a in highs)
         assert all(a.finish_reason == "length" for a in lows + highs)
         cost = {"big": 0.2, "small": 0.05}
-        for answer in lows + highs:
-            assert answer.cost_units == pytest.approx(answer.total_tokens * cost[answer.pool])
+        # tokens x the pool's cost per token x the class's billing multiplier (High 3, Low 1)
+        for answer, multiplier in [(a, 1.0) for a in lows] + [(a, 3.0) for a in highs]:
+            assert answer.cost_units == pytest.approx(answer.total_tokens * cost[answer.pool] * multiplier)
 
         by_pool = {g.name: g for g in stats.by_pool}
         assert by_pool["small"].requests == low_pools.count("small")

@@ -6,7 +6,6 @@ import random
 
 import grpc
 import pytest
-import torch
 
 from services.client import RouterClient, chat_request, sampling_params
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import ConfigError, WorkerConfig, parse_config
+from services.common.config import ConfigError, WorkerConfig
+from services.common.config_file import parse_config
 
 MiB = 2**20
 
@@ -65,7 +66,7 @@ def test_a_worker_entry_that_is_not_a_table_is_refused():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"routers": {}}, "unknown key routers; known: model, pools, router, scheduler, workers"),
+    ({"routers": {}}, "unknown key routers; known: auth, billing, model, pools, router, scheduler, store, workers"),
     ({"pools": []}, "pools must be a non-empty list"),
     ({"pools": {"name": "p"}}, "pools must be a non-empty list"),
     ({"pools": [{"name": "a"}], "scheduler": {}}, "either \\[\\[pools\\]\\] or a single pool"),

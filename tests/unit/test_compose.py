@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.config import load_config
+from services.common.config_file import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

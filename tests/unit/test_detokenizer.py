@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from services.scheduler.detokenizer import IncrementalDetokenizer
 from tests.unit.detok_helpers import FFFD, byte_token_ids, encode, stream
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,6 +14,7 @@ EXPECTED = {
     ErrorKind.INVALID: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     ErrorKind.UNAUTHENTICATED: (grpc.StatusCode.UNAUTHENTICATED, 401),
     ErrorKind.PERMISSION_DENIED: (grpc.StatusCode.PERMISSION_DENIED, 403),
+    ErrorKind.NOT_FOUND: (grpc.StatusCode.NOT_FOUND, 404),
     ErrorKind.UNSUPPORTED: (grpc.StatusCode.FAILED_PRECONDITION, 404),
     ErrorKind.CONFLICT: (grpc.StatusCode.FAILED_PRECONDITION, 409),
     ErrorKind.TOO_LARGE: (grpc.StatusCode.RESOURCE_EXHAUSTED, 400),

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from services.common.proto.qos.v1 import common_pb2
 from services.common.step import SamplingParams
 from services.common.errors import ServiceError
 from services.scheduler.batcher import ContinuousBatcher
@@ -15,7 +14,7 @@ from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
 from services.common.priority import HIGH, LOW, MEDIUM
-from services.scheduler.policy import QoSPolicy, create_policy
+from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Phase, Request
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
 
@@ -23,20 +22,22 @@ from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expec
 class Harness:
     """A batcher over simulated workers, advanced one step at a time."""
 
-    def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1):
+    def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1,
+                 tenant_fairness=True):
         self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
-        self.policy = create_policy(policy)
+        self.policy = create_policy(policy, QoSSettings(tenant_fairness=tenant_fairness))
         self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
         self.next_id = 1
         self.requests: list[Request] = []
 
-    def submit(self, priority: int, prompt_len: int, max_tokens: int) -> Request:
+    def submit(self, priority: int, prompt_len: int, max_tokens: int, tenant: str = "",
+               weight: float = 1.0) -> Request:
         seq_id = self.next_id
         self.next_id += 1
         prompt = [(seq_id * 7 + i) % 50 + 3 for i in range(prompt_len)]
-        request = Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant="",
+        request = Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant=tenant,
                           prompt_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                          detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt))
+                          detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt), tenant_weight=weight)
         self.requests.append(request)
         self.batcher.submit(request)
         return request

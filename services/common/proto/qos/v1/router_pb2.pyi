@@ -8,6 +8,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class UsageRequest(_message.Message):
+    __slots__ = ("tenant", "since_unix_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    since_unix_s: float
+    def __init__(self, tenant: _Optional[str] = ..., since_unix_s: _Optional[float] = ...) -> None: ...
+
+class UsageLine(_message.Message):
+    __slots__ = ("tenant", "priority", "requests", "prompt_tokens", "completion_tokens", "amount")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    priority: _common_pb2.Priority
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    amount: float
+    def __init__(self, tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., amount: _Optional[float] = ...) -> None: ...
+
+class UsageReply(_message.Message):
+    __slots__ = ("tenant", "lines", "requests", "prompt_tokens", "completion_tokens", "amount", "in_flight")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    lines: _containers.RepeatedCompositeFieldContainer[UsageLine]
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    amount: float
+    in_flight: int
+    def __init__(self, tenant: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[UsageLine, _Mapping]]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., amount: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CancelReply(_message.Message):
+    __slots__ = ("request_id", "tenant")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "messages", "sampling", "model")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

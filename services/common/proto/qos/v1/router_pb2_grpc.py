@@ -45,6 +45,16 @@ class RouterStub:
                 request_serializer=qos_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_router__pb2.RouterStats.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/qos.v1.Router/Usage',
+                request_serializer=qos_dot_v1_dot_router__pb2.UsageRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_router__pb2.UsageReply.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/qos.v1.Router/Cancel',
+                request_serializer=qos_dot_v1_dot_router__pb2.CancelRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_router__pb2.CancelReply.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -68,6 +78,22 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """What a tenant has used, from the billing ledger: the caller's own tenant (metadata
+        `authorization: Bearer <key>`); the admin key may name any tenant, or none for all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Cancel a request in flight. A tenant may cancel only its own (another's is NOT_FOUND, as is
+        an unknown id); the admin key any.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +106,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=qos_dot_v1_dot_router__pb2.StatsRequest.FromString,
                     response_serializer=qos_dot_v1_dot_router__pb2.RouterStats.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=qos_dot_v1_dot_router__pb2.UsageRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_router__pb2.UsageReply.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=qos_dot_v1_dot_router__pb2.CancelRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_router__pb2.CancelReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +172,60 @@ class Router:
             '/qos.v1.Router/Stats',
             qos_dot_v1_dot_router__pb2.StatsRequest.SerializeToString,
             qos_dot_v1_dot_router__pb2.RouterStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Router/Usage',
+            qos_dot_v1_dot_router__pb2.UsageRequest.SerializeToString,
+            qos_dot_v1_dot_router__pb2.UsageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Router/Cancel',
+            qos_dot_v1_dot_router__pb2.CancelRequest.SerializeToString,
+            qos_dot_v1_dot_router__pb2.CancelReply.FromString,
             options,
             channel_credentials,
             insecure,

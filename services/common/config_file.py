@@ -1,0 +1,164 @@
+"""Reading a cluster config file (TOML, or JSON of the same shape) into services/common/config.py's
+dataclasses, checking every key: unknown keys, wrong types and out-of-range values are refused
+with a ConfigError that names the key."""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+from services.common.config import (POLICIES, AuthConfig, BillingConfig, ClusterConfig, ConfigError,
+                                    PoolConfig, RouterConfig, SchedulerConfig, ServiceConfig,
+                                    StoreConfig, WorkerConfig)
+
+
+def _section(cls, raw: dict, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key {where}.{unknown[0]}; known: {', '.join(known)}")
+    defaults = cls()
+    for name, value in raw.items():
+        default = getattr(defaults, name)
+        if default is None or value is None:
+            continue
+        # TOML's true is an int to Python: a flag where a number belongs is still the wrong type.
+        wrong_bool = isinstance(value, bool) and not isinstance(default, bool)
+        if wrong_bool or not (isinstance(value, type(default))
+                              or (isinstance(default, float) and isinstance(value, int))):
+            raise ConfigError(f"{where}.{name} must be {type(default).__name__}, got {value!r}")
+    obj = cls(**raw)
+    if isinstance(obj, ServiceConfig):
+        _check_service(obj, where)
+    return obj
+
+
+def _check_service(s: ServiceConfig, where: str) -> None:
+    if not 0 <= s.port <= 65535:
+        raise ConfigError(f"{where}.port must be in 0..65535, got {s.port}")
+    if s.metrics_port is not None and (isinstance(s.metrics_port, bool) or not isinstance(s.metrics_port, int)
+                                       or not 0 <= s.metrics_port <= 65535):
+        raise ConfigError(f"{where}.metrics_port must be a port in 0..65535 (0 = a free one), "
+                          f"got {s.metrics_port!r}")
+    if not 0 <= s.drain_seconds <= 3600:
+        raise ConfigError(f"{where}.drain_seconds must be in 0..3600, got {s.drain_seconds}")
+
+
+def _check_scheduler(s: SchedulerConfig, where: str) -> None:
+    if s.policy not in POLICIES:
+        raise ConfigError(f"{where}.policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
+    if len(s.weights) != 3 or not all(isinstance(w, (int, float)) and w > 0 for w in s.weights):
+        raise ConfigError(f"{where}.weights must be 3 numbers > 0 (high, medium, low), got {s.weights}")
+    if len(s.kv_caps) != 3 or not all(isinstance(c, (int, float)) and 0 < c <= 1 for c in s.kv_caps):
+        raise ConfigError(f"{where}.kv_caps must be 3 shares in (0, 1] (high, medium, low), got {s.kv_caps}")
+    if s.max_running < 1 or s.max_step_tokens < s.max_running:
+        raise ConfigError(f"need {where}.max_running >= 1 and max_step_tokens >= max_running")
+    if s.max_queue < 1:
+        raise ConfigError(f"{where}.max_queue must be >= 1, got {s.max_queue}")
+    if s.retry_after_ms < 1:
+        raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
+    if s.workers_from not in ("config", "dns", "join"):
+        raise ConfigError(f"{where}.workers_from must be config, dns or join, got {s.workers_from!r}")
+    host, _, port = s.workers_dns.rpartition(":")
+    if s.workers_from == "dns" and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{where}.workers_dns must be HOST:PORT with workers_from = \"dns\", "
+                          f"got {s.workers_dns!r}")
+    for name in ("workers_dns_interval_s", "orphan_grace_s", "step_timeout_s"):
+        if not getattr(s, name) > 0:
+            raise ConfigError(f"{where}.{name} must be > 0, got {getattr(s, name)}")
+
+
+def _parse_pool(raw: dict, where: str) -> PoolConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers")}
+    pool = _section(PoolConfig, flat, where)
+    pool.scheduler = _section(SchedulerConfig, raw.get("scheduler", {}), f"{where}.scheduler")
+    _check_scheduler(pool.scheduler, f"{where}.scheduler")
+    workers = raw.get("workers", [{}])
+    if not isinstance(workers, list) or not workers:
+        raise ConfigError(f"{where}.workers must be a non-empty list of worker tables")
+    if pool.device not in ("cuda", "npu", "cpu"):
+        raise ConfigError(f"{where}.device must be cuda, npu or cpu, got {pool.device!r}")
+    # A worker that names no device runs on its pool's.
+    pool.workers = [_section(WorkerConfig, {"device": pool.device, **w} if isinstance(w, dict) else w,
+                             f"{where}.workers[{i}]") for i, w in enumerate(workers)]
+    for i, w in enumerate(pool.workers):
+        if w.threads < 0:
+            raise ConfigError(f"{where}.workers[{i}].threads must be >= 0")
+        if w.kv_cache_mb is not None and (not isinstance(w.kv_cache_mb, int) or w.kv_cache_mb <= 0):
+            raise ConfigError(f"{where}.workers[{i}].kv_cache_mb must be a positive integer (MiB)")
+        if w.kv_cache_fraction is not None and (not isinstance(w.kv_cache_fraction, (int, float))
+                                                or not 0 < w.kv_cache_fraction <= 1):
+            raise ConfigError(f"{where}.workers[{i}].kv_cache_fraction must be in (0, 1]")
+        # Never label a pool with a device it does not have.
+        if w.device.split(":")[0] != pool.device:
+            raise ConfigError(f"{where}.workers[{i}].device is {w.device!r} but the pool is {pool.device!r}")
+    return pool
+
+
+def parse_config(raw: dict) -> ClusterConfig:
+    known = {"model", "router", "pools", "scheduler", "workers", "store", "auth", "billing"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
+    if "pools" in raw and ("scheduler" in raw or "workers" in raw):
+        raise ConfigError("give either [[pools]] or a single pool's [scheduler] and [[workers]], not both")
+    if "pools" in raw:
+        if not isinstance(raw["pools"], list) or not raw["pools"]:
+            raise ConfigError("pools must be a non-empty list of [[pools]] tables")
+        pools = [_parse_pool(p, f"pools[{i}]") for i, p in enumerate(raw["pools"])]
+    else:
+        single = {"name": "cpu", "primary": True, "scheduler": raw.get("scheduler", {}),
+                  "workers": raw.get("workers", [{}])}
+        pools = [_parse_pool(single, "pool")]
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"pool names must be unique, got {names}")
+    router = _section(RouterConfig, raw.get("router", {}), "router")
+    if router.routing not in ("cost", "primary"):
+        raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
+    if router.admission not in ("priority", "fifo"):
+        raise ConfigError(f"router.admission must be priority or fifo, got {router.admission!r}")
+    if not -1 <= router.http_port <= 65535:
+        raise ConfigError(f"router.http_port must be in 0..65535 (0 = a free port) or -1 (off), "
+                          f"got {router.http_port}")
+    if not 0 <= router.migration_limit <= 100:
+        raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
+    if router.http_max_body_bytes < 1024:
+        raise ConfigError(f"router.http_max_body_bytes must be >= 1024, got {router.http_max_body_bytes}")
+    if bool(router.tls_cert) != bool(router.tls_key):
+        raise ConfigError("router.tls_cert and router.tls_key go together (PEM files)")
+    for name in ("tls_cert", "tls_key"):
+        if getattr(router, name) and not Path(getattr(router, name)).expanduser().is_file():
+            raise ConfigError(f"router.{name}: no file {getattr(router, name)}")
+    store = _section(StoreConfig, raw.get("store", {}), "store")
+    auth = _section(AuthConfig, raw.get("auth", {}), "auth")
+    if auth.replicas < 1:
+        raise ConfigError(f"auth.replicas must be >= 1, got {auth.replicas}")
+    billing = _section(BillingConfig, raw.get("billing", {}), "billing")
+    if len(billing.multipliers) != 3 or not all(
+            isinstance(m, (int, float)) and not isinstance(m, bool) and m >= 0 for m in billing.multipliers):
+        raise ConfigError(f"billing.multipliers must be 3 numbers >= 0 (high, medium, low), got "
+                          f"{billing.multipliers}")
+    if not billing.flush_seconds > 0:
+        raise ConfigError(f"billing.flush_seconds must be > 0, got {billing.flush_seconds}")
+    return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools,
+                         store=store, auth=auth, billing=billing)
+
+
+def load_config(path: str | Path | None) -> ClusterConfig:
+    if path is None:
+        return ClusterConfig()
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    return parse_config(raw)

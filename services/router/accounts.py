@@ -1,0 +1,131 @@
+"""The router's side of tenants and money, around the request path (services/router/request_path.py):
+let a request in (services/router/tenancy.py), price it, settle it when it ends (limits trued up,
+a ledger row: services/router/ledger.py), and find, cancel or report requests on behalf of whoever
+asks, each tenant seeing only its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import ORDER, priority_name
+from services.router.ledger import LedgerWriter
+from services.router.routing import PoolSpec
+from services.router.tally import Tally
+from services.router.tenancy import Caller, Pass, TenantBook
+from services.router.validation import RequestHead
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    tenant: str
+    priority: str
+    task: asyncio.Task | None
+    started: float
+    cancelled_by: str = ""
+
+
+def not_found(request_id: str) -> ServiceError:
+    # The same answer whether the request is another tenant's or does not exist: a key never
+    # learns which ids other tenants use.
+    return ServiceError(ErrorKind.NOT_FOUND, f"no request {request_id!r} of yours is in flight or "
+                        "in the ledger", field="request_id", reason="not_found")
+
+
+class Accounts:
+    def __init__(self, book: TenantBook, ledger: LedgerWriter, multipliers: list[float]):
+        self.book = book
+        self.ledger = ledger
+        self.multipliers = dict(zip(ORDER, map(float, multipliers)))
+        self.in_flight: dict[str, InFlight] = {}
+
+    # --- one request ---------------------------------------------------------------------------------
+
+    def admit(self, caller: Caller, head: RequestHead, estimated_tokens: int) -> Pass:
+        ticket = self.book.admit(caller, head.priority, estimated_tokens)
+        self.in_flight[head.request_id] = InFlight(head.request_id, caller.name, priority_name(head.priority),
+                                                   asyncio.current_task(), time.time())
+        return ticket
+
+    def amount(self, spec: PoolSpec, priority: int, tokens: int) -> float:
+        """What `tokens` (prompt + completion) cost on that pool in that class (cost units)."""
+        return tokens * spec.cost * self.multipliers[priority]
+
+    def settle(self, ticket: Pass, head: RequestHead, tally: Tally | None, spec: PoolSpec | None,
+               model: str) -> None:
+        """The request ended (`tally` None: before it was admitted): its stream and reserved tokens
+        are released, and if it produced tokens (or completed) its row goes to the ledger."""
+        self.in_flight.pop(head.request_id, None)
+        if tally is None:
+            self.book.release(ticket, None, 0.0)
+            return
+        tokens = tally.prompt_tokens + tally.completion_tokens
+        billable = spec is not None and (tally.completion_tokens > 0 or tally.outcome == "completed")
+        amount = self.amount(spec, head.priority, tokens) if billable else 0.0
+        self.book.release(ticket, tokens if tally.outcome else None, amount)
+        if billable:
+            self.ledger.record({
+                "request_id": head.request_id, "tenant": ticket.caller.name,
+                "key_prefix": ticket.caller.key_prefix, "priority": priority_name(head.priority),
+                "pool": spec.name, "device": spec.device, "model": model,
+                "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
+                "price_per_token": spec.cost, "multiplier": self.multipliers[head.priority],
+                "amount": amount, "outcome": tally.outcome or "cancelled",
+                "started_at": tally.started_wall, "finished_at": time.time()})
+
+    # --- on behalf of a caller --------------------------------------------------------------------
+
+    def _mine(self, caller: Caller, request_id: str) -> InFlight | None:
+        entry = self.in_flight.get(request_id)
+        if entry is not None and (caller.admin or entry.tenant == caller.name):
+            return entry
+        return None
+
+    def cancel(self, caller: Caller, request_id: str) -> InFlight:
+        entry = self._mine(caller, request_id)
+        if entry is None or entry.task is None:
+            raise not_found(request_id)
+        entry.cancelled_by = caller.name
+        entry.task.cancel()
+        return entry
+
+    def was_cancelled(self, request_id: str) -> str:
+        entry = self.in_flight.get(request_id)
+        return entry.cancelled_by if entry else ""
+
+    async def request(self, caller: Caller, request_id: str) -> dict:
+        """One request: in flight, or its ledger row."""
+        entry = self._mine(caller, request_id)
+        if entry is not None:
+            return {"request_id": request_id, "tenant": entry.tenant, "priority": entry.priority,
+                    "status": "in_flight", "started_at": entry.started}
+        rows = await asyncio.to_thread(self.book.store.ledger_rows, request_id=request_id)
+        if not rows or not (caller.admin or rows[0]["tenant"] == caller.name):
+            raise not_found(request_id)
+        return {**rows[0], "status": rows[0]["outcome"]}
+
+    async def usage(self, caller: Caller, tenant: str | None = None, since: float | None = None) -> dict:
+        """Totals from the ledger by tenant and priority, for the caller's tenant; the admin key
+        may name any tenant, or none for all."""
+        if tenant and not caller.admin and tenant != caller.name:
+            raise ServiceError(ErrorKind.PERMISSION_DENIED, "a tenant key sees only its own usage",
+                               field="tenant", reason="not_your_tenant")
+        if not caller.admin:
+            tenant = caller.name
+        rows = await asyncio.to_thread(self.book.store.ledger_rows, tenant=tenant or None, since=since)
+        lines: dict[tuple[str, str], dict] = {}
+        for row in rows:
+            line = lines.setdefault((row["tenant"], row["priority"]), {
+                "tenant": row["tenant"], "priority": row["priority"], "requests": 0,
+                "prompt_tokens": 0, "completion_tokens": 0, "amount": 0.0})
+            line["requests"] += 1
+            for key in ("prompt_tokens", "completion_tokens", "amount"):
+                line[key] += row[key]
+        total = {key: sum(line[key] for line in lines.values())
+                 for key in ("requests", "prompt_tokens", "completion_tokens", "amount")}
+        in_flight = sum(1 for e in self.in_flight.values() if not tenant or e.tenant == tenant)
+        return {"tenant": tenant or "*", "since": since, "lines": [lines[k] for k in sorted(lines)],
+                **total, "in_flight": in_flight}

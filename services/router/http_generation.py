@@ -1,0 +1,156 @@
+"""One OpenAI completion request answered over HTTP: run it on the shared request path and send
+the result as one JSON body or as Server-Sent Events, with the caller's rate-limit headers."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from starlette.responses import JSONResponse, Response
+
+from services.common.errors import ErrorKind, ServiceError
+from services.router.openai_request import CHAT, OpenAIRequest
+from services.router.openai_response import OpenAIResponse, error_body
+from services.router.tenancy import Caller
+from services.router.validation import RequestHead, check_sampling
+
+SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
+               "x-accel-buffering": "no"}
+
+
+def to_json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
+    """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
+    if field is None or request is None:
+        return field
+    if field == "sampling.max_tokens":
+        return request.max_tokens_field
+    if field == "prompt" and request.kind == CHAT:
+        return "messages"
+    return field.removeprefix("sampling.")
+
+
+def error_response(error: ServiceError, request: OpenAIRequest | None = None,
+                   request_id: str | None = None, headers: dict | None = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if error.retry_after_ms is not None:
+        headers.update({"retry-after": str(error.retry_after_seconds),
+                        "retry-after-ms": str(error.retry_after_ms)})
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(error_body(error, http_param(error.field, request)),
+                        status_code=error.kind.status.http, headers=headers)
+
+
+class GenerationResponse(Response):
+    """Runs one request on the shared path and answers it, as JSON or as SSE. Until the first
+    chunk arrives nothing is sent, so a refusal is a real HTTP status; after it, an error is a
+    final `data: {"error": ...}` event. A client that disconnects cancels the request all the
+    way to its worker (the cancellation runs through RequestPath.relay)."""
+
+    def __init__(self, front, head: RequestHead, caller: Caller, estimate: int,
+                 request: OpenAIRequest, parent):
+        self.front, self.head, self.caller, self.estimate = front, head, caller, estimate
+        self.request, self.parent = request, parent
+        self.client_gone = asyncio.Event()
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            self.front.drain.enter()          # refused if the drain began since the body was read
+        except ServiceError as error:
+            await self._error(error, scope, send)
+            return
+        try:
+            work = asyncio.create_task(self._answer(scope, send))
+            gone = asyncio.create_task(_disconnected(receive, self.client_gone))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not work.done():       # the client went away first
+                work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+        finally:
+            self.front.drain.leave()
+
+    def _headers(self) -> dict[str, str]:
+        """x-request-id, and the caller's x-ratelimit-* as they stand now."""
+        return {"x-request-id": self.head.request_id, **self.front.book.headers(self.caller)}
+
+    async def _error(self, error: ServiceError, scope, send) -> None:
+        await error_response(error, self.request, headers=self._headers())(scope, None, send)
+
+    async def _answer(self, scope, send) -> None:
+        request, head = self.request, self.head
+        out = OpenAIResponse(request, head.request_id, int(time.time()), head.priority)
+
+        def read_body(max_context: int | None):
+            check_sampling(request.body.sampling, max_context)
+            return request.body
+
+        chunks = self.front.path.serve(head, read_body, self.caller, self.estimate, self.parent,
+                                       {"qos.user": request.user})
+        self.started = False
+        try:
+            if request.stream:
+                await self._stream(out, chunks, scope, send)
+            else:
+                await self._whole(out, chunks, scope, send)
+        except asyncio.CancelledError:
+            if self.client_gone.is_set():
+                raise
+            # Cancelled on our side (the Cancel API): the client still deserves an answer.
+            cancelled = ServiceError(ErrorKind.CANCELLED, f"request {head.request_id} was cancelled",
+                                     reason="cancelled")
+            if self.started:
+                await send({"type": "http.response.body", "more_body": False, "body": b"data: " + to_json(
+                    error_body(cancelled, None)) + b"\n\n"})
+            else:
+                await self._error(cancelled, scope, send)
+        finally:
+            await chunks.aclose()      # cancelled mid-way: the relay cancels the scheduler's call
+
+    async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
+        try:
+            async for chunk in chunks:
+                out.add(chunk)
+                if chunk.finish_reason:
+                    break
+        except ServiceError as error:
+            await self._error(error, scope, send)
+            return
+        await JSONResponse(out.body(), headers=self._headers())(scope, None, send)
+
+    async def _stream(self, out: OpenAIResponse, chunks, scope, send) -> None:
+        try:
+            chunk = await anext(chunks)
+        except ServiceError as error:
+            await self._error(error, scope, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": _raw({**SSE_HEADERS, **self._headers()})})
+        self.started = True
+        try:
+            while True:
+                body = b"".join(b"data: " + to_json(e) + b"\n\n" for e in out.events(chunk))
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                if chunk.finish_reason:
+                    break
+                chunk = await anext(chunks)
+            tail = b"data: [DONE]\n\n"
+        except ServiceError as error:
+            tail = b"data: " + to_json(error_body(error, http_param(error.field, self.request))) + b"\n\n"
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _disconnected(receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode("latin-1")) for k, v in headers.items()]

@@ -1,0 +1,77 @@
+"""One priority class's waiting requests, shared fairly between tenants.
+
+Inside a class, tenants share its tokens by weight, with the same weighted fair queueing the
+classes use between them (services/scheduler/policy.py): each tenant has a virtual time, advanced
+by the tokens its requests are served (prefill and decode, running ones included) divided by its
+weight, and the next request admitted is the oldest of the tenant with the smallest virtual time.
+A tenant that was idle re-enters at the smallest virtual time among the waiting ones, so idle time
+banks no credit. So a tenant with 200 queued requests cannot make another tenant's first request
+wait behind all of them: it waits for one admission. With fairness off it is one FIFO.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from services.scheduler.request import Request
+
+ONE_LANE = ""        # the key every request shares when fairness is off
+
+
+class TenantQueue:
+    def __init__(self, fair: bool = True):
+        self.fair = fair
+        self._by_tenant: dict[str, deque[Request]] = {}
+        self._vtime: dict[str, float] = {}
+        self._size = 0
+
+    def _key(self, request: Request) -> str:
+        return request.tenant if self.fair else ONE_LANE
+
+    def _enter(self, key: str) -> deque[Request]:
+        """The tenant's queue; a tenant that had nothing waiting re-enters at the smallest
+        virtual time of those that do (no credit for idle time)."""
+        queue = self._by_tenant.get(key)
+        if queue:
+            return queue
+        waiting = [self._vtime[t] for t, q in self._by_tenant.items() if q]
+        floor = min(waiting) if waiting else self._vtime.get(key, 0.0)
+        self._vtime[key] = max(self._vtime.get(key, 0.0), floor)
+        return self._by_tenant.setdefault(key, deque())
+
+    def append(self, request: Request) -> None:
+        self._enter(self._key(request)).append(request)
+        self._size += 1
+
+    def appendleft(self, request: Request) -> None:
+        """A preempted request goes back first in its tenant's line."""
+        self._enter(self._key(request)).appendleft(request)
+        self._size += 1
+
+    def remove(self, request: Request) -> None:
+        self._by_tenant[self._key(request)].remove(request)
+        self._size -= 1
+
+    def peek(self) -> Request | None:
+        """The request to admit next: the oldest of the tenant with the smallest virtual time."""
+        best = None
+        for key, queue in self._by_tenant.items():
+            if queue and (best is None or self._vtime[key] < self._vtime[best]):
+                best = key
+        return None if best is None else self._by_tenant[best][0]
+
+    def charge(self, request: Request, tokens: int) -> None:
+        """`tokens` were served to one of the tenant's requests (waiting or running)."""
+        if self.fair:
+            key = request.tenant
+            self._vtime[key] = self._vtime.get(key, 0.0) + tokens / (request.tenant_weight or 1.0)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in list(self._by_tenant.values()):
+            yield from list(queue)

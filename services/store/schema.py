@@ -1,0 +1,75 @@
+"""The billing and tenant database's tables (SQLAlchemy Core), the same on SQLite and PostgreSQL,
+and its version.
+
+    tenants       who may call: allowed priorities, limits, fair-share weight, budget
+    api_keys      one row per key: only a SHA-256 of the key and a short display prefix are
+                  stored; revoked keys keep their row (revoked_at set)
+    ledger        one row per request that ended having produced tokens (or completed): the bill
+    schema_info   one row: the schema version this database holds
+
+A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
+must not write into a schema it does not know); an older one is upgraded by MIGRATIONS in order.
+"""
+from __future__ import annotations
+
+from sqlalchemy import (Column, Float, ForeignKey, Integer, MetaData, String, Table,
+                        UniqueConstraint)
+
+SCHEMA_VERSION = 1
+metadata = MetaData()
+
+schema_info = Table(
+    "schema_info", metadata,
+    Column("id", Integer, primary_key=True),
+    Column("version", Integer, nullable=False),
+)
+
+tenants = Table(
+    "tenants", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(64), nullable=False, unique=True),
+    Column("priorities", String(32), nullable=False, default="high,medium,low"),
+    Column("rpm", Integer),                      # requests per minute; NULL: no limit
+    Column("tpm", Integer),                      # tokens per minute (prompt + max_tokens)
+    Column("max_concurrent", Integer),           # streams open at once
+    Column("budget", Float),                     # cost units it may spend in all; NULL: no limit
+    Column("weight", Float, nullable=False, default=1.0),   # share inside a priority class
+    Column("created_at", Float, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("tenant_id", Integer, ForeignKey("tenants.id"), nullable=False),
+    Column("prefix", String(16), nullable=False, unique=True),
+    Column("key_hash", String(64), nullable=False, unique=True),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float),
+)
+
+ledger = Table(
+    "ledger", metadata,
+    Column("request_id", String(64), primary_key=True),     # unique: a row is never written twice
+    Column("tenant", String(64), nullable=False, index=True),
+    Column("key_prefix", String(16), nullable=False, default=""),
+    Column("priority", String(8), nullable=False),
+    Column("pool", String(64), nullable=False),
+    Column("device", String(8), nullable=False),
+    Column("model", String(128), nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("price_per_token", Float, nullable=False),
+    Column("multiplier", Float, nullable=False),
+    Column("amount", Float, nullable=False),                 # (prompt + completion) x price x multiplier
+    Column("outcome", String(16), nullable=False),           # completed | cancelled | failed
+    Column("started_at", Float, nullable=False),             # unix seconds
+    Column("finished_at", Float, nullable=False, index=True),
+    UniqueConstraint("request_id", name="ledger_request_id"),
+)
+
+# version -> the statements that bring a database from version-1 to it (none yet: version 1 is
+# created whole by metadata.create_all).
+MIGRATIONS: dict[int, list[str]] = {}
+
+# Column sizes a caller must respect (they are checked before any write).
+TENANT_NAME_MAX = 64

@@ -1,0 +1,229 @@
+"""The tenant and billing store: SQLite by default (a file in the cache folder, WAL mode, so the
+router and the `qos-serve tenants|keys|billing` commands can use it at once), PostgreSQL by URL.
+
+Synchronous SQLAlchemy: the router calls it from a helper thread, never on its event loop.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import create_engine, event, func, insert, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+
+from services.common.paths import cache_root
+from services.store.schema import (MIGRATIONS, SCHEMA_VERSION, TENANT_NAME_MAX, api_keys, ledger,
+                                   metadata, schema_info, tenants)
+
+KEY_PREFIX = "qsk_"
+PREFIX_CHARS = 12           # what is stored and shown of a key: "qsk_" + 8 characters
+ALL_PRIORITIES = ("high", "medium", "low")
+
+
+class StoreError(ValueError):
+    """A store operation that cannot be done; the message says why (names the tenant, key...)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    name: str
+    priorities: tuple[str, ...] = ALL_PRIORITIES
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    budget: float | None = None
+    weight: float = 1.0
+
+
+STORE_URL_ENV = "QOS_STORE_URL"
+
+
+def default_url() -> str:
+    """$QOS_STORE_URL, else SQLite in the cache folder."""
+    return os.environ.get(STORE_URL_ENV) or f"sqlite:///{cache_root() / 'qos-serve.db'}"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _engine(url: str) -> Engine:
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]      # the driver we install
+    if url.startswith("sqlite:///"):
+        from pathlib import Path
+        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(connection, _record):
+            cursor = connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")      # readers do not block the writer
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def _tenant(row) -> Tenant:
+    return Tenant(row.name, tuple(p for p in row.priorities.split(",") if p), row.rpm, row.tpm,
+                  row.max_concurrent, row.budget, row.weight)
+
+
+def check_tenant_fields(priorities=None, rpm=None, tpm=None, max_concurrent=None, budget=None,
+                        weight=None) -> None:
+    if priorities is not None:
+        unknown = [p for p in priorities if p not in ALL_PRIORITIES]
+        if unknown or not priorities:
+            raise StoreError(f"priorities must be some of high, medium, low, got {','.join(priorities)!r}")
+    for name, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent)):
+        if value is not None and value < 1:
+            raise StoreError(f"{name} must be >= 1, got {value}")
+    if budget is not None and budget < 0:
+        raise StoreError(f"budget must be >= 0, got {budget}")
+    if weight is not None and not weight > 0:
+        raise StoreError(f"weight must be > 0, got {weight}")
+
+
+class Store:
+    def __init__(self, url: str | None = None):
+        self.url = url or default_url()
+        self.engine = _engine(self.url)
+        self._prepare()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def _prepare(self) -> None:
+        """Create a new database, upgrade an older one, refuse a newer one."""
+        with self.engine.begin() as db:
+            metadata.create_all(db)
+            version = db.execute(select(schema_info.c.version)).scalar()
+            if version is None:
+                db.execute(insert(schema_info).values(id=1, version=SCHEMA_VERSION))
+                return
+            if version > SCHEMA_VERSION:
+                raise StoreError(f"the database at {self.url} has schema version {version}, newer than "
+                                 f"this qos-serve knows ({SCHEMA_VERSION}); upgrade qos-serve")
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                for statement in MIGRATIONS.get(step, []):
+                    db.exec_driver_sql(statement)
+            db.execute(update(schema_info).values(version=SCHEMA_VERSION))
+
+    # --- tenants ---------------------------------------------------------------------------------
+
+    def add_tenant(self, tenant: Tenant) -> Tenant:
+        if not tenant.name or len(tenant.name) > TENANT_NAME_MAX or not tenant.name.isprintable():
+            raise StoreError(f"tenant names are 1-{TENANT_NAME_MAX} printable characters, got {tenant.name!r}")
+        check_tenant_fields(tenant.priorities, tenant.rpm, tenant.tpm, tenant.max_concurrent,
+                            tenant.budget, tenant.weight)
+        try:
+            with self.engine.begin() as db:
+                db.execute(insert(tenants).values(
+                    name=tenant.name, priorities=",".join(tenant.priorities), rpm=tenant.rpm,
+                    tpm=tenant.tpm, max_concurrent=tenant.max_concurrent, budget=tenant.budget,
+                    weight=tenant.weight, created_at=time.time()))
+        except IntegrityError:
+            raise StoreError(f"tenant {tenant.name!r} exists already") from None
+        return tenant
+
+    def set_tenant(self, name: str, **changes) -> Tenant:
+        """Change some fields; a value of None leaves that field as it is, except with
+        clear=[field, ...], which sets those fields back to no limit."""
+        clear = changes.pop("clear", ())
+        changes = {k: v for k, v in changes.items() if v is not None}
+        check_tenant_fields(**changes)
+        if "priorities" in changes:
+            changes["priorities"] = ",".join(changes["priorities"])
+        changes.update({field: None for field in clear})
+        with self.engine.begin() as db:
+            if not db.execute(update(tenants).where(tenants.c.name == name).values(**changes)).rowcount:
+                raise StoreError(f"no tenant named {name!r}")
+        return self.tenant(name)
+
+    def tenant(self, name: str) -> Tenant:
+        with self.engine.connect() as db:
+            row = db.execute(select(tenants).where(tenants.c.name == name)).first()
+        if row is None:
+            raise StoreError(f"no tenant named {name!r}")
+        return _tenant(row)
+
+    def tenants(self) -> list[Tenant]:
+        with self.engine.connect() as db:
+            return [_tenant(r) for r in db.execute(select(tenants).order_by(tenants.c.name))]
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def create_key(self, tenant_name: str) -> tuple[str, str]:
+        """A new key for the tenant: (the key, shown this once; its display prefix)."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        with self.engine.begin() as db:
+            tenant_id = db.execute(select(tenants.c.id).where(tenants.c.name == tenant_name)).scalar()
+            if tenant_id is None:
+                raise StoreError(f"no tenant named {tenant_name!r}")
+            db.execute(insert(api_keys).values(tenant_id=tenant_id, prefix=key[:PREFIX_CHARS],
+                                               key_hash=hash_key(key), created_at=time.time()))
+        return key, key[:PREFIX_CHARS]
+
+    def revoke_key(self, prefix: str) -> str:
+        """Revoke the key with this prefix; returns its tenant's name."""
+        with self.engine.begin() as db:
+            row = db.execute(select(api_keys.c.id, api_keys.c.revoked_at, tenants.c.name)
+                             .join(tenants).where(api_keys.c.prefix == prefix)).first()
+            if row is None:
+                raise StoreError(f"no key with prefix {prefix!r}")
+            if row.revoked_at is None:
+                db.execute(update(api_keys).where(api_keys.c.id == row.id).values(revoked_at=time.time()))
+        return row.name
+
+    def keys(self) -> list[tuple[str, str, float, float | None]]:
+        """(prefix, tenant, created_at, revoked_at) of every key."""
+        with self.engine.connect() as db:
+            return [tuple(r) for r in db.execute(
+                select(api_keys.c.prefix, tenants.c.name, api_keys.c.created_at, api_keys.c.revoked_at)
+                .join(tenants).order_by(tenants.c.name, api_keys.c.created_at))]
+
+    def active_keys(self) -> dict[str, tuple[str, str]]:
+        """key hash -> (tenant, prefix), for every key not revoked (the router's cache)."""
+        with self.engine.connect() as db:
+            return {r.key_hash: (r.name, r.prefix) for r in db.execute(
+                select(api_keys.c.key_hash, api_keys.c.prefix, tenants.c.name).join(tenants)
+                .where(api_keys.c.revoked_at.is_(None)))}
+
+    # --- the ledger ------------------------------------------------------------------------------
+
+    def write_ledger(self, rows: list[dict]) -> int:
+        """Insert rows; a request id already there is skipped (never two rows for one request).
+        Returns how many were new."""
+        if not rows:
+            return 0
+        dialect = self.engine.dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as upsert
+        else:
+            from sqlalchemy.dialects.sqlite import insert as upsert
+        with self.engine.begin() as db:
+            result = db.execute(upsert(ledger).on_conflict_do_nothing(index_elements=["request_id"]), rows)
+        return max(result.rowcount, 0)
+
+    def spent(self) -> dict[str, float]:
+        """Cost units each tenant has spent, all time."""
+        with self.engine.connect() as db:
+            return {r.tenant: r.amount for r in db.execute(
+                select(ledger.c.tenant, func.sum(ledger.c.amount).label("amount")).group_by(ledger.c.tenant))}
+
+    def ledger_rows(self, tenant: str | None = None, since: float | None = None,
+                    request_id: str | None = None) -> list[dict]:
+        query = select(ledger).order_by(ledger.c.finished_at)
+        if request_id is not None:
+            query = query.where(ledger.c.request_id == request_id)
+        if tenant is not None:
+            query = query.where(ledger.c.tenant == tenant)
+        if since is not None:
+            query = query.where(ledger.c.finished_at >= since)
+        with self.engine.connect() as db:
+            return [dict(r._mapping) for r in db.execute(query)]
