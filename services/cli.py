@@ -5,6 +5,7 @@
     qos-serve demo                               a local cluster serving a mixed-priority burst
     qos-serve stats [--watch]                    the cluster per priority
     qos-serve drain worker HOST:PORT [--wait]    a worker finishes what it holds and leaves
+    qos-serve tenants|keys|billing ...           tenants, API keys, the bill (services/admin_cli.py)
     qos-serve router|scheduler|worker --config FILE [--index N]   one service
     qos-serve worker ... --join SCHEDULER [--port N] [--advertise HOST:PORT]   join a pool at run time
 """
@@ -209,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
 
+    from services.admin_cli import add_parsers
+    add_parsers(sub, _config_args)
+
     p = sub.add_parser("drain", help="drain a worker (no new sequences, finish, leave), as SIGTERM does")
     p.add_argument("kind", choices=["worker"])
     p.add_argument("address", metavar="HOST:PORT")
@@ -267,6 +271,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sys.exit(args.func(args))
     except (ConfigError, FileNotFoundError) as exc:
+        print(f"qos-serve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except ValueError as exc:        # StoreError and bad option values: say which, exit 2
+        if type(exc).__name__ not in ("StoreError", "ValueError"):
+            raise
         print(f"qos-serve {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as exc:
