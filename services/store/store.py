@@ -206,9 +206,10 @@ class Store:
             from sqlalchemy.dialects.postgresql import insert as upsert
         else:
             from sqlalchemy.dialects.sqlite import insert as upsert
+        statement = upsert(ledger).on_conflict_do_nothing(index_elements=["request_id"]) \
+            .returning(ledger.c.request_id)        # rowcount of a batch is not reliable everywhere
         with self.engine.begin() as db:
-            result = db.execute(upsert(ledger).on_conflict_do_nothing(index_elements=["request_id"]), rows)
-        return max(result.rowcount, 0)
+            return len(db.execute(statement, rows).all())
 
     def spent(self) -> dict[str, float]:
         """Cost units each tenant has spent, all time."""

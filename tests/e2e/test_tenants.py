@@ -1,0 +1,182 @@
+"""Tenants on a real cluster with `[auth] required`: keys on both fronts, each limit with its status
+(and OpenAI's rate-limit headers), one tenant unable to read or cancel another's requests, and a
+ledger whose rows match what the clients were told, request by request."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client import chat_request, sampling_params
+from services.cluster import LocalCluster
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+from services.store.store import Store, Tenant
+from tests.e2e.conftest import cluster_config, run
+from tests.e2e.test_http_faults import Exchange
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "admin-secret-for-tests"
+TENANTS = [Tenant("alpha"), Tenant("beta"), Tenant("batch", priorities=("low",)), Tenant("rpm2", rpm=2),
+           Tenant("tpm", tpm=300), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    url = f"sqlite:///{tmp_path_factory.mktemp('tenants')}/store.db"
+    store = Store(url)
+    keys = {}
+    for tenant in TENANTS:
+        store.add_tenant(tenant)
+        keys[tenant.name] = store.create_key(tenant.name)[0]
+    revoked, prefix = store.create_key("alpha")
+    store.revoke_key(prefix)
+    keys["revoked"] = revoked
+    store.close()
+    config = cluster_config()
+    config.store.url, config.auth.required, config.auth.admin_key = url, True, ADMIN
+    config.billing.flush_seconds = 0.2
+    with LocalCluster(config, quiet=True) as running:
+        running.keys, running.store_url = keys, url
+        yield running
+
+
+def post(cluster, body: dict, key: str | None, headers: dict | None = None, path="/v1/completions"):
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=120)
+    try:
+        auth = {"authorization": f"Bearer {key}"} if key else {}
+        conn.request("POST" if body is not None else "GET", path, body=json.dumps(body) if body is not None else None,
+                     headers={"content-type": "application/json", **auth, **(headers or {})})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def completion(cluster, max_tokens: int = 4, prompt: str = "Hello", **extra) -> dict:
+    return {"model": Path(cluster.config.model).name, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+async def grpc_generate(cluster, key: str | None, priority: str = "medium", max_tokens: int = 4):
+    metadata = [("x-priority", priority)] + ([("authorization", f"Bearer {key}")] if key else [])
+    async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(
+            chat_request("Hello", sampling_params(max_tokens=max_tokens)), metadata=metadata)
+        return [chunk async for chunk in call]
+
+
+def grpc_error(cluster, key, priority="medium") -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(grpc_generate(cluster, key, priority))
+    return caught.value
+
+
+def test_keys_on_both_fronts(cluster):
+    for key, words in ((None, "an API key is required"), (cluster.keys["revoked"], "unknown or revoked"),
+                       ("qsk_made_up", "unknown or revoked")):
+        status, _, body = post(cluster, completion(cluster), key)
+        assert status == 401 and words in body["error"]["message"] and body["error"]["param"] == "authorization"
+        error = grpc_error(cluster, key)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and words in error.details()
+    status, _, body = post(cluster, completion(cluster), cluster.keys["alpha"])
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert run(grpc_generate(cluster, cluster.keys["alpha"]))[-1].finish_reason
+
+
+def test_a_priority_above_the_entitlement_is_refused_by_name(cluster):
+    status, _, body = post(cluster, completion(cluster), cluster.keys["batch"], {"x-priority": "high"})
+    assert status == 403 and body["error"]["param"] == "x-priority" and "not high" in body["error"]["message"]
+    error = grpc_error(cluster, cluster.keys["batch"], "medium")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "may send low requests, not medium" in error.details()
+    assert post(cluster, completion(cluster), cluster.keys["batch"], {"x-priority": "low"})[0] == 200
+
+
+def test_requests_per_minute_with_retry_after_and_openai_headers(cluster):
+    key = cluster.keys["rpm2"]
+    first = post(cluster, completion(cluster), key)
+    assert first[0] == 200 and first[1]["x-ratelimit-limit-requests"] == "2"
+    assert first[1]["x-ratelimit-remaining-requests"] == "1"
+    assert post(cluster, completion(cluster), key)[0] == 200
+    status, headers, body = post(cluster, completion(cluster), key)
+    assert status == 429 and body["error"]["code"] == "rate_limit_requests"
+    assert 1 <= int(headers["retry-after"]) <= 60 and headers["x-ratelimit-remaining-requests"] == "0"
+    error = grpc_error(cluster, key)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests per minute" in error.details()
+    assert int(dict(error.trailing_metadata())["retry-after-ms"]) > 0
+
+
+def test_tokens_per_minute_reserve_then_true_up(cluster):
+    key = cluster.keys["tpm"]      # 300 tokens a minute
+    # Reserves ~2 + 200 tokens, but the stop string ends it at once ("Hello" goes on "-by-date-..."):
+    # the true-up frees the rest.
+    status, headers, body = post(cluster, completion(cluster, max_tokens=200, stop=["-"]), key)
+    assert status == 200 and body["usage"]["completion_tokens"] < 20
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 100        # as reserved, before the true-up
+    status, _, body = post(cluster, completion(cluster, max_tokens=250, ignore_eos=True), key)
+    assert status == 200, body                                        # fits only after the true-up
+    status, headers, body = post(cluster, completion(cluster, max_tokens=250), key)
+    assert status == 429 and body["error"]["code"] == "rate_limit_tokens" and int(headers["retry-after"]) >= 1
+    status, _, body = post(cluster, completion(cluster, max_tokens=400), key)
+    assert status == 400 and body["error"]["param"] == "max_tokens"      # could never fit
+
+
+def test_concurrent_streams(cluster):
+    key = cluster.keys["solo"]
+
+    async def go():
+        first = asyncio.create_task(asyncio.to_thread(post, cluster, completion(cluster, 120, ignore_eos=True), key))
+        await asyncio.sleep(1.0)
+        second = await asyncio.to_thread(post, cluster, completion(cluster), key)
+        return await first, second
+
+    first, second = run(go())
+    assert first[0] == 200 and second[0] == 429 and second[2]["error"]["code"] == "rate_limit_concurrency"
+
+
+def test_a_spent_budget_is_insufficient_quota(cluster):
+    key = cluster.keys["broke"]
+    assert post(cluster, completion(cluster, max_tokens=20), key)[0] == 200      # spends > 0.5
+    status, headers, body = post(cluster, completion(cluster), key)
+    assert status == 429 and body["error"]["code"] == "insufficient_quota"
+    assert "retry-after" not in headers and "--budget" in body["error"]["message"]
+
+
+def test_a_tenant_sees_and_cancels_only_its_own(cluster):
+    alpha, beta = cluster.keys["alpha"], cluster.keys["beta"]
+
+    async def go():
+        stream = await Exchange.post(cluster, "/v1/completions", completion(cluster, 2000, ignore_eos=True, stream=True),
+                                     {"authorization": f"Bearer {beta}"})
+        assert stream.status == 200 and isinstance(await stream.event(), dict)
+        request_id = stream.headers["x-request-id"]
+        probes = await asyncio.to_thread(lambda: {
+            "alpha cancels": post(cluster, {}, alpha, path=f"/v1/requests/{request_id}/cancel"),
+            "alpha reads": post(cluster, None, alpha, path=f"/v1/requests/{request_id}"),
+            "alpha reads beta's usage": post(cluster, None, alpha, path="/v1/usage?tenant=beta"),
+            "alpha's usage": post(cluster, None, alpha, path="/v1/usage"),
+            "beta reads": post(cluster, None, beta, path=f"/v1/requests/{request_id}"),
+            "admin usage": post(cluster, None, ADMIN, path="/v1/usage"),
+            "admin cancels": post(cluster, {}, ADMIN, path=f"/v1/requests/{request_id}/cancel")})
+        events = []
+        while (event := await asyncio.wait_for(stream.event(), 30)) is not None:
+            events.append(event)
+        return probes, events
+
+    probes, events = run(go())
+    assert probes["alpha cancels"][0] == 404 and probes["alpha reads"][0] == 404
+    assert probes["alpha reads beta's usage"][0] == 403
+    mine = probes["alpha's usage"][2]
+    assert mine["tenant"] == "alpha" and {line["tenant"] for line in mine["lines"]} == {"alpha"}
+    assert probes["beta reads"][0] == 200 and probes["beta reads"][2]["status"] == "in_flight"
+    everyone = probes["admin usage"][2]
+    assert everyone["tenant"] == "*" and {"alpha", "beta"} <= {line["tenant"] for line in everyone["lines"]} | {"beta"}
+    assert probes["admin cancels"][0] == 200 and probes["admin cancels"][2]["tenant"] == "beta"
+    assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events

@@ -1,0 +1,113 @@
+"""The tenant and billing store on SQLite and on a real PostgreSQL server: schema and its version,
+keys stored only as hashes, revocation, the ledger's one row per request, bills that add up."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from sqlalchemy import text, update
+
+from services.store.billing import parse_since, report
+from services.store.schema import schema_info
+from services.store.store import Store, StoreError, Tenant
+from tests.postgres import binaries, postgres_server
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def url(request, tmp_path_factory):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('store')}/store.db"
+        return
+    if binaries() is None:
+        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (Debian package `postgresql`; "
+                    ".ci/run installs it)")
+    with postgres_server() as server_url:
+        yield server_url
+
+
+@pytest.fixture
+def store(url):
+    store = Store(url)
+    with store.engine.begin() as db:       # each test starts empty
+        for table in ("ledger", "api_keys", "tenants"):
+            db.execute(text(f"DELETE FROM {table}"))
+    yield store
+    store.close()
+
+
+def row(request_id: str, tenant: str = "acme", priority: str = "low", amount: float = 1.0, **extra) -> dict:
+    return {"request_id": request_id, "tenant": tenant, "key_prefix": "qsk_x", "priority": priority,
+            "pool": "cpu", "device": "cpu", "model": "m", "prompt_tokens": 10, "completion_tokens": 5,
+            "price_per_token": 0.1, "multiplier": 1.0, "amount": amount, "outcome": "completed",
+            "started_at": 1_800_000_000.0, "finished_at": 1_800_000_001.0, **extra}
+
+
+def test_tenants_are_added_changed_and_refused_precisely(store):
+    store.add_tenant(Tenant("acme", priorities=("medium", "low"), rpm=60, budget=10.0))
+    with pytest.raises(StoreError, match="tenant 'acme' exists already"):
+        store.add_tenant(Tenant("acme"))
+    with pytest.raises(StoreError, match="priorities must be some of high, medium, low"):
+        store.add_tenant(Tenant("x", priorities=("urgent",)))
+    with pytest.raises(StoreError, match="rpm must be >= 1"):
+        store.set_tenant("acme", rpm=0)
+    changed = store.set_tenant("acme", tpm=1000, weight=2.0, clear=["rpm"])
+    assert (changed.rpm, changed.tpm, changed.weight, changed.budget) == (None, 1000, 2.0, 10.0)
+    with pytest.raises(StoreError, match="no tenant named 'nobody'"):
+        store.set_tenant("nobody", rpm=1)
+
+
+def test_keys_are_stored_only_as_hashes_and_revocation_sticks(store):
+    store.add_tenant(Tenant("acme"))
+    key, prefix = store.create_key("acme")
+    assert key.startswith("qsk_") and prefix == key[:12] and len(key) > 40
+    with store.engine.connect() as db:
+        stored = [tuple(r) for r in db.execute(text("SELECT prefix, key_hash FROM api_keys"))]
+    assert stored == [(prefix, hashlib.sha256(key.encode()).hexdigest())]
+    assert not any(key in value for value in stored[0])
+    assert store.active_keys() == {hashlib.sha256(key.encode()).hexdigest(): ("acme", prefix)}
+    assert store.revoke_key(prefix) == "acme"
+    assert store.active_keys() == {} and store.keys()[0][3] is not None
+    with pytest.raises(StoreError, match="no key with prefix"):
+        store.revoke_key("qsk_nothere")
+    with pytest.raises(StoreError, match="no tenant named 'ghost'"):
+        store.create_key("ghost")
+
+
+def test_the_ledger_never_holds_two_rows_for_one_request(store):
+    assert store.write_ledger([row("r1"), row("r2", amount=2.5)]) == 2
+    assert store.write_ledger([row("r2", amount=99.0), row("r3")]) == 1     # a retried batch
+    rows = store.ledger_rows()
+    assert [r["request_id"] for r in rows] == ["r1", "r2", "r3"]
+    assert store.spent() == {"acme": 4.5}
+    assert [r["amount"] for r in store.ledger_rows(request_id="r2")] == [2.5]
+
+
+def test_bills_add_up_by_every_grouping(store):
+    store.write_ledger([row(f"r{i}", tenant=t, priority=p, amount=a, finished_at=1_800_000_000.0 + day * 86400)
+                        for i, (t, p, a, day) in enumerate([("acme", "high", 3.0, 0), ("acme", "low", 1.0, 1),
+                                                            ("beta", "low", 0.5, 1), ("beta", "medium", 2.25, 2)])])
+    rows = store.ledger_rows()
+    for by in ("tenant", "day", "priority", "pool", "model"):
+        lines, total = report(rows, by)
+        assert sum(l.amount for l in lines) == pytest.approx(total.amount) == 6.75
+        assert sum(l.requests for l in lines) == total.requests == 4
+        assert sum(l.completion_tokens for l in lines) == total.completion_tokens == 20
+    assert [l.group for l in report(rows, "day")[0]] == ["2027-01-15", "2027-01-16", "2027-01-17"]
+    assert report(store.ledger_rows(tenant="beta", since=parse_since("2027-01-16")), "tenant")[1].amount == 2.75
+
+
+def test_a_newer_schema_is_refused_with_a_message(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        db.execute(update(schema_info).values(version=99))
+    store.close()
+    try:
+        with pytest.raises(StoreError, match="schema version 99, newer than this qos-serve knows"):
+            Store(url)
+    finally:
+        fix = Store.__new__(Store)
+        from services.store.store import _engine
+        fix.engine = _engine(url)
+        with fix.engine.begin() as db:
+            db.execute(update(schema_info).values(version=1))
+        fix.engine.dispose()
