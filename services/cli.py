@@ -32,6 +32,12 @@ from services.common.config_file import load_config  # noqa: E402
 from services.common.grpc_server import setup_logging  # noqa: E402
 
 
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--api-key", default=os.environ.get("QOS_API_KEY"),
+                        help="sent as 'authorization: Bearer' (default: $QOS_API_KEY)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="the router serves TLS: trust this certificate")
+
+
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="cluster config (TOML or JSON); default: built-in defaults")
     parser.add_argument("--log-level", default="INFO")
@@ -138,7 +144,7 @@ def cmd_generate(args) -> int:
                else chat_request(args.prompt, sampling))
 
     async def run() -> int:
-        async with RouterClient(address) as client:
+        async with RouterClient(address, args.api_key, args.tls_ca) as client:
             try:
                 answer = await client.generate(request, priority=args.priority, tenant=args.tenant,
                                                on_text=lambda t: print(t, end="", flush=True))
@@ -158,7 +164,7 @@ def cmd_generate(args) -> int:
 def cmd_stats(args) -> int:
     from services.stats_view import show
     address = args.router or load_config(args.config).router.address
-    return show(address, args.watch)
+    return show(address, args.watch, args.api_key, args.tls_ca)
 
 
 def cmd_bench(args) -> int:
@@ -195,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _client_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("stats", help="the cluster per priority: latency percentiles, queues, KV, weights")
@@ -202,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2)")
+    _client_args(p)
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("bench", help="the QoS burst benchmark (FCFS vs QoS); see bench/qos_burst.py -h",

@@ -4,9 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import grpc
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import open_channel
 from services.common.priority import PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER
 from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -34,9 +33,11 @@ def sampling_params(max_tokens: int | None = None, temperature: float | None = N
 
 
 class RouterClient:
-    def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, api_key: str | None = None, ca_file: str | None = None):
+        """`api_key`: sent as `authorization: Bearer`; `ca_file`: TLS, trusting that PEM file."""
+        self.channel = open_channel(address, ca_file)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.auth = [("authorization", f"Bearer {api_key}")] if api_key else []
 
     async def close(self) -> None:
         await self.channel.close()
@@ -50,7 +51,7 @@ class RouterClient:
     def stream(self, request: router_pb2.GenerateRequest, priority: str | None = None,
                tenant: str | None = None, slo_ms: int | None = None):
         """The raw call: iterate it for chunks, cancel() it to stop."""
-        metadata = []
+        metadata = list(self.auth)
         if slo_ms is not None:
             metadata.append((SLO_HEADER, str(slo_ms)))
         if priority is not None:

@@ -153,7 +153,8 @@ class LocalCluster:
                         raise TimeoutError(f"pool {pool.name}: the scheduler did not connect to all its workers")
                     await asyncio.sleep(0.1)
         # The router reports SERVING once it knows every pool's model and limits.
-        if not await wait_healthy(self.router_address, timeout=deadline - time.monotonic()):
+        if not await wait_healthy(self.router_address, timeout=deadline - time.monotonic(),
+                                  ca_file=self.config.router.tls_cert or None):
             raise TimeoutError(f"router at {self.router_address} did not become healthy")
 
     def _check_alive(self) -> None:

@@ -7,6 +7,7 @@ import time
 
 import grpc
 
+from services.common.grpc_server import open_channel
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 
@@ -45,18 +46,20 @@ def render(stats: router_pb2.RouterStats) -> str:
     return "\n".join(lines)
 
 
-async def fetch(address: str) -> router_pb2.RouterStats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest(), timeout=5)
+async def fetch(address: str, api_key: str | None = None, ca_file: str | None = None) -> router_pb2.RouterStats:
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+    async with open_channel(address, ca_file) as channel:
+        return await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest(), timeout=5,
+                                                               metadata=metadata)
 
 
-def show(address: str, watch: float | None) -> int:
+def show(address: str, watch: float | None, api_key: str | None = None, ca_file: str | None = None) -> int:
     try:
         if watch is None:
-            print(render(asyncio.run(fetch(address))))
+            print(render(asyncio.run(fetch(address, api_key, ca_file))))
             return 0
         while True:
-            table = render(asyncio.run(fetch(address)))
+            table = render(asyncio.run(fetch(address, api_key, ca_file)))
             # Clear the screen and redraw in place.
             sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + address + "\n" + table + "\n")
             sys.stdout.flush()

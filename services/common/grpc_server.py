@@ -112,10 +112,18 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     log.info("%s stopped", name)
 
 
-async def wait_healthy(address: str, timeout: float, service: str = "") -> bool:
+def open_channel(address: str, ca_file: str | None = None, options=CHANNEL_OPTIONS) -> grpc.aio.Channel:
+    """A channel to one of our services: TLS, trusting `ca_file` (PEM), when given."""
+    if not ca_file:
+        return grpc.aio.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(ca_file).expanduser().read_bytes())
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+async def wait_healthy(address: str, timeout: float, service: str = "", ca_file: str | None = None) -> bool:
     """Poll grpc.health.v1 Check until SERVING or `timeout` seconds pass."""
     deadline = asyncio.get_running_loop().time() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, ca_file) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
