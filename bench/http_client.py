@@ -45,7 +45,7 @@ class HttpAnswer:
 
 
 async def complete(address: str, model: str, prompt: str, max_tokens: int, priority: str,
-                   **extra) -> HttpAnswer:
+                   tenant: str = "", **extra) -> HttpAnswer:
     """Stream one /v1/completions request (greedy, `extra` merged into the body)."""
     host, port = address.rsplit(":", 1)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -54,7 +54,8 @@ async def complete(address: str, model: str, prompt: str, max_tokens: int, prior
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         writer.write(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
-                     b"x-priority: " + priority.encode() + b"\r\ncontent-length: "
+                     b"x-priority: " + priority.encode() + b"\r\n"
+                     + (b"x-tenant: " + tenant.encode() + b"\r\n" if tenant else b"") + b"content-length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         status = int((await reader.readline()).split()[1])
         while (await reader.readline()).strip():

@@ -60,6 +60,7 @@ class Job:
     prompt_tokens: int
     max_tokens: int
     at: float                     # seconds after the common start
+    tenant: str = ""              # sent as x-tenant (the router's accounting and tenant fairness)
 
 
 @dataclass(slots=True)
@@ -74,6 +75,7 @@ class Outcome:
     sent_at: float = 0.0          # seconds after the common start
     done_at: float = 0.0
     detail: str = ""              # the error message, for failures
+    tenant: str = ""
 
 
 def _grpc_sender(address: str):
@@ -89,7 +91,7 @@ def _grpc_sender(address: str):
         request = router_pb2.GenerateRequest(prompt=job.prompt, sampling=sampling_params(
             max_tokens=job.max_tokens, temperature=0.0, ignore_eos=True))
         try:
-            answer = await client.generate(request, priority=job.priority)
+            answer = await client.generate(request, priority=job.priority, tenant=job.tenant or None)
         except grpc.aio.AioRpcError as exc:
             return Outcome(job.priority, False, code=exc.code().name, detail=exc.details() or "")
         return Outcome(job.priority, True, ttft_ms=answer.ttft_ms, e2e_ms=answer.e2e_ms,
@@ -105,7 +107,7 @@ def _http_sender(address: str, model: str):
 
     async def send(job: Job) -> Outcome:
         try:
-            answer = await complete(address, model, job.prompt, job.max_tokens, job.priority,
+            answer = await complete(address, model, job.prompt, job.max_tokens, job.priority, job.tenant,
                                     ignore_eos=True)
         except HttpError as exc:
             return Outcome(job.priority, False, code=exc.grpc_code, detail=f"{exc.code}: {exc.message}")
@@ -123,7 +125,7 @@ async def _send(front: Front, jobs: list[Job], start: float, done) -> list[Outco
             await asyncio.sleep(max(0.0, start + job.at - time.time()))
             sent_at = time.time() - start
             outcome = await send(job)
-            outcome.sent_at, outcome.done_at = sent_at, time.time() - start
+            outcome.sent_at, outcome.done_at, outcome.tenant = sent_at, time.time() - start, job.tenant
             with done.get_lock():
                 done.value += 1
             return outcome
@@ -146,16 +148,16 @@ def _client_main(front: Front, jobs: list[dict], done, conn) -> None:
 
 async def run_clients(front: Front, jobs: list[Job],
                       on_progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], float]:
-    """Send `jobs` through the router's `front`, one client process per priority. Returns the
+    """Send `jobs` through the router's `front`, one client process per priority and tenant. Returns the
     outcomes and the common start time (time.time())."""
     context = multiprocessing.get_context("spawn")   # no fork of a process holding gRPC channels
     done = context.Value("i", 0)
     clients = []
-    for priority in sorted({job.priority for job in jobs}):
+    for priority, tenant in sorted({(job.priority, job.tenant) for job in jobs}):
         ours, theirs = context.Pipe()
-        group = [asdict(job) for job in jobs if job.priority == priority]
+        group = [asdict(job) for job in jobs if (job.priority, job.tenant) == (priority, tenant)]
         process = context.Process(target=_client_main, args=(front, group, done, theirs),
-                                  name=f"client-{priority}", daemon=True)
+                                  name=f"client-{priority}{'-' + tenant if tenant else ''}", daemon=True)
         process.start()
         clients.append((process, ours))
     try:
