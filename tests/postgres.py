@@ -58,3 +58,17 @@ def postgres_server():
         subprocess.run(_as_server_user([str(folder / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
                        capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def database_url(kind: str, folder: Path):
+    """A fresh store URL of the given kind ("sqlite" in `folder`, or "postgresql" on a throwaway
+    server), for fixtures parametrized over both; skips, saying why, where PostgreSQL is absent."""
+    if kind == "sqlite":
+        yield f"sqlite:///{folder}/store.db"
+        return
+    if binaries() is None:
+        import pytest
+        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (Debian package `postgresql`; .ci/run installs it)")
+    with postgres_server() as server_url:
+        yield server_url

@@ -19,6 +19,7 @@ from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 from services.store.store import Store, Tenant
 from tests.e2e.conftest import cluster_config, run
 from tests.e2e.test_http_faults import Exchange
+from tests.postgres import database_url
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +28,13 @@ TENANTS = [Tenant("alpha"), Tenant("beta"), Tenant("batch", priorities=("low",))
            Tenant("tpm", tpm=300), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    url = f"sqlite:///{tmp_path_factory.mktemp('tenants')}/store.db"
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def cluster(request, tmp_path_factory):
+    with database_url(request.param, tmp_path_factory.mktemp("tenants")) as url:
+        yield from _cluster(url)
+
+
+def _cluster(url: str):
     store = Store(url)
     keys = {}
     for tenant in TENANTS:
@@ -73,9 +78,23 @@ async def grpc_generate(cluster, key: str | None, priority: str = "medium", max_
         return [chunk async for chunk in call]
 
 
-def grpc_error(cluster, key, priority="medium") -> grpc.aio.AioRpcError:
+def grpc_error(cluster, key, priority="medium", max_tokens: int = 4) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        run(grpc_generate(cluster, key, priority))
+        run(grpc_generate(cluster, key, priority, max_tokens))
+    return caught.value
+
+
+def grpc_unary(cluster, method: str, message, key: str):
+    async def call():
+        async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as channel:
+            return await getattr(router_pb2_grpc.RouterStub(channel), method)(
+                message, metadata=[("authorization", f"Bearer {key}")])
+    return run(call())
+
+
+def grpc_unary_error(cluster, method: str, message, key: str) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        grpc_unary(cluster, method, message, key)
     return caught.value
 
 
@@ -124,6 +143,9 @@ def test_tokens_per_minute_reserve_then_true_up(cluster):
     assert status == 200, body                                        # fits only after the true-up
     status, headers, body = post(cluster, completion(cluster, max_tokens=250), key)
     assert status == 429 and body["error"]["code"] == "rate_limit_tokens" and int(headers["retry-after"]) >= 1
+    error = grpc_error(cluster, key, max_tokens=250)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens per minute" in error.details()
+    assert int(dict(error.trailing_metadata())["retry-after-ms"]) > 0
     status, _, body = post(cluster, completion(cluster, max_tokens=400), key)
     assert status == 400 and body["error"]["param"] == "max_tokens"      # could never fit
 
@@ -135,10 +157,17 @@ def test_concurrent_streams(cluster):
         first = asyncio.create_task(asyncio.to_thread(post, cluster, completion(cluster, 120, ignore_eos=True), key))
         await asyncio.sleep(1.0)
         second = await asyncio.to_thread(post, cluster, completion(cluster), key)
-        return await first, second
+        try:
+            await grpc_generate(cluster, key)
+            grpc_code, details = None, ""
+        except grpc.aio.AioRpcError as error:
+            grpc_code, details = error.code(), error.details()
+        return await first, second, grpc_code, details
 
-    first, second = run(go())
+    first, second, grpc_code, details = run(go())
     assert first[0] == 200 and second[0] == 429 and second[2]["error"]["code"] == "rate_limit_concurrency"
+    assert "retry-after" in second[1]
+    assert grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in details
 
 
 def test_a_spent_budget_is_insufficient_quota(cluster):
@@ -147,6 +176,8 @@ def test_a_spent_budget_is_insufficient_quota(cluster):
     status, headers, body = post(cluster, completion(cluster), key)
     assert status == 429 and body["error"]["code"] == "insufficient_quota"
     assert "retry-after" not in headers and "--budget" in body["error"]["message"]
+    error = grpc_error(cluster, key)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "budget" in error.details()
 
 
 def test_a_tenant_sees_and_cancels_only_its_own(cluster):
@@ -164,6 +195,12 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
             "alpha's usage": post(cluster, None, alpha, path="/v1/usage"),
             "beta reads": post(cluster, None, beta, path=f"/v1/requests/{request_id}"),
             "admin usage": post(cluster, None, ADMIN, path="/v1/usage"),
+            "alpha cancels over gRPC": grpc_unary_error(cluster, "Cancel", router_pb2.CancelRequest(
+                request_id=request_id), alpha).code(),
+            "alpha reads beta's usage over gRPC": grpc_unary_error(cluster, "Usage", router_pb2.UsageRequest(
+                tenant="beta"), alpha).code(),
+            "beta's usage over gRPC": grpc_unary(cluster, "Usage", router_pb2.UsageRequest(), beta),
+            "admin usage over gRPC": grpc_unary(cluster, "Usage", router_pb2.UsageRequest(), ADMIN),
             "admin cancels": post(cluster, {}, ADMIN, path=f"/v1/requests/{request_id}/cancel")})
         events = []
         while (event := await asyncio.wait_for(stream.event(), 30)) is not None:
@@ -177,6 +214,10 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
     assert mine["tenant"] == "alpha" and {line["tenant"] for line in mine["lines"]} == {"alpha"}
     assert probes["beta reads"][0] == 200 and probes["beta reads"][2]["status"] == "in_flight"
     everyone = probes["admin usage"][2]
-    assert everyone["tenant"] == "*" and {"alpha", "beta"} <= {line["tenant"] for line in everyone["lines"]} | {"beta"}
+    assert everyone["tenant"] == "*" and "alpha" in {line["tenant"] for line in everyone["lines"]}
+    assert probes["alpha cancels over gRPC"] == grpc.StatusCode.NOT_FOUND
+    assert probes["alpha reads beta's usage over gRPC"] == grpc.StatusCode.PERMISSION_DENIED
+    assert probes["beta's usage over gRPC"].tenant == "beta" and probes["beta's usage over gRPC"].in_flight == 1
+    assert probes["admin usage over gRPC"].tenant == "*" and probes["admin usage over gRPC"].in_flight >= 1
     assert probes["admin cancels"][0] == 200 and probes["admin cancels"][2]["tenant"] == "beta"
     assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events

@@ -10,19 +10,13 @@ from sqlalchemy import text, update
 from services.store.billing import parse_since, report
 from services.store.schema import schema_info
 from services.store.store import Store, StoreError, Tenant
-from tests.postgres import binaries, postgres_server
+from tests.postgres import database_url
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def url(request, tmp_path_factory):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('store')}/store.db"
-        return
-    if binaries() is None:
-        pytest.skip("PostgreSQL's initdb/pg_ctl are not installed (Debian package `postgresql`; "
-                    ".ci/run installs it)")
-    with postgres_server() as server_url:
-        yield server_url
+    with database_url(request.param, tmp_path_factory.mktemp("store")) as url:
+        yield url
 
 
 @pytest.fixture
