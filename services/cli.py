@@ -46,7 +46,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 def cmd_up(args) -> int:
     from services.cluster import LocalCluster, run_until_signal
     config = load_config(args.config)
-    run_until_signal(LocalCluster(config))
+    run_until_signal(LocalCluster(config, autoscale=args.autoscale))
     return 0
 
 
@@ -114,12 +114,14 @@ def cmd_drain(args) -> int:
 def cmd_scheduler(args) -> int:
     config = load_config(args.config)
     from services.cluster import resolve_model
+    from services.scheduler.autoscale import ScaleAdvisor
     from services.scheduler.server import serve_scheduler
     pool = config.pool(args.pool)
     if args.listen:
         pool.scheduler.host = args.listen
+    advisor = ScaleAdvisor(pool.autoscale, *pool.worker_limits(), config.sla_ttft_ms("high"))
     asyncio.run(serve_scheduler(pool.scheduler, pool.name, resolve_model(config.model),
-                                [w.address for w in pool.workers]))
+                                [w.address for w in pool.workers], advisor))
     return 0
 
 
@@ -167,6 +169,16 @@ def cmd_stats(args) -> int:
     return show(address, args.watch, args.api_key, args.tls_ca)
 
 
+def cmd_alerts(args) -> int:
+    config = load_config(args.config)
+    if args.rules:
+        from services.alert_rules import rules_yaml
+        print(rules_yaml(config), end="")
+        return 0
+    from services.alerts_view import show
+    return show(args.router or config.router.address, args.api_key, args.tls_ca)
+
+
 def cmd_bench(args) -> int:
     """Run bench/qos_burst.py (a script beside the package) with the remaining arguments."""
     import runpy
@@ -190,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start router, scheduler and workers; Ctrl-C stops them")
     _config_args(p)
+    p.add_argument("--autoscale", action="store_true",
+                   help="start and drain extra CPU workers as each pool's desired_workers asks, within "
+                        "[pools.autoscale] min_workers..max_workers")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream one answer through the router")
@@ -211,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh in place every SECONDS (default 2)")
     _client_args(p)
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("alerts", help="the SLA objectives now, open and recent alerts (Router.Alerts)")
+    _config_args(p)
+    p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
+    p.add_argument("--rules", action="store_true",
+                   help="print the Prometheus alerting rules equivalent to the config's [[sla]] contracts")
+    _client_args(p)
+    p.set_defaults(func=cmd_alerts)
 
     p = sub.add_parser("bench", help="the QoS burst benchmark (FCFS vs QoS); see bench/qos_burst.py -h",
                        add_help=False)

@@ -82,7 +82,8 @@ def die_with_parent_if_asked() -> None:
 class LocalCluster:
     """with LocalCluster(config) as cluster: ... cluster.router_address ..."""
 
-    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False):
+    def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False,
+                 autoscale: bool = False):
         self.config = resolve_ports(config)
         self.config.model = resolve_model(self.config.model, progress=not quiet)
         self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
@@ -91,6 +92,8 @@ class LocalCluster:
         self.log_dir = log_dir or Path(self._tmp.name)
         self.quiet = quiet
         self.processes: dict[str, subprocess.Popen] = {}
+        self.autoscale = autoscale
+        self.autoscaler = None           # LocalAutoscaler, with --autoscale
 
     @property
     def router_address(self) -> str:
@@ -105,13 +108,16 @@ class LocalCluster:
     def worker_name(pool: str, index: int) -> str:
         return f"{pool}/worker-{index}"
 
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+    def launch(self, name: str, *args: str) -> subprocess.Popen:
+        """One `qos-serve` service process on this cluster's config (dies with us)."""
         command = [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
         stream = open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") if self.quiet else None
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-        process = subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None,
-                                   env=env)
-        self.processes[name] = process
+        return subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None, env=env)
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        """A service the cluster cannot do without: watched, and stopped with the cluster."""
+        self.processes[name] = process = self.launch(name, *args)
         return process
 
     def start_worker(self, pool: str, index: int) -> subprocess.Popen:
@@ -128,6 +134,9 @@ class LocalCluster:
                 self.start_scheduler(pool.name)
             self._spawn("router", "router")
             asyncio.run(self._wait_ready())
+            if self.autoscale:
+                from services.local_autoscaler import LocalAutoscaler
+                self.autoscaler = LocalAutoscaler(self, say=lambda line: print(line, flush=True)).start()
         except BaseException:
             self.stop()
             raise
@@ -171,6 +180,9 @@ class LocalCluster:
     def stop(self) -> None:
         """SIGTERM everything: each service drains (finishes what is in flight, takes nothing new)
         and exits; SIGKILL what is still there after the longest drain time."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+            self.autoscaler.stop_extras(self.drain_seconds() + STOP_TIMEOUT_SECONDS)
         for process in reversed(list(self.processes.values())):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

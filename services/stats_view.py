@@ -38,7 +38,9 @@ def render(stats: router_pb2.RouterStats) -> str:
             f"{waiting[p]:>5} {held[p] / total_blocks:>5.0%} {weights.get(p, 0):>6g} "
             f"{rejected[p]:>8} {s.cost_units:>8.1f}")
     for pool in pools:
-        lines.append(f"pool {pool.pool}: {pool.device or '?'} x{pool.workers}, policy {pool.policy}, "
+        scaling = (f" (wants {pool.desired_workers} of {pool.min_workers}..{pool.max_workers}: {pool.scale_reason})"
+                   if pool.max_workers > pool.min_workers else "")
+        lines.append(f"pool {pool.pool}: {pool.device or '?'} x{pool.workers}{scaling}, policy {pool.policy}, "
                      f"KV {pool.kv_blocks_used}/{pool.kv_blocks_total} blocks, "
                      f"{pool.preemptions} preemptions, {pool.steps} steps, TTFT p90 "
                      f"{pool.ttft_p90_ms:.0f} ms, weight changes {len(pool.weight_changes)}")
@@ -46,11 +48,16 @@ def render(stats: router_pb2.RouterStats) -> str:
     return "\n".join(lines)
 
 
-async def fetch(address: str, api_key: str | None = None, ca_file: str | None = None) -> router_pb2.RouterStats:
+async def call_router(address: str, method: str, request, api_key: str | None = None,
+                      ca_file: str | None = None):
+    """One unary Router RPC, with the API key as a bearer token (the CLI's views share it)."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
     async with open_channel(address, ca_file) as channel:
-        return await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest(), timeout=5,
-                                                               metadata=metadata)
+        return await getattr(router_pb2_grpc.RouterStub(channel), method)(request, timeout=5, metadata=metadata)
+
+
+async def fetch(address: str, api_key: str | None = None, ca_file: str | None = None) -> router_pb2.RouterStats:
+    return await call_router(address, "Stats", router_pb2.StatsRequest(), api_key, ca_file)
 
 
 def show(address: str, watch: float | None, api_key: str | None = None, ca_file: str | None = None) -> int:

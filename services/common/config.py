@@ -117,6 +117,23 @@ class WorkerConfig(ServiceConfig):
 
 
 @dataclass(slots=True)
+class AutoscaleConfig:
+    """When a pool wants one worker more or one fewer (its scheduler's `desired_workers`): see
+    services/scheduler/autoscale.py for the rule. `qos-serve up --autoscale` acts on it locally,
+    KEDA on Kubernetes."""
+    min_workers: int | None = None    # default: the pool's configured workers
+    max_workers: int | None = None    # default: min_workers (no scaling)
+    scale_out_high_backlog: int = 100     # High requests waiting above this: one more worker
+    high_ttft_p99_ms: float | None = None  # High TTFT P99 above this: one more (default: High's SLA)
+    kv_high: float = 0.9              # KV blocks in use above this share ...
+    kv_high_for_s: float = 30.0       # ... for this long: one more
+    scale_in_below: float = 0.25      # load (running + waiting) / (workers x max_running) below this ...
+    scale_in_after_s: float = 60.0    # ... for this long, nothing High waiting: one fewer
+    scale_out_cooldown_s: float = 30.0    # after any change, no scale-out for this long
+    scale_in_cooldown_s: float = 120.0    # after any change, no scale-in for this long
+
+
+@dataclass(slots=True)
 class PoolConfig:
     """A pool: one scheduler and its workers, all on one kind of device."""
     name: str = "cpu"                 # reported as `pool` in every response
@@ -126,6 +143,13 @@ class PoolConfig:
     lora: bool = False                # can serve requests naming a LoRA adapter
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: list[WorkerConfig] = field(default_factory=lambda: [WorkerConfig()])
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+
+    def worker_limits(self) -> tuple[int, int]:
+        """(min, max) workers for autoscaling; equal when the pool does not scale."""
+        low = self.autoscale.min_workers if self.autoscale.min_workers is not None else len(self.workers)
+        high = self.autoscale.max_workers if self.autoscale.max_workers is not None else low
+        return low, max(low, high)
 
 
 @dataclass(slots=True)
@@ -148,6 +172,46 @@ class BillingConfig:
     flush_seconds: float = 1.0        # ledger rows are written in batches this often
 
 
+SLA_OBJECTIVES = ("ttft_p99_ms", "e2e_p99_ms", "tpot_p99_ms", "success_rate")
+
+
+@dataclass(slots=True)
+class SlaConfig:
+    """An SLA contract ([[sla]]): objectives for one class (and optionally one tenant), judged over
+    a rolling window of every request the router relays (services/router/sla.py)."""
+    priority: str = "high"
+    tenant: str = ""                  # "" = all tenants of the class together
+    ttft_p99_ms: float | None = None  # time to first token, P99
+    e2e_p99_ms: float | None = None   # end to end, P99
+    tpot_p99_ms: float | None = None  # time per output token after the first, P99
+    success_rate: float | None = None  # share of requests served (client errors, cancels not counted)
+    window_s: float = 60.0
+    for_seconds: float = 30.0         # a breach must hold this long before the alert fires
+    # Resolve only once the observed value is better than the objective by this share (latency
+    # below objective x (1 - h); errors below the error budget x (1 - h)) for resolve_seconds
+    # (default: for_seconds): a value wobbling around the line does not open and close alerts.
+    hysteresis: float = 0.1
+    resolve_seconds: float | None = None
+    min_requests: int = 10            # fewer requests in the window: no verdict (no alert)
+
+    def objectives(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in SLA_OBJECTIVES if getattr(self, name) is not None}
+
+
+def default_slas() -> list[SlaConfig]:
+    """The promise qos-serve is judged on: High's first token within 200 ms at P99, and High
+    served (not refused or failed) 99.9% of the time."""
+    return [SlaConfig(priority="high", ttft_p99_ms=200.0, success_rate=0.999)]
+
+
+@dataclass(slots=True)
+class AlertsConfig:
+    webhooks: list = field(default_factory=list)   # URLs: each alert transition is POSTed there
+    evaluate_every_s: float = 1.0
+    webhook_timeout_s: float = 5.0
+    webhook_retries: int = 5          # after the first try, with backoff 0.5, 1, 2, 4 ... s
+
+
 @dataclass(slots=True)
 class ClusterConfig:
     model: str = "default"
@@ -156,6 +220,13 @@ class ClusterConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     billing: BillingConfig = field(default_factory=BillingConfig)
+    sla: list[SlaConfig] = field(default_factory=default_slas)
+    alerts: AlertsConfig = field(default_factory=AlertsConfig)
+
+    def sla_ttft_ms(self, priority: str) -> float | None:
+        """The class-wide TTFT objective for a class, if an SLA sets one (autoscaling uses High's)."""
+        return next((s.ttft_p99_ms for s in self.sla if s.priority == priority and not s.tenant
+                     and s.ttft_p99_ms is not None), None)
 
     def pool(self, name: str | None) -> PoolConfig:
         """The named pool, or the first one."""

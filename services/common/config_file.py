@@ -8,9 +8,9 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (POLICIES, AuthConfig, BillingConfig, ClusterConfig, ConfigError,
-                                    PoolConfig, RouterConfig, SchedulerConfig, ServiceConfig,
-                                    StoreConfig, WorkerConfig)
+from services.common.config import (POLICIES, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
+                                    ClusterConfig, ConfigError, PoolConfig, RouterConfig, SchedulerConfig,
+                                    ServiceConfig, SlaConfig, StoreConfig, WorkerConfig, default_slas)
 
 
 def _section(cls, raw: dict, where: str):
@@ -74,8 +74,9 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
 def _parse_pool(raw: dict, where: str) -> PoolConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table")
-    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers")}
+    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers", "autoscale")}
     pool = _section(PoolConfig, flat, where)
+    pool.autoscale = _section(AutoscaleConfig, raw.get("autoscale", {}), f"{where}.autoscale")
     pool.scheduler = _section(SchedulerConfig, raw.get("scheduler", {}), f"{where}.scheduler")
     _check_scheduler(pool.scheduler, f"{where}.scheduler")
     workers = raw.get("workers", [{}])
@@ -97,23 +98,98 @@ def _parse_pool(raw: dict, where: str) -> PoolConfig:
         # Never label a pool with a device it does not have.
         if w.device.split(":")[0] != pool.device:
             raise ConfigError(f"{where}.workers[{i}].device is {w.device!r} but the pool is {pool.device!r}")
+    _check_autoscale(pool, f"{where}.autoscale")
     return pool
 
 
+def _number(value, where: str, low: float, high: float = float("inf"), strict_low: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        low < value if strict_low else low <= value) and value <= high
+    if not ok:
+        bound = f"> {low}" if strict_low else f">= {low}"
+        raise ConfigError(f"{where} must be a number {bound}" + (f" and <= {high}" if high != float("inf") else "")
+                          + f", got {value!r}")
+
+
+def _check_autoscale(pool: PoolConfig, where: str) -> None:
+    a = pool.autoscale
+    for name in ("min_workers", "max_workers"):
+        value = getattr(a, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{where}.{name} must be an integer >= 1, got {value!r}")
+    low, high = pool.worker_limits()
+    if a.max_workers is not None and a.max_workers < low:
+        raise ConfigError(f"{where}.max_workers ({a.max_workers}) is below min_workers ({low})")
+    if low < len(pool.workers):
+        raise ConfigError(f"{where}.min_workers ({low}) is below the {len(pool.workers)} configured workers")
+    if a.high_ttft_p99_ms is not None:
+        _number(a.high_ttft_p99_ms, f"{where}.high_ttft_p99_ms", 0, strict_low=True)
+    _number(a.scale_out_high_backlog, f"{where}.scale_out_high_backlog", 1)
+    _number(a.kv_high, f"{where}.kv_high", 0, 1, strict_low=True)
+    _number(a.scale_in_below, f"{where}.scale_in_below", 0, 1)
+    for name in ("kv_high_for_s", "scale_in_after_s", "scale_out_cooldown_s", "scale_in_cooldown_s"):
+        _number(getattr(a, name), f"{where}.{name}", 0)
+
+
+def _parse_sla(raw, where: str) -> SlaConfig:
+    sla = _section(SlaConfig, raw, where)
+    if sla.priority not in ("high", "medium", "low"):
+        raise ConfigError(f"{where}.priority must be high, medium or low, got {sla.priority!r}")
+    objectives = sla.objectives()
+    if not objectives:
+        raise ConfigError(f"{where} sets no objective: give ttft_p99_ms, e2e_p99_ms, tpot_p99_ms "
+                          "or success_rate")
+    for name, value in objectives.items():
+        if name == "success_rate":
+            _number(value, f"{where}.success_rate", 0, 1, strict_low=True)
+        else:
+            _number(value, f"{where}.{name}", 0, strict_low=True)
+    _number(sla.window_s, f"{where}.window_s", 1, 86400)
+    _number(sla.for_seconds, f"{where}.for_seconds", 0, 86400)
+    if sla.resolve_seconds is not None:
+        _number(sla.resolve_seconds, f"{where}.resolve_seconds", 0, 86400)
+    _number(sla.hysteresis, f"{where}.hysteresis", 0, 0.9)
+    _number(sla.min_requests, f"{where}.min_requests", 1)
+    return sla
+
+
+def _parse_alerts(raw: dict) -> tuple[list[SlaConfig], AlertsConfig]:
+    slas = raw.get("sla")
+    if slas is None:
+        slas = default_slas()
+    elif not isinstance(slas, list):
+        raise ConfigError("sla must be a list of [[sla]] tables (an empty list: no SLA alerts)")
+    else:
+        slas = [_parse_sla(s, f"sla[{i}]") for i, s in enumerate(slas)]
+    keys = [(s.priority, s.tenant) for s in slas]
+    if len(set(keys)) != len(keys):
+        raise ConfigError("two [[sla]] tables for the same priority and tenant: merge their objectives")
+    alerts = _section(AlertsConfig, raw.get("alerts", {}), "alerts")
+    for i, url in enumerate(alerts.webhooks):
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ConfigError(f"alerts.webhooks[{i}] must be an http:// or https:// URL, got {url!r}")
+    _number(alerts.evaluate_every_s, "alerts.evaluate_every_s", 0.05, 60)
+    _number(alerts.webhook_timeout_s, "alerts.webhook_timeout_s", 0, 300, strict_low=True)
+    _number(alerts.webhook_retries, "alerts.webhook_retries", 0, 100)
+    return slas, alerts
+
+
 def parse_config(raw: dict) -> ClusterConfig:
-    known = {"model", "router", "pools", "scheduler", "workers", "store", "auth", "billing"}
+    known = {"model", "router", "pools", "scheduler", "workers", "autoscale", "store", "auth", "billing",
+             "sla", "alerts"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
-    if "pools" in raw and ("scheduler" in raw or "workers" in raw):
-        raise ConfigError("give either [[pools]] or a single pool's [scheduler] and [[workers]], not both")
+    if "pools" in raw and ("scheduler" in raw or "workers" in raw or "autoscale" in raw):
+        raise ConfigError("give either [[pools]] or a single pool's [scheduler], [[workers]] and "
+                          "[autoscale], not both")
     if "pools" in raw:
         if not isinstance(raw["pools"], list) or not raw["pools"]:
             raise ConfigError("pools must be a non-empty list of [[pools]] tables")
         pools = [_parse_pool(p, f"pools[{i}]") for i, p in enumerate(raw["pools"])]
     else:
         single = {"name": "cpu", "primary": True, "scheduler": raw.get("scheduler", {}),
-                  "workers": raw.get("workers", [{}])}
+                  "workers": raw.get("workers", [{}]), "autoscale": raw.get("autoscale", {})}
         pools = [_parse_pool(single, "pool")]
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
@@ -146,8 +222,9 @@ def parse_config(raw: dict) -> ClusterConfig:
                           f"{billing.multipliers}")
     if not billing.flush_seconds > 0:
         raise ConfigError(f"billing.flush_seconds must be > 0, got {billing.flush_seconds}")
+    slas, alerts = _parse_alerts(raw)
     return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools,
-                         store=store, auth=auth, billing=billing)
+                         store=store, auth=auth, billing=billing, sla=slas, alerts=alerts)
 
 
 def load_config(path: str | Path | None) -> ClusterConfig:

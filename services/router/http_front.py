@@ -19,6 +19,7 @@ import logging
 import time
 
 import uvicorn
+from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -58,6 +59,7 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/usage", self.usage, methods=["GET"]),
+            Route("/v1/alerts", self.alerts, methods=["GET"]),
             Route("/v1/requests/{request_id}", self.request_status, methods=["GET"]),
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -107,6 +109,18 @@ class HttpFront:
         except ServiceError as error:
             return error_response(error)
         return JSONResponse({"object": "usage", **usage})
+
+    async def alerts(self, http: Request) -> Response:
+        """GET /v1/alerts: Router.Alerts as JSON (objectives now, open and recent alerts)."""
+        try:
+            caller = self._caller(http)
+        except ServiceError as error:
+            return error_response(error)
+        reply = self.router.sla.reply(None if caller.admin or not self.book.required else caller.name)
+        body = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        for item in body["objectives"] + body["alerts"]:
+            item["priority"] = item["priority"].removeprefix("PRIORITY_").lower()
+        return JSONResponse({"object": "alerts", **body})
 
     async def request_status(self, http: Request) -> Response:
         try:

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import grpc
+from prometheus_client import CollectorRegistry
 
-from services.common.config import AuthConfig, BillingConfig, ClusterConfig, PoolConfig, RouterConfig
+from services.common.config import ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import PRIORITIES
@@ -24,6 +25,7 @@ from services.common.tracing import extract_metadata, setup_tracing, shutdown_tr
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
+from services.router.sla_monitor import SlaMonitor
 from services.router.tally import RouterTotals
 from services.router.accounts import Accounts
 from services.router.ledger import LedgerWriter
@@ -36,10 +38,13 @@ log = logging.getLogger(__name__)
 
 
 class RouterService:
-    def __init__(self, pools: list[PoolConfig], model_name: str, router: RouterConfig,
-                 store: Store, auth: AuthConfig, billing: BillingConfig, drain: Drain | None = None):
-        self.pools = PoolDirectory(pools, model_name, router.routing)
-        self.totals = RouterTotals(list(self.pools.handles))
+    def __init__(self, config: ClusterConfig, model_name: str, store: Store, drain: Drain | None = None):
+        router, auth, billing = config.router, config.auth, config.billing
+        self.pools = PoolDirectory(config.pools, model_name, router.routing)
+        registry = CollectorRegistry()
+        alerts_url = f"http://{router.http_address}/v1/alerts" if router.http_address else ""
+        self.sla = SlaMonitor(config.sla, config.alerts, registry, external_url=alerts_url)
+        self.totals = RouterTotals(list(self.pools.handles), self.sla, registry)
         self.tracer = setup_tracing("router")
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
         self.ledger = LedgerWriter(store, billing.flush_seconds)
@@ -54,7 +59,8 @@ class RouterService:
         self.pools.start()
         self.tasks = [asyncio.create_task(self.path.admissions.run()),
                       asyncio.create_task(self.book.keep_fresh()),
-                      asyncio.create_task(self.ledger.run())]
+                      asyncio.create_task(self.ledger.run()),
+                      asyncio.create_task(self.sla.run())]
 
     async def stop(self) -> None:
         """After the drain: the background tasks and the pools' channels go, the ledger's last
@@ -62,6 +68,7 @@ class RouterService:
         for task in self.tasks:
             task.cancel()
         await self.ledger.flush()
+        await self.sla.webhooks.flush()
         await self.pools.close()
         self.book.store.close()
 
@@ -98,6 +105,10 @@ class RouterService:
                                "they need the admin key", field="authorization", reason="admin_only")
         return self.totals.stats_proto(self.pools.latest_stats(), self.pools.router.threshold.value)
 
+    async def Alerts(self, request, context) -> router_pb2.AlertsReply:
+        caller = self._caller(context)
+        return self.sla.reply(None if caller.admin or not self.book.required else caller.name)
+
     async def Usage(self, request: router_pb2.UsageRequest, context) -> router_pb2.UsageReply:
         usage = await self.accounts.usage(self._caller(context), request.tenant or None,
                                           request.since_unix_s or None)
@@ -127,6 +138,9 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
         "Cancel": grpc.unary_unary_rpc_method_handler(
             service.Cancel, request_deserializer=router_pb2.CancelRequest.FromString,
             response_serializer=router_pb2.CancelReply.SerializeToString),
+        "Alerts": grpc.unary_unary_rpc_method_handler(
+            service.Alerts, request_deserializer=router_pb2.AlertsRequest.FromString,
+            response_serializer=router_pb2.AlertsReply.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("qos.v1.Router", handlers),))
     return ["qos.v1.Router"]
@@ -137,8 +151,7 @@ async def serve_router(config: ClusterConfig, model_name: str) -> None:
     -1), both on one request path, drained together on SIGTERM."""
     router = config.router
     store = await asyncio.to_thread(Store, config.store.url or None)
-    service = RouterService(config.pools, model_name, router, store, config.auth, config.billing,
-                            Drain("router", router.drain_seconds))
+    service = RouterService(config, model_name, store, Drain("router", router.drain_seconds))
     http = HttpFront(service, router) if router.http_port >= 0 else None
     serve_metrics(service.totals.registry, router.host, router.metrics_port, "router")
     warn_if_keys_in_clear(router, config.auth)

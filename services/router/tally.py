@@ -18,6 +18,7 @@ from services.common.metrics import RequestMetrics
 from services.common.percentile import percentile
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.router.sla import Outcome, counts_against_sla
 
 LATENCY_WINDOW = 10_000        # most recent requests per group kept for percentiles
 
@@ -50,11 +51,12 @@ class Counters:
 class RouterTotals:
     """Everything the router counts, since it started."""
 
-    def __init__(self, pool_names: list[str]):
+    def __init__(self, pool_names: list[str], sla=None, registry: CollectorRegistry | None = None):
+        self.sla = sla                   # SlaMonitor: every finished request is judged against the SLAs
         self.by_priority = {p: Counters() for p in ORDER}
         self.by_pool = {name: Counters() for name in pool_names}
         self.by_tenant: dict[str, Counters] = {}
-        self.registry = CollectorRegistry()
+        self.registry = registry or CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
         self.migrations = PromCounter("qos_migrations", "Requests moved to another pool mid-way",
                                       ("from_pool", "to_pool"), registry=self.registry)
@@ -81,6 +83,7 @@ class Tally:
 
     def __init__(self, totals: RouterTotals, priority: int, tenant: str, span: Span):
         self.totals = totals
+        self.tenant = tenant
         self.name = priority_name(priority)
         self.span = span
         self.pool = ""
@@ -131,6 +134,9 @@ class Tally:
         self.span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,
                                   "qos.output_tokens": chunk.usage.completion_tokens,
                                   "qos.cost_units": chunk.cost_units, "qos.ttft_ms": ttft_s * 1000})
+        tokens = chunk.usage.completion_tokens
+        self._judge(True, ttft_ms=ttft_s * 1000, e2e_ms=elapsed_s * 1000,
+                    tpot_ms=(elapsed_s - ttft_s) * 1000 / (tokens - 1) if tokens > 1 else None)
 
     def on_migrated(self, from_pool: str, to_pool: str, error: ServiceError) -> None:
         """The request moved to another pool mid-way (its first could not continue it): the pool
@@ -154,6 +160,12 @@ class Tally:
         if error.kind in (ErrorKind.INVALID, ErrorKind.UNSUPPORTED, ErrorKind.EXHAUSTED,
                           ErrorKind.TOO_LARGE) or error.reason == "draining":
             self.totals.metrics.rejections.labels(self.name, error.reason).inc()
+        if counts_against_sla(error):
+            self._judge(False)      # latency objectives judge completed requests, as the histograms do
+
+    def _judge(self, served: bool, **latency) -> None:
+        if self.totals.sla is not None:
+            self.totals.sla.record(self.name, Outcome(time.time(), self.tenant, served, **latency))
 
     def on_cancel(self) -> None:
         self.outcome = "cancelled"

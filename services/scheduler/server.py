@@ -19,13 +19,13 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
-from services.common.config import SchedulerConfig
+from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
-from services.common.priority import ORDER, priority_name
+from services.common.priority import ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.tokenizer import TextTokenizer
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing, traceparent
@@ -36,7 +36,8 @@ from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Request
-from services.scheduler.stats import pool_stats, state_metrics
+from services.scheduler.autoscale import ScaleAdvisor
+from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
 from services.scheduler.membership import Membership
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def resume(request: Request, streamed: list[int]) -> None:
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: SchedulerConfig, pool_name: str, model_dir: str,
-                 worker_addresses: list[str]):
+                 worker_addresses: list[str], advisor: ScaleAdvisor | None = None):
         self.config = config
         self.pool_name = pool_name
         self.model_name = Path(model_dir).name
@@ -78,9 +79,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                    config.retry_after_ms)
         self.drain = Drain(f"scheduler of pool {pool_name}", config.drain_seconds)
         self.rejected: Counter = Counter()
+        n = len(worker_addresses) or 1
+        self.advisor = advisor or ScaleAdvisor(AutoscaleConfig(), n, n)
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority",))
         self.registry.register(StateCollector(lambda: state_metrics(self.batcher)))
+        self.registry.register(StateCollector(lambda: scale_metrics(pool_name, self.batcher, self.advisor)))
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
@@ -93,7 +97,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.membership.start(self.worker_addresses if c.workers_from == "config" else [],
                               c.workers_dns if c.workers_from == "dns" else None)
         self.tasks = [asyncio.create_task(self.batcher.run()),
-                      asyncio.create_task(self.admissions.run())]
+                      asyncio.create_task(self.admissions.run()),
+                      asyncio.create_task(self._advise())]
+
+    async def _advise(self) -> None:
+        """Once a second: how many workers the pool wants (services/scheduler/autoscale.py)."""
+        while True:
+            await asyncio.sleep(1.0)
+            before = self.advisor.desired
+            desired = self.advisor.update(scale_signals(self.batcher, self.config.max_running), time.time())
+            if desired != before:
+                log.info("pool %s wants %d worker(s), was %d: %s", self.pool_name, desired, before,
+                         self.advisor.reason)
 
     async def stop(self) -> None:
         """After the drain: the loop, the links and the tokenizer thread go."""
@@ -210,13 +225,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         span.end(end_time=request.wall_ns(end))
 
     def _record_finished(self, request: Request, now: float) -> None:
-        self.metrics.finished((priority_name(request.priority),),
-                              request.first_token_at - request.arrival, now - request.arrival,
+        ttft_s = request.first_token_at - request.arrival
+        self.metrics.finished((priority_name(request.priority),), ttft_s, now - request.arrival,
                               len(request.output_ids))
+        if request.priority == Priority.HIGH:
+            self.advisor.observe_high_ttft(ttft_s * 1000, time.time())
 
     def pool_stats(self) -> scheduler_pb2.PoolStats:
         return pool_stats(self.pool_name, self.model_name, self.batcher, self.monitor, self.rejected,
-                          self.drain.draining)
+                          self.drain.draining, self.advisor)
 
     async def GetPoolStats(self, request, context) -> scheduler_pb2.PoolStats:
         return self.pool_stats()
@@ -237,8 +254,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: str,
-                          worker_addresses: list[str]) -> None:
-    service = SchedulerService(config, pool_name, model_dir, worker_addresses)
+                          worker_addresses: list[str], advisor: ScaleAdvisor | None = None) -> None:
+    service = SchedulerService(config, pool_name, model_dir, worker_addresses, advisor)
 
     def register(server: grpc.aio.Server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)

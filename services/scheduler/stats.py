@@ -7,14 +7,15 @@ from collections import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.percentile import percentile
-from services.common.priority import ORDER, priority_name
+from services.common.priority import ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2
+from services.scheduler.autoscale import PoolSignals, ScaleAdvisor
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.monitor import ResourceMonitor
 
 
 def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: ResourceMonitor | None,
-               rejected: Counter, draining: bool) -> scheduler_pb2.PoolStats:
+               rejected: Counter, draining: bool, advisor: ScaleAdvisor) -> scheduler_pb2.PoolStats:
     b, policy = batcher, batcher.policy
     connected = [l for l in b.links if l.is_connected and l.info is not None]
     held = b.kv_blocks_by_priority()
@@ -44,7 +45,34 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
         weight_changes=[scheduler_pb2.WeightChange(
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
-            for c in (monitor.changes if monitor else ())])
+            for c in (monitor.changes if monitor else ())],
+        desired_workers=advisor.desired, min_workers=advisor.min_workers, max_workers=advisor.max_workers,
+        scale_reason=advisor.reason)
+
+
+def scale_signals(batcher: ContinuousBatcher, max_running: int) -> PoolSignals:
+    """What the autoscaling rule reads: workers serving (connected, not draining), backlog, KV."""
+    b, policy = batcher, batcher.policy
+    serving = [l for l in b.links if l.is_connected and l.pool and l.index not in b.workers.draining]
+    return PoolSignals(workers=len(serving), high_waiting=policy.waiting(Priority.HIGH),
+                       waiting=sum(policy.waiting(p) for p in ORDER),
+                       running=sum(b.running_by_priority().values()), max_running=max_running,
+                       kv_used=sum(l.pool.num_used for l in serving), kv_total=sum(l.pool.num_blocks for l in serving))
+
+
+def scale_metrics(pool: str, batcher: ContinuousBatcher, advisor: ScaleAdvisor):
+    """`qos_desired_workers{pool}` (what KEDA scales a worker Deployment on), the pool's limits,
+    and its backlog per class."""
+    for name, text, value in [("qos_desired_workers", "Workers the pool wants now (autoscaling)", advisor.desired),
+                              ("qos_min_workers", "Fewest workers autoscaling keeps", advisor.min_workers),
+                              ("qos_max_workers", "Most workers autoscaling asks for", advisor.max_workers)]:
+        family = GaugeMetricFamily(name, text, labels=["pool"])
+        family.add_metric([pool], value)
+        yield family
+    backlog = GaugeMetricFamily("qos_backlog", "Requests waiting, by class", labels=["pool", "priority"])
+    for p in ORDER:
+        backlog.add_metric([pool, priority_name(p)], batcher.policy.waiting(p))
+    yield backlog
 
 
 def state_metrics(batcher: ContinuousBatcher):

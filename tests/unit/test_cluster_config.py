@@ -1,10 +1,12 @@
 """The cluster config: workers take their pool's device, KV budgets by device, precise errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.common.config import ConfigError, WorkerConfig
-from services.common.config_file import parse_config
+from services.common.config_file import load_config, parse_config
 
 MiB = 2**20
 
@@ -66,7 +68,8 @@ def test_a_worker_entry_that_is_not_a_table_is_refused():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"routers": {}}, "unknown key routers; known: auth, billing, model, pools, router, scheduler, store, workers"),
+    ({"routers": {}}, "unknown key routers; known: alerts, auth, autoscale, billing, model, pools, router, "
+                      "scheduler, sla, store, workers"),
     ({"pools": []}, "pools must be a non-empty list"),
     ({"pools": {"name": "p"}}, "pools must be a non-empty list"),
     ({"pools": [{"name": "a"}], "scheduler": {}}, "either \\[\\[pools\\]\\] or a single pool"),
@@ -124,3 +127,10 @@ def test_drain_seconds_default_to_30_and_are_read_per_service():
     assert config.pools[0].scheduler.drain_seconds == 12.5
     assert config.pools[0].workers[0].drain_seconds == 0
     assert parse_config({}).router.drain_seconds == 30.0
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    config = load_config(path)
+    assert config.pools and all(pool.workers for pool in config.pools)

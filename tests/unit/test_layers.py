@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE = ["services.scheduler.batcher", "services.scheduler.request", "services.scheduler.planner",
         "services.scheduler.output", "services.scheduler.admission", "services.scheduler.policy",
         "services.router.routing", "services.router.validation", "services.common.errors",
-        "services.common.drain", "services.common.wire", "services.common.kv_blocks"]
+        "services.common.drain", "services.common.wire", "services.common.kv_blocks",
+        "services.router.sla", "services.router.alerts", "services.scheduler.autoscale"]
 SCHEDULER_AND_ROUTER = ["services.scheduler.server", "services.router.server"]
 ENGINE = ["services.engine.engine", "services.engine.batch_runner", "services.worker.server"]
 

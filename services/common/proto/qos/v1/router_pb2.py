@@ -26,37 +26,45 @@ from services.common.proto.qos.v1 import common_pb2 as qos_dot_v1_dot_common__pb
 from services.common.proto.qos.v1 import scheduler_pb2 as qos_dot_v1_dot_scheduler__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/router.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\x1a\x16qos/v1/scheduler.proto\"4\n\x0cUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0csince_unix_s\x18\x02 \x01(\x01\"\x93\x01\n\tUsageLine\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x01\"\xa5\x01\n\nUsageReply\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12 \n\x05lines\x18\x02 \x03(\x0b\x32\x11.qos.v1.UsageLine\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"1\n\x0b\x43\x61ncelReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x81\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\"\x8b\x01\n\x14GenerateRequestBytes\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.qos.v1.ChatMessageBytes\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\x0c\"1\n\x10\x43hatMessageBytes\x12\x0c\n\x04role\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xa1\x02\n\rPriorityStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\x11\n\tcancelled\x18\x05 \x01(\x04\x12\x15\n\routput_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p95_ms\x18\x08 \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\t \x01(\x01\x12\x12\n\ne2e_p50_ms\x18\n \x01(\x01\x12\x12\n\ne2e_p95_ms\x18\x0b \x01(\x01\x12\x12\n\ne2e_p99_ms\x18\x0c \x01(\x01\x12\x12\n\ncost_units\x18\r \x01(\x01\"\xb8\x01\n\nGroupStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x12\n\ncost_units\x18\x06 \x01(\x01\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\x08 \x01(\x01\x12\x12\n\ne2e_p99_ms\x18\t \x01(\x01\"\xd6\x01\n\x0bRouterStats\x12)\n\npriorities\x18\x01 \x03(\x0b\x32\x15.qos.v1.PriorityStats\x12 \n\x05pools\x18\x02 \x03(\x0b\x32\x11.qos.v1.PoolStats\x12#\n\x07\x62y_pool\x18\x03 \x03(\x0b\x32\x12.qos.v1.GroupStats\x12%\n\tby_tenant\x18\x04 \x03(\x0b\x32\x12.qos.v1.GroupStats\x12\x1a\n\x12overflow_threshold\x18\x05 \x01(\x01\x12\x12\n\nmigrations\x18\x06 \x01(\x04\x32\xe3\x01\n\x06Router\x12<\n\x08Generate\x12\x17.qos.v1.GenerateRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12\x32\n\x05Stats\x12\x14.qos.v1.StatsRequest\x1a\x13.qos.v1.RouterStats\x12\x31\n\x05Usage\x12\x14.qos.v1.UsageRequest\x1a\x12.qos.v1.UsageReply\x12\x34\n\x06\x43\x61ncel\x12\x15.qos.v1.CancelRequest\x1a\x13.qos.v1.CancelReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/router.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\x1a\x16qos/v1/scheduler.proto\"\x0f\n\rAlertsRequest\"\xd9\x01\n\x11SlaObjectiveState\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\tobjective\x18\x03 \x01(\t\x12\x0e\n\x06target\x18\x04 \x01(\x01\x12\x10\n\x08observed\x18\x05 \x01(\x01\x12\x13\n\x0bhas_verdict\x18\x06 \x01(\x08\x12\x10\n\x08requests\x18\x07 \x01(\r\x12\r\n\x05state\x18\x08 \x01(\t\x12\x10\n\x08window_s\x18\t \x01(\x01\x12\x13\n\x0b\x66or_seconds\x18\n \x01(\x01\"\xf7\x01\n\x08SlaAlert\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\"\n\x08priority\x18\x03 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x11\n\tobjective\x18\x05 \x01(\t\x12\x0e\n\x06target\x18\x06 \x01(\x01\x12\x10\n\x08observed\x18\x07 \x01(\x01\x12\x18\n\x10starts_at_unix_s\x18\x08 \x01(\x01\x12\x16\n\x0e\x65nds_at_unix_s\x18\t \x01(\x01\x12\x0f\n\x07summary\x18\n \x01(\t\x12\x1b\n\x13\x62reach_since_unix_s\x18\x0b \x01(\x01\"^\n\x0b\x41lertsReply\x12-\n\nobjectives\x18\x01 \x03(\x0b\x32\x19.qos.v1.SlaObjectiveState\x12 \n\x06\x61lerts\x18\x02 \x03(\x0b\x32\x10.qos.v1.SlaAlert\"4\n\x0cUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x14\n\x0csince_unix_s\x18\x02 \x01(\x01\"\x93\x01\n\tUsageLine\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x01\"\xa5\x01\n\nUsageReply\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12 \n\x05lines\x18\x02 \x03(\x0b\x32\x11.qos.v1.UsageLine\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06\x61mount\x18\x06 \x01(\x01\x12\x11\n\tin_flight\x18\x07 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"1\n\x0b\x43\x61ncelReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x81\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\"\x8b\x01\n\x14GenerateRequestBytes\x12\x0e\n\x06prompt\x18\x01 \x01(\x0c\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.qos.v1.ChatMessageBytes\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\x0c\"1\n\x10\x43hatMessageBytes\x12\x0c\n\x04role\x18\x01 \x01(\x0c\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xa1\x02\n\rPriorityStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\x11\n\tcancelled\x18\x05 \x01(\x04\x12\x15\n\routput_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p95_ms\x18\x08 \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\t \x01(\x01\x12\x12\n\ne2e_p50_ms\x18\n \x01(\x01\x12\x12\n\ne2e_p95_ms\x18\x0b \x01(\x01\x12\x12\n\ne2e_p99_ms\x18\x0c \x01(\x01\x12\x12\n\ncost_units\x18\r \x01(\x01\"\xb8\x01\n\nGroupStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x11\n\tcompleted\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x12\n\ncost_units\x18\x06 \x01(\x01\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\x08 \x01(\x01\x12\x12\n\ne2e_p99_ms\x18\t \x01(\x01\"\xd6\x01\n\x0bRouterStats\x12)\n\npriorities\x18\x01 \x03(\x0b\x32\x15.qos.v1.PriorityStats\x12 \n\x05pools\x18\x02 \x03(\x0b\x32\x11.qos.v1.PoolStats\x12#\n\x07\x62y_pool\x18\x03 \x03(\x0b\x32\x12.qos.v1.GroupStats\x12%\n\tby_tenant\x18\x04 \x03(\x0b\x32\x12.qos.v1.GroupStats\x12\x1a\n\x12overflow_threshold\x18\x05 \x01(\x01\x12\x12\n\nmigrations\x18\x06 \x01(\x04\x32\x99\x02\n\x06Router\x12<\n\x08Generate\x12\x17.qos.v1.GenerateRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12\x32\n\x05Stats\x12\x14.qos.v1.StatsRequest\x1a\x13.qos.v1.RouterStats\x12\x31\n\x05Usage\x12\x14.qos.v1.UsageRequest\x1a\x12.qos.v1.UsageReply\x12\x34\n\x06\x43\x61ncel\x12\x15.qos.v1.CancelRequest\x1a\x13.qos.v1.CancelReply\x12\x34\n\x06\x41lerts\x12\x15.qos.v1.AlertsRequest\x1a\x13.qos.v1.AlertsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qos.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_USAGEREQUEST']._serialized_start=76
-  _globals['_USAGEREQUEST']._serialized_end=128
-  _globals['_USAGELINE']._serialized_start=131
-  _globals['_USAGELINE']._serialized_end=278
-  _globals['_USAGEREPLY']._serialized_start=281
-  _globals['_USAGEREPLY']._serialized_end=446
-  _globals['_CANCELREQUEST']._serialized_start=448
-  _globals['_CANCELREQUEST']._serialized_end=483
-  _globals['_CANCELREPLY']._serialized_start=485
-  _globals['_CANCELREPLY']._serialized_end=534
-  _globals['_GENERATEREQUEST']._serialized_start=537
-  _globals['_GENERATEREQUEST']._serialized_end=666
-  _globals['_GENERATEREQUESTBYTES']._serialized_start=669
-  _globals['_GENERATEREQUESTBYTES']._serialized_end=808
-  _globals['_CHATMESSAGEBYTES']._serialized_start=810
-  _globals['_CHATMESSAGEBYTES']._serialized_end=859
-  _globals['_STATSREQUEST']._serialized_start=861
-  _globals['_STATSREQUEST']._serialized_end=875
-  _globals['_PRIORITYSTATS']._serialized_start=878
-  _globals['_PRIORITYSTATS']._serialized_end=1167
-  _globals['_GROUPSTATS']._serialized_start=1170
-  _globals['_GROUPSTATS']._serialized_end=1354
-  _globals['_ROUTERSTATS']._serialized_start=1357
-  _globals['_ROUTERSTATS']._serialized_end=1571
-  _globals['_ROUTER']._serialized_start=1574
-  _globals['_ROUTER']._serialized_end=1801
+  _globals['_ALERTSREQUEST']._serialized_start=76
+  _globals['_ALERTSREQUEST']._serialized_end=91
+  _globals['_SLAOBJECTIVESTATE']._serialized_start=94
+  _globals['_SLAOBJECTIVESTATE']._serialized_end=311
+  _globals['_SLAALERT']._serialized_start=314
+  _globals['_SLAALERT']._serialized_end=561
+  _globals['_ALERTSREPLY']._serialized_start=563
+  _globals['_ALERTSREPLY']._serialized_end=657
+  _globals['_USAGEREQUEST']._serialized_start=659
+  _globals['_USAGEREQUEST']._serialized_end=711
+  _globals['_USAGELINE']._serialized_start=714
+  _globals['_USAGELINE']._serialized_end=861
+  _globals['_USAGEREPLY']._serialized_start=864
+  _globals['_USAGEREPLY']._serialized_end=1029
+  _globals['_CANCELREQUEST']._serialized_start=1031
+  _globals['_CANCELREQUEST']._serialized_end=1066
+  _globals['_CANCELREPLY']._serialized_start=1068
+  _globals['_CANCELREPLY']._serialized_end=1117
+  _globals['_GENERATEREQUEST']._serialized_start=1120
+  _globals['_GENERATEREQUEST']._serialized_end=1249
+  _globals['_GENERATEREQUESTBYTES']._serialized_start=1252
+  _globals['_GENERATEREQUESTBYTES']._serialized_end=1391
+  _globals['_CHATMESSAGEBYTES']._serialized_start=1393
+  _globals['_CHATMESSAGEBYTES']._serialized_end=1442
+  _globals['_STATSREQUEST']._serialized_start=1444
+  _globals['_STATSREQUEST']._serialized_end=1458
+  _globals['_PRIORITYSTATS']._serialized_start=1461
+  _globals['_PRIORITYSTATS']._serialized_end=1750
+  _globals['_GROUPSTATS']._serialized_start=1753
+  _globals['_GROUPSTATS']._serialized_end=1937
+  _globals['_ROUTERSTATS']._serialized_start=1940
+  _globals['_ROUTERSTATS']._serialized_end=2154
+  _globals['_ROUTER']._serialized_start=2157
+  _globals['_ROUTER']._serialized_end=2438
 # @@protoc_insertion_point(module_scope)

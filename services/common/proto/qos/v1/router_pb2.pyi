@@ -8,6 +8,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AlertsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SlaObjectiveState(_message.Message):
+    __slots__ = ("priority", "tenant", "objective", "target", "observed", "has_verdict", "requests", "state", "window_s", "for_seconds")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    HAS_VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    FOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    priority: _common_pb2.Priority
+    tenant: str
+    objective: str
+    target: float
+    observed: float
+    has_verdict: bool
+    requests: int
+    state: str
+    window_s: float
+    for_seconds: float
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., objective: _Optional[str] = ..., target: _Optional[float] = ..., observed: _Optional[float] = ..., has_verdict: _Optional[bool] = ..., requests: _Optional[int] = ..., state: _Optional[str] = ..., window_s: _Optional[float] = ..., for_seconds: _Optional[float] = ...) -> None: ...
+
+class SlaAlert(_message.Message):
+    __slots__ = ("fingerprint", "state", "priority", "tenant", "objective", "target", "observed", "starts_at_unix_s", "ends_at_unix_s", "summary", "breach_since_unix_s")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OBJECTIVE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    STARTS_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    ENDS_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    BREACH_SINCE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    state: str
+    priority: _common_pb2.Priority
+    tenant: str
+    objective: str
+    target: float
+    observed: float
+    starts_at_unix_s: float
+    ends_at_unix_s: float
+    summary: str
+    breach_since_unix_s: float
+    def __init__(self, fingerprint: _Optional[str] = ..., state: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., objective: _Optional[str] = ..., target: _Optional[float] = ..., observed: _Optional[float] = ..., starts_at_unix_s: _Optional[float] = ..., ends_at_unix_s: _Optional[float] = ..., summary: _Optional[str] = ..., breach_since_unix_s: _Optional[float] = ...) -> None: ...
+
+class AlertsReply(_message.Message):
+    __slots__ = ("objectives", "alerts")
+    OBJECTIVES_FIELD_NUMBER: _ClassVar[int]
+    ALERTS_FIELD_NUMBER: _ClassVar[int]
+    objectives: _containers.RepeatedCompositeFieldContainer[SlaObjectiveState]
+    alerts: _containers.RepeatedCompositeFieldContainer[SlaAlert]
+    def __init__(self, objectives: _Optional[_Iterable[_Union[SlaObjectiveState, _Mapping]]] = ..., alerts: _Optional[_Iterable[_Union[SlaAlert, _Mapping]]] = ...) -> None: ...
+
 class UsageRequest(_message.Message):
     __slots__ = ("tenant", "since_unix_s")
     TENANT_FIELD_NUMBER: _ClassVar[int]

@@ -55,6 +55,11 @@ class RouterStub:
                 request_serializer=qos_dot_v1_dot_router__pb2.CancelRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_router__pb2.CancelReply.FromString,
                 _registered_method=True)
+        self.Alerts = channel.unary_unary(
+                '/qos.v1.Router/Alerts',
+                request_serializer=qos_dot_v1_dot_router__pb2.AlertsRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_router__pb2.AlertsReply.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -94,6 +99,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Alerts(self, request, context):
+        """The SLA contracts' objectives now, the alerts open, and the most recent resolved ones.
+        With auth on: the admin key sees all; a tenant's key only its own tenant's objectives.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +129,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=qos_dot_v1_dot_router__pb2.CancelRequest.FromString,
                     response_serializer=qos_dot_v1_dot_router__pb2.CancelReply.SerializeToString,
+            ),
+            'Alerts': grpc.unary_unary_rpc_method_handler(
+                    servicer.Alerts,
+                    request_deserializer=qos_dot_v1_dot_router__pb2.AlertsRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_router__pb2.AlertsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +244,33 @@ class Router:
             '/qos.v1.Router/Cancel',
             qos_dot_v1_dot_router__pb2.CancelRequest.SerializeToString,
             qos_dot_v1_dot_router__pb2.CancelReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Alerts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Router/Alerts',
+            qos_dot_v1_dot_router__pb2.AlertsRequest.SerializeToString,
+            qos_dot_v1_dot_router__pb2.AlertsReply.FromString,
             options,
             channel_credentials,
             insecure,
