@@ -34,6 +34,7 @@ Workloads: bench/qos_workloads.py; figures, table, CSV and plots: bench/qos_repo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -89,15 +90,17 @@ async def run_jobs(front: Front, scheduler_address: str, jobs: list[Job], bar) -
     return outcomes, samples, wall
 
 
-def run_policy(policy: str, model: str, jobs: list[Job], args) -> tuple[dict, list[Outcome], list[Sample]]:
-    """Start a local cluster with `policy`, send `jobs` through it, stop it; the summary figures."""
+def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> tuple[dict, list[Outcome], list[Sample]]:
+    """Start a local cluster with `policy`, send `jobs` through it, stop it; the summary figures.
+    `during(cluster)`, if given, is a context manager held while the jobs run (e.g. an open
+    console: bench/console_overhead.py)."""
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
-    with LocalCluster(config, quiet=True) as cluster:
+    with LocalCluster(config, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
         with progress(len(jobs), f"{policy:>4}") as bar:
             outcomes, samples, wall = asyncio.run(run_jobs(Front.of(args.front, cluster),
                                                            cluster.scheduler_address, jobs, bar))

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import uvicorn
 from google.protobuf.json_format import MessageToDict
@@ -24,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.config import RouterConfig
@@ -35,6 +36,11 @@ from services.router.http_generation import GenerationResponse, error_response
 from services.router.limits import estimate_tokens
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
+
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"
+CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
+    ("index.html", "text/html; charset=utf-8"), ("console.js", "text/javascript; charset=utf-8"),
+    ("console.css", "text/css; charset=utf-8"))}
 
 HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "authorization")
 
@@ -60,6 +66,9 @@ class HttpFront:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/usage", self.usage, methods=["GET"]),
             Route("/v1/alerts", self.alerts, methods=["GET"]),
+            Route("/console", self.console_page, methods=["GET"]),
+            Route("/console/events", self.console_events, methods=["GET"]),
+            Route("/console/{name:str}", self.console_file, methods=["GET"]),
             Route("/v1/requests/{request_id}", self.request_status, methods=["GET"]),
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
@@ -121,6 +130,31 @@ class HttpFront:
         for item in body["objectives"] + body["alerts"]:
             item["priority"] = item["priority"].removeprefix("PRIORITY_").lower()
         return JSONResponse({"object": "alerts", **body})
+
+    async def console_page(self, http: Request) -> Response:
+        return await self.console_file(http, "index.html")
+
+    async def console_file(self, http: Request, name: str | None = None) -> Response:
+        """The console's page and its two files (services/router/console/), no build step."""
+        name = name or http.path_params["name"]
+        if name not in CONSOLE_FILES:
+            return error_response(ServiceError(ErrorKind.NOT_FOUND, f"no console file {name!r}", reason="not_found"))
+        body, media_type = CONSOLE_FILES[name]
+        return Response(body, media_type=media_type, headers={"cache-control": "no-cache"})
+
+    async def console_events(self, http: Request) -> Response:
+        """The console's live feed (server-sent events, one snapshot a second). Auth off: the
+        whole cluster. Auth on: the admin key sees the cluster, a tenant's key its own tenant."""
+        try:
+            caller = self._caller(http)
+        except ServiceError as error:
+            return error_response(error)
+        if not self.book.required or caller.admin:
+            view, tenant = ("admin" if caller.admin else "open"), None
+        else:
+            view, tenant = f"tenant {caller.name}", caller.name
+        return StreamingResponse(self.router.console.stream(view, tenant), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def request_status(self, http: Request) -> Response:
         try:
@@ -198,6 +232,7 @@ class HttpFront:
         return port
 
     async def stop(self) -> None:
+        self.router.console.close()          # endless streams would hold the shutdown up
         if self.server is not None and self.task is not None:
             self.server.should_exit = True
             with contextlib.suppress(BaseException):

@@ -59,7 +59,7 @@ class RequestPath:
         try:
             ticket = self.accounts.admit(caller, head, estimated_tokens)
         except ServiceError as refused:
-            self.totals.refused_early(refused, head.priority)
+            self.totals.refused_early(refused, head.priority, head.tenant)
             span.set_status(Status(StatusCode.ERROR, refused.message))
             span.end()
             raise
@@ -67,7 +67,7 @@ class RequestPath:
         model = self.model_name
         try:
             await self.admissions.admit(None, head.priority)
-            tally = self.totals.start(head.priority, head.tenant, span)
+            tally = self.totals.start(head.priority, head.tenant, span, head.request_id)
             try:
                 body = read_body(self.pools.max_context())
                 model = body.model or model

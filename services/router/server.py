@@ -24,6 +24,7 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
+from services.router.console_feed import ConsoleFeed
 from services.router.request_path import RequestPath
 from services.router.sla_monitor import SlaMonitor
 from services.router.tally import RouterTotals
@@ -52,6 +53,7 @@ class RouterService:
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
                                 router.admission, router.migration_limit)
         self.drain = drain or Drain("router")
+        self.console = ConsoleFeed(self)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -60,7 +62,8 @@ class RouterService:
         self.tasks = [asyncio.create_task(self.path.admissions.run()),
                       asyncio.create_task(self.book.keep_fresh()),
                       asyncio.create_task(self.ledger.run()),
-                      asyncio.create_task(self.sla.run())]
+                      asyncio.create_task(self.sla.run()),
+                      asyncio.create_task(self.console.run())]
 
     async def stop(self) -> None:
         """After the drain: the background tasks and the pools' channels go, the ledger's last

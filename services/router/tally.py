@@ -7,7 +7,8 @@ The request path makes one `Tally` per request and tells it what happens: `on_ro
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,22 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.router.sla import Outcome, counts_against_sla
 
 LATENCY_WINDOW = 10_000        # most recent requests per group kept for percentiles
+RECENT = 50                    # finished requests kept for the console
+FINISHED_WINDOW = 20_000       # (time, class, TTFT, e2e) of recent completions: the console's minute
+
+
+@dataclass(slots=True, frozen=True)
+class FinishedRequest:
+    """One request that ended, as the console lists it."""
+    request_id: str
+    priority: str
+    tenant: str
+    pool: str
+    status: str                # completed | failed: REASON | cancelled
+    ttft_ms: float | None
+    tokens: int
+    at: float                  # unix seconds
+    trace_id: str              # 32 hex digits, for a link into Jaeger
 
 
 class Counters:
@@ -61,14 +78,23 @@ class RouterTotals:
         self.migrations = PromCounter("qos_migrations", "Requests moved to another pool mid-way",
                                       ("from_pool", "to_pool"), registry=self.registry)
         self.migrated = 0
+        self.rejected: Counter = Counter()       # (class or "unknown", reason) -> requests refused
+        self.limits_hit: Counter = Counter()     # tenant -> requests refused by its own limits
+        self.recent: deque[FinishedRequest] = deque(maxlen=RECENT)
+        self.finished: deque[tuple[float, int, float, float]] = deque(maxlen=FINISHED_WINDOW)
 
-    def start(self, priority: int, tenant: str, span: Span) -> Tally:
-        return Tally(self, priority, tenant, span)
+    def start(self, priority: int, tenant: str, span: Span, request_id: str = "") -> Tally:
+        return Tally(self, priority, tenant, span, request_id)
 
-    def refused_early(self, error: ServiceError, priority: int | None = None) -> None:
+    def reject(self, priority_label: str, reason: str) -> None:
+        self.metrics.rejections.labels(priority_label, reason).inc()
+        self.rejected[(priority_label, reason)] += 1
+
+    def refused_early(self, error: ServiceError, priority: int | None = None, tenant: str = "") -> None:
         """Refused before it was admitted: a bad header, no key, a limit."""
-        self.metrics.rejections.labels(priority_name(priority) if priority else "unknown",
-                                       error.reason).inc()
+        self.reject(priority_name(priority) if priority else "unknown", error.reason)
+        if tenant and error.reason.startswith(("rate_limit", "insufficient_quota", "priority_not_allowed")):
+            self.limits_hit[tenant] += 1
 
     def stats_proto(self, pools, threshold: float) -> router_pb2.RouterStats:
         return router_pb2.RouterStats(
@@ -81,9 +107,11 @@ class RouterTotals:
 class Tally:
     """One request's share of the totals."""
 
-    def __init__(self, totals: RouterTotals, priority: int, tenant: str, span: Span):
+    def __init__(self, totals: RouterTotals, priority: int, tenant: str, span: Span, request_id: str = ""):
         self.totals = totals
         self.tenant = tenant
+        self.request_id = request_id
+        self.priority = priority
         self.name = priority_name(priority)
         self.span = span
         self.pool = ""
@@ -137,6 +165,8 @@ class Tally:
         tokens = chunk.usage.completion_tokens
         self._judge(True, ttft_ms=ttft_s * 1000, e2e_ms=elapsed_s * 1000,
                     tpot_ms=(elapsed_s - ttft_s) * 1000 / (tokens - 1) if tokens > 1 else None)
+        self.totals.finished.append((time.time(), self.priority, ttft_s * 1000, elapsed_s * 1000))
+        self._list("completed")
 
     def on_migrated(self, from_pool: str, to_pool: str, error: ServiceError) -> None:
         """The request moved to another pool mid-way (its first could not continue it): the pool
@@ -159,9 +189,17 @@ class Tally:
             self.totals.metrics.requests.labels(self.name, self.pool, "failed").inc()
         if error.kind in (ErrorKind.INVALID, ErrorKind.UNSUPPORTED, ErrorKind.EXHAUSTED,
                           ErrorKind.TOO_LARGE) or error.reason == "draining":
-            self.totals.metrics.rejections.labels(self.name, error.reason).inc()
+            self.totals.reject(self.name, error.reason)
         if counts_against_sla(error):
             self._judge(False)      # latency objectives judge completed requests, as the histograms do
+        self._list(f"failed: {error.reason}")
+
+    def _list(self, status: str) -> None:
+        context = self.span.get_span_context()
+        self.totals.recent.append(FinishedRequest(
+            self.request_id, self.name, self.tenant, self.pool, status,
+            self.first_token_s * 1000 if self.first_token_s is not None else None,
+            self.completion_tokens, time.time(), f"{context.trace_id:032x}" if context.trace_id else ""))
 
     def _judge(self, served: bool, **latency) -> None:
         if self.totals.sla is not None:
@@ -173,3 +211,4 @@ class Tally:
             group.cancelled += 1
         if self.pool:
             self.totals.metrics.requests.labels(self.name, self.pool, "cancelled").inc()
+        self._list("cancelled")

@@ -50,7 +50,7 @@ class ScaleAdvisor:
         self.min_workers, self.max_workers = min_workers, max(min_workers, max_workers)
         self.high_ttft_ms = config.high_ttft_p99_ms if config.high_ttft_p99_ms is not None else high_ttft_objective_ms
         self.desired = min_workers
-        self.reason = "start"
+        self.reason = "at the minimum since start"
         self.changed_at: float | None = None
         self.kv_high_since: float | None = None
         self.idle_since: float | None = None
