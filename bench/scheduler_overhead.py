@@ -47,6 +47,7 @@ class InstantWorker:
         self.index, self.address = 0, "instant"
         self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=16, max_context=1 << 20)
         self.pool = KVBlockPool(num_blocks, 16)
+        self.adapters: frozenset[str] = frozenset()
         self.known: dict[int, int] = {}
         self.is_connected = True
 

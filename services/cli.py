@@ -75,6 +75,12 @@ def cmd_worker(args) -> int:
     from services.engine.engine import Engine
     from services.worker.server import build_engine_config, serve_worker
     engine = Engine(build_engine_config(resolve_model(config.model), worker), backend)
+    from services.engine.lora import AdapterError
+    for adapter in pool.adapters:
+        try:
+            engine.load_adapter(adapter.name, Path(adapter.path).expanduser())
+        except AdapterError as exc:
+            raise ConfigError(f"pool {pool.name}: adapter {adapter.name}: {exc}") from exc
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
                              worker.drain_seconds, join=args.join, advertise=advertised))
     return 0

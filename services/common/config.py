@@ -134,16 +134,24 @@ class AutoscaleConfig:
 
 
 @dataclass(slots=True)
+class AdapterConfig:
+    """A LoRA adapter the pool's workers load at start ([[pools.adapters]])."""
+    name: str = ""                    # what requests name (x-lora, X-Lora, or model: NAME over HTTP)
+    path: str = ""                    # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+
+
+@dataclass(slots=True)
 class PoolConfig:
     """A pool: one scheduler and its workers, all on one kind of device."""
     name: str = "cpu"                 # reported as `pool` in every response
     device: str = "cpu"               # cuda | npu | cpu: what the pool's workers run on
     cost_per_token: float | None = None   # default by device: cuda 1.0, npu 0.3, cpu 0.1
     primary: bool = False             # takes High when there is no GPU pool
-    lora: bool = False                # can serve requests naming a LoRA adapter
+    lora: bool = False                # prefer this pool for LoRA requests (the reference design: NPUs)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: list[WorkerConfig] = field(default_factory=lambda: [WorkerConfig()])
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    adapters: list[AdapterConfig] = field(default_factory=list)
 
     def worker_limits(self) -> tuple[int, int]:
         """(min, max) workers for autoscaling; equal when the pool does not scale."""

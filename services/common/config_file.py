@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (POLICIES, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
+from services.common.config import (POLICIES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
                                     ClusterConfig, ConfigError, PoolConfig, RouterConfig, SchedulerConfig,
                                     ServiceConfig, SlaConfig, StoreConfig, WorkerConfig, default_slas)
 
@@ -74,8 +74,18 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
 def _parse_pool(raw: dict, where: str) -> PoolConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table")
-    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers", "autoscale")}
+    flat = {k: v for k, v in raw.items() if k not in ("scheduler", "workers", "autoscale", "adapters")}
     pool = _section(PoolConfig, flat, where)
+    adapters = raw.get("adapters", [])
+    if not isinstance(adapters, list):
+        raise ConfigError(f"{where}.adapters must be a list of [[pools.adapters]] tables")
+    pool.adapters = [_section(AdapterConfig, a, f"{where}.adapters[{i}]") for i, a in enumerate(adapters)]
+    names = [a.name for a in pool.adapters]
+    for i, a in enumerate(pool.adapters):
+        if not a.name or not a.path:
+            raise ConfigError(f"{where}.adapters[{i}] needs a name and a path (a PEFT adapter folder)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{where}.adapters: names must be unique, got {names}")
     pool.autoscale = _section(AutoscaleConfig, raw.get("autoscale", {}), f"{where}.autoscale")
     pool.scheduler = _section(SchedulerConfig, raw.get("scheduler", {}), f"{where}.scheduler")
     _check_scheduler(pool.scheduler, f"{where}.scheduler")
@@ -175,12 +185,12 @@ def _parse_alerts(raw: dict) -> tuple[list[SlaConfig], AlertsConfig]:
 
 
 def parse_config(raw: dict) -> ClusterConfig:
-    known = {"model", "router", "pools", "scheduler", "workers", "autoscale", "store", "auth", "billing",
-             "sla", "alerts"}
+    known = {"model", "router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth",
+             "billing", "sla", "alerts"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
-    if "pools" in raw and ("scheduler" in raw or "workers" in raw or "autoscale" in raw):
+    if "pools" in raw and any(k in raw for k in ("scheduler", "workers", "autoscale", "adapters")):
         raise ConfigError("give either [[pools]] or a single pool's [scheduler], [[workers]] and "
                           "[autoscale], not both")
     if "pools" in raw:
@@ -189,7 +199,8 @@ def parse_config(raw: dict) -> ClusterConfig:
         pools = [_parse_pool(p, f"pools[{i}]") for i, p in enumerate(raw["pools"])]
     else:
         single = {"name": "cpu", "primary": True, "scheduler": raw.get("scheduler", {}),
-                  "workers": raw.get("workers", [{}]), "autoscale": raw.get("autoscale", {})}
+                  "workers": raw.get("workers", [{}]), "autoscale": raw.get("autoscale", {}),
+                  "adapters": raw.get("adapters", [])}
         pools = [_parse_pool(single, "pool")]
     names = [p.name for p in pools]
     if len(set(names)) != len(names):

@@ -62,6 +62,7 @@ class SequenceWork:
     sampling: SamplingParams = GREEDY
     num_generated: int = 0            # output tokens the sequence already has
     sample: bool = True               # False for a prefill chunk that does not end the prompt
+    lora: str = ""                    # the LoRA adapter its projections add ("": the base model)
 
     @property
     def end(self) -> int:

@@ -21,6 +21,7 @@ from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingParams
+    lora: str = ""                # a loaded LoRA adapter ("": the base model)
 
 
 @dataclass(slots=True)
@@ -103,7 +104,8 @@ class BatchRunner:
             if seq.output:  # decoding: feed back the last sampled token
                 prompt_len = len(seq.request.prompt_ids)
                 work.append(SequenceWork(seq.index, [seq.output[-1]], prompt_len + len(seq.output) - 1,
-                                         seq.blocks, seq.request.sampling, len(seq.output)))
+                                         seq.blocks, seq.request.sampling, len(seq.output),
+                                         lora=seq.request.lora))
                 budget -= 1
         for seq in running:
             remaining = len(seq.request.prompt_ids) - seq.computed
@@ -112,6 +114,6 @@ class BatchRunner:
             chunk = min(remaining, budget)
             work.append(SequenceWork(seq.index, seq.request.prompt_ids[seq.computed:seq.computed + chunk],
                                      seq.computed, seq.blocks, seq.request.sampling, 0,
-                                     sample=chunk == remaining))
+                                     sample=chunk == remaining, lora=seq.request.lora))
             budget -= chunk
         return StepBatch(work)

@@ -19,6 +19,7 @@ from services.common.step import FinishReason, SampledToken, StepBatch, StepOutp
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
+from services.engine.lora import AdapterError, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
 from services.engine.sampler import sample
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
@@ -69,6 +70,7 @@ class Engine:
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
+        self.adapters: dict[str, LoraAdapter] = {}      # LoRA adapters on the device, by name
         log.info("engine ready: %s on %s, %s (%s, %d threads); %s", self.model_config.architecture,
                  self.device, self.backend.name, self.dtype, self.threads, self.kv_spec.describe())
 
@@ -76,11 +78,41 @@ class Engine:
     def max_context(self) -> int:
         return self.model_config.max_context
 
+    # --- LoRA adapters ------------------------------------------------------------------------
+
+    def read_adapter(self, name: str, path) -> LoraAdapter:
+        """Read and check an adapter on the host (any thread: no engine state is touched)."""
+        return load_peft_adapter(name, path, self.model_config, self.dtype)
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Put a read adapter on the device; steps from now on may name it."""
+        self.adapters[adapter.name] = adapter.to(self.device)
+
+    def load_adapter(self, name: str, path) -> LoraAdapter:
+        adapter = self.read_adapter(name, path)
+        self.add_adapter(adapter)
+        return adapter
+
+    def remove_adapter(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+
+    def _lora_batch(self, ordered: list[SequenceWork]) -> LoraBatch | None:
+        rows: dict[str, list[int]] = {}
+        offset = 0
+        for seq in ordered:
+            if seq.lora:
+                rows.setdefault(seq.lora, []).extend(range(offset, offset + len(seq.token_ids)))
+            offset += len(seq.token_ids)
+        if not rows:
+            return None
+        return LoraBatch([(self.adapters[name], torch.tensor(r, device=self.device)) for name, r in rows.items()])
+
     def step(self, batch: StepBatch) -> StepOutput:
         """Compute every entry's tokens; sample one token for each entry with `sample` set."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
-        hidden = self.model.forward(token_ids, layout, self.cache)
+        hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered))
         last_rows, sampled = [], []
         offset = 0
         for seq in ordered:
@@ -102,7 +134,7 @@ class Engine:
 
         Same path as step(), KV writes included, without sampling."""
         ordered, token_ids, layout = self._prepare(batch)
-        logits = self.model.logits(self.model.forward(token_ids, layout, self.cache))
+        logits = self.model.logits(self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered)))
         result, offset = {}, 0
         for seq in ordered:
             result[seq.seq_id] = logits[offset:offset + len(seq.token_ids)]
@@ -132,6 +164,9 @@ class Engine:
             name = f"sequence {seq.seq_id}"
             if seq.seq_id in seen:
                 raise InvalidStepError(f"{name} appears twice in one step")
+            if seq.lora and seq.lora not in self.adapters:
+                raise InvalidStepError(f"{name} names LoRA adapter {seq.lora!r}, but adapter {seq.lora!r} is "
+                                       f"not loaded (loaded: {', '.join(sorted(self.adapters)) or 'none'})")
             seen.add(seq.seq_id)
             if not seq.token_ids:
                 raise InvalidStepError(f"{name} has no tokens to compute")

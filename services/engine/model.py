@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from services.engine.config import ModelConfig, UnsupportedModelError
 from services.engine.kv_cache import PagedKVCache
 from services.engine.linear import Linear
+from services.engine.lora import LoraBatch
 from services.engine.rope import RotaryTable, apply_rotary
 
 
@@ -134,8 +135,9 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, layout: AttentionLayout,
-                cache: PagedKVCache) -> torch.Tensor:
-        """Run the decoder over the step's tokens; returns final-norm hidden states [T, hidden]."""
+                cache: PagedKVCache, lora: LoraBatch | None = None) -> torch.Tensor:
+        """Run the decoder over the step's tokens; returns final-norm hidden states [T, hidden].
+        `lora`: rows of the batch whose projections add an adapter's update."""
         c = self.config
         num_tokens = token_ids.shape[0]
         cos, sin = self.rotary.lookup(layout.positions)
@@ -144,15 +146,25 @@ class LlamaDecoder:
         x = self.embed[token_ids]
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.input_norm)
-            q, k, v = layer.qkv(h).split(self._qkv_split, dim=-1)
+            qkv = layer.qkv(h)
+            if lora is not None:
+                qkv = lora.apply(index, "qkv", h, qkv)
+            q, k, v = qkv.split(self._qkv_split, dim=-1)
             q = apply_rotary(q.view(num_tokens, c.num_heads, c.head_dim), cos, sin)
             k = apply_rotary(k.view(num_tokens, c.num_kv_heads, c.head_dim), cos, sin)
             v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
             cache.write(index, layout.slots, k, v)
             attended = self._attention(q, k, v, layout, cache, index, buffers)
-            x = x + layer.out(attended)
-            gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            if lora is None:
+                x = x + layer.out(attended)
+                gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
+                x = x + layer.down(F.silu(gate) * up)
+                continue
+            x = x + lora.apply(index, "out", attended, layer.out(attended))
+            h = self._norm(x, layer.post_attention_norm)
+            gate, up = lora.apply(index, "gate_up", h, layer.gate_up(h)).chunk(2, dim=-1)
+            mixed = F.silu(gate) * up
+            x = x + lora.apply(index, "down", mixed, layer.down(mixed))
         return self._norm(x, self.final_norm)
 
     @torch.inference_mode()

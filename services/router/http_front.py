@@ -194,6 +194,13 @@ class HttpFront:
                                               "created": self.started, "owned_by": "qos-serve",
                                               "max_model_len": stats.max_context, "pools": []})
                 seen[stats.model]["pools"].append(stats.pool)
+        # LoRA adapters as models of their own (as vLLM lists them): `model: "NAME"` picks one.
+        for stats in self.pools.latest_stats():
+            for adapter in stats.adapters:
+                entry = seen.setdefault(adapter, {"id": adapter, "object": "model", "created": self.started,
+                                                  "owned_by": "qos-serve", "parent": stats.model,
+                                                  "max_model_len": stats.max_context, "pools": []})
+                entry["pools"].append(stats.pool)
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
     async def health(self, http: Request) -> Response:

@@ -48,7 +48,7 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
     return PoolLoad(healthy=stats.workers > stats.workers_draining and not stats.draining,
                     queued=sum(c.waiting for c in stats.classes),
                     free_kv=1.0 - stats.kv_blocks_used / total, ttft_ms=stats.ttft_p90_ms,
-                    utilization=stats.utilization)
+                    utilization=stats.utilization, adapters=frozenset(stats.adapters))
 
 
 class PoolDirectory:
@@ -74,6 +74,10 @@ class PoolDirectory:
     def max_context(self) -> int | None:
         known = [h.stats.max_context for h in self.handles.values() if h.known]
         return min(known) if known else None
+
+    def adapter_names(self) -> set[str]:
+        """LoRA adapters some pool holds now (from the cache)."""
+        return {a for h in self.handles.values() if h.stats is not None for a in h.stats.adapters}
 
     def latest_stats(self) -> list[scheduler_pb2.PoolStats]:
         return [h.stats for h in self.handles.values() if h.stats is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 from opentelemetry import trace
@@ -71,6 +72,11 @@ class RequestPath:
             try:
                 body = read_body(self.pools.max_context())
                 model = body.model or model
+                if body.model and body.model != self.model_name and not head.lora \
+                        and body.model in self.pools.adapter_names():
+                    # `model: "ADAPTER"` (OpenAI clients, as vLLM takes it): the base model with it.
+                    head = replace(head, lora=body.model)
+                    body.model = self.model_name
                 pool = self.route(head, body, span)
                 tally.on_routed(pool.name)
                 streamed: list[int] = []        # token ids sent to the client, over every pool

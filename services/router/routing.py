@@ -1,10 +1,11 @@
 """Cost-aware pool choice: which pool serves a request, from cached pool load only (no I/O).
 
 Rules, in order (../shared/DESIGN.md, Routing semantics):
-  0. only pools that serve the model (and LoRA, when the request names an adapter) are candidates;
-     none -> NoPoolError (the router answers FAILED_PRECONDITION naming the model);
-  1. High (real-time)          -> the primary pool (the GPU pool, or the configured primary);
-  2. a LoRA adapter            -> the NPU pool, if it has room;
+  0. only pools that serve the model (and hold the adapter, when the request names one) are
+     candidates; none -> NoPoolError (the router answers FAILED_PRECONDITION naming the model or
+     the adapter);
+  1. High (real-time)          -> the primary pool among them (the GPU pool, or the configured primary);
+  2. a LoRA adapter            -> an NPU pool (or one marked `lora`) holding it, if it has room;
   3. primary queue < threshold -> the primary pool;
   4. otherwise                 -> the cheapest pool with free capacity whose observed time to first
                                   token meets the request's SLO (x-slo-ms, or its class default);
@@ -48,6 +49,7 @@ class PoolLoad:
     free_kv: float = 1.0                 # free share of the pool's KV blocks
     ttft_ms: float = 0.0                 # observed time to first token, recent requests (p90)
     utilization: float = 0.0
+    adapters: frozenset = frozenset()    # LoRA adapters its workers hold
 
 
 @dataclass(slots=True)
@@ -138,10 +140,10 @@ class PoolRouter:
         if not candidates:
             raise NoPoolError(f"model {request.model!r} is not served by any pool")
         if request.lora:
-            candidates = [p for p in candidates if p.lora]
+            candidates = [p for p in candidates if request.lora in self.loads[p.name].adapters]
             if not candidates:
-                raise NoPoolError(f"no pool serving model {request.model!r} supports LoRA adapters "
-                                  f"(requested {request.lora!r})")
+                raise NoPoolError(f"LoRA adapter {request.lora!r} is not loaded in any pool serving model "
+                                  f"{request.model!r}")
         if request.exclude:
             candidates = [p for p in candidates if p.name not in request.exclude]
             if not candidates:
@@ -157,7 +159,7 @@ class PoolRouter:
             return Decision(primary.name, "primary-only")
         if request.lora:
             for pool in healthy:
-                if pool.device == "npu" and loads[pool.name].free_kv >= self.min_free_kv:
+                if (pool.device == "npu" or pool.lora) and loads[pool.name].free_kv >= self.min_free_kv:
                     return Decision(pool.name, "lora-to-npu")
         if loads[primary.name].queued < self.threshold.value:
             return Decision(primary.name, "primary-under-threshold")

@@ -28,6 +28,7 @@ class Worker(Protocol):
     """What planning needs of a worker link (services/scheduler/worker_link.py, or a test double)."""
     index: int
     pool: KVBlockPool | None
+    adapters: frozenset[str]          # LoRA adapters it holds
 
 
 class StepBuilder:
@@ -151,6 +152,8 @@ class StepPlanner:
         head = self.policy.queue(lane).peek()
         if head is None or not builder.may_admit(head):
             return None
+        if head.lora and head.lora not in worker.adapters:      # another worker of the pool holds it
+            return None
         if len(self.running[worker.index]) >= self.max_running \
                 and not self._free_slot(worker, builder, head):
             return None
@@ -241,7 +244,7 @@ class StepPlanner:
             builder.plan.new_sequences.append(worker_pb2.NewSequence(
                 seq_id=request.seq_id, prompt_token_ids=request.all_ids,
                 sampling=engine_sampling(request.sampling), num_generated=len(request.output_ids),
-                traceparent=request.traceparent))
+                traceparent=request.traceparent, lora=request.lora))
             request.announced = True
         builder.add(request, num_tokens)
         return num_tokens

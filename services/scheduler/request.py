@@ -29,6 +29,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     arrival_ns: int = field(default_factory=time.time_ns)      # wall clock, for span timestamps
     traceparent: str = ""            # W3C context of the request's scheduler span (or "")
+    lora: str = ""                   # LoRA adapter the worker adds ("": the base model)
     finished_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING

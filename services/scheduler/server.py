@@ -122,10 +122,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def admit(self, submit: scheduler_pb2.SubmitRequest) -> Request:
         """Tokenize in the tokenizer thread (the event loop keeps taking in calls and streaming
         meanwhile), then check the request (services/scheduler/admission.py) and build it."""
-        if submit.lora:
-            raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} requested, but "
-                               f"pool {self.pool_name} serves no LoRA adapters", field="x-lora")
         self._limits()         # no worker yet: refuse before tokenizing
+        if submit.lora and submit.lora not in self.adapters():
+            held = ", ".join(sorted(self.adapters())) or "none"
+            raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
+                               f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
         prompt_ids = await asyncio.get_running_loop().run_in_executor(
             self.tokenizer_thread, self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
@@ -135,10 +136,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
-            slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0)
+            slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids))
         return request
+
+    def adapters(self) -> frozenset[str]:
+        """LoRA adapters some connected worker of the pool holds."""
+        return frozenset().union(*(l.adapters for l in self.batcher.links if l.is_connected))
 
     def _limits(self):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)

@@ -46,6 +46,7 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
             for c in (monitor.changes if monitor else ())],
+        adapters=sorted(frozenset().union(*(l.adapters for l in connected))),
         desired_workers=advisor.desired, min_workers=advisor.min_workers, max_workers=advisor.max_workers,
         scale_reason=advisor.reason)
 

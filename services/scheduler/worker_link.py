@@ -27,6 +27,7 @@ class WorkerLink:
         self.index = index
         self.address = address
         self.info: worker_pb2.WorkerInfo | None = None
+        self.adapters: frozenset[str] = frozenset()   # LoRA adapters it holds (from its info)
         self.pool: KVBlockPool | None = None
         self._channel: grpc.aio.Channel | None = None
         self._plans: asyncio.Queue | None = None
@@ -64,6 +65,7 @@ class WorkerLink:
                 else type(exc).__name__
             raise WorkerGone(f"worker {self.address}: {detail}") from exc
         self.info = info
+        self.adapters = frozenset(a.name for a in info.adapters)
         self.pool = KVBlockPool(info.num_blocks, info.block_size)
         self.connected.set()
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,

@@ -26,6 +26,7 @@ class SequenceState:
     block_table: list[int] = field(default_factory=list)
     computed: int = 0             # tokens whose K/V are in the cache
     traceparent: str = ""         # the request's trace context, for step-span links
+    lora: str = ""                # LoRA adapter ("": the base model)
     span_context: object = None   # traceparent parsed once, by the server, when tracing is on
 
 
@@ -49,7 +50,7 @@ class SequenceTable:
             self.sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
                 sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
-                traceparent=new.traceparent)
+                traceparent=new.traceparent, lora=new.lora)
         for grant in plan.block_grants:
             self.sequences[grant.seq_id].block_table.extend(grant.block_ids)
         work = []
@@ -61,7 +62,7 @@ class SequenceTable:
                 seq_id=seq_id, token_ids=seq.tokens[start:end], position=start,
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
-                sample=end == len(seq.tokens)))
+                sample=end == len(seq.tokens), lora=seq.lora))
         return StepBatch(work)
 
     def _check(self, plan: worker_pb2.StepPlan) -> None:

@@ -90,7 +90,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             num_blocks=e.kv_spec.num_blocks, bytes_per_block=e.kv_spec.bytes_per_block,
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
-            threads=e.threads, device_name=e.backend.name, draining=self.drain.draining)
+            threads=e.threads, device_name=e.backend.name, draining=self.drain.draining,
+            adapters=[worker_pb2.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=a.targets)
+                      for a in e.adapters.values()])
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()

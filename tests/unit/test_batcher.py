@@ -41,6 +41,7 @@ class SimulatedWorker:
         self.index = index
         self.address = f"sim-{index}"
         self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=BLOCK, max_context=4096)
+        self.adapters: frozenset[str] = frozenset()
         self.pool = KVBlockPool(num_blocks, BLOCK)
         self.table = SequenceTable()
         self.plans: list[worker_pb2.StepPlan] = []

@@ -21,8 +21,9 @@ def router(pools, **loads) -> PoolRouter:
     return r
 
 
-def load(queued=0, free_kv=0.9, ttft_ms=100.0, utilization=0.3, healthy=True) -> PoolLoad:
-    return PoolLoad(healthy=healthy, queued=queued, free_kv=free_kv, ttft_ms=ttft_ms, utilization=utilization)
+def load(queued=0, free_kv=0.9, ttft_ms=100.0, utilization=0.3, healthy=True, adapters=()) -> PoolLoad:
+    return PoolLoad(healthy=healthy, queued=queued, free_kv=free_kv, ttft_ms=ttft_ms, utilization=utilization,
+                    adapters=frozenset(adapters))
 
 
 BUSY_GPU = load(queued=20)
@@ -33,10 +34,18 @@ CASES = [
      RouteRequest(M, HIGH), "gpu", "high-to-primary"),
     ("high goes to the primary when there is no GPU", [CPU, CPU_BIG], dict(cpu=load(), cpu_big=load(queued=50)),
      RouteRequest(M, HIGH), "cpu-big", "high-to-primary"),
-    ("LoRA goes to the NPU when it has room", [GPU, NPU, CPU], dict(gpu=load(), npu=load(), cpu=load()),
+    ("LoRA goes to the NPU when it has room", [GPU, NPU, CPU],
+     dict(gpu=load(adapters=["adapter-1"]), npu=load(adapters=["adapter-1"]), cpu=load(adapters=["adapter-1"])),
      RouteRequest(M, LOW, lora="adapter-1"), "npu", "lora-to-npu"),
-    ("LoRA with a full NPU falls back through the other rules", [GPU, NPU], dict(gpu=load(), npu=load(free_kv=0.02)),
-     RouteRequest(M, LOW, lora="a"), "npu", "primary-under-threshold"),
+    ("LoRA with a full NPU falls back through the other rules", [GPU, NPU],
+     dict(gpu=load(adapters=["a"]), npu=load(free_kv=0.02, adapters=["a"])),
+     RouteRequest(M, LOW, lora="a"), "gpu", "primary-under-threshold"),
+    ("LoRA goes only where the adapter is, even past the NPU", [GPU, NPU, CPU],
+     dict(gpu=load(), npu=load(adapters=["b"]), cpu=load(adapters=["a"])),
+     RouteRequest(M, LOW, lora="a"), "cpu", "primary-under-threshold"),
+    ("High with an adapter: the primary among the pools that hold it", [GPU, NPU, CPU],
+     dict(gpu=load(), npu=load(adapters=["a"]), cpu=load(adapters=["a"])),
+     RouteRequest(M, HIGH, lora="a"), "npu", "high-to-primary"),
     ("under the threshold, low stays on the GPU", [GPU, NPU, CPU], dict(gpu=load(queued=3), npu=load(), cpu=load()),
      RouteRequest(M, LOW), "gpu", "primary-under-threshold"),
     ("over the threshold, low overflows to the cheapest pool", [GPU, NPU, CPU], dict(gpu=BUSY_GPU, npu=load(), cpu=load()),
@@ -69,7 +78,7 @@ def test_rules(description, pools, loads, request_, pool, rule):
 
 @pytest.mark.parametrize("request_, message", [
     (RouteRequest("gpt-17", LOW), "model 'gpt-17' is not served by any pool"),
-    (RouteRequest("llama-8b", LOW, lora="x"), "no pool serving model 'llama-8b' supports LoRA"),
+    (RouteRequest("llama-8b", LOW, lora="x"), "LoRA adapter 'x' is not loaded in any pool serving model 'llama-8b'"),
 ])
 def test_unservable_requests_name_the_model(request_, message):
     with pytest.raises(NoPoolError, match=message):

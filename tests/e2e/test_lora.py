@@ -1,0 +1,134 @@
+"""LoRA through the whole cluster, on the default model: an adapter made here with `peft` is
+loaded by one of two CPU pools (marked `lora`, as an NPU pool would be); a request naming it
+(x-lora over gRPC, `model: "ADAPTER"` or X-Lora over HTTP) is routed to that pool and its greedy
+tokens equal PEFT + transformers `generate` with the adapter; the base model's answer differs;
+an unknown adapter is refused by name."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+
+import grpc
+import pytest
+import torch
+
+from services.client import chat_request, sampling_params
+from services.cluster import LocalCluster, resolve_model
+from services.common.config import AdapterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
+from services.common.config import ClusterConfig
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.proto.qos.v1 import router_pb2_grpc
+from services.common.tokenizer import TextTokenizer
+from tests.e2e.conftest import run
+
+pytestmark = pytest.mark.slow
+peft = pytest.importorskip("peft", reason="peft is a test dependency (requirements.txt)")
+
+PROMPT, NEW_TOKENS = "Name three colours of the rainbow.", 24
+EOS = 2                       # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("default", progress=False)
+
+
+@pytest.fixture(scope="module")
+def adapter(model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(7)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():          # a milder update than the random init: a different answer, not noise
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.2)
+    folder = tmp_path_factory.mktemp("adapter") / "colours"
+    model.save_pretrained(folder)
+    return folder
+
+
+def reference_tokens(model_dir, adapter_dir, prompt_ids: list[int]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                    max_new_tokens=NEW_TOKENS, do_sample=False)
+    return without_eos(out[0, len(prompt_ids):].tolist())
+
+
+def without_eos(tokens: list[int]) -> list[int]:
+    """Up to the end-of-sequence token, if any (generate() stops there, as we do)."""
+    return tokens[:tokens.index(EOS)] if EOS in tokens else tokens
+
+
+@pytest.fixture(scope="module")
+def cluster(adapter):
+    worker = lambda: [WorkerConfig(port=0, threads=1, kv_cache_mb=128)]     # noqa: E731
+    config = ClusterConfig(router=RouterConfig(port=0, http_port=0), pools=[
+        PoolConfig(name="main", device="cpu", primary=True, scheduler=SchedulerConfig(port=0), workers=worker()),
+        PoolConfig(name="adapters", device="cpu", lora=True, scheduler=SchedulerConfig(port=0), workers=worker(),
+                   adapters=[AdapterConfig(name="colours", path=str(adapter))])])
+    with LocalCluster(config, quiet=True) as running:
+        yield running
+
+
+async def generate(cluster, lora: str | None = None):
+    metadata = [("x-priority", "medium")] + ([("x-lora", lora)] if lora else [])
+    async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as channel:
+        request = chat_request(PROMPT, sampling_params(max_tokens=NEW_TOKENS, temperature=0.0))
+        chunks = [c async for c in router_pb2_grpc.RouterStub(channel).Generate(request, metadata=metadata)]
+    return without_eos([t for c in chunks for t in c.token_ids]), chunks[-1].pool
+
+
+def http_post(cluster, body: dict, headers: dict | None = None):
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=120)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                     headers={"content-type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_a_lora_request_goes_to_the_pool_holding_it_and_equals_peft(cluster, model_dir, adapter):
+    prompt_ids = TextTokenizer.from_model_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    with_adapter, pool = run(generate(cluster, "colours"))
+    assert pool == "adapters" and len(with_adapter) >= 8, with_adapter
+    assert with_adapter == reference_tokens(model_dir, adapter, prompt_ids)
+    base, base_pool = run(generate(cluster))
+    assert base == reference_tokens(model_dir, None, prompt_ids) and base != with_adapter
+    assert base_pool == "main"
+
+
+def test_over_http_the_model_field_or_x_lora_picks_the_adapter(cluster):
+    tokens, _ = run(generate(cluster, "colours"))
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": NEW_TOKENS, "temperature": 0}
+    by_model = http_post(cluster, {**body, "model": "colours"})
+    by_header = http_post(cluster, {**body, "model": cluster.config.model.rsplit("/", 1)[-1]},
+                          {"x-lora": "colours"})
+    assert by_model[0] == 200 and by_header[0] == 200
+    assert by_model[1]["choices"][0]["message"]["content"] == by_header[1]["choices"][0]["message"]["content"]
+    assert by_model[1]["usage"]["completion_tokens"] in (len(tokens), len(tokens) + 1)     # + the EOS
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=30)
+    conn.request("GET", "/v1/models")
+    models = {m["id"]: m for m in json.loads(conn.getresponse().read())["data"]}
+    conn.close()
+    assert models["colours"]["parent"] in models and models["colours"]["pools"] == ["adapters"]
+
+
+def test_an_unknown_adapter_is_refused_by_name(cluster):
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(generate(cluster, "nope"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'nope'" in caught.value.details()
+    base_model = cluster.config.model.rsplit("/", 1)[-1]
+    status, body = http_post(cluster, {"model": base_model, "messages": [{"role": "user", "content": "hi"}]},
+                             {"x-lora": "nope"})
+    assert status == 404 and "'nope'" in body["error"]["message"] and body["error"]["param"] == "x-lora"
