@@ -14,6 +14,7 @@ fastest. bench/http_overhead.py measures what the front costs against gRPC.
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import logging
 import time
@@ -32,6 +33,7 @@ from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import PRIORITY_HEADER
 from services.common.tracing import extract_metadata
+from services.router import adapter_admin
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.limits import estimate_tokens
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
@@ -66,6 +68,8 @@ class HttpFront:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/usage", self.usage, methods=["GET"]),
             Route("/v1/alerts", self.alerts, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_adapter, methods=["POST"]),
             Route("/console", self.console_page, methods=["GET"]),
             Route("/console/events", self.console_events, methods=["GET"]),
             Route("/console/{name:str}", self.console_file, methods=["GET"]),
@@ -130,6 +134,29 @@ class HttpFront:
         for item in body["objectives"] + body["alerts"]:
             item["priority"] = item["priority"].removeprefix("PRIORITY_").lower()
         return JSONResponse({"object": "alerts", **body})
+
+    async def load_adapter(self, http: Request) -> Response:
+        return await self._adapter_admin(http, adapter_admin.load)
+
+    async def unload_adapter(self, http: Request) -> Response:
+        return await self._adapter_admin(http, adapter_admin.unload)
+
+    async def _adapter_admin(self, http: Request, action) -> Response:
+        """The admin key when auth is on (it reads files on the workers' machines)."""
+        try:
+            caller = self._caller(http)
+            if self.book.required and not caller.admin:
+                raise ServiceError(ErrorKind.PERMISSION_DENIED, "loading and unloading LoRA adapters needs "
+                                   "the admin key", field="authorization", reason="admin_only")
+            try:
+                body = json.loads(await self._body(http) or b"{}")
+            except json.JSONDecodeError as exc:
+                raise ServiceError(ErrorKind.INVALID, f"the body is not JSON: {exc}", reason="invalid_json") from None
+            if not isinstance(body, dict):
+                raise ServiceError(ErrorKind.INVALID, "the body must be a JSON object", reason="invalid_json")
+            return JSONResponse(await action(self.pools, body))
+        except ServiceError as error:
+            return error_response(error)
 
     async def console_page(self, http: Request) -> Response:
         return await self.console_file(http, "index.html")

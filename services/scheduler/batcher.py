@@ -247,6 +247,14 @@ class ContinuousBatcher:
             self.planner.to_release[link.index].clear()
         self.wakeup.set()
 
+    def fail_waiting(self, predicate, failure: ServiceError) -> int:
+        """End the queued requests `predicate` picks with `failure` (an adapter unloaded under
+        them: no worker could ever take them, and each would block its lane's head)."""
+        doomed = [r for lane in self.policy.lanes for r in list(self.policy.queue(lane)) if predicate(r)]
+        for request in doomed:
+            self._finish(request, failure)
+        return len(doomed)
+
     def _hand_back_orphans(self, now: float) -> None:
         orphaned_for = self.workers.orphaned_for(now)
         if orphaned_for <= self.orphan_grace_s or not len(self.policy):

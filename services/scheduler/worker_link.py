@@ -71,6 +71,18 @@ class WorkerLink:
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
                  self.info.model, self.info.device, self.info.num_blocks, self.info.block_size)
 
+    async def load_adapter(self, name: str, path: str) -> worker_pb2.AdapterInfo:
+        """Worker.LoadAdapter; from now on the worker may be given sequences naming it."""
+        info = await worker_pb2_grpc.WorkerStub(self._channel).LoadAdapter(
+            worker_pb2.LoadAdapterRequest(name=name, path=path), timeout=120)
+        self.adapters = self.adapters | {name}
+        return info
+
+    async def unload_adapter(self, name: str) -> None:
+        await worker_pb2_grpc.WorkerStub(self._channel).UnloadAdapter(
+            worker_pb2.UnloadAdapterRequest(name=name), timeout=30)
+        self.adapters = self.adapters - {name}
+
     async def keep_connected(self) -> None:
         """Reconnect whenever the link is down (run as a background task)."""
         while True:

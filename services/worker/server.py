@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
 
 from services.common.drain import DEFAULT_DRAIN_SECONDS, Drain
-from services.common.errors import ErrorKind, ServiceError
+from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import CHANNEL_OPTIONS, WORKER_SERVER_OPTIONS, run_server
 from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
@@ -29,6 +29,7 @@ from services.common.tracing import (setup_tracing, shutdown_tracing, span_conte
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import sampled_token_proto
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
+from services.engine.lora import AdapterError
 from services.worker.sequences import PlanError, SequenceTable
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
             threads=e.threads, device_name=e.backend.name, draining=self.drain.draining,
-            adapters=[worker_pb2.AdapterInfo(name=a.name, path=a.path, rank=a.rank, target_modules=a.targets)
-                      for a in e.adapters.values()])
+            adapters=[adapter_info(a) for a in e.adapters.values()])
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
@@ -102,6 +102,33 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         log.info("drain requested over gRPC")
         self.drain.request()
         return worker_pb2.DrainReply(active_sequences=len(self.table))
+
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.AdapterInfo:
+        """Read and check on a helper thread (steps go on meanwhile), then put it on the device
+        on the engine's thread, between two steps."""
+        name, path = request.name.strip(), request.path.strip()
+        if not name or not path:
+            raise invalid("an adapter needs a name and a path (a PEFT adapter folder)",
+                          field="name" if not name else "path")
+        try:
+            adapter = await asyncio.to_thread(self.engine.read_adapter, name, Path(path).expanduser())
+        except AdapterError as exc:
+            raise invalid(str(exc), field="path") from None
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.add_adapter, adapter)
+        log.info("LoRA adapter %s loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
+        return adapter_info(adapter)
+
+    async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context) -> worker_pb2.UnloadAdapterReply:
+        name = request.name
+        if name not in self.engine.adapters:
+            raise ServiceError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not loaded", field="name")
+        users = sum(1 for seq in list(self.table.sequences.values()) if seq.lora == name)
+        if users:
+            raise ServiceError(ErrorKind.CONFLICT, f"LoRA adapter {name!r} is used by {users} sequence(s) "
+                               "on this worker; unload it once they finish", field="name", reason="adapter_in_use")
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.remove_adapter, name)
+        log.info("LoRA adapter %s unloaded", name)
+        return worker_pb2.UnloadAdapterReply()
 
     async def Execute(self, request_iterator, context):
         with self.drain.track():       # refused while draining; counted in flight otherwise
@@ -181,6 +208,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if hardware is not None:
             stats.device_utilization = hardware
         return stats
+
+
+def adapter_info(adapter) -> worker_pb2.AdapterInfo:
+    return worker_pb2.AdapterInfo(name=adapter.name, path=adapter.path, rank=adapter.rank,
+                                  target_modules=adapter.targets)
 
 
 def build_engine_config(model_dir: str, worker) -> EngineConfig:

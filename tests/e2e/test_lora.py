@@ -132,3 +132,38 @@ def test_an_unknown_adapter_is_refused_by_name(cluster):
     status, body = http_post(cluster, {"model": base_model, "messages": [{"role": "user", "content": "hi"}]},
                              {"x-lora": "nope"})
     assert status == 404 and "'nope'" in body["error"]["message"] and body["error"]["param"] == "x-lora"
+
+
+def http_admin(cluster, path: str, body: dict):
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=300)
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, model_dir, adapter, tmp_path):
+    status, body = http_admin(cluster, "/v1/load_lora_adapter",
+                              {"lora_name": "runtime", "lora_path": str(adapter), "pool": "main"})
+    assert status == 200 and "runtime" in body["pools"]["main"]["adapters"], body
+    prompt_ids = TextTokenizer.from_model_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    tokens, pool = run(generate(cluster, "runtime"))
+    assert pool == "main" and tokens == reference_tokens(model_dir, adapter, prompt_ids)
+
+    bad = tmp_path / "not-an-adapter"
+    bad.mkdir()
+    status, body = http_admin(cluster, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
+    assert status == 400 and "no adapter_config.json" in body["error"]["message"]
+    status, body = http_admin(cluster, "/v1/load_lora_adapter", {"lora_name": "x"})
+    assert status == 400 and body["error"]["param"] == "lora_path"
+
+    status, body = http_admin(cluster, "/v1/unload_lora_adapter", {"lora_name": "runtime"})
+    assert status == 200 and body["pools"]["main"]["adapters"] == []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(generate(cluster, "runtime"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    status, body = http_admin(cluster, "/v1/unload_lora_adapter", {"lora_name": "runtime"})
+    assert status == 404 and body["error"]["param"] == "lora_name"

@@ -23,31 +23,34 @@ _sym_db = _symbol_database.Default()
 
 
 from services.common.proto.qos.v1 import common_pb2 as qos_dot_v1_dot_common__pb2
+from services.common.proto.qos.v1 import worker_pb2 as qos_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16qos/v1/scheduler.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\"\"\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\",\n\rRegisterReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\"\x87\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12%\n\x08messages\x18\x05 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\x0e\n\x06slo_ms\x18\x07 \x01(\r\x12\x0c\n\x04lora\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x15\n\rtenant_weight\x18\n \x01(\x01\"\'\n\x10PoolStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf0\x01\n\nClassStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tkv_blocks\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0e\n\x06kv_cap\x18\x07 \x01(\x01\x12\x15\n\rserved_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ekv_blocks_peak\x18\t \x01(\r\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x11\n\tpreempted\x18\x0b \x01(\x04\"\x93\x01\n\x0cWeightChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x12\n\nold_weight\x18\x03 \x01(\x01\x12\x12\n\nnew_weight\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x0f\n\x07\x66ree_kv\x18\x06 \x01(\x01\"\xa4\x04\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12#\n\x07\x63lasses\x18\t \x03(\x0b\x32\x12.qos.v1.ClassStats\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x13\n\x0butilization\x18\r \x01(\x01\x12,\n\x0eweight_changes\x18\x0e \x03(\x0b\x32\x14.qos.v1.WeightChange\x12\x13\n\x0bttft_p90_ms\x18\x0f \x01(\x01\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x18\n\x10workers_draining\x18\x11 \x01(\r\x12\x11\n\tfailovers\x18\x12 \x01(\x04\x12$\n\x07members\x18\x13 \x03(\x0b\x32\x13.qos.v1.WorkerState\x12\x17\n\x0f\x64\x65sired_workers\x18\x14 \x01(\r\x12\x13\n\x0bmin_workers\x18\x15 \x01(\r\x12\x13\n\x0bmax_workers\x18\x16 \x01(\r\x12\x14\n\x0cscale_reason\x18\x17 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x18 \x03(\t\"\x97\x01\n\x0bWorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\x32\xff\x01\n\tScheduler\x12\x38\n\x06Submit\x12\x15.qos.v1.SubmitRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12;\n\x0cGetPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats\x12?\n\x0eWatchPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats0\x01\x12:\n\x08Register\x12\x17.qos.v1.RegisterRequest\x1a\x15.qos.v1.RegisterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16qos/v1/scheduler.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\x1a\x13qos/v1/worker.proto\"\"\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\",\n\rRegisterReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\"\x87\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12%\n\x08messages\x18\x05 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\x0e\n\x06slo_ms\x18\x07 \x01(\r\x12\x0c\n\x04lora\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x15\n\rtenant_weight\x18\n \x01(\x01\"\'\n\x10PoolStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xf0\x01\n\nClassStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tkv_blocks\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0e\n\x06kv_cap\x18\x07 \x01(\x01\x12\x15\n\rserved_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ekv_blocks_peak\x18\t \x01(\r\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x11\n\tpreempted\x18\x0b \x01(\x04\"\x93\x01\n\x0cWeightChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x12\n\nold_weight\x18\x03 \x01(\x01\x12\x12\n\nnew_weight\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x0f\n\x07\x66ree_kv\x18\x06 \x01(\x01\"\xa4\x04\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12#\n\x07\x63lasses\x18\t \x03(\x0b\x32\x12.qos.v1.ClassStats\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x13\n\x0butilization\x18\r \x01(\x01\x12,\n\x0eweight_changes\x18\x0e \x03(\x0b\x32\x14.qos.v1.WeightChange\x12\x13\n\x0bttft_p90_ms\x18\x0f \x01(\x01\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x18\n\x10workers_draining\x18\x11 \x01(\r\x12\x11\n\tfailovers\x18\x12 \x01(\x04\x12$\n\x07members\x18\x13 \x03(\x0b\x32\x13.qos.v1.WorkerState\x12\x17\n\x0f\x64\x65sired_workers\x18\x14 \x01(\r\x12\x13\n\x0bmin_workers\x18\x15 \x01(\r\x12\x13\n\x0bmax_workers\x18\x16 \x01(\r\x12\x14\n\x0cscale_reason\x18\x17 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x18 \x03(\t\"\x97\x01\n\x0bWorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\"X\n\rAdaptersReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12%\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x13.qos.v1.AdapterInfo\x12\x12\n\nmissing_on\x18\x03 \x03(\t2\x87\x03\n\tScheduler\x12\x38\n\x06Submit\x12\x15.qos.v1.SubmitRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12;\n\x0cGetPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats\x12?\n\x0eWatchPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats0\x01\x12:\n\x08Register\x12\x17.qos.v1.RegisterRequest\x1a\x15.qos.v1.RegisterReply\x12@\n\x0bLoadAdapter\x12\x1a.qos.v1.LoadAdapterRequest\x1a\x15.qos.v1.AdaptersReply\x12\x44\n\rUnloadAdapter\x12\x1c.qos.v1.UnloadAdapterRequest\x1a\x15.qos.v1.AdaptersReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'qos.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTERREQUEST']._serialized_start=55
-  _globals['_REGISTERREQUEST']._serialized_end=89
-  _globals['_REGISTERREPLY']._serialized_start=91
-  _globals['_REGISTERREPLY']._serialized_end=135
-  _globals['_SUBMITREQUEST']._serialized_start=138
-  _globals['_SUBMITREQUEST']._serialized_end=401
-  _globals['_POOLSTATSREQUEST']._serialized_start=403
-  _globals['_POOLSTATSREQUEST']._serialized_end=442
-  _globals['_CLASSSTATS']._serialized_start=445
-  _globals['_CLASSSTATS']._serialized_end=685
-  _globals['_WEIGHTCHANGE']._serialized_start=688
-  _globals['_WEIGHTCHANGE']._serialized_end=835
-  _globals['_POOLSTATS']._serialized_start=838
-  _globals['_POOLSTATS']._serialized_end=1386
-  _globals['_WORKERSTATE']._serialized_start=1389
-  _globals['_WORKERSTATE']._serialized_end=1540
-  _globals['_SCHEDULER']._serialized_start=1543
-  _globals['_SCHEDULER']._serialized_end=1798
+  _globals['_REGISTERREQUEST']._serialized_start=76
+  _globals['_REGISTERREQUEST']._serialized_end=110
+  _globals['_REGISTERREPLY']._serialized_start=112
+  _globals['_REGISTERREPLY']._serialized_end=156
+  _globals['_SUBMITREQUEST']._serialized_start=159
+  _globals['_SUBMITREQUEST']._serialized_end=422
+  _globals['_POOLSTATSREQUEST']._serialized_start=424
+  _globals['_POOLSTATSREQUEST']._serialized_end=463
+  _globals['_CLASSSTATS']._serialized_start=466
+  _globals['_CLASSSTATS']._serialized_end=706
+  _globals['_WEIGHTCHANGE']._serialized_start=709
+  _globals['_WEIGHTCHANGE']._serialized_end=856
+  _globals['_POOLSTATS']._serialized_start=859
+  _globals['_POOLSTATS']._serialized_end=1407
+  _globals['_WORKERSTATE']._serialized_start=1410
+  _globals['_WORKERSTATE']._serialized_end=1561
+  _globals['_ADAPTERSREPLY']._serialized_start=1563
+  _globals['_ADAPTERSREPLY']._serialized_end=1651
+  _globals['_SCHEDULER']._serialized_start=1654
+  _globals['_SCHEDULER']._serialized_end=2045
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from services.common.proto.qos.v1 import common_pb2 as _common_pb2
+from services.common.proto.qos.v1 import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -162,3 +163,13 @@ class WorkerState(_message.Message):
     kv_blocks_used: int
     admitted: int
     def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., draining: _Optional[bool] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., admitted: _Optional[int] = ...) -> None: ...
+
+class AdaptersReply(_message.Message):
+    __slots__ = ("pool", "adapters", "missing_on")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_ON_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    adapters: _containers.RepeatedCompositeFieldContainer[_worker_pb2.AdapterInfo]
+    missing_on: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[_worker_pb2.AdapterInfo, _Mapping]]] = ..., missing_on: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -5,6 +5,7 @@ import warnings
 
 from services.common.proto.qos.v1 import common_pb2 as qos_dot_v1_dot_common__pb2
 from services.common.proto.qos.v1 import scheduler_pb2 as qos_dot_v1_dot_scheduler__pb2
+from services.common.proto.qos.v1 import worker_pb2 as qos_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -55,6 +56,16 @@ class SchedulerStub:
                 request_serializer=qos_dot_v1_dot_scheduler__pb2.RegisterRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_scheduler__pb2.RegisterReply.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/qos.v1.Scheduler/LoadAdapter',
+                request_serializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/qos.v1.Scheduler/UnloadAdapter',
+                request_serializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -94,6 +105,20 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter on every worker of the pool (and on workers that join later); returns
+        the pool's adapters. Unload it from all of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -116,6 +141,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Register,
                     request_deserializer=qos_dot_v1_dot_scheduler__pb2.RegisterRequest.FromString,
                     response_serializer=qos_dot_v1_dot_scheduler__pb2.RegisterReply.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +261,60 @@ class Scheduler:
             '/qos.v1.Scheduler/Register',
             qos_dot_v1_dot_scheduler__pb2.RegisterRequest.SerializeToString,
             qos_dot_v1_dot_scheduler__pb2.RegisterReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Scheduler/LoadAdapter',
+            qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Scheduler/UnloadAdapter',
+            qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=qos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_worker__pb2.DrainReply.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/qos.v1.Worker/LoadAdapter',
+                request_serializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/qos.v1.Worker/UnloadAdapter',
+                request_serializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -80,6 +90,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Load a LoRA adapter (a PEFT folder readable by the worker) at run time: read and checked on a
+        helper thread, put on the device between two steps. INVALID_ARGUMENT naming the field when
+        the adapter cannot be served; loading a name again replaces it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unload one; FAILED_PRECONDITION while sequences it holds use it, NOT_FOUND if not loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +123,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=qos_dot_v1_dot_worker__pb2.DrainRequest.FromString,
                     response_serializer=qos_dot_v1_dot_worker__pb2.DrainReply.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_worker__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +216,60 @@ class Worker:
             '/qos.v1.Worker/Drain',
             qos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
             qos_dot_v1_dot_worker__pb2.DrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Worker/LoadAdapter',
+            qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            qos_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Worker/UnloadAdapter',
+            qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
+            qos_dot_v1_dot_worker__pb2.UnloadAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,
