@@ -103,6 +103,8 @@ class WorkerConfig(ServiceConfig):
     kv_cache_mb: int | None = None    # KV budget in MiB; unset: 256 on CPU, else by fraction
     kv_cache_fraction: float | None = None  # of free memory after the weights; unset: 0.8 on GPU/NPU
     block_size: int = 16
+    max_loras: int = 4                # LoRA adapters on the device at once (and among its running sequences)
+    max_cpu_loras: int = 16           # adapters loaded in host memory; past it the least recently used idle one goes
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An

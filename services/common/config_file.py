@@ -100,6 +100,12 @@ def _parse_pool(raw: dict, where: str) -> PoolConfig:
     for i, w in enumerate(pool.workers):
         if w.threads < 0:
             raise ConfigError(f"{where}.workers[{i}].threads must be >= 0")
+        if not 1 <= w.max_loras <= w.max_cpu_loras:
+            raise ConfigError(f"{where}.workers[{i}]: need 1 <= max_loras <= max_cpu_loras, got "
+                              f"{w.max_loras} and {w.max_cpu_loras}")
+        if len(pool.adapters) > w.max_cpu_loras:
+            raise ConfigError(f"{where}.workers[{i}].max_cpu_loras is {w.max_cpu_loras} but the pool lists "
+                              f"{len(pool.adapters)} adapters")
         if w.kv_cache_mb is not None and (not isinstance(w.kv_cache_mb, int) or w.kv_cache_mb <= 0):
             raise ConfigError(f"{where}.workers[{i}].kv_cache_mb must be a positive integer (MiB)")
         if w.kv_cache_fraction is not None and (not isinstance(w.kv_cache_fraction, (int, float))

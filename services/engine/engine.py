@@ -19,7 +19,7 @@ from services.common.step import FinishReason, SampledToken, StepBatch, StepOutp
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
-from services.engine.lora import AdapterError, LoraAdapter, LoraBatch, load_peft_adapter
+from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
 from services.engine.sampler import sample
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
@@ -43,6 +43,8 @@ class EngineConfig:
     num_threads: int = 0                    # CPU intra-op threads; 0 = all cores of this process
     seed: int = 0                           # for requests that sample without a seed of their own
     prepack_linear: bool = True             # CPU: oneDNN with prepacked weights (services/engine/linear.py)
+    max_loras: int = 4                      # LoRA adapters on the device at once (and in one step)
+    max_cpu_loras: int = 16                 # adapters loaded (host copies); beyond, the least recently used idle one goes
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_fraction <= 1.0:
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if not 1 <= self.max_loras <= self.max_cpu_loras:
+            raise ValueError(f"need 1 <= max_loras <= max_cpu_loras, got {self.max_loras} and {self.max_cpu_loras}")
 
 
 class Engine:
@@ -70,7 +74,7 @@ class Engine:
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.adapters: dict[str, LoraAdapter] = {}      # LoRA adapters on the device, by name
+        self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         log.info("engine ready: %s on %s, %s (%s, %d threads); %s", self.model_config.architecture,
                  self.device, self.backend.name, self.dtype, self.threads, self.kv_spec.describe())
 
@@ -84,9 +88,10 @@ class Engine:
         """Read and check an adapter on the host (any thread: no engine state is touched)."""
         return load_peft_adapter(name, path, self.model_config, self.dtype)
 
-    def add_adapter(self, adapter: LoraAdapter) -> None:
-        """Put a read adapter on the device; steps from now on may name it."""
-        self.adapters[adapter.name] = adapter.to(self.device)
+    def add_adapter(self, adapter: LoraAdapter, in_use: set[str] = frozenset()) -> list[str]:
+        """A read adapter joins the loaded ones (engine thread, between steps); returns the names
+        of idle adapters dropped past max_cpu_loras."""
+        return self.adapters.add(adapter, in_use)
 
     def load_adapter(self, name: str, path) -> LoraAdapter:
         adapter = self.read_adapter(name, path)
@@ -94,8 +99,7 @@ class Engine:
         return adapter
 
     def remove_adapter(self, name: str) -> None:
-        if self.adapters.pop(name, None) is None:
-            raise AdapterError(f"adapter {name!r} is not loaded")
+        self.adapters.remove(name)
 
     def _lora_batch(self, ordered: list[SequenceWork]) -> LoraBatch | None:
         rows: dict[str, list[int]] = {}
@@ -104,9 +108,7 @@ class Engine:
             if seq.lora:
                 rows.setdefault(seq.lora, []).extend(range(offset, offset + len(seq.token_ids)))
             offset += len(seq.token_ids)
-        if not rows:
-            return None
-        return LoraBatch([(self.adapters[name], torch.tensor(r, device=self.device)) for name, r in rows.items()])
+        return self.adapters.batch(rows) if rows else None
 
     def step(self, batch: StepBatch) -> StepOutput:
         """Compute every entry's tokens; sample one token for each entry with `sample` set."""
@@ -156,6 +158,10 @@ class Engine:
     def _validate(self, batch: StepBatch) -> None:
         if not batch.sequences:
             raise InvalidStepError("empty step: no sequences")
+        loras = {s.lora for s in batch.sequences if s.lora}
+        if len(loras) > self.adapters.max_loras:
+            raise InvalidStepError(f"the step names {len(loras)} LoRA adapters; at most max_loras = "
+                                   f"{self.adapters.max_loras} fit on the device at once")
         seen: set[int] = set()
         written: set[int] = set()
         block_size, num_blocks = self.kv_spec.block_size, self.kv_spec.num_blocks

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -190,3 +191,63 @@ class LoraBatch:
             for r0, r1, o0, o1, b in update.parts:
                 out[:, o0:o1].index_add_(0, rows, low[:, r0:r1] @ b.T)
         return out
+
+
+class AdapterSet:
+    """The adapters an engine holds: every loaded one as a host copy (least recently used first,
+    at most max_cpu_loras), and at most max_loras of them on the device, moved there when a step
+    first needs one (least recently used out first, never one the step needs; a no-op on CPU)."""
+
+    def __init__(self, device: torch.device, max_loras: int, max_cpu_loras: int):
+        self.device, self.max_loras, self.max_cpu_loras = device, max_loras, max_cpu_loras
+        self.loaded: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.on_device: OrderedDict[str, LoraAdapter] = OrderedDict()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.loaded
+
+    def __iter__(self):
+        return iter(self.loaded)
+
+    def __len__(self) -> int:
+        return len(self.loaded)
+
+    def values(self):
+        return self.loaded.values()
+
+    def add(self, adapter: LoraAdapter, in_use: set[str] = frozenset()) -> list[str]:
+        """Load (or replace) one; past max_cpu_loras drop the least recently used adapters no
+        sequence uses (`in_use`), returning their names; refuse when all of them are in use."""
+        if adapter.name not in self.loaded and len(self.loaded) >= self.max_cpu_loras \
+                and all(name in in_use for name in self.loaded):
+            raise AdapterError(f"{len(self.loaded)} adapters are loaded, all in use: max_cpu_loras is "
+                               f"{self.max_cpu_loras}; unload one or wait")
+        self.loaded.pop(adapter.name, None)
+        self.on_device.pop(adapter.name, None)            # a new version replaces the old
+        self.loaded[adapter.name] = adapter
+        dropped = [name for name in self.loaded if name != adapter.name and name not in in_use]
+        dropped = dropped[:max(0, len(self.loaded) - self.max_cpu_loras)]
+        for name in dropped:
+            self.remove(name)
+        return dropped
+
+    def remove(self, name: str) -> None:
+        if self.loaded.pop(name, None) is None:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        self.on_device.pop(name, None)
+
+    def _on_device(self, name: str, needed: set[str]) -> LoraAdapter:
+        if name in self.on_device:
+            self.on_device.move_to_end(name)
+        else:
+            while len(self.on_device) >= self.max_loras:
+                del self.on_device[next(n for n in self.on_device if n not in needed)]
+            self.on_device[name] = self.loaded[name].to(self.device)
+        self.loaded.move_to_end(name)
+        return self.on_device[name]
+
+    def batch(self, rows: dict[str, list[int]]) -> LoraBatch:
+        """The step's groups (adapter -> its rows of the flat batch), every adapter on the device."""
+        needed = set(rows)
+        return LoraBatch([(self._on_device(name, needed), torch.tensor(r, device=self.device))
+                          for name, r in rows.items()])

@@ -29,6 +29,7 @@ class Worker(Protocol):
     index: int
     pool: KVBlockPool | None
     adapters: frozenset[str]          # LoRA adapters it holds
+    max_loras: int                    # distinct adapters its running sequences may use
 
 
 class StepBuilder:
@@ -152,7 +153,7 @@ class StepPlanner:
         head = self.policy.queue(lane).peek()
         if head is None or not builder.may_admit(head):
             return None
-        if head.lora and head.lora not in worker.adapters:      # another worker of the pool holds it
+        if head.lora and not self._lora_fits(worker, head.lora):
             return None
         if len(self.running[worker.index]) >= self.max_running \
                 and not self._free_slot(worker, builder, head):
@@ -160,6 +161,14 @@ class StepPlanner:
         if self._admit(worker, builder, head):
             return self.running[worker.index][-1]
         return None
+
+    def _lora_fits(self, worker: Worker, lora: str) -> bool:
+        """The worker holds the adapter (else another worker of the pool takes the request), and
+        one more adapter among its running sequences stays within its max_loras."""
+        if lora not in worker.adapters:
+            return False
+        running = {r.lora for r in self.running[worker.index] if r.lora}
+        return lora in running or len(running) < worker.max_loras
 
     def _free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         """All running slots are taken: preempt one sequence the policy lets `request` displace,

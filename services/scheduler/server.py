@@ -277,6 +277,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         results = await asyncio.gather(*(l.load_adapter(request.name, request.path) for l in links),
                                        return_exceptions=True)
         failed = [(l, r) for l, r in zip(links, results) if isinstance(r, BaseException)]
+        for reply in results:
+            if not isinstance(reply, BaseException):
+                for name in reply.dropped:        # the pool forgets what its workers dropped (LRU)
+                    self.runtime_adapters.pop(name, None)
         if len(failed) == len(links):
             error = failed[0][1]
             if isinstance(error, grpc.aio.AioRpcError):
@@ -311,9 +315,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _sync_adapters(self) -> None:
         for link in [l for l in self.batcher.links if l.is_connected]:
             for name, path in list(self.runtime_adapters.items()):
-                if name not in link.adapters:
+                if name not in link.adapters and name in self.runtime_adapters:
                     try:
-                        await link.load_adapter(name, path)
+                        reply = await link.load_adapter(name, path)
+                        for dropped in reply.dropped:
+                            self.runtime_adapters.pop(dropped, None)
                     except grpc.aio.AioRpcError as exc:
                         log.warning("worker %s could not load adapter %s: %s", link.address, name, exc.details())
 

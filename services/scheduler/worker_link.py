@@ -71,12 +71,17 @@ class WorkerLink:
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
                  self.info.model, self.info.device, self.info.num_blocks, self.info.block_size)
 
-    async def load_adapter(self, name: str, path: str) -> worker_pb2.AdapterInfo:
-        """Worker.LoadAdapter; from now on the worker may be given sequences naming it."""
-        info = await worker_pb2_grpc.WorkerStub(self._channel).LoadAdapter(
+    @property
+    def max_loras(self) -> int:
+        return self.info.max_loras if self.info and self.info.max_loras else 1 << 30
+
+    async def load_adapter(self, name: str, path: str) -> worker_pb2.LoadAdapterReply:
+        """Worker.LoadAdapter; from now on the worker may be given sequences naming it (and no
+        longer those naming adapters it dropped to make room)."""
+        reply = await worker_pb2_grpc.WorkerStub(self._channel).LoadAdapter(
             worker_pb2.LoadAdapterRequest(name=name, path=path), timeout=120)
-        self.adapters = self.adapters | {name}
-        return info
+        self.adapters = (self.adapters | {name}) - set(reply.dropped)
+        return reply
 
     async def unload_adapter(self, name: str) -> None:
         await worker_pb2_grpc.WorkerStub(self._channel).UnloadAdapter(

@@ -92,7 +92,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
             threads=e.threads, device_name=e.backend.name, draining=self.drain.draining,
-            adapters=[adapter_info(a) for a in e.adapters.values()])
+            adapters=[adapter_info(a) for a in e.adapters.values()], max_loras=e.adapters.max_loras)
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
@@ -103,7 +103,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.drain.request()
         return worker_pb2.DrainReply(active_sequences=len(self.table))
 
-    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.AdapterInfo:
+    async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.LoadAdapterReply:
         """Read and check on a helper thread (steps go on meanwhile), then put it on the device
         on the engine's thread, between two steps."""
         name, path = request.name.strip(), request.path.strip()
@@ -114,9 +114,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             adapter = await asyncio.to_thread(self.engine.read_adapter, name, Path(path).expanduser())
         except AdapterError as exc:
             raise invalid(str(exc), field="path") from None
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.add_adapter, adapter)
-        log.info("LoRA adapter %s loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
-        return adapter_info(adapter)
+        def add() -> list[str]:          # on the engine's thread, between two steps
+            in_use = {seq.lora for seq in self.table.sequences.values() if seq.lora}
+            return self.engine.add_adapter(adapter, in_use)
+        try:
+            dropped = await asyncio.get_running_loop().run_in_executor(self.executor, add)
+        except AdapterError as exc:
+            raise ServiceError(ErrorKind.EXHAUSTED, str(exc), field="name", retry_after_ms=5000,
+                               reason="max_cpu_loras") from None
+        log.info("LoRA adapter %s loaded from %s (rank %d, %s)%s", name, path, adapter.rank,
+                 ", ".join(adapter.targets), f"; dropped idle {', '.join(dropped)}" if dropped else "")
+        return worker_pb2.LoadAdapterReply(adapter=adapter_info(adapter), dropped=dropped)
 
     async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context) -> worker_pb2.UnloadAdapterReply:
         name = request.name
@@ -219,7 +227,8 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
     kv_bytes, kv_fraction = worker.kv_budget()
     return EngineConfig(model_dir=model_dir, device=worker.device, dtype=worker.dtype,
                         block_size=worker.block_size, kv_cache_bytes=kv_bytes,
-                        kv_cache_fraction=kv_fraction, num_threads=worker.threads)
+                        kv_cache_fraction=kv_fraction, num_threads=worker.threads,
+                        max_loras=worker.max_loras, max_cpu_loras=worker.max_cpu_loras)
 
 
 async def join_pool(scheduler: str, advertised: str, drain: Drain) -> None:

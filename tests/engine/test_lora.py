@@ -135,3 +135,40 @@ def test_an_adapter_for_another_model_is_refused(setup, tmp_path):
     engine = make_engine(model_dir, num_blocks=8)
     with pytest.raises(AdapterError, match="base model mismatch"):
         engine.load_adapter("other", folder)
+
+
+def test_past_max_loras_adapters_swap_on_and_off_the_device_and_stay_exact(setup):
+    from services.engine.engine import InvalidStepError
+    model_dir, adapters = setup
+    engine = make_engine(model_dir, num_blocks=32, max_loras=2, max_cpu_loras=3)
+    names = list(adapters)
+    for name in names:
+        engine.load_adapter(name, adapters[name])
+    rng = random.Random(11)
+    tokens = {i: [rng.randrange(3, 512) for _ in range(30)] for i in range(3)}
+    table = {i: list(range(i * 8, i * 8 + 8)) for i in range(3)}
+    work = lambda i, a, b: SequenceWork(i, tokens[i][a:b], a, table[i], lora=names[i])  # noqa: E731
+    got = {i: [] for i in range(3)}
+    # Two adapters per step, in an order that makes each step evict the least recently used one.
+    for step in ([work(0, 0, 28), work(1, 0, 28)], [work(2, 0, 28), work(0, 28, 29)],
+                 [work(1, 28, 29), work(2, 28, 29)], [work(0, 29, 30), work(1, 29, 30)],
+                 [work(2, 29, 30)]):
+        for seq_id, logits in engine.compute_logits(StepBatch(step)).items():
+            got[seq_id].append(logits)
+        assert len(engine.adapters.on_device) <= 2
+    for i, name in enumerate(names):
+        want = reference_logits(peft_reference(model_dir, adapters[name]), tokens[i])
+        assert (torch.cat(got[i]) - want).abs().max().item() < 1e-4, name
+    with pytest.raises(InvalidStepError, match="names 3 LoRA adapters; at most max_loras = 2"):
+        engine.compute_logits(StepBatch([SequenceWork(10 + i, [5], 0, [20 + i], lora=n) for i, n in enumerate(names)]))
+
+
+def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_goes(setup):
+    model_dir, adapters = setup
+    engine = make_engine(model_dir, num_blocks=8, max_loras=1, max_cpu_loras=2)
+    first, second, third = (engine.read_adapter(n, p) for n, p in adapters.items())
+    assert engine.add_adapter(first) == [] and engine.add_adapter(second) == []
+    assert engine.add_adapter(third, in_use={first.name}) == [second.name]       # first is in use: kept
+    assert list(engine.adapters) == [first.name, third.name]
+    with pytest.raises(AdapterError, match="max_cpu_loras is 2"):
+        engine.add_adapter(second, in_use={first.name, third.name})

@@ -42,6 +42,7 @@ class SimulatedWorker:
         self.address = f"sim-{index}"
         self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=BLOCK, max_context=4096)
         self.adapters: frozenset[str] = frozenset()
+        self.max_loras = 1 << 30
         self.pool = KVBlockPool(num_blocks, BLOCK)
         self.table = SequenceTable()
         self.plans: list[worker_pb2.StepPlan] = []
@@ -102,8 +103,11 @@ async def drain(request: Request) -> tuple[list[int], str, object]:
             return tokens, text, event
 
 
-async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1):
+async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1, adapters=(),
+                max_loras=1 << 30):
     links = [SimulatedWorker(i, num_blocks) for i in range(workers)]
+    for link in links:
+        link.adapters, link.max_loras = frozenset(adapters), max_loras
     batcher = ContinuousBatcher("sim", links, create_policy("fcfs"), max_running, max_step_tokens)
     loop = asyncio.create_task(batcher.run())
     for request in requests:
@@ -228,3 +232,35 @@ def test_a_failure_is_not_merged_into_a_chunk():
     first, failure, again, nothing, left = asyncio.run(scenario())
     assert first.text == "a" and isinstance(failure, ServiceError)
     assert again is failure and nothing is None and left == 0
+
+
+def test_lora_requests_stay_within_max_loras_and_only_go_where_the_adapter_is():
+    requests = [make_request(i, prompt_len=6, max_tokens=4) for i in range(6)]
+    for i, request in enumerate(requests):
+        request.lora = ("a", "b", "c")[i % 3]
+    results, batcher, (worker,) = asyncio.run(serve(requests, adapters={"a", "b", "c"}, max_loras=2))
+    assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
+    by_seq = {r.seq_id: r.lora for r in requests}
+    assert all(len({by_seq[s] for s in plan.scheduled_seq_ids}) <= 2 for plan in worker.plans)
+    assert {n.lora for plan in worker.plans for n in plan.new_sequences} == {"a", "b", "c"}
+
+
+def test_a_worker_without_the_adapter_is_never_given_it():
+    async def two_workers():
+        links = [SimulatedWorker(0, 64), SimulatedWorker(1, 64)]
+        links[0].adapters, links[1].adapters = frozenset({"a"}), frozenset({"a", "b"})
+        batcher = ContinuousBatcher("sim", links, create_policy("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        requests = [make_request(i, prompt_len=6, max_tokens=3) for i in range(8)]
+        for i, request in enumerate(requests):
+            request.lora = "b" if i % 2 else "a"
+            batcher.submit(request)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 10)
+        finally:
+            loop.cancel()
+        return requests, results, links
+
+    requests, results, links = asyncio.run(two_workers())
+    assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
+    assert "b" not in {n.lora for plan in links[0].plans for n in plan.new_sequences}

@@ -55,6 +55,8 @@ def test_worker_config_made_in_code_keeps_the_cpu_default():
     ({"kv_cache_fraction": 1.5}, r"kv_cache_fraction must be in \(0, 1\]"),
     ({"kv_cache_fraction": "half"}, r"kv_cache_fraction must be in \(0, 1\]"),
     ({"threads": -1}, "threads must be >= 0"),
+    ({"max_loras": 0}, "need 1 <= max_loras <= max_cpu_loras, got 0 and 16"),
+    ({"max_loras": 8, "max_cpu_loras": 4}, "need 1 <= max_loras <= max_cpu_loras, got 8 and 4"),
     ({"gpus": 2}, "unknown key pools\\[0\\].workers\\[0\\].gpus"),
 ])
 def test_bad_worker_settings_name_the_key(worker, message):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.qos.v1 import common_pb2 as qos_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/worker.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnloadAdapterReply\"\r\n\x0bInfoRequest\"\x0e\n\x0c\x44rainRequest\"&\n\nDrainReply\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\"\xc9\x02\n\nWorkerInfo\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x0b \x01(\r\x12\x0f\n\x07threads\x18\x0c \x01(\r\x12\x13\n\x0b\x64\x65vice_name\x18\r \x01(\t\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12%\n\x08\x61\x64\x61pters\x18\x0f \x03(\x0b\x32\x13.qos.v1.AdapterInfo\"\x9f\x01\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"O\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\x9b\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.EngineSampling\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x0c\n\x04lora\x18\x06 \x01(\t\"/\n\nBlockGrant\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xc4\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x13.qos.v1.NewSequence\x12\x19\n\x11scheduled_seq_ids\x18\x03 \x03(\x04\x12\x1c\n\x14scheduled_num_tokens\x18\x05 \x03(\r\x12(\n\x0c\x62lock_grants\x18\x06 \x03(\x0b\x32\x12.qos.v1.BlockGrant\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\"t\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.qos.v1.FinishReasonJ\x04\x08\x04\x10\x05\"\x91\x01\n\x0b\x44\x65viceStats\x12\x19\n\x11memory_used_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x02 \x01(\x04\x12\x13\n\x0butilization\x18\x03 \x01(\x02\x12\x1f\n\x12\x64\x65vice_utilization\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_device_utilization\"\x9d\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.qos.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12#\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x13.qos.v1.DeviceStats\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x32\xac\x02\n\x06Worker\x12/\n\x04Info\x12\x13.qos.v1.InfoRequest\x1a\x12.qos.v1.WorkerInfo\x12\x33\n\x07\x45xecute\x12\x10.qos.v1.StepPlan\x1a\x12.qos.v1.StepResult(\x01\x30\x01\x12\x31\n\x05\x44rain\x12\x14.qos.v1.DrainRequest\x1a\x12.qos.v1.DrainReply\x12>\n\x0bLoadAdapter\x12\x1a.qos.v1.LoadAdapterRequest\x1a\x13.qos.v1.AdapterInfo\x12I\n\rUnloadAdapter\x12\x1c.qos.v1.UnloadAdapterRequest\x1a\x1a.qos.v1.UnloadAdapterReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/worker.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\"0\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"I\n\x10LoadAdapterReply\x12$\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x13.qos.v1.AdapterInfo\x12\x0f\n\x07\x64ropped\x18\x02 \x03(\t\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x14\n\x12UnloadAdapterReply\"\r\n\x0bInfoRequest\"\x0e\n\x0c\x44rainRequest\"&\n\nDrainReply\x12\x18\n\x10\x61\x63tive_sequences\x18\x01 \x01(\r\"\xdc\x02\n\nWorkerInfo\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x04\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\x05\x12\x18\n\x10\x61\x63tive_sequences\x18\x0b \x01(\r\x12\x0f\n\x07threads\x18\x0c \x01(\r\x12\x13\n\x0b\x64\x65vice_name\x18\r \x01(\t\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12%\n\x08\x61\x64\x61pters\x18\x0f \x03(\x0b\x32\x13.qos.v1.AdapterInfo\x12\x11\n\tmax_loras\x18\x10 \x01(\r\"\x9f\x01\n\x0e\x45ngineSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"O\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\x9b\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.qos.v1.EngineSampling\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x13\n\x0btraceparent\x18\x05 \x01(\t\x12\x0c\n\x04lora\x18\x06 \x01(\t\"/\n\nBlockGrant\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xc4\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12*\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x13.qos.v1.NewSequence\x12\x19\n\x11scheduled_seq_ids\x18\x03 \x03(\x04\x12\x1c\n\x14scheduled_num_tokens\x18\x05 \x03(\r\x12(\n\x0c\x62lock_grants\x18\x06 \x03(\x0b\x32\x12.qos.v1.BlockGrant\x12\x18\n\x10released_seq_ids\x18\x04 \x03(\x04\"t\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.qos.v1.FinishReasonJ\x04\x08\x04\x10\x05\"\x91\x01\n\x0b\x44\x65viceStats\x12\x19\n\x11memory_used_bytes\x18\x01 \x01(\x04\x12\x1a\n\x12memory_total_bytes\x18\x02 \x01(\x04\x12\x13\n\x0butilization\x18\x03 \x01(\x02\x12\x1f\n\x12\x64\x65vice_utilization\x18\x04 \x01(\x02H\x00\x88\x01\x01\x42\x15\n\x13_device_utilization\"\x9d\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12$\n\x06tokens\x18\x02 \x03(\x0b\x32\x14.qos.v1.SampledToken\x12\x12\n\nforward_ms\x18\x03 \x01(\x01\x12#\n\x06\x64\x65vice\x18\x04 \x01(\x0b\x32\x13.qos.v1.DeviceStats\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x32\xb1\x02\n\x06Worker\x12/\n\x04Info\x12\x13.qos.v1.InfoRequest\x1a\x12.qos.v1.WorkerInfo\x12\x33\n\x07\x45xecute\x12\x10.qos.v1.StepPlan\x1a\x12.qos.v1.StepResult(\x01\x30\x01\x12\x31\n\x05\x44rain\x12\x14.qos.v1.DrainRequest\x1a\x12.qos.v1.DrainReply\x12\x43\n\x0bLoadAdapter\x12\x1a.qos.v1.LoadAdapterRequest\x1a\x18.qos.v1.LoadAdapterReply\x12I\n\rUnloadAdapter\x12\x1c.qos.v1.UnloadAdapterRequest\x1a\x1a.qos.v1.UnloadAdapterReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADADAPTERREQUEST']._serialized_start=52
   _globals['_LOADADAPTERREQUEST']._serialized_end=100
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=102
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=138
-  _globals['_UNLOADADAPTERREPLY']._serialized_start=140
-  _globals['_UNLOADADAPTERREPLY']._serialized_end=160
-  _globals['_INFOREQUEST']._serialized_start=162
-  _globals['_INFOREQUEST']._serialized_end=175
-  _globals['_DRAINREQUEST']._serialized_start=177
-  _globals['_DRAINREQUEST']._serialized_end=191
-  _globals['_DRAINREPLY']._serialized_start=193
-  _globals['_DRAINREPLY']._serialized_end=231
-  _globals['_WORKERINFO']._serialized_start=234
-  _globals['_WORKERINFO']._serialized_end=563
-  _globals['_ENGINESAMPLING']._serialized_start=566
-  _globals['_ENGINESAMPLING']._serialized_end=725
-  _globals['_ADAPTERINFO']._serialized_start=727
-  _globals['_ADAPTERINFO']._serialized_end=806
-  _globals['_NEWSEQUENCE']._serialized_start=809
-  _globals['_NEWSEQUENCE']._serialized_end=964
-  _globals['_BLOCKGRANT']._serialized_start=966
-  _globals['_BLOCKGRANT']._serialized_end=1013
-  _globals['_STEPPLAN']._serialized_start=1016
-  _globals['_STEPPLAN']._serialized_end=1212
-  _globals['_SAMPLEDTOKEN']._serialized_start=1214
-  _globals['_SAMPLEDTOKEN']._serialized_end=1330
-  _globals['_DEVICESTATS']._serialized_start=1333
-  _globals['_DEVICESTATS']._serialized_end=1478
-  _globals['_STEPRESULT']._serialized_start=1481
-  _globals['_STEPRESULT']._serialized_end=1638
-  _globals['_WORKER']._serialized_start=1641
-  _globals['_WORKER']._serialized_end=1941
+  _globals['_LOADADAPTERREPLY']._serialized_start=102
+  _globals['_LOADADAPTERREPLY']._serialized_end=175
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=177
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=213
+  _globals['_UNLOADADAPTERREPLY']._serialized_start=215
+  _globals['_UNLOADADAPTERREPLY']._serialized_end=235
+  _globals['_INFOREQUEST']._serialized_start=237
+  _globals['_INFOREQUEST']._serialized_end=250
+  _globals['_DRAINREQUEST']._serialized_start=252
+  _globals['_DRAINREQUEST']._serialized_end=266
+  _globals['_DRAINREPLY']._serialized_start=268
+  _globals['_DRAINREPLY']._serialized_end=306
+  _globals['_WORKERINFO']._serialized_start=309
+  _globals['_WORKERINFO']._serialized_end=657
+  _globals['_ENGINESAMPLING']._serialized_start=660
+  _globals['_ENGINESAMPLING']._serialized_end=819
+  _globals['_ADAPTERINFO']._serialized_start=821
+  _globals['_ADAPTERINFO']._serialized_end=900
+  _globals['_NEWSEQUENCE']._serialized_start=903
+  _globals['_NEWSEQUENCE']._serialized_end=1058
+  _globals['_BLOCKGRANT']._serialized_start=1060
+  _globals['_BLOCKGRANT']._serialized_end=1107
+  _globals['_STEPPLAN']._serialized_start=1110
+  _globals['_STEPPLAN']._serialized_end=1306
+  _globals['_SAMPLEDTOKEN']._serialized_start=1308
+  _globals['_SAMPLEDTOKEN']._serialized_end=1424
+  _globals['_DEVICESTATS']._serialized_start=1427
+  _globals['_DEVICESTATS']._serialized_end=1572
+  _globals['_STEPRESULT']._serialized_start=1575
+  _globals['_STEPRESULT']._serialized_end=1732
+  _globals['_WORKER']._serialized_start=1735
+  _globals['_WORKER']._serialized_end=2040
 # @@protoc_insertion_point(module_scope)

@@ -15,6 +15,14 @@ class LoadAdapterRequest(_message.Message):
     path: str
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
+class LoadAdapterReply(_message.Message):
+    __slots__ = ("adapter", "dropped")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ..., dropped: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class UnloadAdapterRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +48,7 @@ class DrainReply(_message.Message):
     def __init__(self, active_sequences: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining", "adapters")
+    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining", "adapters", "max_loras")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +64,7 @@ class WorkerInfo(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_type: str
     dtype: str
@@ -71,7 +80,8 @@ class WorkerInfo(_message.Message):
     device_name: str
     draining: bool
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class EngineSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos")

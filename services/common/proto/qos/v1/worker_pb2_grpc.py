@@ -52,7 +52,7 @@ class WorkerStub:
         self.LoadAdapter = channel.unary_unary(
                 '/qos.v1.Worker/LoadAdapter',
                 request_serializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
-                response_deserializer=qos_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+                response_deserializer=qos_dot_v1_dot_worker__pb2.LoadAdapterReply.FromString,
                 _registered_method=True)
         self.UnloadAdapter = channel.unary_unary(
                 '/qos.v1.Worker/UnloadAdapter',
@@ -127,7 +127,7 @@ def add_WorkerServicer_to_server(servicer, server):
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
                     request_deserializer=qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
-                    response_serializer=qos_dot_v1_dot_worker__pb2.AdapterInfo.SerializeToString,
+                    response_serializer=qos_dot_v1_dot_worker__pb2.LoadAdapterReply.SerializeToString,
             ),
             'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadAdapter,
@@ -242,7 +242,7 @@ class Worker:
             target,
             '/qos.v1.Worker/LoadAdapter',
             qos_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
-            qos_dot_v1_dot_worker__pb2.AdapterInfo.FromString,
+            qos_dot_v1_dot_worker__pb2.LoadAdapterReply.FromString,
             options,
             channel_credentials,
             insecure,
