@@ -179,7 +179,7 @@ def cmd_alerts(args) -> int:
     config = load_config(args.config)
     if args.rules:
         from services.alert_rules import rules_yaml
-        print(rules_yaml(config), end="")
+        print(rules_yaml(config, kubernetes=args.kubernetes), end="")
         return 0
     from services.alerts_view import show
     return show(args.router or config.router.address, args.api_key, args.tls_ca)
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
     p.add_argument("--rules", action="store_true",
                    help="print the Prometheus alerting rules equivalent to the config's [[sla]] contracts")
+    p.add_argument("--kubernetes", action="store_true",
+                   help="with --rules: as a Prometheus Operator PrometheusRule object")
     _client_args(p)
     p.set_defaults(func=cmd_alerts)
 
