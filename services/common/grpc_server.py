@@ -17,6 +17,8 @@ from services.common.grpc_errors import ServiceErrorInterceptor
 
 log = logging.getLogger(__name__)
 
+LIVENESS_SERVICE = "liveness"     # health service name that stays SERVING while the process lives
+
 # After the drain: a moment for the last responses to be flushed before open calls are cancelled.
 STOP_GRACE_SECONDS = 1.0
 KEEPALIVE_MS = 10_000
@@ -78,6 +80,9 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     if port == 0:
         raise OSError(f"{name}: cannot bind {address}")
     await server.start()
+    # Alive from now until the process stops, draining included: what a liveness probe asks
+    # (`grpc: {service: liveness}` on Kubernetes), while readiness asks "" (NOT_SERVING on drain).
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s listening on %s", name, address.rsplit(":", 1)[0] + f":{port}")
     if on_started is not None:
         await on_started(port)

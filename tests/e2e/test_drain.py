@@ -40,9 +40,10 @@ def long_request(i: int):
                         sampling_params(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
 
 
-async def health(address: str) -> int:
+async def health(address: str, service: str = "") -> int:
     async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=2)
         return reply.status
 
 
@@ -110,6 +111,8 @@ def test_scheduler_drains_on_sigterm():
     with drain_cluster() as cluster:
         async def probe(client):
             status = await health(cluster.scheduler_address)
+            alive = await health(cluster.scheduler_address, "liveness")     # draining is not dead
+            assert alive == health_pb2.HealthCheckResponse.SERVING
             # Straight to the scheduler, and through the router, which relays its refusal.
             async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)

@@ -16,6 +16,7 @@ import yaml
 
 from services.alert_rules import rules
 from services.common.config_file import parse_config
+from services.common.grpc_server import LIVENESS_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ["cpu", "gpu", "npu", "autoscale"]
@@ -122,7 +123,8 @@ def check_service(objects, c: dict, host: str, port: int, metrics_port: int | No
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
     assert c["readinessProbe"]["grpc"]["port"] == port and c["startupProbe"]["grpc"]["port"] == port
-    assert c["livenessProbe"]["tcpSocket"]["port"] == "grpc"       # alive while draining
+    # Alive while draining: the health service that stays SERVING until the process exits.
+    assert c["livenessProbe"]["grpc"] == {"port": port, "service": LIVENESS_SERVICE}
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     assert "--config" in c["args"] and c["args"][c["args"].index("--config") + 1] == "/etc/qos-serve/cluster.toml"
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
