@@ -2,9 +2,9 @@
 """Two ways to add many adapters' LoRA updates to one fused projection in a mixed batch, timed
 side by side on this machine (the choice behind services/engine/lora.py):
 
-  grouped   for each adapter present: gather its rows, x A^T once over the stacked A of the
-            fused parts, each part's B, index_add into the output (S-LoRA / Punica's grouped path;
-            what the engine does);
+  grouped   for each adapter present: gather its rows, x A^T over the stacked A of the fused
+            parts, then its block-diagonal B, index_add into the output (S-LoRA / Punica's
+            grouped path; what the engine does);
   gathered  per token: the token's A and B gathered from stacked [adapters, ...] tensors and two
             batched matmuls over all tokens (BGMV-style, Punica's per-token path).
 
@@ -37,12 +37,12 @@ def make(in_features: int, parts: list[int], adapters: int, rank: int, generator
     made = []
     for i in range(adapters):
         a = torch.randn(rank * len(parts), in_features, generator=generator) * 0.05
-        entry, offset = FusedLora(a), 0
+        b = torch.zeros(sum(parts), rank * len(parts))       # block diagonal, as the engine keeps it
+        offset = 0
         for j, size in enumerate(parts):
-            entry.parts.append((j * rank, (j + 1) * rank, offset, offset + size,
-                                torch.randn(size, rank, generator=generator) * 0.05))
+            b[offset:offset + size, j * rank:(j + 1) * rank] = torch.randn(size, rank, generator=generator) * 0.05
             offset += size
-        made.append(LoraAdapter(f"a{i}", "", rank, (), [{"f": entry}], 0))
+        made.append(LoraAdapter(f"a{i}", "", rank, (), [{"f": FusedLora(a, b, 0, sum(parts))}], 0))
     return made
 
 
@@ -83,10 +83,7 @@ def main() -> None:
         out_features = sum(parts)
         # The gathered path's stacks: A [n, sum r, in]; B as one block-diagonal [n, out, sum r].
         a_stack = torch.stack([a.layers[0]["f"].a for a in adapters])
-        b_stack = torch.zeros(args.adapters, out_features, args.rank * len(parts))
-        for i, adapter in enumerate(adapters):
-            for r0, r1, o0, o1, b in adapter.layers[0]["f"].parts:
-                b_stack[i, o0:o1, r0:r1] = b
+        b_stack = torch.stack([a.layers[0]["f"].b for a in adapters])
         for rows in (32, 512):
             x = torch.randn(rows, in_features, generator=generator)
             base = torch.randn(rows, out_features, generator=generator)

@@ -20,7 +20,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,10 +41,12 @@ class AdapterError(ValueError):
 
 @dataclass(slots=True)
 class FusedLora:
-    """One adapter's low-rank update of one fused projection (e.g. q, k, v) in one layer."""
-    a: torch.Tensor                          # [sum of ranks, in]: every part's A, stacked
-    parts: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
-    # (rank start, rank end, output start, output end, B * scale [out part, rank])
+    """One adapter's low-rank update of one fused projection (e.g. q, k, v) in one layer, as two
+    matmuls: x A^T, then B^T into the output columns o0:o1."""
+    a: torch.Tensor                          # [sum of ranks, in]: every adapted part's A, stacked
+    b: torch.Tensor                          # [o1 - o0, sum of ranks]: each part's B * scale in its
+    o0: int                                  # own rows and rank columns, zeros elsewhere (block
+    o1: int                                  # diagonal): one matmul for every part
 
 
 @dataclass(slots=True)
@@ -57,8 +59,8 @@ class LoraAdapter:
     nbytes: int
 
     def to(self, device: torch.device) -> "LoraAdapter":
-        moved = [{k: FusedLora(f.a.to(device), [(r0, r1, o0, o1, b.to(device)) for r0, r1, o0, o1, b in f.parts])
-                  for k, f in layer.items()} for layer in self.layers]
+        moved = [{k: FusedLora(f.a.to(device), f.b.to(device), f.o0, f.o1) for k, f in layer.items()}
+                 for layer in self.layers]
         return LoraAdapter(self.name, self.path, self.rank, self.targets, moved, self.nbytes)
 
 
@@ -168,18 +170,23 @@ def load_peft_adapter(name: str, folder: str | Path, model: ModelConfig, dtype: 
         nbytes += (a.numel() + b.numel()) * torch.tensor([], dtype=dtype).element_size()
     for (layer, fused), parts in pending.items():
         parts.sort(key=lambda p: TARGETS[p[2]][1])
-        entry, start = FusedLora(torch.cat([a for a, _, _ in parts])), 0
+        o0 = min(offsets[m] for _, _, m in parts)
+        o1 = max(offsets[m] + out_sizes[m] for _, _, m in parts)
+        b_all = torch.zeros(o1 - o0, sum(a.shape[0] for a, _, _ in parts), dtype=dtype)
+        start = 0
         for a, b, module in parts:
-            entry.parts.append((start, start + a.shape[0], offsets[module], offsets[module] + out_sizes[module], b))
+            rows = offsets[module] - o0
+            b_all[rows:rows + out_sizes[module], start:start + a.shape[0]] = b
             start += a.shape[0]
-        layers[layer][fused] = entry
+        layers[layer][fused] = FusedLora(torch.cat([a for a, _, _ in parts]), b_all, o0, o1)
     return LoraAdapter(name, str(folder), rank_max, tuple(sorted(targets)), layers, nbytes)
 
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which rows of a step's flat batch use which adapter (rows without one are absent)."""
-    groups: list[tuple[LoraAdapter, torch.Tensor]]       # (adapter, row indices)
+    """Which rows of a step's flat batch use which adapter (rows without one are absent): a
+    contiguous run of rows as a slice (views, no copy: a prefill chunk), else an index tensor."""
+    groups: list[tuple[LoraAdapter, torch.Tensor | slice]]
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out (the base projection of x) plus each adapter's update on its own rows."""
@@ -187,9 +194,10 @@ class LoraBatch:
             update = adapter.layers[layer].get(fused)
             if update is None:
                 continue
-            low = x.index_select(0, rows) @ update.a.T                 # [rows, sum of ranks]
-            for r0, r1, o0, o1, b in update.parts:
-                out[:, o0:o1].index_add_(0, rows, low[:, r0:r1] @ b.T)
+            if isinstance(rows, slice):
+                out[rows, update.o0:update.o1] += (x[rows] @ update.a.T) @ update.b.T
+            else:
+                out[:, update.o0:update.o1].index_add_(0, rows, (x.index_select(0, rows) @ update.a.T) @ update.b.T)
         return out
 
 
@@ -249,5 +257,6 @@ class AdapterSet:
     def batch(self, rows: dict[str, list[int]]) -> LoraBatch:
         """The step's groups (adapter -> its rows of the flat batch), every adapter on the device."""
         needed = set(rows)
-        return LoraBatch([(self._on_device(name, needed), torch.tensor(r, device=self.device))
+        return LoraBatch([(self._on_device(name, needed),
+                           slice(r[0], r[-1] + 1) if r[-1] - r[0] + 1 == len(r) else torch.tensor(r, device=self.device))
                           for name, r in rows.items()])
