@@ -16,6 +16,7 @@ from services.engine.lora import AdapterError
 from tests.tiny_models import make_engine, reference_logits, write_tiny_model
 
 peft = pytest.importorskip("peft", reason="peft is a test dependency (requirements.txt)")
+pytestmark = pytest.mark.slow          # peft builds and saves adapters: seconds, not milliseconds
 
 ADAPTERS = {
     # name: LoraConfig arguments
