@@ -91,7 +91,13 @@ class ContinuousBatcher:
 
     async def run(self) -> None:
         while True:
-            if not await self.step():
+            try:
+                stepped = await self.step()
+            except Exception:        # a bug in one step must not stop every stream of the pool
+                log.exception("pool %s: a step failed; the loop goes on", self.pool_name)
+                await asyncio.sleep(0.1)
+                continue
+            if not stepped:
                 # Nothing to compute or release: sleep until a request arrives or is cancelled
                 # (or briefly, to notice workers that reconnect and to send heartbeats).
                 self.wakeup.clear()
@@ -145,20 +151,28 @@ class ContinuousBatcher:
 
     # --- execute and postprocess ------------------------------------------------------------------
 
+    def is_member(self, link: Worker) -> bool:
+        return link.index in self.planner.running
+
     async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder) -> None:
         try:
             result = await asyncio.wait_for(link.execute(builder.plan), self.step_timeout_s)
         except WorkerGone as exc:
-            self.fail_worker(link, str(exc))
-            return
+            failure = str(exc)
         except asyncio.TimeoutError:
             await link.close()
-            self.fail_worker(link, f"worker {link.address} did not answer a step within "
-                                   f"{self.step_timeout_s:.0f} s")
-            return
+            failure = f"worker {link.address} did not answer a step within {self.step_timeout_s:.0f} s"
         except Exception as exc:   # never let one link's surprise stop the loop for everyone
             log.exception("step on worker %s failed", link.address)
-            self.fail_worker(link, f"worker {link.address} failed: {exc!r}")
+            failure = f"worker {link.address} failed: {exc!r}"
+        else:
+            failure = None
+        if not self.is_member(link):
+            # It left the pool while this step ran (membership.leave): its sequences were moved
+            # back to the queue then, so whatever it answered is nobody's any more.
+            return
+        if failure is not None:
+            self.fail_worker(link, failure)
             return
         self.postprocess(link, builder, result)
 

@@ -264,3 +264,44 @@ def test_a_worker_without_the_adapter_is_never_given_it():
     requests, results, links = asyncio.run(two_workers())
     assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
     assert "b" not in {n.lora for plan in links[0].plans for n in plan.new_sequences}
+
+
+class HeldWorker(SimulatedWorker):
+    """Answers a step only once `release` is set: a step in flight for as long as a test needs."""
+
+    def __init__(self, index: int, num_blocks: int):
+        super().__init__(index, num_blocks)
+        self.release = asyncio.Event()
+        self.release.set()
+        self.in_step = asyncio.Event()
+
+    async def execute(self, plan):
+        self.in_step.set()
+        await self.release.wait()
+        return await super().execute(plan)
+
+
+def test_a_worker_that_leaves_while_its_step_runs_stops_nothing():
+    """Membership removes a worker (gone from DNS) while a step on it is in flight: its
+    sequences move to the other worker, its late answer is dropped, the loop goes on."""
+    async def go():
+        leaving, staying = HeldWorker(0, 64), SimulatedWorker(1, 64)
+        batcher = ContinuousBatcher("sim", [leaving, staying], create_policy("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        requests = [make_request(i, prompt_len=6, max_tokens=6) for i in range(4)]
+        for request in requests:
+            batcher.submit(request)
+        await asyncio.wait_for(leaving.in_step.wait(), 5)
+        leaving.release.clear()                       # the next step on it hangs in flight
+        leaving.in_step.clear()
+        await asyncio.wait_for(leaving.in_step.wait(), 5)
+        batcher.remove_link(leaving, "worker sim-0 left the pool (test)")
+        await leaving.close()                         # as membership.leave does: the call breaks
+        leaving.release.set()
+        try:
+            return requests, await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 10), loop
+        finally:
+            loop.cancel()
+
+    requests, results, loop = asyncio.run(go())
+    assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
