@@ -48,7 +48,7 @@ class SlaMonitor:
                 log.warning("SLA alert FIRING [%s]: %s (breached since %.0f s ago)", alert.fingerprint,
                             alert.summary, alert.starts_at - alert.breach_since)
             else:
-                why = ("no verdict for a whole window: too few requests to judge" if alert.silent
+                why = ("no request in its window: its traffic stopped" if alert.silent
                        else "met with the margin")
                 log.warning("SLA alert resolved [%s]: %s (fired for %.0f s; %s)", alert.fingerprint,
                             alert.summary, alert.ends_at - alert.starts_at, why)
