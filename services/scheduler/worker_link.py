@@ -114,6 +114,12 @@ class WorkerLink:
         self._plans.put_nowait(plan)
         try:
             result = await self._results.__anext__()
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise                    # we are being cancelled ourselves (the scheduler stops)
+            # close() cancelled the call under us (the worker left the pool mid-step): for the
+            # loop waiting on this step, that is a worker gone, not a reason to stop.
+            raise WorkerGone(f"worker {self.address}: its stream was closed mid-step") from None
         except (grpc.aio.AioRpcError, StopAsyncIteration) as exc:
             detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) \
                 else "stream ended"
