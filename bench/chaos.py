@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import PRIORITIES, machine, make_parser, progress, quantile, write_json  # noqa: E402
+from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
 from services.client import RouterClient, sampling_params  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
@@ -173,11 +173,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds before a request counts as lost")
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
     args = parser.parse_args()
-    if args.model:
-        model = args.model
-    else:
-        from services.engine.bench_model import bench_model_dir
-        model = str(bench_model_dir())
+    model = model_or_bench(args.model)
     tokenizer = TextTokenizer.from_model_dir(model)
     rng = random.Random(args.seed)
     prompts = [text_of_tokens(tokenizer, rng, rng.randint(48, 256))[0] for _ in range(args.prompts)]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil  # noqa: E402
 
-from bench.harness import machine, make_parser, write_json  # noqa: E402
+from bench.harness import machine, make_parser, model_or_bench, write_json  # noqa: E402
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_burst import run_policy  # noqa: E402
 from bench.qos_workloads import burst_workload  # noqa: E402
@@ -127,8 +127,7 @@ def main() -> None:
     from services.cluster import resolve_model
     result = router_cpu(args, resolve_model("default"))
     if not args.skip_burst:
-        from services.engine.bench_model import bench_model_dir
-        model = str(bench_model_dir())
+        model = model_or_bench(None)
         jobs = burst_workload(TextTokenizer.from_model_dir(model), load_model_config(model).max_context,
                               args.scale, 10.0, args.seed, 1.0)
         burst_args = argparse.Namespace(max_step_tokens=128, max_running=32, threads=1, kv_cache_mb=1024, front="grpc")

@@ -42,6 +42,14 @@ def make_parser(doc: str | None, *, seed: bool = False) -> argparse.ArgumentPars
     return parser
 
 
+def model_or_bench(model: str | None) -> str:
+    """The --model folder, else the random-weight bench model (made once, cached)."""
+    if model:
+        return model
+    from services.engine.bench_model import bench_model_dir
+    return str(bench_model_dir())
+
+
 def write_json(path: Path | None, result: dict) -> None:
     """Write `result` to `path` (folders created, indented, trailing newline) and say so; nothing
     when `path` is None (no --json given)."""

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import PRIORITIES, machine, make_parser, progress, write_json  # noqa: E402
+from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_report import Sample, plot, print_table, summarise, write_outcomes  # noqa: E402
 from bench.qos_workloads import TRACES, burst_workload, trace_workload  # noqa: E402
@@ -139,11 +139,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    if args.model:
-        model = args.model
-    else:
-        from services.engine.bench_model import bench_model_dir
-        model = str(bench_model_dir())
+    model = model_or_bench(args.model)
     tokenizer = TextTokenizer.from_model_dir(model)
     max_context = load_model_config(model).max_context
     if args.trace:

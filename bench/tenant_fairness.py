@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import machine, make_parser, progress, quantile, write_json  # noqa: E402
+from bench.harness import machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
@@ -68,11 +68,7 @@ def main() -> None:
     parser.add_argument("--spread", type=float, default=1.0, help="arrivals over this many seconds")
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
     args = parser.parse_args()
-    if args.model:
-        model = args.model
-    else:
-        from services.engine.bench_model import bench_model_dir
-        model = str(bench_model_dir())
+    model = model_or_bench(args.model)
     jobs = workload(TextTokenizer.from_model_dir(model), args.a_requests, args.b_requests, args.spread, args.seed)
     off, on = run_once(model, jobs, False, args), run_once(model, jobs, True, args)
     ratio_b = off["B"]["p99"] / on["B"]["p99"]

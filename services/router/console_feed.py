@@ -55,9 +55,13 @@ class ConsoleFeed:
         while totals.finished and totals.finished[0][0] < now - HISTORY_S:
             totals.finished.popleft()
         point = {"t": round(now, 3)}
+        ttfts: dict[int, list[float]] = {p: [] for p in ORDER}
+        e2es: dict[int, list[float]] = {p: [] for p in ORDER}
+        for _, priority, ttft_ms, e2e_ms in totals.finished:       # one pass over the minute
+            ttfts[priority].append(ttft_ms)
+            e2es[priority].append(e2e_ms)
         for p in ORDER:
-            ttft = [f[2] for f in totals.finished if f[1] == p]
-            e2e = [f[3] for f in totals.finished if f[1] == p]
+            ttft, e2e = ttfts[p], e2es[p]
             tokens = totals.by_priority[p].output_tokens
             point[priority_name(p)] = {
                 "ttft_p50": _pct(ttft, 0.5), "ttft_p99": _pct(ttft, 0.99),
