@@ -32,6 +32,33 @@ class InvalidStepError(ValueError):
     """A step entry the engine refuses to compute (the message names the sequence)."""
 
 
+# What one more decode group costs (a gather and an attention call in every layer), in padded KV
+# blocks of one sequence: measured on 2 EPYC cores, a call costs about as much as 10 blocks.
+GROUP_COST_BLOCKS = 10
+
+
+def group_decodes(decodes: list[SequenceWork], block_size: int) -> list[list[SequenceWork]]:
+    """Decodes in groups of similar context length, each padded to its longest context.
+
+    Sorted by length, split where that minimises padded blocks + GROUP_COST_BLOCKS per group
+    (dynamic programming over the points where the block count changes: few). Fixed log2
+    buckets padded a batch-32 benchmark step by 21%."""
+    ordered = sorted(decodes, key=lambda s: s.end)
+    blocks = [blocks_for(s.end, block_size) for s in ordered]
+    cuts = [0] + [i + 1 for i in range(len(ordered)) if i + 1 == len(ordered) or blocks[i + 1] != blocks[i]]
+    best, previous = [0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        for i in range(j):
+            cost = best[i] + (cuts[j] - cuts[i]) * blocks[cuts[j] - 1] + GROUP_COST_BLOCKS
+            if cost < best[j]:
+                best[j], previous[j] = cost, i
+    groups, j = [], len(cuts) - 1
+    while j > 0:
+        groups.append(ordered[cuts[previous[j]]:cuts[j]])
+        j = previous[j]
+    return groups[::-1]
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model_dir: str
@@ -214,15 +241,9 @@ class Engine:
         continued = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position > 0]
         fresh = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position == 0]
 
-        # Decodes are batched in groups of similar context length: each group is padded to its
-        # longest context, and log2 buckets bound the padding to under 2x.
-        groups: dict[int, list[SequenceWork]] = {}
-        for seq in sorted(decodes, key=lambda s: s.end):
-            groups.setdefault(blocks_for(seq.end, block_size).bit_length(), []).append(seq)
-
         ordered: list[SequenceWork] = []
         cached: list[ContextAttention] = []
-        for members in [*groups.values(), *([seq] for seq in continued)]:
+        for members in [*group_decodes(decodes, block_size), *([seq] for seq in continued)]:
             cached.append(self._context_attention(members, len_before=sum(
                 len(s.token_ids) for s in ordered)))
             ordered.extend(members)

@@ -38,15 +38,19 @@ class RotaryTable:
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)
-        self.sin = angles.sin().to(device=device, dtype=dtype)
+        # sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin,
+        # bit for bit (negation is exact), without the negate and the concatenation per call.
+        sin = angles.sin()
+        half = sin.shape[-1] // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] with the rotate-half convention of Hugging Face checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] with the rotate-half convention of Hugging Face checkpoints
+    (x * cos + rotate_half(x) * sin); `signed_sin` from RotaryTable.lookup."""
+    rotated = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos + rotated * signed_sin
