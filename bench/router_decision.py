@@ -39,8 +39,11 @@ def main() -> None:
     requests = [RouteRequest(MODEL, rng.choice([HIGH, MEDIUM, LOW, LOW]),
                              lora="adapter" if rng.random() < 0.1 else None,
                              slo_ms=rng.choice([None, 500.0, 5_000.0])) for _ in range(1000)]
-    loads = [{p.name: PoolLoad(healthy=True, queued=rng.randint(0, 20), free_kv=rng.random(),
-                               ttft_ms=rng.uniform(50, 3000), utilization=rng.random())
+    # GPU queues often past the overflow threshold, so that every rule fires; the LoRA pool holds
+    # the adapter the LoRA requests name, as its stats stream reports it.
+    loads = [{p.name: PoolLoad(healthy=True, queued=rng.randint(0, 40 if p.device == "cuda" else 8), free_kv=rng.random(),
+                               ttft_ms=rng.uniform(50, 3000), utilization=rng.random(),
+                               adapters=frozenset({"adapter"}) if p.lora else frozenset())
               for p in pools} for _ in range(100)]
 
     timings_ns = []
@@ -48,7 +51,8 @@ def main() -> None:
     clock = time.perf_counter_ns
     for i in range(args.decisions):
         if i % 1000 == 0:                    # new cached stats now and then, as the streams deliver
-            router.loads.update(loads[(i // 1000) % len(loads)])
+            for name, load in loads[(i // 1000) % len(loads)].items():
+                router.update(name, load)
         request = requests[i % len(requests)]
         started = clock()
         decision = router.route(request)
@@ -57,7 +61,7 @@ def main() -> None:
     p50, p99 = quantile(timings_ns, 0.5) / 1000, quantile(timings_ns, 0.99) / 1000
     loop_ns = python_loop_ns()
     print(f"{args.decisions} decisions over {len(pools)} pools on {machine(cpu=False)}")
-    print(f"decision: p50 {p50:.2f} us, p99 {p99:.2f} us (target p99 <= 10 us)")
+    print(f"decision: p50 {p50:.2f} us, p99 {p99:.2f} us (target p99 <= 5 us)")
     print(calibration_line(loop_ns))
     print("rules taken: " + ", ".join(f"{k} {v}" for k, v in sorted(rules.items())))
     write_json(args.json, {"decision_p50_us": p50, "decision_p99_us": p99, "decisions": args.decisions,

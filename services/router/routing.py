@@ -92,6 +92,10 @@ class PoolRouter:
     loads: dict[str, PoolLoad] = field(default_factory=dict)
     _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
     _by_cost: list[PoolSpec] = field(default_factory=list)
+    # Per model, its healthy pools (cheapest first, all of them when none is healthy) and those
+    # of them on a GPU: rebuilt after a stats update, not on every decision.
+    _healthy: dict[str, tuple[list[PoolSpec], list[PoolSpec]]] = field(default_factory=dict)
+    _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
 
     def __post_init__(self) -> None:
         if self.mode not in ("cost", "primary"):
@@ -114,6 +118,7 @@ class PoolRouter:
     def update(self, name: str, load: PoolLoad) -> None:
         """A pool's new stats (from its stats stream); also adapts the overflow threshold."""
         self.loads[name] = load
+        self._healthy.clear()
         primaries = [p for p in self.pools if self._is_primary(p)]
         cheap = [p for p in self.pools if not self._is_primary(p) and self.loads[p.name].healthy]
         if not primaries or not cheap:
@@ -135,10 +140,23 @@ class PoolRouter:
 
     # --- the decision ----------------------------------------------------------------------------
 
+    def _decision(self, pool: PoolSpec, rule: str) -> Decision:
+        key = (pool.name, rule)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decisions[key] = Decision(pool.name, rule)
+        return decision
+
     def route(self, request: RouteRequest) -> Decision:
         candidates = self._by_model.get(request.model)
         if not candidates:
             raise NoPoolError(f"model {request.model!r} is not served by any pool")
+        if not request.lora and not request.exclude:
+            # The common case: every pool of the model is a candidate; its healthy ones are cached.
+            cached = self._healthy.get(request.model)
+            if cached is None:
+                cached = self._healthy[request.model] = self._healthy_and_gpus(candidates)
+            return self._choose(request, *cached)
         if request.lora:
             candidates = [p for p in candidates if request.lora in self.loads[p.name].adapters]
             if not candidates:
@@ -149,20 +167,33 @@ class PoolRouter:
             if not candidates:
                 raise NoPoolError(f"no other pool serves model {request.model!r} "
                                   f"(tried {', '.join(sorted(request.exclude))})")
+        return self._choose(request, *self._healthy_and_gpus(candidates))
+
+    def _healthy_and_gpus(self, candidates: list[PoolSpec]) -> tuple[list[PoolSpec], list[PoolSpec],
+                                                                      PoolSpec | None]:
+        """The healthy candidates (all, when none is), the GPU pools among them, and the primary
+        when it does not depend on load (no GPU pool: the marked primary, else the priciest)."""
         loads = self.loads
         healthy = [p for p in candidates if loads[p.name].healthy] or candidates
-        primary = self._primary(healthy)
+        gpus = [p for p in healthy if p.device == "cuda"]
+        fixed = None if gpus else next((p for p in healthy if p.primary), healthy[-1])
+        return healthy, gpus, fixed
+
+    def _choose(self, request: RouteRequest, healthy: list[PoolSpec], gpus: list[PoolSpec],
+                fixed_primary: PoolSpec | None) -> Decision:
+        loads = self.loads
+        primary = fixed_primary or self._least_queued(gpus)
 
         if request.priority == HIGH:
-            return Decision(primary.name, "high-to-primary")
+            return self._decision(primary, "high-to-primary")
         if self.mode == "primary":
-            return Decision(primary.name, "primary-only")
+            return self._decision(primary, "primary-only")
         if request.lora:
             for pool in healthy:
                 if (pool.device == "npu" or pool.lora) and loads[pool.name].free_kv >= self.min_free_kv:
-                    return Decision(pool.name, "lora-to-npu")
+                    return self._decision(pool, "lora-to-npu")
         if loads[primary.name].queued < self.threshold.value:
-            return Decision(primary.name, "primary-under-threshold")
+            return self._decision(primary, "primary-under-threshold")
         slo = request.slo_ms if request.slo_ms else DEFAULT_SLO_MS.get(request.priority, DEFAULT_SLO_MS[MEDIUM])
         for pool in healthy:                       # cheapest first
             if pool is primary:
@@ -170,16 +201,14 @@ class PoolRouter:
             load = loads[pool.name]
             if load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
                     and load.ttft_ms <= slo:
-                return Decision(pool.name, "overflow-cheapest")
-        return Decision(primary.name, "queue-on-primary")
+                return self._decision(pool, "overflow-cheapest")
+        return self._decision(primary, "queue-on-primary")
 
-    def _primary(self, candidates: list[PoolSpec]) -> PoolSpec:
+    def _least_queued(self, gpus: list[PoolSpec]) -> PoolSpec:
+        """The primary among GPU pools: the least queued (the first among equals)."""
         loads = self.loads
-        gpus = [p for p in candidates if p.device == "cuda"]
-        if gpus:
-            return min(gpus, key=lambda p: loads[p.name].queued)
-        marked = [p for p in candidates if p.primary]
-        if marked:
-            return marked[0]
-        # No GPU and no primary among the candidates: the most capable left is the priciest.
-        return candidates[-1]
+        best = gpus[0]
+        for pool in gpus[1:]:
+            if loads[pool.name].queued < loads[best.name].queued:
+                best = pool
+        return best

@@ -134,8 +134,7 @@ class ContinuousBatcher:
         self._hand_back_orphans(now)
         policy = self.policy
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
-        # A running sequence always has work: the rest of its prompt or its last sampled token.
-        backlogged |= {policy.lane_of(r) for rs in self.running.values() for r in rs}
+        backlogged |= self.planner.lanes_running()
         policy.backlog_changed(backlogged)
         builders = {}
         # Admit to the emptiest worker first, so load spreads across workers.
@@ -302,8 +301,7 @@ class ContinuousBatcher:
         policy = self.policy
         lane = policy.lane_of_priority(priority)
         ahead = sum(r.pending for r in policy.queue(lane))
-        backlogged = {l for l in policy.lanes if policy.queue(l)} | {
-            policy.lane_of(r) for rs in self.running.values() for r in rs} | {lane}
+        backlogged = {l for l in policy.lanes if policy.queue(l)} | self.planner.lanes_running() | {lane}
         share = policy.share(lane, backlogged)
         return (ahead + prompt_tokens) / (self.tokens_per_second * share) * 1000
 

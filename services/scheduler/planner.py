@@ -11,6 +11,7 @@ their lane, recomputed later; their client streams simply continue).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from typing import Protocol
@@ -19,6 +20,7 @@ from services.common.kv_blocks import KVBlockPool, blocks_for_tokens, cap_blocks
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import engine_sampling
 from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.step_builder import StepBuilder
 from services.scheduler.request import Phase, Request
 
 log = logging.getLogger(__name__)
@@ -32,55 +34,11 @@ class Worker(Protocol):
     max_loras: int                    # distinct adapters its running sequences may use
 
 
-class StepBuilder:
-    """Collects one worker's plan for one step; finish() writes it into the StepPlan."""
-
-    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True):
-        self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
-        self.budget = budget
-        self.admits = admits        # False: the worker drains, only its running sequences go on
-        self.scheduled: list[tuple[Request, int]] = []
-        self.scheduled_ids: set[int] = set()
-        # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
-        # higher classes are admitted: admitting the victim's peers would hand its blocks back.
-        self.victim_floor: int | None = None
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.scheduled or self.plan.released_seq_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def note_victim(self, request: Request) -> None:
-        if self.victim_floor is None or request.priority < self.victim_floor:
-            self.victim_floor = request.priority
-
-    def may_admit(self, request: Request) -> bool:
-        return self.admits and (self.victim_floor is None or request.priority < self.victim_floor)
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        if request.new_blocks:
-            self.plan.block_grants.add(seq_id=request.seq_id, block_ids=request.new_blocks)
-            request.new_blocks = []
-        self.scheduled.append((request, num_tokens))
-        self.scheduled_ids.add(request.seq_id)
-        self.budget -= num_tokens
-
-    def is_scheduled(self, request: Request) -> bool:
-        return request.seq_id in self.scheduled_ids
-
-    def finish(self, released: list[int]) -> worker_pb2.StepPlan:
-        self.plan.released_seq_ids.extend(released)
-        self.plan.scheduled_seq_ids.extend([r.seq_id for r, _ in self.scheduled])
-        self.plan.scheduled_num_tokens.extend([n for _, n in self.scheduled])
-        return self.plan
-
-
-def _victim_order(request: Request) -> tuple[int, int]:
-    """Preemption order: lowest class first, newest first."""
-    return -request.priority, -request.seq_id
+def _victim_order(request: Request) -> tuple[int, int, int]:
+    """Preemption order: lowest class first; inside a class, the sequence that loses the least
+    work (the fewest tokens in its KV cache, all of which are computed again when it resumes),
+    newest first among equals."""
+    return -request.priority, request.computed, -request.seq_id
 
 
 class StepPlanner:
@@ -95,6 +53,11 @@ class StepPlanner:
         self.served_tokens: Counter = Counter()       # prefill + decode, per priority
         self.admitted: Counter = Counter()            # sequences placed on each worker
         self.preempted_by_priority: Counter = Counter()
+        self.running_per_lane: Counter = Counter()    # all workers together
+
+    def lanes_running(self) -> set[int]:
+        """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
+        return {lane for lane, count in self.running_per_lane.items() if count}
 
     def add_worker(self, index: int) -> None:
         self.running.setdefault(index, [])
@@ -110,33 +73,59 @@ class StepPlanner:
         released, self.to_release[worker.index] = self.to_release[worker.index], []
         builder = StepBuilder(step_id, self.max_step_tokens, released, admits)
         policy = self.policy
-        lanes: dict[int, deque[Request]] = {lane: deque() for lane in policy.lanes}
+        lane_of = policy.lane_by_priority
+        block_size = worker.pool.block_size
         # Within a lane: decodes first (one token each, latency-critical), then prefill chunks;
-        # oldest first.
+        # oldest first. `ready` holds the common case, decodes whose next token fits in the blocks
+        # they hold (no allocation, no preemption, nothing new to tell the worker): they are
+        # scheduled in slices, without a Python loop per sequence, since a step is mostly them.
+        ready: dict[int, list[Request]] = {lane: [] for lane in policy.lanes}
+        lanes: dict[int, deque[Request]] = {lane: deque() for lane in policy.lanes}
         prefills = []
         for request in self.running[worker.index]:
-            if request.pending > 1:
+            computed = request.computed
+            pending = len(request.prompt_ids) + len(request.output_ids) - computed
+            if pending > 1:
                 prefills.append(request)
+            elif request.announced and computed < len(request.blocks) * block_size:
+                ready[lane_of[request.priority]].append(request)
             else:
-                lanes[policy.lane_of(request)].append(request)
+                lanes[lane_of[request.priority]].append(request)
         for request in prefills:
-            lanes[policy.lane_of(request)].append(request)
-        active = {lane for lane in policy.lanes if lanes[lane] or policy.queue(lane)}
+            lanes[lane_of[request.priority]].append(request)
+        active = {lane for lane in policy.lanes if ready[lane] or lanes[lane] or policy.queue(lane)}
+        taken_from_ready = dict.fromkeys(policy.lanes, 0)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
+            ready_in_lane, running_in_lane = ready[lane], lanes[lane]
             taken = 0
             # The lane keeps the turn until it used its allowance (at least one item).
             while builder.budget > 0 and (taken == 0 or taken < allowance):
-                request = self._next_item(worker, builder, lanes[lane], lane)
+                start = taken_from_ready[lane]
+                if start < len(ready_in_lane):
+                    # As many as the allowance left (rounded up: a lane's turn ends after the item
+                    # that reaches it) and the budget allow.
+                    left = allowance - taken
+                    wanted = builder.budget if left == math.inf else max(1, math.ceil(left))
+                    count = min(len(ready_in_lane) - start, builder.budget, wanted)
+                    taken_from_ready[lane] = start + count
+                    taken += builder.add_decodes(ready_in_lane[start:start + count], lane,
+                                                 policy.lane_is_class)
+                    continue
+                if not running_in_lane:
+                    builder.charge_tenants(policy, lane)    # admissions next: tenant order must be current
+                request = self._next_item(worker, builder, running_in_lane, lane)
                 if request is None:
                     active.discard(lane)
                     break
                 tokens = self._schedule(worker, builder, request)
                 taken += tokens
-                self.served_tokens[request.priority] += tokens
-                policy.charge_tenant(request, tokens)
+                builder.note_served(request, tokens, lane)
             if taken:
                 policy.charge(lane, taken)
+        for lane in policy.lanes:
+            builder.charge_tenants(policy, lane)
+        self.served_tokens.update(builder.served)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
         builder.finish(self.to_release[worker.index])
@@ -170,11 +159,28 @@ class StepPlanner:
         running = {r.lora for r in self.running[worker.index] if r.lora}
         return lora in running or len(running) < worker.max_loras
 
+    def _victims(self, worker: Worker, builder: StepBuilder) -> list[Request]:
+        """Candidates for preemption in _victim_order, sorted once per plan: the order does not
+        change while planning, and callers skip those preempted or scheduled meanwhile."""
+        if builder.victims is None:
+            builder.victims = sorted(self.running[worker.index], key=_victim_order)
+        return builder.victims
+
     def _free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         """All running slots are taken: preempt one sequence the policy lets `request` displace,
         if any."""
-        for victim in sorted(self.running[worker.index], key=_victim_order):
-            if not builder.is_scheduled(victim) and self.policy.may_preempt(request, victim, admitting=True):
+        if not self.policy.admission_may_preempt(request):
+            return False
+        victims = self._victims(worker, builder)
+        for i in range(builder.slot_cursor, len(victims)):
+            victim = victims[i]
+            if victim.priority <= request.priority:
+                return False        # an admission displaces only lower classes (lowest first)
+            if victim.phase is not Phase.RUNNING or builder.is_scheduled(victim):
+                if i == builder.slot_cursor:
+                    builder.slot_cursor += 1    # out of reach for the rest of this plan
+                continue
+            if self.policy.may_preempt(request, victim, admitting=True):
                 self.preempt(worker, victim)
                 builder.note_victim(victim)
                 return True
@@ -193,6 +199,7 @@ class StepPlanner:
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
+        self.running_per_lane[self.policy.lane_of(request)] += 1
         self.admitted[worker.index] += 1
         return True
 
@@ -209,10 +216,11 @@ class StepPlanner:
         if short_pool <= 0 and short_cap <= 0:
             return True
         victims = []
-        for victim in sorted(self.running[worker.index], key=_victim_order):
+        for victim in self._victims(worker, builder):
             if short_pool <= 0 and short_cap <= 0:
                 break
-            if victim is request or builder.is_scheduled(victim) or not victim.blocks \
+            if victim is request or victim.phase is not Phase.RUNNING or builder.is_scheduled(victim) \
+                    or not victim.blocks \
                     or not self.policy.may_preempt(request, victim, admitting):
                 continue
             same_class = victim.priority == request.priority
@@ -278,3 +286,4 @@ class StepPlanner:
         request.announced = False
         request.worker = None
         self.running[worker.index].remove(request)
+        self.running_per_lane[self.policy.lane_of(request)] -= 1

@@ -42,6 +42,10 @@ class SchedulingPolicy(ABC):
 
     def __init__(self, tenant_fairness: bool = False) -> None:
         self._queues: dict[int, TenantQueue] = {lane: TenantQueue(tenant_fairness) for lane in self.lanes}
+        # A request's lane follows from its class alone; a table, since planning looks it up for
+        # every running sequence of every step.
+        self.lane_by_priority: dict[int, int] = {p: self._lane_of_priority(p) for p in ORDER}
+        self.lane_is_class = all(lane == p for p, lane in self.lane_by_priority.items())
 
     # --- lanes and waiting queues -----------------------------------------------------------
 
@@ -51,10 +55,13 @@ class SchedulingPolicy(ABC):
         """Lane ids in tie-break order (first wins a tie)."""
 
     @abstractmethod
-    def lane_of(self, request: Request) -> int: ...
+    def _lane_of_priority(self, priority: int) -> int: ...
+
+    def lane_of(self, request: Request) -> int:
+        return self.lane_by_priority[request.priority]
 
     def lane_of_priority(self, priority: int) -> int:
-        return priority if priority in self._queues else self.lanes[0]
+        return self.lane_by_priority[priority]
 
     def share(self, lane: int, backlogged: set[int]) -> float:
         """Fraction of the token rate `lane` gets while `backlogged` lanes compete."""
@@ -78,9 +85,10 @@ class SchedulingPolicy(ABC):
         """The lane's waiting requests; `.peek()` is the one to admit next."""
         return self._queues[lane]
 
-    def charge_tenant(self, request: Request, tokens: int) -> None:
-        """`tokens` were served to `request`: its tenant's share inside the lane moves on."""
-        self._queues[self.lane_of(request)].charge(request, tokens)
+    def charge_tenants(self, lane: int, tokens_by_tenant: dict[str, int]) -> None:
+        """Tokens were served to requests of these tenants in `lane`: their shares inside the
+        lane move on."""
+        self._queues[lane].charge(tokens_by_tenant)
 
     def waiting(self, priority: int) -> int:
         return sum(1 for q in self._queues.values() for r in q if r.priority == priority)
@@ -111,6 +119,11 @@ class SchedulingPolicy(ABC):
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
         """Whether `victim` (running, not scheduled this step) may lose its blocks for `requester`."""
 
+    def admission_may_preempt(self, requester: Request) -> bool:
+        """False when `requester`, waiting for admission, may preempt nobody (a quick answer that
+        spares planning a walk over every running sequence)."""
+        return True
+
     def weights(self) -> dict[int, float]:
         return {p: 1.0 for p in ORDER}
 
@@ -128,11 +141,14 @@ class FCFSPolicy(SchedulingPolicy):
     def lanes(self) -> tuple[int, ...]:
         return (self.ONLY_LANE,)
 
-    def lane_of(self, request: Request) -> int:
+    def _lane_of_priority(self, priority: int) -> int:
         return self.ONLY_LANE
 
     def pick_lane(self, candidates: set[int]) -> tuple[int, float]:
         return self.ONLY_LANE, float("inf")
+
+    def admission_may_preempt(self, requester: Request) -> bool:
+        return False
 
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
         # Only to let running work progress, taking from the most recent arrivals.
@@ -161,8 +177,8 @@ class QoSPolicy(SchedulingPolicy):
     def lanes(self) -> tuple[int, ...]:
         return ORDER
 
-    def lane_of(self, request: Request) -> int:
-        return request.priority
+    def _lane_of_priority(self, priority: int) -> int:
+        return priority
 
     def backlog_changed(self, backlogged: set[int]) -> None:
         returning = backlogged - self._backlogged
@@ -175,11 +191,16 @@ class QoSPolicy(SchedulingPolicy):
     def pick_lane(self, candidates: set[int]) -> tuple[int, float]:
         # Smallest virtual time first; High wins ties (enum order). The lane keeps the turn until
         # its virtual time passes the runner-up's: tokens = gap x weight.
-        ranked = sorted(candidates, key=lambda p: (self.virtual_time[p], p))
-        lane = ranked[0]
-        if len(ranked) == 1:
+        vtime = self.virtual_time
+        lane = runner_up = None
+        for p in candidates:          # at most three: a loop beats sorting with a key
+            if lane is None or (vtime[p], p) < (vtime[lane], lane):
+                lane, runner_up = p, lane
+            elif runner_up is None or (vtime[p], p) < (vtime[runner_up], runner_up):
+                runner_up = p
+        if runner_up is None:
             return lane, float("inf")
-        gap = (self.virtual_time[ranked[1]] - self.virtual_time[lane]) * self._weights[lane]
+        gap = (vtime[runner_up] - vtime[lane]) * self._weights[lane]
         # A minimum quantum keeps lanes from alternating token by token when their virtual times
         # are close (cheaper planning); long-run shares are unchanged.
         return lane, max(gap, self.MIN_QUANTUM_TOKENS)
@@ -190,6 +211,9 @@ class QoSPolicy(SchedulingPolicy):
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]
+
+    def admission_may_preempt(self, requester: Request) -> bool:
+        return requester.priority == HIGH
 
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
         if victim.priority > requester.priority:        # enum order: High=1 < Medium=2 < Low=3

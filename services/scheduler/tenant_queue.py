@@ -23,6 +23,7 @@ class TenantQueue:
         self.fair = fair
         self._by_tenant: dict[str, deque[Request]] = {}
         self._vtime: dict[str, float] = {}
+        self._weight: dict[str, float] = {}    # each tenant's share, as its latest request says
         self._size = 0
 
     def _key(self, request: Request) -> str:
@@ -40,11 +41,13 @@ class TenantQueue:
         return self._by_tenant.setdefault(key, deque())
 
     def append(self, request: Request) -> None:
+        self._weight[request.tenant] = request.tenant_weight or 1.0
         self._enter(self._key(request)).append(request)
         self._size += 1
 
     def appendleft(self, request: Request) -> None:
         """A preempted request goes back first in its tenant's line."""
+        self._weight[request.tenant] = request.tenant_weight or 1.0
         self._enter(self._key(request)).appendleft(request)
         self._size += 1
 
@@ -60,11 +63,12 @@ class TenantQueue:
                 best = key
         return None if best is None else self._by_tenant[best][0]
 
-    def charge(self, request: Request, tokens: int) -> None:
-        """`tokens` were served to one of the tenant's requests (waiting or running)."""
+    def charge(self, tokens_by_tenant: dict[str, int]) -> None:
+        """Tokens were served to requests of these tenants (waiting or running)."""
         if self.fair:
-            key = request.tenant
-            self._vtime[key] = self._vtime.get(key, 0.0) + tokens / (request.tenant_weight or 1.0)
+            vtime, weight = self._vtime, self._weight
+            for tenant, tokens in tokens_by_tenant.items():
+                vtime[tenant] = vtime.get(tenant, 0.0) + tokens / weight.get(tenant, 1.0)
 
     def __len__(self) -> int:
         return self._size

@@ -223,3 +223,29 @@ def test_fcfs_never_preempts_for_a_slot():
     for _ in range(5):
         h.step()
     assert not high.output_ids and all(r.preemptions == 0 for r in first)
+
+
+def test_high_preempts_the_lower_sequence_that_loses_the_least_work():
+    # Two Low sequences hold every slot: an older one with a short prompt in its KV cache, a newer
+    # one with a long prompt. Preempting the older one throws away 20 tokens of work instead of
+    # 300 (newest-first alone would pick the long one).
+    h = Harness(num_blocks=4096, max_running=2, max_step_tokens=1024)
+    short_low = h.submit(LOW, prompt_len=20, max_tokens=50)
+    long_low = h.submit(LOW, prompt_len=300, max_tokens=50)
+    h.step()
+    assert long_low.computed > short_low.computed > 0
+    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
+    h.step()
+    assert high.output_ids, "High waited for a running slot"
+    assert (long_low.preemptions, short_low.preemptions) == (0, 1)
+
+
+def test_running_lanes_are_counted_as_sequences_come_and_go():
+    h = Harness(num_blocks=4096, max_running=4, max_step_tokens=256)
+    low = h.submit(LOW, prompt_len=20, max_tokens=2)
+    h.submit(MEDIUM, prompt_len=20, max_tokens=40)
+    h.step()
+    assert h.batcher.planner.lanes_running() == {MEDIUM, LOW}
+    while low.phase is not Phase.FINISHED:
+        h.step()
+    assert h.batcher.planner.lanes_running() == {MEDIUM}

@@ -1,0 +1,96 @@
+"""One worker's plan for one step, as the planner (services/scheduler/planner.py) fills it: the
+sequences scheduled and their token counts, the KV blocks granted, the sequences announced and
+released, and the bookkeeping a step leaves behind (tokens served per class and per tenant).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from itertools import repeat
+
+from services.common.proto.qos.v1 import worker_pb2
+from services.scheduler.request import Phase, Request
+
+
+class StepBuilder:
+    """Collects one worker's plan for one step; finish() writes it into the StepPlan."""
+
+    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True):
+        self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
+        self.budget = budget
+        self.admits = admits        # False: the worker drains, only its running sequences go on
+        self.scheduled: list[tuple[Request, int]] = []
+        # The scheduled requests as a set, built only when asked (is_scheduled: a preemption looks
+        # for victims), from the first `_set_covers` entries of `scheduled`.
+        self._scheduled_set: set[Request] = set()
+        self._set_covers = 0
+        # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
+        # higher classes are admitted: admitting the victim's peers would hand its blocks back.
+        self.victim_floor: int | None = None
+        self.victims: list[Request] | None = None     # running at the start, in preemption order
+        self.slot_cursor = 0          # victims before it are preempted or scheduled already
+        self.served: Counter = Counter()              # tokens scheduled per priority
+        # Tokens scheduled per lane and tenant, not yet charged to the tenant's share.
+        self.uncharged: dict[int, Counter] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduled or self.plan.released_seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def note_victim(self, request: Request) -> None:
+        if self.victim_floor is None or request.priority < self.victim_floor:
+            self.victim_floor = request.priority
+
+    def may_admit(self, request: Request) -> bool:
+        return self.admits and (self.victim_floor is None or request.priority < self.victim_floor)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        if request.new_blocks:
+            self.plan.block_grants.add(seq_id=request.seq_id, block_ids=request.new_blocks)
+            request.new_blocks = []
+        self.scheduled.append((request, num_tokens))
+        self.budget -= num_tokens
+
+    def add_decodes(self, requests: list[Request], lane: int, lane_is_class: bool) -> int:
+        """One token each for running sequences whose next token fits in the blocks they hold,
+        all of one lane; returns the tokens scheduled (those preempted meanwhile are skipped).
+        Comprehensions and C-level updates: this is most of a step, kept free of a Python loop
+        per sequence."""
+        if self.victim_floor is not None:               # someone was preempted this step
+            requests = [r for r in requests if r.phase is Phase.RUNNING]
+        self.scheduled.extend(zip(requests, repeat(1)))
+        self.budget -= len(requests)
+        if lane_is_class:
+            self.served[lane] += len(requests)
+        else:
+            self.served.update([r.priority for r in requests])
+        self.uncharged.setdefault(lane, Counter()).update([r.tenant for r in requests])
+        return len(requests)
+
+    def note_served(self, request: Request, tokens: int, lane: int) -> None:
+        if tokens:
+            self.served[request.priority] += tokens
+            self.uncharged.setdefault(lane, Counter())[request.tenant] += tokens
+
+    def charge_tenants(self, policy, lane: int) -> None:
+        """Charge the lane's tenants for the tokens scheduled so far: once per tenant and step
+        rather than once per decode; before the lane admits (the order of its tenants must be
+        current then) and at the end of the plan."""
+        tokens_by_tenant = self.uncharged.pop(lane, None)
+        if tokens_by_tenant:
+            policy.charge_tenants(lane, tokens_by_tenant)
+
+    def is_scheduled(self, request: Request) -> bool:
+        if self._set_covers < len(self.scheduled):
+            self._scheduled_set.update([r for r, _ in self.scheduled[self._set_covers:]])
+            self._set_covers = len(self.scheduled)
+        return request in self._scheduled_set
+
+    def finish(self, released: list[int]) -> worker_pb2.StepPlan:
+        self.plan.released_seq_ids.extend(released)
+        self.plan.scheduled_seq_ids.extend([r.seq_id for r, _ in self.scheduled])
+        self.plan.scheduled_num_tokens.extend([n for _, n in self.scheduled])
+        return self.plan
