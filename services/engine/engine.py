@@ -18,6 +18,7 @@ import torch
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
+from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
@@ -92,6 +93,8 @@ class Engine:
         self.backend = backend or open_backend(config.device)
         self.device = self.backend.device
         self.dtype = resolve_dtype(config.dtype, self.backend)
+        if self.device.type == "cpu":
+            keep_freed_memory()          # activations live in host memory (services/engine/host_memory.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
                                   self.device, self.dtype, config.prepack_linear)

@@ -1,0 +1,43 @@
+"""Keep freed host memory in the process (glibc malloc), so CPU steps stop re-faulting pages.
+
+torch's CPU allocator is plain malloc. With glibc's defaults, a multi-megabyte tensor freed at
+the top of the heap is handed back to the kernel (trimmed), and the next step's tensor of the
+same size page-faults all of it in again, zeroed. A 512-token prefill step allocates dozens of
+such tensors per layer. Measured on 2 EPYC cores, 1 thread, fp32: silu(gate) * up on [512, 3072]
+4.3 ms -> 1.5 ms, RMSNorm on [512, 576] 1.1 ms -> 0.22 ms. Raising the mmap threshold (to
+glibc's maximum) and the trim threshold makes freed blocks stay for reuse; the cost is that the
+process keeps its peak heap. Process-wide: in a benchmark that runs transformers in the same
+process, that side gets it too.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1            # glibc mallopt parameter numbers (malloc.h)
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 32 << 20        # glibc's largest allowed value on 64-bit
+_TRIM_THRESHOLD = 1 << 30
+
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Apply the thresholds once per process; False where the C library is not glibc."""
+    global _done
+    if _done:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success, 0 on refusal (e.g. a value out of range).
+    _done = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    if not _done:
+        log.warning("mallopt refused the malloc thresholds; CPU steps may re-fault freed memory")
+    return _done
