@@ -44,12 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, write_json  # noqa: E402
+from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_report import Sample, plot, print_table, summarise, write_outcomes  # noqa: E402
 from bench.qos_workloads import TRACES, burst_workload, trace_workload  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
-from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
+from services.common.config import (FIRST_TOKEN_MODES, RouterConfig, SchedulerConfig,  # noqa: E402
+                                    WorkerConfig, single_pool)
 from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
@@ -90,6 +91,31 @@ async def run_jobs(front: Front, scheduler_address: str, jobs: list[Job], bar) -
     return outcomes, samples, wall
 
 
+IDLE_PROBES = 12          # High requests sent one at a time to the idle cluster before the workload
+IDLE_GAP_S = 0.75         # between them: each is alone in the cluster
+
+
+def idle_probe_jobs(jobs: list[Job]) -> list[Job]:
+    """High requests like the workload's own (prompts taken evenly from its High jobs, so the same
+    lengths), one token each, spaced so that none overlaps another: their TTFT is High's idle
+    latency on this cluster, the yardstick for its tail under load."""
+    high = [j for j in jobs if j.priority == "high"]
+    if not high:
+        return []
+    picks = [high[i * len(high) // IDLE_PROBES] for i in range(min(IDLE_PROBES, len(high)))]
+    return [Job("high", j.prompt, j.prompt_tokens, max_tokens=1, at=i * IDLE_GAP_S, tenant=j.tenant)
+            for i, j in enumerate(picks)]
+
+
+async def idle_high_ttft(front: Front, jobs: list[Job]) -> float:
+    """P50 TTFT of the idle probes (NaN without High jobs, or if none succeeded)."""
+    probes = idle_probe_jobs(jobs)
+    if not probes:
+        return float("nan")
+    outcomes, _ = await run_clients(front, probes)
+    return quantile([o.ttft_ms for o in outcomes if o.ok], 0.5)
+
+
 def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> tuple[dict, list[Outcome], list[Sample]]:
     """Start a local cluster with `policy`, send `jobs` through it, stop it; the summary figures.
     `during(cluster)`, if given, is a context manager held while the jobs run (e.g. an open
@@ -98,9 +124,11 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
-                                  max_running=args.max_running),
+                                  max_running=args.max_running, high_first_token=args.high_first_token),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
     with LocalCluster(config, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
+        idle_ms = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
+        before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:
             outcomes, samples, wall = asyncio.run(run_jobs(Front.of(args.front, cluster),
                                                            cluster.scheduler_address, jobs, bar))
@@ -108,7 +136,14 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
-    summary["preemptions"] = stats.preemptions
+    summary["preemptions"] = stats.preemptions - before.preemptions
+    summary["idle_high_p50_ttft_ms"] = idle_ms
+    summary["high_p99_ttft_over_idle"] = summary["high_p99_ttft_ms"] / idle_ms
+    # Work preemption threw away: tokens preempted sequences had computed (done again later),
+    # over all tokens computed during the workload.
+    computed = sum(c.served_tokens for c in stats.classes) - sum(c.served_tokens for c in before.classes)
+    recomputed = sum(c.recomputed_tokens for c in stats.classes) - sum(c.recomputed_tokens for c in before.classes)
+    summary["recompute_share"] = recomputed / computed if computed else 0.0
     return summary, outcomes, samples
 
 
@@ -124,6 +159,8 @@ def parse_args():
     parser.add_argument("--max-step-tokens", type=int, default=128,
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default="ahead",
+                        help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
     parser.add_argument("--policies", default="fcfs,qos", help="comma-separated, for quick checks of one policy")
     parser.add_argument("--front", choices=["grpc", "http"], default="grpc",
                         help="send through the router's gRPC or its OpenAI-compatible HTTP front (SSE)")

@@ -60,11 +60,14 @@ def summarise(outcomes: list[Outcome], low_kv_peak_blocks: int, total_blocks: in
 
 KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
         ("high_p50_ttft_ms", "High P50 TTFT (ms)", "{:.0f}"),
+        ("idle_high_p50_ttft_ms", "High P50 TTFT, idle (ms)", "{:.0f}"),
+        ("high_p99_ttft_over_idle", "High P99 / idle P50", "{:.2f}"),
         ("high_p99_server_ttft_ms", "High P99 TTFT at scheduler", "{:.0f}"), ("high_p99_e2e_ms", "High P99 e2e (ms)", "{:.0f}"),
         ("high_success_rate", "High success rate", "{:.1%}"), ("medium_p99_ttft_ms", "Medium P99 TTFT (ms)", "{:.0f}"),
         ("low_tok_s", "Low throughput (tok/s)", "{:.0f}"), ("low_kv_peak_frac", "Low KV peak (% blocks)", "{:.1%}"),
         ("rejected_high", "rejected High", "{}"), ("rejected_medium", "rejected Medium", "{}"),
-        ("rejected_low", "rejected Low", "{}"), ("preemptions", "preemptions", "{}"), ("wall_s", "wall time (s)", "{:.0f}")]
+        ("rejected_low", "rejected Low", "{}"), ("preemptions", "preemptions", "{}"),
+        ("recompute_share", "recomputed / computed", "{:.1%}"), ("wall_s", "wall time (s)", "{:.0f}")]
 
 
 def print_table(report: dict) -> None:

@@ -30,6 +30,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
+FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive")   # SchedulerConfig.high_first_token
 
 
 class ConfigError(ValueError):
@@ -81,6 +82,9 @@ class SchedulerConfig(ServiceConfig):
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
     tenant_fairness: bool = True      # qos: inside a class, tenants share by weight, not arrival
+    # qos: a High request waiting for its first token goes ahead of the fair-queueing order
+    # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), or not ("wfq")
+    high_first_token: str = "ahead"
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

@@ -19,6 +19,7 @@ from typing import Protocol
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens, cap_blocks
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import engine_sampling
+from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.step_builder import StepBuilder
 from services.scheduler.request import Phase, Request
@@ -53,6 +54,7 @@ class StepPlanner:
         self.served_tokens: Counter = Counter()       # prefill + decode, per priority
         self.admitted: Counter = Counter()            # sequences placed on each worker
         self.preempted_by_priority: Counter = Counter()
+        self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
 
     def lanes_running(self) -> set[int]:
@@ -73,56 +75,21 @@ class StepPlanner:
         released, self.to_release[worker.index] = self.to_release[worker.index], []
         builder = StepBuilder(step_id, self.max_step_tokens, released, admits)
         policy = self.policy
-        lane_of = policy.lane_by_priority
-        block_size = worker.pool.block_size
-        # Within a lane: decodes first (one token each, latency-critical), then prefill chunks;
-        # oldest first. `ready` holds the common case, decodes whose next token fits in the blocks
-        # they hold (no allocation, no preemption, nothing new to tell the worker): they are
-        # scheduled in slices, without a Python loop per sequence, since a step is mostly them.
-        ready: dict[int, list[Request]] = {lane: [] for lane in policy.lanes}
-        lanes: dict[int, deque[Request]] = {lane: deque() for lane in policy.lanes}
-        prefills = []
-        for request in self.running[worker.index]:
-            computed = request.computed
-            pending = len(request.prompt_ids) + len(request.output_ids) - computed
-            if pending > 1:
-                prefills.append(request)
-            elif request.announced and computed < len(request.blocks) * block_size:
-                ready[lane_of[request.priority]].append(request)
-            else:
-                lanes[lane_of[request.priority]].append(request)
-        for request in prefills:
-            lanes[lane_of[request.priority]].append(request)
-        active = {lane for lane in policy.lanes if ready[lane] or lanes[lane] or policy.queue(lane)}
-        taken_from_ready = dict.fromkeys(policy.lanes, 0)
+        work = LaneWork(self.running[worker.index], policy.lanes, policy.lane_by_priority,
+                        worker.pool.block_size)
+        active = {lane for lane in policy.lanes if work.has_running(lane) or policy.queue(lane)}
+        first = policy.first_token_lane()
+        if first is not None and first in active and (policy.queue(first) or work.first_token_pending(first)):
+            # The real-time class has a request waiting for its first token: its work goes ahead of
+            # the fair-queueing order (its virtual time is charged all the same, so the others get
+            # the tokens back later), and in "exclusive" mode the others only decode this step,
+            # which keeps the step, and so that first token, short.
+            self._serve(worker, builder, work, first, math.inf, active)
+            builder.decodes_only_after = first if policy.first_token_exclusive else None
+            active.discard(first)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
-            ready_in_lane, running_in_lane = ready[lane], lanes[lane]
-            taken = 0
-            # The lane keeps the turn until it used its allowance (at least one item).
-            while builder.budget > 0 and (taken == 0 or taken < allowance):
-                start = taken_from_ready[lane]
-                if start < len(ready_in_lane):
-                    # As many as the allowance left (rounded up: a lane's turn ends after the item
-                    # that reaches it) and the budget allow.
-                    left = allowance - taken
-                    wanted = builder.budget if left == math.inf else max(1, math.ceil(left))
-                    count = min(len(ready_in_lane) - start, builder.budget, wanted)
-                    taken_from_ready[lane] = start + count
-                    taken += builder.add_decodes(ready_in_lane[start:start + count], lane,
-                                                 policy.lane_is_class)
-                    continue
-                if not running_in_lane:
-                    builder.charge_tenants(policy, lane)    # admissions next: tenant order must be current
-                request = self._next_item(worker, builder, running_in_lane, lane)
-                if request is None:
-                    active.discard(lane)
-                    break
-                tokens = self._schedule(worker, builder, request)
-                taken += tokens
-                builder.note_served(request, tokens, lane)
-            if taken:
-                policy.charge(lane, taken)
+            self._serve(worker, builder, work, lane, allowance, active)
         for lane in policy.lanes:
             builder.charge_tenants(policy, lane)
         self.served_tokens.update(builder.served)
@@ -132,9 +99,39 @@ class StepPlanner:
         self.to_release[worker.index] = []
         return builder
 
+    def _serve(self, worker: Worker, builder: StepBuilder, work: LaneWork, lane: int,
+               allowance: float, active: set[int]) -> None:
+        """The lane's turn: its running sequences, then admissions, until it used its allowance
+        (at least one item) or the budget; a lane with nothing left leaves `active`."""
+        taken = 0
+        others = work.others[lane]
+        while builder.budget > 0 and (taken == 0 or taken < allowance):
+            ready = work.take_ready(lane, allowance - taken, builder.budget)
+            if ready:
+                taken += builder.add_decodes(ready, lane, self.policy.lane_is_class)
+                continue
+            if not others:
+                builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
+            request = self._next_item(worker, builder, others, lane)
+            if request is None:
+                active.discard(lane)
+                break
+            tokens = self._schedule(worker, builder, request)
+            taken += tokens
+            builder.note_served(request, tokens, lane)
+        if taken:
+            self.policy.charge(lane, taken)
+
     def _next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
                    lane: int) -> Request | None:
-        """The lane's next running sequence, else its next admissible waiting request, else None."""
+        """The lane's next running sequence, else its next admissible waiting request, else None.
+        After an exclusive first-token turn (builder.decodes_only_after), only decodes."""
+        if builder.decodes_only_after is not None and builder.decodes_only_after != lane:
+            while running_in_lane and running_in_lane[0].phase is not Phase.RUNNING:
+                running_in_lane.popleft()
+            if running_in_lane and running_in_lane[0].pending == 1:
+                return running_in_lane.popleft()
+            return None
         while running_in_lane:
             request = running_in_lane.popleft()
             if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room
@@ -270,6 +267,7 @@ class StepPlanner:
         log.info("preempting %s (%d tokens) on worker %d", request.request_id, request.num_tokens,
                  worker.index)
         self.preempted_by_priority[request.priority] += 1
+        self.recomputed_tokens[request.priority] += request.computed
         request.preemptions += 1
         self.release(worker, request)
         request.phase = Phase.WAITING

@@ -14,6 +14,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from services.common.config import FIRST_TOKEN_MODES
 from services.common.priority import HIGH, LOW, MEDIUM, ORDER, priority_name
 from services.scheduler.request import Request
 from services.scheduler.tenant_queue import TenantQueue
@@ -21,14 +22,21 @@ from services.scheduler.tenant_queue import TenantQueue
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class QoSSettings:
     weights: dict[int, float] = field(default_factory=lambda: {HIGH: 5.0, MEDIUM: 3.0, LOW: 2.0})
     kv_caps: dict[int, float] = field(default_factory=lambda: {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3})
     tenant_fairness: bool = True      # inside a class, tenants share by weight (tenant_queue.py)
+    # A High request waiting for its first token: "wfq" (it waits for High's turn like any other
+    # work), "ahead" (High's work goes first that step) or "exclusive" (first, and the other
+    # classes only decode that step, so it is short). The tokens are charged to High's virtual
+    # time either way, so the others get them back over the following steps.
+    high_first_token: str = "ahead"
 
     def __post_init__(self) -> None:
+        if self.high_first_token not in FIRST_TOKEN_MODES:
+            raise ValueError(f"high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
+                             f"got {self.high_first_token!r}")
         for p in ORDER:
             if not self.weights.get(p, 0) > 0:
                 raise ValueError(f"weight of {priority_name(p)} must be > 0")
@@ -106,6 +114,13 @@ class SchedulingPolicy(ABC):
     def charge(self, lane: int, tokens: int) -> None:
         """`tokens` were scheduled for `lane`."""
 
+    def first_token_lane(self) -> int | None:
+        """A lane whose requests waiting for their first token go ahead of the sharing order this
+        step (the planner checks that it has such requests), or None."""
+        return None
+
+    first_token_exclusive = False     # ... and the other lanes only decode in that step
+
     def backlog_changed(self, backlogged: set[int]) -> None:
         """Lanes with work at the start of a step (for virtual-time bookkeeping)."""
 
@@ -163,6 +178,10 @@ class QoSPolicy(SchedulingPolicy):
     smallest virtual time among the backlogged ones, so idle time banks no credit."""
     name = "qos"
     MIN_QUANTUM_TOKENS = 16
+    # High goes ahead for a first token only while it is no more than this many High tokens ahead
+    # of the least-served backlogged class: bounded debt, so that the 5:3:2 shares still hold over
+    # a window and High's own decodes never wait long for the others to catch up.
+    AHEAD_LIMIT_TOKENS = 512
 
     def __init__(self, settings: QoSSettings | None = None):
         settings = settings or QoSSettings()
@@ -208,6 +227,17 @@ class QoSPolicy(SchedulingPolicy):
     def charge(self, lane: int, tokens: int) -> None:
         self.virtual_time[lane] += tokens / self._weights[lane]
         self.served[lane] += tokens
+
+    def first_token_lane(self) -> int | None:
+        if self.settings.high_first_token == "wfq":
+            return None
+        others = [self.virtual_time[p] for p in self._backlogged if p != HIGH]
+        lead = self.virtual_time[HIGH] - min(others) if others else 0.0
+        return HIGH if lead * self._weights[HIGH] <= self.AHEAD_LIMIT_TOKENS else None
+
+    @property
+    def first_token_exclusive(self) -> bool:
+        return self.settings.high_first_token == "exclusive"
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]

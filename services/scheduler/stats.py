@@ -41,7 +41,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             priority=p, waiting=policy.waiting(p), running=running[p], kv_blocks=held[p],
             output_tokens=b.output_tokens[p], weight=weights[p], kv_cap=policy.kv_cap(p),
             served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
-            rejected=rejected[p], preempted=b.preempted_by_priority[p]) for p in ORDER],
+            rejected=rejected[p], preempted=b.preempted_by_priority[p],
+            recomputed_tokens=b.planner.recomputed_tokens[p]) for p in ORDER],
         weight_changes=[scheduler_pb2.WeightChange(
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
@@ -94,7 +95,9 @@ def state_metrics(batcher: ContinuousBatcher):
             family.add_metric([priority_name(p)], read(p))
         yield family
     for name, text, values in [("qos_tokens_served", "Prefill + decode tokens computed", b.served_tokens),
-                               ("qos_preemptions", "Sequences preempted", b.preempted_by_priority)]:
+                               ("qos_preemptions", "Sequences preempted", b.preempted_by_priority),
+                               ("qos_tokens_recomputed", "Tokens preempted sequences had computed, "
+                                "to be computed again", b.planner.recomputed_tokens)]:
         family = CounterMetricFamily(name, text, labels=["priority"])
         for p in ORDER:
             family.add_metric([priority_name(p)], values[p])

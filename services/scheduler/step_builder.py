@@ -26,6 +26,8 @@ class StepBuilder:
         # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
         # higher classes are admitted: admitting the victim's peers would hand its blocks back.
         self.victim_floor: int | None = None
+        # A lane served ahead for a first token, in exclusive mode: the other lanes only decode.
+        self.decodes_only_after: int | None = None
         self.victims: list[Request] | None = None     # running at the start, in preemption order
         self.slot_cursor = 0          # victims before it are preempted or scheduled already
         self.served: Counter = Counter()              # tokens scheduled per priority

@@ -53,7 +53,7 @@ class PoolStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class ClassStats(_message.Message):
-    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted")
+    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted", "recomputed_tokens")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class ClassStats(_message.Message):
     KV_BLOCKS_PEAK_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     priority: _common_pb2.Priority
     waiting: int
     running: int
@@ -76,7 +77,8 @@ class ClassStats(_message.Message):
     kv_blocks_peak: int
     rejected: int
     preempted: int
-    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ...) -> None: ...
+    recomputed_tokens: int
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
 
 class WeightChange(_message.Message):
     __slots__ = ("at_unix_s", "priority", "old_weight", "new_weight", "utilization", "free_kv")
