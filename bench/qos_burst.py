@@ -16,6 +16,17 @@ per second) during the flood. Output lengths are fixed (ignore_eos). Each priori
 own client process (bench/loadgen.py), at a lower CPU priority than the services under test.
 The FCFS run is priority-blind end to end (FCFS scheduler policy, FIFO admission at the router).
 
+Workload `steady` (--workload steady): first the cluster's capacity for the mix (High 0.3,
+Medium 0.5, Low 0.2 of the requests, the burst's shapes) is measured in the same run, as the
+requests per second a FCFS cluster completes of a saturating batch (--capacity-requests sent at
+once); then every class arrives as a Poisson stream for --duration seconds (300) at --load (0.85)
+of that capacity, for each policy.
+
+Before every workload, 12 High requests of the workload's own prompt lengths (one output token
+each, 0.75 s apart) measure High's idle TTFT on the same cluster; the report gives High's P99
+TTFT under load over that idle P50 (high_p99_ttft_over_idle), and recompute_share, the tokens
+preempted sequences had computed (to be computed again) over all tokens computed.
+
 Trace replay (`--trace azure-code` or `azure-conv`, from bench/traces/, Azure 2023, CC-BY 4.0):
 the first --trace-requests rows after --trace-skip, arrival gaps divided by --time-scale, input
 and output lengths multiplied by --length-scale and capped to fit the model's context. Priority
@@ -24,6 +35,7 @@ rule, from what each request looks like: output <= 64 tokens and input <= 1,024 
 
     python bench/qos_burst.py [--scale 0.2] [--json out.json] [--plots DIR] [--model DIR]
     python bench/qos_burst.py --trace azure-code [--trace-requests 300] [--time-scale 2]
+    python bench/qos_burst.py --workload steady [--duration 300] [--load 0.85]
     qos-serve bench [the same flags]
 
 Writes one CSV of per-request outcomes per policy to --plots. With both policies: prints the
@@ -47,10 +59,11 @@ import grpc  # noqa: E402
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_report import Sample, plot, print_table, summarise, write_outcomes  # noqa: E402
-from bench.qos_workloads import TRACES, burst_workload, trace_workload  # noqa: E402
+from bench.qos_workloads import (STEADY_SHARES, TRACES, burst_workload, saturation_workload,  # noqa: E402
+                                 steady_workload, trace_workload)
 from services.cluster import LocalCluster  # noqa: E402
-from services.common.config import (FIRST_TOKEN_MODES, RouterConfig, SchedulerConfig,  # noqa: E402
-                                    WorkerConfig, single_pool)
+from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, RouterConfig,  # noqa: E402
+                                    SchedulerConfig, WorkerConfig, single_pool)
 from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
@@ -116,16 +129,42 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> float:
     return quantile([o.ttft_ms for o in outcomes if o.ok], 0.5)
 
 
+# QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq and
+# qos-exclusive: another high_first_token mode), each its own cluster and column.
+VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
+            "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"}}
+
+
+def cluster_config(name: str, model: str, args):
+    policy, _, variant = name.partition("-")
+    if variant and (policy != "qos" or variant not in VARIANTS):
+        raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-" + ", qos-".join(VARIANTS))
+    settings = {"high_first_token": args.high_first_token, "kv_cap_mode": args.kv_cap_mode,
+                **VARIANTS.get(variant, {})}
+    return single_pool(
+        # The baseline is priority-blind end to end: FIFO admission at the router too.
+        model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
+        scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
+                                  max_running=args.max_running, **settings),
+        workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
+
+
+def measure_capacity(model: str, tokenizer, max_context: int, args) -> float:
+    """Requests per second of the steady mix the cluster completes when saturated: a batch of
+    --capacity-requests sent at once to a FCFS cluster, completed / seconds until the last ends."""
+    jobs = saturation_workload(tokenizer, max_context, args.capacity_requests, args.seed)
+    with LocalCluster(cluster_config("fcfs", model, args), quiet=True) as cluster:
+        with progress(len(jobs), "capacity") as bar:
+            outcomes, _ = asyncio.run(run_clients(Front.of(args.front, cluster), jobs, on_progress=bar.update))
+    done = [o for o in outcomes if o.ok]
+    return len(done) / max(o.done_at for o in done)
+
+
 def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> tuple[dict, list[Outcome], list[Sample]]:
     """Start a local cluster with `policy`, send `jobs` through it, stop it; the summary figures.
     `during(cluster)`, if given, is a context manager held while the jobs run (e.g. an open
     console: bench/console_overhead.py)."""
-    config = single_pool(
-        # The baseline is priority-blind end to end: FIFO admission at the router too.
-        model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
-        scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
-                                  max_running=args.max_running, high_first_token=args.high_first_token),
-        workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
+    config = cluster_config(policy, model, args)
     with LocalCluster(config, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
         idle_ms = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
         before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
@@ -161,11 +200,19 @@ def parse_args():
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default="ahead",
                         help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
-    parser.add_argument("--policies", default="fcfs,qos", help="comma-separated, for quick checks of one policy")
+    parser.add_argument("--policies", default="fcfs,qos",
+                        help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
+                             "qos-exclusive (one column each)")
+    parser.add_argument("--kv-cap-mode", choices=KV_CAP_MODES, default="strict", help="qos: KV caps")
     parser.add_argument("--front", choices=["grpc", "http"], default="grpc",
                         help="send through the router's gRPC or its OpenAI-compatible HTTP front (SSE)")
     parser.add_argument("--plots", type=Path, default=Path("bench/results"),
                         help="folder for the plots and the per-request CSVs")
+    parser.add_argument("--workload", choices=["burst", "steady"], default="burst")
+    parser.add_argument("--duration", type=float, default=300.0, help="steady: seconds of arrivals")
+    parser.add_argument("--load", type=float, default=0.85, help="steady: offered load, share of capacity")
+    parser.add_argument("--capacity-requests", type=int, default=40,
+                        help="steady: size of the saturating batch that measures capacity")
     parser.add_argument("--trace", choices=sorted(TRACES), help="replay a real trace instead of the burst")
     parser.add_argument("--trace-skip", type=int, default=0, help="rows to skip first")
     parser.add_argument("--trace-requests", type=int, default=300)
@@ -179,17 +226,31 @@ def main() -> None:
     model = model_or_bench(args.model)
     tokenizer = TextTokenizer.from_model_dir(model)
     max_context = load_model_config(model).max_context
+    steady = {}
     if args.trace:
         jobs = trace_workload(tokenizer, max_context, args.trace, args.trace_skip, args.trace_requests,
                               args.time_scale, args.length_scale, args.seed)
+    elif args.workload == "steady":
+        capacity = measure_capacity(model, tokenizer, max_context, args)
+        offered = args.load * capacity
+        steady = {"capacity_rps": capacity, "offered_rps": offered}
+        print(f"capacity {capacity:.2f} requests/s of the mix; offering {offered:.2f}/s "
+              f"({args.load:.0%}) for {args.duration:.0f} s", file=sys.stderr)
+        jobs = steady_workload(tokenizer, max_context, offered, args.duration, args.seed)
     else:
         jobs = burst_workload(tokenizer, max_context, args.scale, args.high_rate, args.seed,
                               args.flood_seconds)
     counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
-    workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
-                f"{args.time_scale:g}, lengths x{args.length_scale:g})" if args.trace
-                else f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)")
-    report = {"model": Path(model).name, "workload": workload,
+    if args.trace:
+        workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
+                    f"{args.time_scale:g}, lengths x{args.length_scale:g})")
+    elif steady:
+        workload = (f"steady (Poisson, {steady['offered_rps']:.2f} requests/s = {args.load:.0%} of the "
+                    f"{steady['capacity_rps']:.2f}/s measured, {args.duration:.0f} s, mix "
+                    + ":".join(f"{STEADY_SHARES[p]:g}" for p in PRIORITIES) + ")")
+    else:
+        workload = f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)"
+    report = {"model": Path(model).name, "workload": workload, **steady,
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
               "front": args.front,
               "machine": f"{machine()}; worker {args.threads} thread(s), "
@@ -201,7 +262,8 @@ def main() -> None:
         runs[policy] = (outcomes, samples)
         print(f"per-request outcomes: {write_outcomes(outcomes, args.plots / f'outcomes_{policy}.csv')}",
               file=sys.stderr)
-    if set(runs) != {"fcfs", "qos"}:
+    report["policies"] = list(runs)
+    if not {"fcfs", "qos"} <= set(runs):
         print(json.dumps(report, indent=2))
         return
     print_table(report)

@@ -73,7 +73,9 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
 def print_table(report: dict) -> None:
     print(f"\nworkload {report['workload']}: {report['requests']}; model {report['model']}; "
           f"front {report.get('front', 'grpc')}; {report['machine']}\n")
-    print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>14}")
+    # Variants of QoS (qos-elastic, qos-wfq, ...) get a column each after the comparison.
+    extra = [name for name in report.get("policies", []) if name not in ("fcfs", "qos")]
+    print(f"{'':<26}{'FCFS':>12}{'QoS':>12}{'change':>14}" + "".join(f"{name:>14}" for name in extra))
     for key, label, fmt in KEYS:
         a, b = report["fcfs"][key], report["qos"][key]
         change = ""
@@ -81,7 +83,8 @@ def print_table(report: dict) -> None:
                 and key != "high_success_rate":
             # Big drops read better as "how many times lower" than as 0.00x.
             change = f"{a / b:,.0f}x lower" if a / b >= 10 else f"{b / a:.2f}x"
-        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>14}")
+        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>14}"
+              + "".join(f"{fmt.format(report[name][key]):>14}" for name in extra))
 
 
 def plot(report: dict, runs: dict[str, tuple[list[Outcome], list[Sample]]], directory: Path) -> list[Path]:

@@ -66,19 +66,66 @@ def burst_workload(tokenizer: TextTokenizer, max_context: int, scale: float, hig
                    flood_seconds: float) -> list[Job]:
     rng = random.Random(seed)
     arrivals = random.Random(seed + 1)   # arrival times apart, so the prompts do not depend on them
-    medium_prompt = 256
-    low_prompt = min(max_context - 128 - 16, 16 * medium_prompt)
-    if low_prompt < 8 * medium_prompt:
-        raise SystemExit(f"the model's context ({max_context}) is too short for Low prompts of "
-                         f">= {8 * medium_prompt} tokens")
+    shapes = burst_shapes(max_context)
     jobs = []
-    for priority, count, prompt_len, out in [("low", 300, low_prompt, 128), ("medium", 500, medium_prompt, 64)]:
+    for priority, count in [("low", 300), ("medium", 500)]:
+        prompt_len, out = shapes[priority]
         for _ in range(max(1, round(count * scale))):
             text, n = text_of_tokens(tokenizer, rng, prompt_len)
             jobs.append(Job(priority, text, n, out, arrivals.uniform(0.0, flood_seconds)))
     t = 0.0
     for _ in range(max(1, round(200 * scale))):
         t += rng.expovariate(high_rate)
-        text, n = text_of_tokens(tokenizer, rng, 32)
-        jobs.append(Job("high", text, n, 32, t))
+        prompt_len, out = shapes["high"]
+        text, n = text_of_tokens(tokenizer, rng, prompt_len)
+        jobs.append(Job("high", text, n, out, t))
+    return jobs
+
+
+# The sustained-load scenario (--workload steady): each class a Poisson stream with the burst's
+# request shapes, mixed by request count as below.
+STEADY_SHARES = {"high": 0.3, "medium": 0.5, "low": 0.2}
+
+
+def burst_shapes(max_context: int) -> dict[str, tuple[int, int]]:
+    """(prompt tokens, output tokens) of each class's requests in the burst and steady workloads."""
+    medium_prompt = 256
+    low_prompt = min(max_context - 128 - 16, 16 * medium_prompt)
+    if low_prompt < 8 * medium_prompt:
+        raise SystemExit(f"the model's context ({max_context}) is too short for Low prompts of "
+                         f">= {8 * medium_prompt} tokens")
+    return {"high": (32, 32), "medium": (medium_prompt, 64), "low": (low_prompt, 128)}
+
+
+def saturation_workload(tokenizer: TextTokenizer, max_context: int, count: int, seed: int) -> list[Job]:
+    """`count` requests of the steady mix, all at once: what the cluster completes per second under
+    them is its capacity for that mix."""
+    rng = random.Random(seed + 2)
+    shapes = burst_shapes(max_context)
+    jobs = []
+    for priority, share in STEADY_SHARES.items():
+        prompt_len, out = shapes[priority]
+        for _ in range(max(1, round(count * share))):
+            text, n = text_of_tokens(tokenizer, rng, prompt_len)
+            jobs.append(Job(priority, text, n, out, 0.0))
+    return jobs
+
+
+def steady_workload(tokenizer: TextTokenizer, max_context: int, requests_per_s: float,
+                    duration_s: float, seed: int) -> list[Job]:
+    """Poisson arrivals of every class for `duration_s`, `requests_per_s` in all, split by
+    STEADY_SHARES. Prompts are drawn once per class and reused (tokenizing hundreds of Low prompts
+    of ~4,000 tokens takes longer than the run; the work per token does not depend on the text)."""
+    rng = random.Random(seed)
+    arrivals = random.Random(seed + 1)
+    shapes = burst_shapes(max_context)
+    jobs = []
+    for priority, share in STEADY_SHARES.items():
+        prompt_len, out = shapes[priority]
+        texts = [text_of_tokens(tokenizer, rng, prompt_len) for _ in range(8)]
+        t = arrivals.expovariate(requests_per_s * share)
+        while t < duration_s:
+            text, n = texts[arrivals.randrange(len(texts))]
+            jobs.append(Job(priority, text, n, out, t))
+            t += arrivals.expovariate(requests_per_s * share)
     return jobs

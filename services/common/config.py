@@ -31,6 +31,7 @@ DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
 FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive")   # SchedulerConfig.high_first_token
+KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,9 @@ class SchedulerConfig(ServiceConfig):
     # qos: a High request waiting for its first token goes ahead of the fair-queueing order
     # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), or not ("wfq")
     high_first_token: str = "ahead"
+    # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
+    # other class waits, and takes them back by preemption when a higher class needs them
+    kv_cap_mode: str = "strict"
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (FIRST_TOKEN_MODES, POLICIES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
+from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
                                     ClusterConfig, ConfigError, PoolConfig, RouterConfig, SchedulerConfig,
                                     ServiceConfig, SlaConfig, StoreConfig, WorkerConfig, default_slas)
 
@@ -58,6 +58,8 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
         raise ConfigError(f"need {where}.max_running >= 1 and max_step_tokens >= max_running")
     if s.max_queue < 1:
         raise ConfigError(f"{where}.max_queue must be >= 1, got {s.max_queue}")
+    if s.kv_cap_mode not in KV_CAP_MODES:
+        raise ConfigError(f"{where}.kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {s.kv_cap_mode!r}")
     if s.high_first_token not in FIRST_TOKEN_MODES:
         raise ConfigError(f"{where}.high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                           f"got {s.high_first_token!r}")

@@ -201,7 +201,16 @@ class StepPlanner:
         return True
 
     def _cap(self, pool: KVBlockPool, request: Request) -> int:
-        return cap_blocks(pool.num_blocks, self.policy.kv_cap(request.priority))
+        policy = self.policy
+        if policy.elastic_caps and not any(policy.queue(lane) for lane in policy.lanes
+                                           if lane != policy.lane_of(request)):
+            return pool.num_blocks        # elastic, and no other class waits: borrow freely
+        return cap_blocks(pool.num_blocks, policy.kv_cap(request.priority))
+
+    def _borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
+        """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
+        return (self.policy.elastic_caps and victim.priority > requester.priority
+                and pool.held(victim.priority) > cap_blocks(pool.num_blocks, self.policy.kv_cap(victim.priority)))
 
     def _make_room(self, worker: Worker, builder: StepBuilder, request: Request, need: int,
                    admitting: bool) -> bool:
@@ -218,7 +227,8 @@ class StepPlanner:
                 break
             if victim is request or victim.phase is not Phase.RUNNING or builder.is_scheduled(victim) \
                     or not victim.blocks \
-                    or not self.policy.may_preempt(request, victim, admitting):
+                    or not (self.policy.may_preempt(request, victim, admitting)
+                            or self._borrowing(pool, victim, request)):
                 continue
             same_class = victim.priority == request.priority
             if short_pool <= 0 and not same_class:

@@ -14,7 +14,7 @@ import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from services.common.config import FIRST_TOKEN_MODES
+from services.common.config import FIRST_TOKEN_MODES, KV_CAP_MODES
 from services.common.priority import HIGH, LOW, MEDIUM, ORDER, priority_name
 from services.scheduler.request import Request
 from services.scheduler.tenant_queue import TenantQueue
@@ -32,8 +32,13 @@ class QoSSettings:
     # classes only decode that step, so it is short). The tokens are charged to High's virtual
     # time either way, so the others get them back over the following steps.
     high_first_token: str = "ahead"
+    # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
+    # other class waits; a higher class that needs blocks takes them back by preempting it.
+    kv_cap_mode: str = "strict"
 
     def __post_init__(self) -> None:
+        if self.kv_cap_mode not in KV_CAP_MODES:
+            raise ValueError(f"kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {self.kv_cap_mode!r}")
         if self.high_first_token not in FIRST_TOKEN_MODES:
             raise ValueError(f"high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                              f"got {self.high_first_token!r}")
@@ -129,6 +134,8 @@ class SchedulingPolicy(ABC):
     def kv_cap(self, priority: int) -> float:
         """Largest share of a worker's KV blocks the class may hold."""
         return 1.0
+
+    elastic_caps = False      # caps may be exceeded while no other class waits (QoS "elastic")
 
     @abstractmethod
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
@@ -234,6 +241,10 @@ class QoSPolicy(SchedulingPolicy):
         others = [self.virtual_time[p] for p in self._backlogged if p != HIGH]
         lead = self.virtual_time[HIGH] - min(others) if others else 0.0
         return HIGH if lead * self._weights[HIGH] <= self.AHEAD_LIMIT_TOKENS else None
+
+    @property
+    def elastic_caps(self) -> bool:
+        return self.settings.kv_cap_mode == "elastic"
 
     @property
     def first_token_exclusive(self) -> bool:

@@ -23,10 +23,11 @@ class Harness:
     """A batcher over simulated workers, advanced one step at a time."""
 
     def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1,
-                 tenant_fairness=True, high_first_token="ahead"):
+                 tenant_fairness=True, high_first_token="ahead", kv_cap_mode="strict"):
         self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
         self.policy = create_policy(policy, QoSSettings(tenant_fairness=tenant_fairness,
-                                                        high_first_token=high_first_token))
+                                                        high_first_token=high_first_token,
+                                                        kv_cap_mode=kv_cap_mode))
         self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
         self.next_id = 1
         self.requests: list[Request] = []
@@ -299,3 +300,38 @@ def test_exclusive_mode_keeps_other_classes_to_decodes_in_a_first_token_step():
     # Low only decoded: prompts in progress did not advance in the step that served High's prompt.
     for request, before in zip(lows, low_computed):
         assert request.computed - before <= 1
+
+
+def low_peak_alone(mode: str) -> tuple[int, Harness]:
+    """Eight Low requests of 40 blocks each on a 200-block worker (Low's cap: 60 blocks)."""
+    h = Harness(num_blocks=200, max_step_tokens=256, kv_cap_mode=mode)
+    for _ in range(8):
+        h.submit(LOW, prompt_len=150, max_tokens=10)
+    peak = 0
+    for _ in range(6):
+        h.step()
+        peak = max(peak, h.workers[0].pool.held(LOW))
+    return peak, h
+
+
+def test_elastic_caps_let_a_class_alone_borrow_beyond_its_cap():
+    strict, _ = low_peak_alone("strict")
+    elastic, _ = low_peak_alone("elastic")
+    assert strict <= cap_blocks(200, 0.3) < elastic
+
+
+def test_a_higher_class_takes_borrowed_blocks_back_at_once():
+    _, h = low_peak_alone("elastic")
+    pool = h.workers[0].pool
+    assert pool.held(LOW) > cap_blocks(200, 0.3) and pool.num_free < 40
+    medium = h.submit(MEDIUM, prompt_len=150, max_tokens=3)
+    h.step()
+    assert medium.output_ids, "Medium waited for blocks Low had borrowed"
+    assert sum(r.preemptions for r in h.requests if r.priority == LOW) >= 1
+    while medium.phase is not Phase.FINISHED:
+        h.step()
+    for _ in range(200):
+        if all(r.phase is Phase.FINISHED for r in h.requests):
+            break
+        h.step()
+    assert all(r.output_ids == expected_output(r) for r in h.requests)
