@@ -34,7 +34,7 @@ demo: model
 	$(PY) -m services.cli demo
 
 test: model $(NPU_WHEEL_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # Pure-logic tests only (no model loads): seconds.
 test-fast: venv

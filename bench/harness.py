@@ -43,9 +43,11 @@ def make_parser(doc: str | None, *, seed: bool = False) -> argparse.ArgumentPars
 
 
 def model_or_bench(model: str | None) -> str:
-    """The --model folder, else the random-weight bench model (made once, cached)."""
+    """The --model folder ("default": the embedded SmolLM2), else the random-weight bench model
+    (made once, cached)."""
     if model:
-        return model
+        from services.cluster import resolve_model
+        return resolve_model(model)
     from services.engine.bench_model import bench_model_dir
     return str(bench_model_dir())
 
