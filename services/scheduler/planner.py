@@ -84,8 +84,9 @@ class StepPlanner:
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
             # which keeps the step, and so that first token, short.
-            self._serve(worker, builder, work, first, math.inf, active)
-            builder.decodes_only_after = first if policy.first_token_exclusive else None
+            served = self._serve(worker, builder, work, first, math.inf, active)
+            if served and policy.first_token_exclusive:
+                builder.decodes_only_after = first
             active.discard(first)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
@@ -100,9 +101,10 @@ class StepPlanner:
         return builder
 
     def _serve(self, worker: Worker, builder: StepBuilder, work: LaneWork, lane: int,
-               allowance: float, active: set[int]) -> None:
+               allowance: float, active: set[int]) -> int:
         """The lane's turn: its running sequences, then admissions, until it used its allowance
-        (at least one item) or the budget; a lane with nothing left leaves `active`."""
+        (at least one item) or the budget; a lane with nothing left leaves `active`. Returns the
+        tokens it took."""
         taken = 0
         others = work.others[lane]
         while builder.budget > 0 and (taken == 0 or taken < allowance):
@@ -121,6 +123,7 @@ class StepPlanner:
             builder.note_served(request, tokens, lane)
         if taken:
             self.policy.charge(lane, taken)
+        return taken
 
     def _next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
                    lane: int) -> Request | None:
