@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "admin-secret-for-tests"
 TENANTS = [Tenant("alpha"), Tenant("beta"), Tenant("batch", priorities=("low",)), Tenant("rpm2", rpm=2),
-           Tenant("tpm", tpm=300), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5)]
+           Tenant("tpm", tpm=120), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5)]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -133,20 +133,20 @@ def test_requests_per_minute_with_retry_after_and_openai_headers(cluster):
 
 
 def test_tokens_per_minute_reserve_then_true_up(cluster):
-    key = cluster.keys["tpm"]      # 300 tokens a minute
-    # Reserves ~2 + 200 tokens, but the stop string ends it at once ("Hello" goes on "-by-date-..."):
+    key = cluster.keys["tpm"]      # 120 tokens a minute
+    # Reserves ~2 + 80 tokens, but the stop string ends it at once ("Hello" goes on "-by-date-..."):
     # the true-up frees the rest.
-    status, headers, body = post(cluster, completion(cluster, max_tokens=200, stop=["-"]), key)
+    status, headers, body = post(cluster, completion(cluster, max_tokens=80, stop=["-"]), key)
     assert status == 200 and body["usage"]["completion_tokens"] < 20
-    assert int(headers["x-ratelimit-remaining-tokens"]) < 100        # as reserved, before the true-up
-    status, _, body = post(cluster, completion(cluster, max_tokens=250, ignore_eos=True), key)
+    assert int(headers["x-ratelimit-remaining-tokens"]) < 40         # as reserved, before the true-up
+    status, _, body = post(cluster, completion(cluster, max_tokens=70, ignore_eos=True), key)
     assert status == 200, body                                        # fits only after the true-up
-    status, headers, body = post(cluster, completion(cluster, max_tokens=250), key)
+    status, headers, body = post(cluster, completion(cluster, max_tokens=70), key)
     assert status == 429 and body["error"]["code"] == "rate_limit_tokens" and int(headers["retry-after"]) >= 1
-    error = grpc_error(cluster, key, max_tokens=250)
+    error = grpc_error(cluster, key, max_tokens=70)
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "tokens per minute" in error.details()
     assert int(dict(error.trailing_metadata())["retry-after-ms"]) > 0
-    status, _, body = post(cluster, completion(cluster, max_tokens=400), key)
+    status, _, body = post(cluster, completion(cluster, max_tokens=200), key)
     assert status == 400 and body["error"]["param"] == "max_tokens"      # could never fit
 
 
