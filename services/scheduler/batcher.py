@@ -137,8 +137,11 @@ class ContinuousBatcher:
         backlogged |= self.planner.lanes_running()
         policy.backlog_changed(backlogged)
         builders = {}
-        # Admit to the emptiest worker first, so load spreads across workers.
-        for link in sorted(self.workers, key=lambda l: -(l.pool.num_free if l.pool else -1)):
+        # Admit to a worker with a free running slot first (a request it takes preempts nobody,
+        # where a full worker would have to), then to the emptiest, so load spreads.
+        running, max_running = self.running, self.planner.max_running
+        for link in sorted(self.workers, key=lambda l: (len(running.get(l.index, ())) >= max_running,
+                                                       -(l.pool.num_free if l.pool else -1))):
             if not link.is_connected:
                 continue
             builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link))

@@ -335,3 +335,17 @@ def test_a_higher_class_takes_borrowed_blocks_back_at_once():
             break
         h.step()
     assert all(r.output_ids == expected_output(r) for r in h.requests)
+
+
+def test_high_goes_to_a_worker_with_a_free_slot_rather_than_preempting():
+    # Worker 0: both slots taken by short Low prompts, most blocks free. Worker 1: one long Low
+    # prompt, fewer blocks free, one slot free.
+    h = Harness(num_blocks=4096, max_running=2, max_step_tokens=512, workers=2)
+    lows = [h.submit(LOW, prompt_len=20, max_tokens=200) for _ in range(2)]
+    lows.append(h.submit(LOW, prompt_len=1200, max_tokens=200))
+    h.step()
+    assert [len(h.batcher.running[w.index]) for w in h.workers] == [2, 1]
+    assert h.workers[0].pool.num_free > h.workers[1].pool.num_free
+    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
+    h.step()
+    assert high.output_ids and all(r.preemptions == 0 for r in lows)
