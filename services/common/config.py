@@ -85,7 +85,7 @@ class SchedulerConfig(ServiceConfig):
     tenant_fairness: bool = True      # qos: inside a class, tenants share by weight, not arrival
     # qos: a High request waiting for its first token goes ahead of the fair-queueing order
     # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), or not ("wfq")
-    high_first_token: str = "ahead"
+    high_first_token: str = "exclusive"
     # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
     # other class waits, and takes them back by preemption when a higher class needs them
     kv_cap_mode: str = "strict"

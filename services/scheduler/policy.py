@@ -31,7 +31,7 @@ class QoSSettings:
     # work), "ahead" (High's work goes first that step) or "exclusive" (first, and the other
     # classes only decode that step, so it is short). The tokens are charged to High's virtual
     # time either way, so the others get them back over the following steps.
-    high_first_token: str = "ahead"
+    high_first_token: str = "exclusive"
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
