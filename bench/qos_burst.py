@@ -218,6 +218,8 @@ def parse_args():
     parser.add_argument("--trace-requests", type=int, default=300)
     parser.add_argument("--time-scale", type=float, default=1.0, help="divide arrival gaps by this")
     parser.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths by this")
+    parser.add_argument("--high-prompt-min", type=int, default=0,
+                        help="trace: make High prompts at least this many tokens (long real-time prompts)")
     return parser.parse_args()
 
 
@@ -229,7 +231,7 @@ def main() -> None:
     steady = {}
     if args.trace:
         jobs = trace_workload(tokenizer, max_context, args.trace, args.trace_skip, args.trace_requests,
-                              args.time_scale, args.length_scale, args.seed)
+                              args.time_scale, args.length_scale, args.seed, args.high_prompt_min)
     elif args.workload == "steady":
         capacity = measure_capacity(model, tokenizer, max_context, args)
         offered = args.load * capacity
@@ -243,7 +245,8 @@ def main() -> None:
     counts = {p: sum(1 for j in jobs if j.priority == p) for p in PRIORITIES}
     if args.trace:
         workload = (f"{args.trace} (rows {args.trace_skip}..{args.trace_skip + len(jobs)}, time /"
-                    f"{args.time_scale:g}, lengths x{args.length_scale:g})")
+                    f"{args.time_scale:g}, lengths x{args.length_scale:g}"
+                    + (f", High prompts >= {args.high_prompt_min}" if args.high_prompt_min else "") + ")")
     elif steady:
         workload = (f"steady (Poisson, {steady['offered_rps']:.2f} requests/s = {args.load:.0%} of the "
                     f"{steady['capacity_rps']:.2f}/s measured, {args.duration:.0f} s, mix "

@@ -38,7 +38,10 @@ def trace_priority(input_tokens: int, output_tokens: int) -> str:
 
 
 def trace_workload(tokenizer: TextTokenizer, max_context: int, trace: str, skip: int, count: int,
-                   time_scale: float, length_scale: float, seed: int) -> list[Job]:
+                   time_scale: float, length_scale: float, seed: int, high_prompt_min: int = 0) -> list[Job]:
+    """The trace's rows as jobs. `high_prompt_min`: High prompts (the rule above, from the trace's
+    own lengths) are made at least this long: the real-time class with long prompts (chat with
+    a document, a long conversation), whose first token needs several steps of prefill."""
     rng = random.Random(seed)
     path = TRACE_DIR / TRACES[trace]
     with open(path, newline="") as f:
@@ -56,7 +59,10 @@ def trace_workload(tokenizer: TextTokenizer, max_context: int, trace: str, skip:
         context, generated = int(row["ContextTokens"]), int(row["GeneratedTokens"])
         priority = trace_priority(context, generated)
         out = max(1, min(int(generated * length_scale), max_context // 4))
-        prompt_len = max(1, min(int(context * length_scale), max_context - out - 16))
+        prompt_len = int(context * length_scale)
+        if priority == "high":
+            prompt_len = max(prompt_len, high_prompt_min)
+        prompt_len = max(1, min(prompt_len, max_context - out - 16))
         text, n = text_of_tokens(tokenizer, rng, prompt_len)
         jobs.append(Job(priority, text, n, out, (seconds(row["TIMESTAMP"]) - start) / time_scale))
     return jobs
