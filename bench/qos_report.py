@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -106,7 +107,8 @@ def plot(report: dict, runs: dict[str, tuple[list[Outcome], list[Sample]]], dire
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF, {report['workload']}, {report['model']}")
+    # Wrapped: a steady or trace workload's description is longer than the figure is wide.
+    ax.set_title(textwrap.fill(f"TTFT CDF, {report['workload']}, {report['model']}", 90), fontsize=9)
     ax.axvline(200, color="grey", lw=0.8)
     ax.legend(fontsize=8)
     fig.tight_layout()
