@@ -92,9 +92,9 @@ class PoolRouter:
     loads: dict[str, PoolLoad] = field(default_factory=dict)
     _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
     _by_cost: list[PoolSpec] = field(default_factory=list)
-    # Per model, its healthy pools (cheapest first, all of them when none is healthy) and those
-    # of them on a GPU: rebuilt after a stats update, not on every decision.
-    _healthy: dict[str, tuple[list[PoolSpec], list[PoolSpec]]] = field(default_factory=dict)
+    # Per model, what _healthy_and_gpus says of all its pools: rebuilt after a stats update, not
+    # on every decision.
+    _healthy: dict[str, tuple[list[PoolSpec], list[PoolSpec], PoolSpec | None]] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
 
     def __post_init__(self) -> None:

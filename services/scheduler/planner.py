@@ -203,17 +203,21 @@ class StepPlanner:
         self.admitted[worker.index] += 1
         return True
 
+    def _class_cap(self, pool: KVBlockPool, priority: int) -> int:
+        """The most blocks the class may hold on this worker under its cap."""
+        return cap_blocks(pool.num_blocks, self.policy.kv_cap(priority))
+
     def _cap(self, pool: KVBlockPool, request: Request) -> int:
         policy = self.policy
         if policy.elastic_caps and not any(policy.queue(lane) for lane in policy.lanes
                                            if lane != policy.lane_of(request)):
             return pool.num_blocks        # elastic, and no other class waits: borrow freely
-        return cap_blocks(pool.num_blocks, policy.kv_cap(request.priority))
+        return self._class_cap(pool, request.priority)
 
     def _borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
         """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
         return (self.policy.elastic_caps and victim.priority > requester.priority
-                and pool.held(victim.priority) > cap_blocks(pool.num_blocks, self.policy.kv_cap(victim.priority)))
+                and pool.held(victim.priority) > self._class_cap(pool, victim.priority))
 
     def _make_room(self, worker: Worker, builder: StepBuilder, request: Request, need: int,
                    admitting: bool) -> bool:

@@ -47,6 +47,13 @@ class Harness:
     def step(self) -> dict:
         return asyncio.run(self.batcher.step())
 
+    def run_until_all_finished(self, max_steps: int) -> None:
+        """Step until every submitted request has finished, at most `max_steps` steps."""
+        for _ in range(max_steps):
+            if all(r.phase is Phase.FINISHED for r in self.requests):
+                break
+            self.step()
+
 
 def events(request: Request) -> list:
     out = []
@@ -112,10 +119,7 @@ def test_high_gets_its_first_token_within_two_steps_when_low_and_medium_hold_eve
             break
     assert high.output_ids, "High waited more than 2 steps"
     assert low.preemptions == 1
-    for _ in range(200):
-        if all(r.phase is Phase.FINISHED for r in h.requests):
-            break
-        h.step()
+    h.run_until_all_finished(200)
     for request in [low, *mediums, high]:
         assert request.phase is Phase.FINISHED
         assert request.output_ids == expected_output(request)   # the preempted one too, exactly
@@ -210,10 +214,7 @@ def test_high_takes_a_running_slot_from_a_lower_class_when_all_slots_are_full():
     h.step()
     assert high.output_ids, "High waited for a running slot"
     assert sum(r.preemptions for r in lows) == 1 and all(r.preemptions == 0 for r in mediums)
-    for _ in range(500):
-        if all(r.phase is Phase.FINISHED for r in h.requests):
-            break
-        h.step()
+    h.run_until_all_finished(500)
     assert all(r.output_ids == expected_output(r) for r in h.requests)
 
 
@@ -330,10 +331,7 @@ def test_a_higher_class_takes_borrowed_blocks_back_at_once():
     assert sum(r.preemptions for r in h.requests if r.priority == LOW) >= 1
     while medium.phase is not Phase.FINISHED:
         h.step()
-    for _ in range(200):
-        if all(r.phase is Phase.FINISHED for r in h.requests):
-            break
-        h.step()
+    h.run_until_all_finished(200)
     assert all(r.output_ids == expected_output(r) for r in h.requests)
 
 
