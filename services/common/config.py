@@ -31,6 +31,7 @@ DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
 FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive")   # SchedulerConfig.high_first_token
+ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 
 
@@ -55,7 +56,9 @@ class ServiceConfig:
 @dataclass(slots=True)
 class RouterConfig(ServiceConfig):
     port: int = 50051
-    routing: str = "cost"             # "cost": cost-aware pool choice; "primary": all on the primary
+    # "cost": cost-aware rules; "primary": all on the primary; "slo-cost": the cheapest pool whose
+    # predicted time to first token meets the request's SLO (services/router/latency_model.py)
+    routing: str = "cost"
     admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
     # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
     http_port: int = 8000

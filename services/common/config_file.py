@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
+from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES, ROUTING_MODES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
                                     ClusterConfig, ConfigError, PoolConfig, RouterConfig, SchedulerConfig,
                                     ServiceConfig, SlaConfig, StoreConfig, WorkerConfig, default_slas)
 
@@ -217,8 +217,8 @@ def parse_config(raw: dict) -> ClusterConfig:
     if len(set(names)) != len(names):
         raise ConfigError(f"pool names must be unique, got {names}")
     router = _section(RouterConfig, raw.get("router", {}), "router")
-    if router.routing not in ("cost", "primary"):
-        raise ConfigError(f"router.routing must be cost or primary, got {router.routing!r}")
+    if router.routing not in ROUTING_MODES:
+        raise ConfigError(f"router.routing must be one of {', '.join(ROUTING_MODES)}, got {router.routing!r}")
     if router.admission not in ("priority", "fifo"):
         raise ConfigError(f"router.admission must be priority or fifo, got {router.admission!r}")
     if not -1 <= router.http_port <= 65535:

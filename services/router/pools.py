@@ -11,6 +11,7 @@ import grpc
 from services.common.config import PoolConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.router.latency_model import PoolReport
 from services.router.routing import PoolLoad, PoolRouter, PoolSpec
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,18 @@ class PoolHandle:
 def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
     """A draining pool is healthy no more: it finishes what it has and takes nothing new."""
     total = stats.kv_blocks_total or 1
+    classes = stats.classes
+    report = PoolReport(
+        step_seconds=stats.step_seconds, worker_steps=stats.worker_steps, step_tokens=stats.step_tokens,
+        steps=stats.steps, waiting=tuple(c.waiting for c in classes),
+        waiting_tokens=tuple(c.waiting_tokens for c in classes), running=tuple(c.running for c in classes),
+        weights=tuple(c.weight for c in classes), workers=max(stats.workers - stats.workers_draining, 1),
+        max_step_tokens=stats.max_step_tokens, max_running=stats.max_running) \
+        if len(classes) == 3 and stats.max_step_tokens else None
     return PoolLoad(healthy=stats.workers > stats.workers_draining and not stats.draining,
-                    queued=sum(c.waiting for c in stats.classes),
+                    queued=sum(c.waiting for c in classes),
                     free_kv=1.0 - stats.kv_blocks_used / total, ttft_ms=stats.ttft_p90_ms,
-                    utilization=stats.utilization, adapters=frozenset(stats.adapters))
+                    utilization=stats.utilization, adapters=frozenset(stats.adapters), report=report)
 
 
 class PoolDirectory:

@@ -10,6 +10,7 @@ that is here. Failures are ServiceErrors, raised to the front, which maps them t
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -24,6 +25,7 @@ from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.tracing import inject_metadata
 from services.router.accounts import Accounts
+from services.router.limits import CHARS_PER_TOKEN
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.tally import RouterTotals, Tally
@@ -77,8 +79,8 @@ class RequestPath:
                     # `model: "ADAPTER"` (OpenAI clients, as vLLM takes it): the base model with it.
                     head = replace(head, lora=body.model)
                     body.model = self.model_name
-                pool = self.route(head, body, span)
-                tally.on_routed(pool.name)
+                pool, predicted = self.route(head, body, span)
+                tally.on_routed(pool.name, predicted)
                 streamed: list[int] = []        # token ids sent to the client, over every pool
                 failed: list[str] = []
                 while True:
@@ -86,6 +88,7 @@ class RequestPath:
                         async for chunk in self.relay(head, body, pool, tally, span, streamed):
                             streamed.extend(chunk.token_ids)
                             yield chunk
+                        self._judge_prediction(tally)
                         return
                     except ServiceError as error:
                         failed.append(pool.name)
@@ -109,7 +112,7 @@ class RequestPath:
                                f"{self.migration_limit} time(s) (router.migration_limit)",
                                retry_after_ms=error.retry_after_ms, reason=error.reason)
         try:
-            pool = self.route(head, body, span, exclude=frozenset(failed))
+            pool, _ = self.route(head, body, span, exclude=frozenset(failed))
         except ServiceError as none_left:
             raise ServiceError(ErrorKind.UNAVAILABLE, f"{error.message}; {none_left.message}",
                                retry_after_ms=error.retry_after_ms or 1000, reason=error.reason) from None
@@ -117,27 +120,40 @@ class RequestPath:
                     head.request_id, failed[-1], streamed, error.message, pool.name)
         return pool
 
+    def _judge_prediction(self, tally: Tally) -> None:
+        """A completed request's first token against its pool's prediction: the pool's margin."""
+        if tally.predicted_ttft_ms is None or tally.first_token_s is None or tally.outcome != "completed":
+            return
+        router = self.pools.router
+        router.observe_ttft(tally.pool, tally.predicted_ttft_ms, tally.first_token_s * 1000)
+        self.totals.prediction_margin.labels(tally.pool).set(router.models[tally.pool].margin)
+
     def route(self, head: RequestHead, body: router_pb2.GenerateRequest, span,
-              exclude: frozenset[str] = frozenset()) -> PoolHandle:
-        """The pool for this request, from cached pool stats only."""
+              exclude: frozenset[str] = frozenset()) -> tuple[PoolHandle, float | None]:
+        """The pool for this request, from cached pool stats only, and the time to first token
+        its latency model predicts (None before the pool has reported a step)."""
         router = self.pools.router
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
+        prompt_chars = len(body.prompt) + sum(len(m.content) for m in body.messages)
+        request = RouteRequest(body.model or self.model_name, head.priority, head.lora,
+                               head.slo_ms or None, exclude, math.ceil(prompt_chars / CHARS_PER_TOKEN))
         try:
-            decision = router.route(RouteRequest(body.model or self.model_name, head.priority,
-                                                 head.lora, head.slo_ms or None, exclude))
+            decision = router.route(request)
         except NoPoolError as exc:
             route_span.set_status(Status(StatusCode.ERROR, str(exc)))
             route_span.end()
             raise ServiceError(ErrorKind.UNSUPPORTED, str(exc), reason="no_pool",
                                field="x-lora" if head.lora else "model") from None
+        predicted = decision.predicted_ttft_ms or router.predict_ttft_ms(decision.pool, request)
         route_span.set_attributes({
             "qos.pool": decision.pool, "qos.route.rule": decision.rule,
+            "qos.route.predicted_ttft_ms": predicted if predicted is not None else -1.0,
             "qos.route.threshold": router.threshold.value,
             **{f"qos.route.queued.{n}": l.queued for n, l in router.loads.items()},
             **{f"qos.route.free_kv.{n}": l.free_kv for n, l in router.loads.items()}})
         route_span.end()
-        router.note_dispatch(decision.pool)
-        return self.pools.handles[decision.pool]
+        router.note_dispatch(decision.pool, request)
+        return self.pools.handles[decision.pool], predicted
 
     async def relay(self, head: RequestHead, body: router_pb2.GenerateRequest, pool: PoolHandle,
                     tally: Tally, span, streamed: list[int] = ()) -> AsyncIterator[common_pb2.GenerateChunk]:

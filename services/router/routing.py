@@ -12,12 +12,21 @@ Rules, in order (../shared/DESIGN.md, Routing semantics):
   5. otherwise                 -> queue on the primary.
 The overflow threshold adapts: it drops while the cheap pools idle and the primary queues, and
 rises while the cheap pools back up.
+
+Mode "slo-cost" keeps rules 0-2 and replaces 3-5: each pool's latency model
+(services/router/latency_model.py) predicts the request's time to first token from the pool's last
+stats; the cheapest pool whose prediction x margin meets the SLO takes it (pools of one price in
+turn, so that load spreads), else the pool with the smallest prediction. A pool whose model has no
+step-time sample yet is judged as rule 4 judges pools.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from services.common.config import ROUTING_MODES
 from services.common.priority import HIGH, LOW, MEDIUM
+from services.router.latency_model import LatencyModel, PoolReport
 
 DEFAULT_COST = {"cuda": 1.0, "npu": 0.3, "cpu": 0.1}
 DEFAULT_SLO_MS = {HIGH: 200.0, MEDIUM: 2_000.0, LOW: 30_000.0}
@@ -50,6 +59,7 @@ class PoolLoad:
     ttft_ms: float = 0.0                 # observed time to first token, recent requests (p90)
     utilization: float = 0.0
     adapters: frozenset = frozenset()    # LoRA adapters its workers hold
+    report: PoolReport | None = None     # what the latency model fits on (None: nothing yet)
 
 
 @dataclass(slots=True)
@@ -59,12 +69,14 @@ class RouteRequest:
     lora: str | None = None
     slo_ms: float | None = None
     exclude: frozenset[str] = frozenset()   # pools that already failed this request (migration)
+    prompt_tokens: int = 0               # estimated (the router does not tokenize)
 
 
-@dataclass(slots=True, frozen=True)
-class Decision:
+class Decision(NamedTuple):
+    """A tuple: made on every slo-cost decision, where a frozen dataclass costs a microsecond."""
     pool: str
     rule: str                            # which rule chose it, for traces and tests
+    predicted_ttft_ms: float = 0.0       # slo-cost: what the chosen pool's model predicted
 
 
 @dataclass(slots=True)
@@ -83,23 +95,42 @@ class OverflowThreshold:
 
 
 @dataclass(slots=True)
+class PriceTier:
+    """The healthy pools of one price (for one model), taken in turn by slo-cost routing."""
+    cost: float
+    members: list[tuple[PoolSpec, LatencyModel]]
+    cursor: int = 0
+
+
+@dataclass(slots=True)
+class Candidates:
+    """Per model, what the decision needs of its pools; rebuilt when a pool's health changes."""
+    healthy: list[PoolSpec]              # cheapest first (all pools, when none is healthy)
+    gpus: list[PoolSpec]
+    fixed_primary: PoolSpec | None       # the primary when it does not depend on load
+    tiers: list[PriceTier]
+
+
+@dataclass(slots=True)
 class PoolRouter:
     pools: list[PoolSpec]
-    mode: str = "cost"                   # "cost": the rules above; "primary": everything on the primary
+    mode: str = "cost"                   # "cost": the rules above; "primary": everything on the
+                                         # primary; "slo-cost": predicted latency (see above)
     threshold: OverflowThreshold = field(default_factory=OverflowThreshold)
     min_free_kv: float = 0.1             # "free capacity": at least this share of KV blocks free
     max_queue_for_overflow: int = 4      # a cheap pool queueing more than this is backed up
     loads: dict[str, PoolLoad] = field(default_factory=dict)
     _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
     _by_cost: list[PoolSpec] = field(default_factory=list)
-    # Per model, what _healthy_and_gpus says of all its pools: rebuilt after a stats update, not
-    # on every decision.
-    _healthy: dict[str, tuple[list[PoolSpec], list[PoolSpec], PoolSpec | None]] = field(default_factory=dict)
+    models: dict[str, LatencyModel] = field(default_factory=dict)
+    # Per (model, adapter or None), what _candidates says of the pools that serve it: rebuilt
+    # when a pool's health or adapters change, not on every decision.
+    _healthy: dict[tuple[str, str | None], Candidates] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
 
     def __post_init__(self) -> None:
-        if self.mode not in ("cost", "primary"):
-            raise ValueError(f"routing mode must be cost or primary, got {self.mode!r}")
+        if self.mode not in ROUTING_MODES:
+            raise ValueError(f"routing mode must be one of {', '.join(ROUTING_MODES)}, got {self.mode!r}")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique: {names}")
@@ -107,6 +138,7 @@ class PoolRouter:
             if pool.device not in DEFAULT_COST:
                 raise ValueError(f"pool {pool.name}: device must be cuda, npu or cpu, got {pool.device!r}")
             self.loads.setdefault(pool.name, PoolLoad())
+            self.models[pool.name] = LatencyModel()
         # Precomputed so that route() only walks short lists.
         self._by_cost = sorted(self.pools, key=lambda p: (p.cost, p.name))
         for pool in self._by_cost:
@@ -115,10 +147,19 @@ class PoolRouter:
 
     # --- cached state ---------------------------------------------------------------------------
 
-    def update(self, name: str, load: PoolLoad) -> None:
-        """A pool's new stats (from its stats stream); also adapts the overflow threshold."""
+    def update(self, name: str, load: PoolLoad, adapt: bool = True) -> None:
+        """A pool's new stats (from its stats stream); also adapts the overflow threshold (with
+        many pools, a caller may do that once per round of updates: adapt_threshold())."""
+        old = self.loads[name]
+        if old.healthy != load.healthy or old.adapters != load.adapters:
+            self._healthy.clear()
         self.loads[name] = load
-        self._healthy.clear()
+        if load.report is not None:
+            self.models[name].report(load.report)
+        if adapt:
+            self.adapt_threshold()
+
+    def adapt_threshold(self) -> None:
         primaries = [p for p in self.pools if self._is_primary(p)]
         cheap = [p for p in self.pools if not self._is_primary(p) and self.loads[p.name].healthy]
         if not primaries or not cheap:
@@ -129,10 +170,22 @@ class PoolRouter:
         cheap_backed_up = all(self.loads[p.name].queued > self.max_queue_for_overflow for p in cheap)
         self.threshold.adapt(primary_queued, cheap_idle, cheap_backed_up)
 
-    def note_dispatch(self, name: str) -> None:
-        """A request was just sent to `name`: count it as queued until the pool's next stats, so a
-        burst arriving between two stats updates does not all land on one pool."""
+    def note_dispatch(self, name: str, request: RouteRequest | None = None) -> None:
+        """A request was just sent to `name`: count it as queued (and its prompt as work ahead of
+        the next of its class) until the pool's next stats, so a burst arriving between two
+        stats updates does not all land on one pool."""
         self.loads[name].queued += 1
+        if request is not None:
+            self.models[name].dispatched(request.priority, request.prompt_tokens)
+
+    def predict_ttft_ms(self, name: str, request: RouteRequest) -> float | None:
+        """The pool's model's prediction for the request (None before its first step sample)."""
+        model = self.models[name]
+        return model.ttft_ms(request.priority, request.prompt_tokens) if model.known else None
+
+    def observe_ttft(self, name: str, predicted_ms: float, actual_ms: float) -> None:
+        """What a request's first token took on `name`, against what was predicted: the margin."""
+        self.models[name].observe(predicted_ms, actual_ms)
 
     def _is_primary(self, pool: PoolSpec) -> bool:
         has_gpu = any(p.device == "cuda" for p in self.pools)
@@ -151,58 +204,100 @@ class PoolRouter:
         candidates = self._by_model.get(request.model)
         if not candidates:
             raise NoPoolError(f"model {request.model!r} is not served by any pool")
-        if not request.lora and not request.exclude:
-            # The common case: every pool of the model is a candidate; its healthy ones are cached.
-            cached = self._healthy.get(request.model)
+        if not request.exclude:
+            # The common case: every pool of the model (holding the adapter) is a candidate; the
+            # healthy ones are cached.
+            key = (request.model, request.lora)
+            cached = self._healthy.get(key)
             if cached is None:
-                cached = self._healthy[request.model] = self._healthy_and_gpus(candidates)
-            return self._choose(request, *cached)
+                cached = self._healthy[key] = self._candidates(self._holding(candidates, request))
+            return self._choose(request, cached)
         if request.lora:
-            candidates = [p for p in candidates if request.lora in self.loads[p.name].adapters]
-            if not candidates:
-                raise NoPoolError(f"LoRA adapter {request.lora!r} is not loaded in any pool serving model "
-                                  f"{request.model!r}")
+            candidates = self._holding(candidates, request)
         if request.exclude:
             candidates = [p for p in candidates if p.name not in request.exclude]
             if not candidates:
                 raise NoPoolError(f"no other pool serves model {request.model!r} "
                                   f"(tried {', '.join(sorted(request.exclude))})")
-        return self._choose(request, *self._healthy_and_gpus(candidates))
+        return self._choose(request, self._candidates(candidates))
 
-    def _healthy_and_gpus(self, candidates: list[PoolSpec]) -> tuple[list[PoolSpec], list[PoolSpec],
-                                                                      PoolSpec | None]:
-        """The healthy candidates (all, when none is), the GPU pools among them, and the primary
-        when it does not depend on load (no GPU pool: the marked primary, else the priciest)."""
+    def _holding(self, candidates: list[PoolSpec], request: RouteRequest) -> list[PoolSpec]:
+        """The pools that hold the request's adapter (all, without one)."""
+        if not request.lora:
+            return candidates
+        holding = [p for p in candidates if request.lora in self.loads[p.name].adapters]
+        if not holding:
+            raise NoPoolError(f"LoRA adapter {request.lora!r} is not loaded in any pool serving model "
+                              f"{request.model!r}")
+        return holding
+
+    def _candidates(self, candidates: list[PoolSpec]) -> Candidates:
+        """The healthy candidates (all, when none is), the GPU pools among them, the primary when
+        it does not depend on load (no GPU pool: the marked primary, else the priciest), and the
+        healthy pools grouped by price."""
         loads = self.loads
         healthy = [p for p in candidates if loads[p.name].healthy] or candidates
         gpus = [p for p in healthy if p.device == "cuda"]
         fixed = None if gpus else next((p for p in healthy if p.primary), healthy[-1])
-        return healthy, gpus, fixed
+        tiers: list[PriceTier] = []
+        for pool in healthy:                       # cheapest first already
+            if not tiers or tiers[-1].cost != pool.cost:
+                tiers.append(PriceTier(pool.cost, []))
+            tiers[-1].members.append((pool, self.models[pool.name]))
+        return Candidates(healthy, gpus, fixed, tiers)
 
-    def _choose(self, request: RouteRequest, healthy: list[PoolSpec], gpus: list[PoolSpec],
-                fixed_primary: PoolSpec | None) -> Decision:
+    def _choose(self, request: RouteRequest, candidates: Candidates) -> Decision:
         loads = self.loads
-        primary = fixed_primary or self._least_queued(gpus)
-
-        if request.priority == HIGH:
-            return self._decision(primary, "high-to-primary")
-        if self.mode == "primary":
-            return self._decision(primary, "primary-only")
+        healthy = candidates.healthy
+        if request.priority == HIGH or self.mode != "slo-cost":
+            primary = candidates.fixed_primary or self._least_queued(candidates.gpus)
+            if request.priority == HIGH:
+                return self._decision(primary, "high-to-primary")
+            if self.mode == "primary":
+                return self._decision(primary, "primary-only")
         if request.lora:
             for pool in healthy:
                 if (pool.device == "npu" or pool.lora) and loads[pool.name].free_kv >= self.min_free_kv:
                     return self._decision(pool, "lora-to-npu")
+        slo = request.slo_ms if request.slo_ms else DEFAULT_SLO_MS.get(request.priority, DEFAULT_SLO_MS[MEDIUM])
+        if self.mode == "slo-cost":
+            return self._cheapest_meeting_slo(request, candidates.tiers, slo)
         if loads[primary.name].queued < self.threshold.value:
             return self._decision(primary, "primary-under-threshold")
-        slo = request.slo_ms if request.slo_ms else DEFAULT_SLO_MS.get(request.priority, DEFAULT_SLO_MS[MEDIUM])
         for pool in healthy:                       # cheapest first
-            if pool is primary:
-                continue
-            load = loads[pool.name]
-            if load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
-                    and load.ttft_ms <= slo:
+            if pool is not primary and self._has_room_by_rule(pool, slo):
                 return self._decision(pool, "overflow-cheapest")
         return self._decision(primary, "queue-on-primary")
+
+    def _has_room_by_rule(self, pool: PoolSpec, slo: float) -> bool:
+        load = self.loads[pool.name]
+        return load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
+            and load.ttft_ms <= slo
+
+    def _cheapest_meeting_slo(self, request: RouteRequest, tiers: list[PriceTier], slo: float) -> Decision:
+        """The first pool, by price and then in turn inside a price, whose predicted time to first
+        token (x its margin) meets the SLO with KV room; else the one predicted fastest."""
+        loads = self.loads
+        priority, prompt = request.priority, request.prompt_tokens
+        fastest, fastest_ms = None, float("inf")
+        for tier in tiers:
+            members, start = tier.members, tier.cursor
+            for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
+                if not model.known:                # nothing measured yet: judged as rule 4 does
+                    if self._has_room_by_rule(pool, slo):
+                        tier.cursor = (start + k + 1) % len(members)
+                        return Decision(pool.name, "slo-cost-unmeasured")
+                    continue
+                predicted = model.base_ms[priority] + prompt * model.per_prompt_token_ms[priority]
+                expected = predicted * model.margin
+                if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
+                    tier.cursor = (start + k + 1) % len(members)
+                    return Decision(pool.name, "slo-cost", predicted)
+                if expected < fastest_ms:
+                    fastest, fastest_ms, fastest_model = pool, expected, model
+        if fastest is None:                        # no pool measured and none with room
+            return Decision(tiers[-1].members[0][0].name, "slo-fastest")
+        return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
 
     def _least_queued(self, gpus: list[PoolSpec]) -> PoolSpec:
         """The primary among GPU pools: the least queued (the first among equals)."""

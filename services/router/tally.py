@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.metrics import RequestMetrics
@@ -24,6 +25,7 @@ from services.router.sla import Outcome, counts_against_sla
 LATENCY_WINDOW = 10_000        # most recent requests per group kept for percentiles
 RECENT = 50                    # finished requests kept for the console
 FINISHED_WINDOW = 20_000       # (time, class, TTFT, e2e) of recent completions: the console's minute
+PREDICTION_ERROR_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000)
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +80,15 @@ class RouterTotals:
         self.migrations = PromCounter("qos_migrations", "Requests moved to another pool mid-way",
                                       ("from_pool", "to_pool"), registry=self.registry)
         self.migrated = 0
+        # The latency model's error (services/router/latency_model.py): |actual - predicted| time
+        # to first token of each completed request whose pool had a prediction, and the margin
+        # each pool's predictions are multiplied by.
+        self.prediction_error = Histogram(
+            "qos_route_prediction_error_ms", "Routing latency model: |actual - predicted| TTFT, ms",
+            ("pool", "priority"), buckets=PREDICTION_ERROR_BUCKETS_MS, registry=self.registry)
+        self.prediction_margin = Gauge("qos_route_prediction_margin", "Routing latency model: the "
+                                       "factor predictions are multiplied by (P90 of actual/predicted)",
+                                       ("pool",), registry=self.registry)
         self.rejected: Counter = Counter()       # (class or "unknown", reason) -> requests refused
         self.limits_hit: Counter = Counter()     # tenant -> requests refused by its own limits
         self.recent: deque[FinishedRequest] = deque(maxlen=RECENT)
@@ -118,6 +129,7 @@ class Tally:
         self.started = time.perf_counter()
         self.started_wall = time.time()
         self.first_token_s: float | None = None
+        self.predicted_ttft_ms: float | None = None         # the pool's latency model's prediction
         self.prompt_tokens = self.completion_tokens = 0    # as far as known (usage comes first)
         self.outcome = ""                                   # completed | failed | cancelled
         self.groups = [totals.by_priority[priority],
@@ -126,8 +138,9 @@ class Tally:
             group.requests += 1
         span.set_attributes({"qos.priority": self.name, "qos.tenant": tenant})
 
-    def on_routed(self, pool: str) -> None:
+    def on_routed(self, pool: str, predicted_ttft_ms: float | None = None) -> None:
         self.pool = pool
+        self.predicted_ttft_ms = predicted_ttft_ms
         group = self.totals.by_pool[pool]
         group.requests += 1
         self.groups.append(group)
@@ -157,6 +170,9 @@ class Tally:
             group.e2e_ms.append(elapsed_s * 1000)
             group.cost_units += chunk.cost_units
         ttft_s = self.first_token_s if self.first_token_s is not None else elapsed_s
+        if self.predicted_ttft_ms is not None and self.first_token_s is not None:
+            self.totals.prediction_error.labels(self.pool, self.name).observe(
+                abs(ttft_s * 1000 - self.predicted_ttft_ms))
         self.totals.metrics.finished((self.name, self.pool), ttft_s, elapsed_s,
                                      chunk.usage.completion_tokens)
         self.span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,

@@ -51,6 +51,10 @@ class ContinuousBatcher:
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.failovers: Counter = Counter()         # sequences moved off a worker, by reason
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
+        # Since start, for the router's latency model: steps' wall time, worker-steps, tokens.
+        self.step_seconds = 0.0
+        self.worker_steps = 0
+        self.step_tokens = 0
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
 
@@ -123,7 +127,11 @@ class ContinuousBatcher:
         await asyncio.gather(*(self._execute_and_postprocess(self.workers[i], b) for i, b in plans.items()))
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
-            rate = tokens / max(time.perf_counter() - started, 1e-6)
+            elapsed = time.perf_counter() - started
+            self.step_seconds += elapsed
+            self.worker_steps += sum(1 for b in plans.values() if b.num_tokens)
+            self.step_tokens += tokens
+            rate = tokens / max(elapsed, 1e-6)
             self.tokens_per_second = rate if not self.tokens_per_second \
                 else 0.8 * self.tokens_per_second + 0.2 * rate
 

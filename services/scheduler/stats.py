@@ -42,12 +42,16 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             output_tokens=b.output_tokens[p], weight=weights[p], kv_cap=policy.kv_cap(p),
             served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
             rejected=rejected[p], preempted=b.preempted_by_priority[p],
-            recomputed_tokens=b.planner.recomputed_tokens[p]) for p in ORDER],
+            recomputed_tokens=b.planner.recomputed_tokens[p],
+            waiting_tokens=sum(r.pending for r in policy.queue(policy.lane_of_priority(p))
+                               if r.priority == p)) for p in ORDER],
         weight_changes=[scheduler_pb2.WeightChange(
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
             for c in (monitor.changes if monitor else ())],
         adapters=sorted(frozenset().union(*(l.adapters for l in connected))),
+        step_seconds=b.step_seconds, worker_steps=b.worker_steps, step_tokens=b.step_tokens,
+        max_step_tokens=b.planner.max_step_tokens, max_running=b.planner.max_running,
         desired_workers=advisor.desired, min_workers=advisor.min_workers, max_workers=advisor.max_workers,
         scale_reason=advisor.reason)
 

@@ -12,6 +12,7 @@ from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 from tests.e2e.conftest import run
+from tests.e2e.test_observability import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -60,3 +61,38 @@ def test_low_burst_overflows_to_the_cheaper_pool_and_high_stays_on_the_primary()
         by_tenant = {g.name: g for g in stats.by_tenant}
         assert by_tenant["batch"].requests == 20 and by_tenant["chat"].requests == 3
         assert {p.pool for p in stats.pools} == {"big", "small"}
+
+
+def test_slo_cost_routing_sends_tolerant_work_to_the_cheap_pool_and_measures_its_predictions():
+    config = two_pools()
+    config.router.routing = "slo-cost"
+    config.router.metrics_port = 0
+    with LocalCluster(config, quiet=True) as cluster:
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                params = sampling_params(max_tokens=8, temperature=0.0, ignore_eos=True)
+                answers = []
+                for wave in range(3):     # between waves, the pools' stats reach the router
+                    answers += await asyncio.gather(*[
+                        client.generate(chat_request(f"Tell me about the number {wave}{i}.", params),
+                                        priority="low", slo_ms=60_000) for i in range(4)])
+                    await asyncio.sleep(0.6)
+                highs = await asyncio.gather(*[client.generate(chat_request(f"Hi {i}!", params),
+                                                                priority="high") for i in range(2)])
+            async with grpc.aio.insecure_channel(cluster.router_address) as channel:
+                stats = await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest())
+            return answers, highs, stats
+
+        lows, highs, stats = run(go())
+        # A minute's SLO: the cheap pool meets it, so every Low request goes there (the rules of
+        # "cost" mode would have kept them on the primary, whose queue stays under the threshold).
+        assert [a.pool for a in lows] == ["small"] * 12
+        assert all(a.pool == "big" for a in highs)          # High keeps its strict rule
+        small = next(p for p in stats.pools if p.pool == "small")
+        assert small.step_seconds > 0 and small.step_tokens > 0 and small.max_step_tokens == 64
+        metrics = scrape(config.router.host, config.router.metrics_port)
+        # Requests routed after the pools reported their first steps carry a prediction whose
+        # error is measured: at least the last wave of Low and the High ones.
+        counted = sum(v for (name, _), v in metrics.items() if name == "qos_route_prediction_error_ms_count")
+        assert counted >= 6, {k: v for k, v in metrics.items() if "prediction" in k[0]}
+        assert any(name == "qos_route_prediction_margin" for name, _ in metrics)

@@ -53,7 +53,7 @@ class PoolStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class ClassStats(_message.Message):
-    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted", "recomputed_tokens")
+    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted", "recomputed_tokens", "waiting_tokens")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class ClassStats(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     priority: _common_pb2.Priority
     waiting: int
     running: int
@@ -78,7 +79,8 @@ class ClassStats(_message.Message):
     rejected: int
     preempted: int
     recomputed_tokens: int
-    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ...) -> None: ...
+    waiting_tokens: int
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
 
 class WeightChange(_message.Message):
     __slots__ = ("at_unix_s", "priority", "old_weight", "new_weight", "utilization", "free_kv")
@@ -97,7 +99,7 @@ class WeightChange(_message.Message):
     def __init__(self, at_unix_s: _Optional[float] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., old_weight: _Optional[float] = ..., new_weight: _Optional[float] = ..., utilization: _Optional[float] = ..., free_kv: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining", "failovers", "members", "desired_workers", "min_workers", "max_workers", "scale_reason", "adapters")
+    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining", "failovers", "members", "desired_workers", "min_workers", "max_workers", "scale_reason", "adapters", "step_seconds", "worker_steps", "step_tokens", "max_step_tokens", "max_running")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,11 @@ class PoolStats(_message.Message):
     MAX_WORKERS_FIELD_NUMBER: _ClassVar[int]
     SCALE_REASON_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     pool: str
     model: str
     device: str
@@ -146,7 +153,12 @@ class PoolStats(_message.Message):
     max_workers: int
     scale_reason: str
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., scale_reason: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_seconds: float
+    worker_steps: int
+    step_tokens: int
+    max_step_tokens: int
+    max_running: int
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., scale_reason: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ..., worker_steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_running: _Optional[int] = ...) -> None: ...
 
 class WorkerState(_message.Message):
     __slots__ = ("address", "connected", "draining", "running", "kv_blocks_total", "kv_blocks_used", "admitted")
