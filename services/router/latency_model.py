@@ -1,21 +1,27 @@
 """How long a new request would wait for its first token on a pool, predicted from the pool's
 last stats (no I/O): the model behind `router.routing = "slo-cost"` (services/router/routing.py).
 
-Each pool reports, cumulatively, its steps' wall time, worker-steps and tokens computed. Between
-two reports that gives one sample of (tokens per worker-step, ms per step); a least-squares line
-through recent samples (older ones fade) is the pool's step time:
+Each pool reports, cumulatively, its steps' wall time, worker-steps, tokens computed and KV tokens
+held. Between two reports that gives one sample of (tokens and KV tokens per worker-step, ms per
+step); a least-squares fit through recent samples (older ones fade) is the pool's step time:
 
-    step_ms(tokens) = fixed_ms + ms_per_token * tokens
+    step_ms(tokens, kv) = fixed_ms + ms_per_token * tokens + ms_per_kv_token * kv
 
-A new request of class c with a P-token prompt then waits for the tokens queued ahead of it in its
-class, and its own prompt, to be computed at the share of each step that weighted fair queueing
-gives its class (5:3:2 among the classes with work; High's first tokens go ahead of the others):
+A new request of class c with a P-token prompt waits until the prefill tokens that go before
+its own are computed, at what the decodes leave of each step (F tokens a step on W workers):
+High's queued prompts first (High's first tokens go ahead of the others), then its own class's
+queue and prompt (x = queued + P), shared with the other backlogged class by weighted fair
+queueing: that one takes w_o / w_c tokens for each of ours until its queue (y) runs dry:
 
-    ttft = base_ms[c] + P * ms_per_prompt_token[c]
+    tokens = high_queue + x + min(y, x * w_o / w_c)
+    ttft   = half a step in flight + max(one step of R decodes + tokens, tokens * step_ms(B) / (W F))
+             + the longer of: (requests ahead + 1 - free running slots) / completions per second,
+               (x - the class's KV room) / KV tokens its completions free per second, if > 0
 
-Both terms are computed once per report, so that a prediction is two multiplications. The
+(one step when the tokens fit in one, else as many full steps as they need).
+Everything but P is computed once per report, so that a prediction is a few multiplications. The
 router compares what happened with what it predicted (`observe`) and keeps, per pool, a margin:
-the 90th percentile of actual / predicted over recent requests. A pool meets an SLO when
+the 99th percentile of actual / predicted over recent requests. A pool meets an SLO when
 prediction x margin <= SLO.
 """
 from __future__ import annotations
@@ -23,12 +29,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.common.priority import HIGH, ORDER
+from services.common.priority import HIGH, LOW, MEDIUM, ORDER
 
 FADE = 0.9                  # weight left to older step samples at each new one
 MIN_SAMPLE_STEPS = 1        # a report with fewer new worker-steps carries no step-time sample
 MARGIN_SAMPLES = 200        # actual/predicted ratios kept per pool
-MARGIN_QUANTILE = 0.9
+MARGIN_QUANTILE = 0.99
+MARGIN_TRUSTED = 30         # until this many requests were observed, the margin is at least MARGIN_START
 MARGIN_BOUNDS = (0.25, 8.0)   # below 1: the model overestimates that pool
 MARGIN_START = 1.5          # before any request was observed
 MIN_PREFILL_SHARE = 0.05    # a class always gets this share of a step's budget (no division by 0)
@@ -41,9 +48,16 @@ class PoolReport:
     step_seconds: float = 0.0
     worker_steps: int = 0
     step_tokens: int = 0
+    step_kv_tokens: int = 0              # KV tokens held at each worker-step, summed
+    finished: int = 0                    # requests completed
+    at_s: float = 0.0                    # when the report was taken (any monotonic clock)
     steps: int = 0
+    kv_tokens: int = 0                   # held now, all workers
+    kv_capacity: int = 0                 # KV tokens all workers can hold (0: unknown)
+    kv_by_class: tuple = (0, 0, 0)       # KV tokens each class holds now
+    kv_caps: tuple = (1.0, 1.0, 1.0)     # largest share of the KV cache each class may hold
     waiting: tuple = (0, 0, 0)           # requests queued
-    waiting_tokens: tuple = (0, 0, 0)    # tokens they still need computed
+    waiting_tokens: tuple = (0, 0, 0)    # prompt tokens still to compute (queued + running ones' rest)
     running: tuple = (0, 0, 0)
     weights: tuple = (5.0, 3.0, 2.0)
     workers: int = 1
@@ -53,38 +67,53 @@ class PoolReport:
 
 @dataclass(slots=True)
 class StepFit:
-    """step_ms = fixed_ms + ms_per_token * tokens, by least squares over faded samples."""
-    sw: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
+    """step_ms = fixed_ms + ms_per_token * tokens + ms_per_kv_token * KV tokens, by least squares
+    over faded samples (each the mean over the steps between two reports). Coefficients stay
+    >= 0: a term the samples cannot separate (every step the same size, or KV growing with the
+    batch) is dropped and the others refitted; with one batch size only, a third of the step
+    is taken as fixed (what the engine's profile shows at small batches) until other sizes come."""
+    sums: list = field(default_factory=lambda: [[0.0] * 4 for _ in range(3)])  # X'WX | X'Wy, features 1, x, z
     fixed_ms: float = 0.0
     ms_per_token: float = 0.0
+    ms_per_kv_token: float = 0.0
 
     @property
     def known(self) -> bool:
-        return self.sw > 0
+        return self.sums[0][0] > 0
 
-    def add(self, tokens: float, ms: float, weight: float) -> None:
-        self.sw, self.sx, self.sy = FADE * self.sw + weight, FADE * self.sx + weight * tokens, FADE * self.sy + weight * ms
-        self.sxx = FADE * self.sxx + weight * tokens * tokens
-        self.sxy = FADE * self.sxy + weight * tokens * ms
-        mean_x, mean_y = self.sx / self.sw, self.sy / self.sw
-        var = self.sxx / self.sw - mean_x * mean_x
-        cov = self.sxy / self.sw - mean_x * mean_y
-        if var > 1e-6 * max(mean_x * mean_x, 1.0) and cov > 0:
-            slope = cov / var
-            self.ms_per_token, self.fixed_ms = slope, max(mean_y - slope * mean_x, 0.0)
-        else:
-            # All samples at one batch size: fixed and per-token parts cannot be told apart. Take
-            # a third as fixed (what the engine's profile shows at small batches); more samples
-            # at other sizes correct it.
-            self.fixed_ms = mean_y / 3
-            self.ms_per_token = (mean_y - self.fixed_ms) / max(mean_x, 1.0)
+    def add(self, tokens: float, kv_tokens: float, ms: float, weight: float) -> None:
+        features = (1.0, tokens, kv_tokens)
+        for i, row in enumerate(self.sums):
+            for j in range(3):
+                row[j] = FADE * row[j] + weight * features[i] * features[j]
+            row[3] = FADE * row[3] + weight * features[i] * ms
+        for terms in ((0, 1, 2), (0, 1), (0, 2)):
+            solved = self._solve(terms)
+            if solved is not None and all(c >= 0 for c in solved.values()):
+                self.fixed_ms, self.ms_per_token, self.ms_per_kv_token = (solved.get(i, 0.0) for i in range(3))
+                return
+        mean_x, mean_y = self.sums[0][1] / self.sums[0][0], self.sums[0][3] / self.sums[0][0]
+        self.fixed_ms, self.ms_per_kv_token = mean_y / 3, 0.0
+        self.ms_per_token = (mean_y - self.fixed_ms) / max(mean_x, 1.0)
 
-    def step_ms(self, tokens: float) -> float:
-        return self.fixed_ms + self.ms_per_token * tokens
+    def _solve(self, terms: tuple) -> dict | None:
+        """Least squares on a subset of the features (Gaussian elimination); None if singular."""
+        n = len(terms)
+        rows = [[self.sums[i][j] for j in terms] + [self.sums[i][3]] for i in terms]
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+            scale = max(abs(rows[r][col]) for r in range(n)) or 1.0
+            if abs(rows[pivot][col]) < 1e-9 * scale:
+                return None
+            rows[col], rows[pivot] = rows[pivot], rows[col]
+            for r in range(n):
+                if r != col:
+                    f = rows[r][col] / rows[col][col]
+                    rows[r] = [a - f * b for a, b in zip(rows[r], rows[col])]
+        return {t: rows[k][n] / rows[k][k] for k, t in enumerate(terms)}
+
+    def step_ms(self, tokens: float, kv_tokens: float = 0.0) -> float:
+        return self.fixed_ms + self.ms_per_token * tokens + self.ms_per_kv_token * kv_tokens
 
 
 @dataclass(slots=True)
@@ -92,8 +121,22 @@ class LatencyModel:
     """One pool's predicted time to first token per class, refreshed on every report."""
     fit: StepFit = field(default_factory=StepFit)
     last: PoolReport | None = None
-    base_ms: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])          # by priority 1..3
-    per_prompt_token_ms: list = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    # By priority (index 1..3): tokens queued in the class, tokens that go first (High's queue),
+    # the other backlogged class's queue and its tokens per one of ours (weights).
+    queued: list = field(default_factory=lambda: [0.0] * 4)
+    first: list = field(default_factory=lambda: [0.0] * 4)
+    other_queue: list = field(default_factory=lambda: [0.0] * 4)
+    other_ratio: list = field(default_factory=lambda: [0.0] * 4)
+    slots_ahead: list = field(default_factory=lambda: [0.0] * 4)   # requests that take a slot before ours
+    free_slots: float = 0.0              # running slots free now (max_running x workers - running)
+    ms_per_slot: float = 0.0             # time until a running request completes and frees one
+    kv_room: list = field(default_factory=lambda: [0.0] * 4)        # KV tokens the class may still take
+    ms_per_kv_token: list = field(default_factory=lambda: [0.0] * 4)  # time until the class frees one
+    finish_rate: float = 0.0             # requests completed per second, smoothed
+    in_flight_ms: float = 0.0            # half the step now running
+    one_step_ms: float = 0.0             # a step of the running decodes alone
+    ms_per_token: float = 0.0            # what each prefill token adds to a step
+    ms_per_full_token: float = 0.0       # a full step's time per prefill token it carries
     tpot_ms: float = 0.0                 # time per output token at the current batch
     ratios: deque = field(default_factory=lambda: deque(maxlen=MARGIN_SAMPLES))
     margin: float = MARGIN_START
@@ -102,13 +145,17 @@ class LatencyModel:
 
     def report(self, report: PoolReport) -> None:
         last, self.last = self.last, report
+        if last is not None and report.at_s > last.at_s:
+            rate = (report.finished - last.finished) / (report.at_s - last.at_s)
+            self.finish_rate = rate if not self.finish_rate else FADE * self.finish_rate + (1 - FADE) * rate
         if last is not None:
             steps = report.steps - last.steps
             worker_steps = report.worker_steps - last.worker_steps
             if steps >= MIN_SAMPLE_STEPS and worker_steps > 0:
                 tokens = (report.step_tokens - last.step_tokens) / worker_steps
+                kv_tokens = (report.step_kv_tokens - last.step_kv_tokens) / worker_steps
                 ms = (report.step_seconds - last.step_seconds) * 1000 / steps
-                self.fit.add(tokens, ms, steps)
+                self.fit.add(tokens, kv_tokens, ms, steps)
         if self.fit.known:
             self.known = True
             self._refresh(report)
@@ -119,37 +166,52 @@ class LatencyModel:
         workers = max(r.workers, 1)
         running = sum(r.running)
         decodes = running / workers                       # one token each per step, per worker
-        full_step = fit.step_ms(budget)
-        self.tpot_ms = fit.step_ms(max(decodes, 1.0) if not any(r.waiting) else budget)
-        if not any(r.waiting) and running < workers * r.max_running:
-            # Room now: admitted at the next step, its prompt gets what the decodes leave of each
-            # step on one worker; it waits half a step for the one in flight, if any.
-            per_token = full_step / max(budget - decodes, budget * MIN_PREFILL_SHARE)
-            base = (fit.step_ms(decodes) / 2 if running else 0.0) + fit.step_ms(decodes)
-            for p in ORDER:
-                self.base_ms[p], self.per_prompt_token_ms[p] = base, per_token
-            return
-        # Backlogged: each class's prompts get its fair share of the pool's steps (less its own
-        # decodes); High's first tokens go ahead of everyone's prefill.
+        kv = r.kv_tokens / workers
+        prefill = max(budget - decodes, budget * MIN_PREFILL_SHARE)
+        self.one_step_ms = fit.step_ms(decodes, kv)
+        self.in_flight_ms = self.one_step_ms / 2 if running else 0.0
+        self.ms_per_token = fit.ms_per_token
+        self.ms_per_full_token = fit.step_ms(budget, kv) / (prefill * workers)
+        self.tpot_ms = fit.step_ms(budget if any(r.waiting) else max(decodes, 1.0), kv)
+        # More requests ahead of it than free running slots (max_running): a new request also waits
+        # for completions to free the rest, at the pool's recent completion rate.
+        self.free_slots = workers * r.max_running - running
+        self.ms_per_slot = 1000 / max(self.finish_rate, 1e-3)
         weights = dict(zip(ORDER, r.weights))
-        busy = {p for p, w, n in zip(ORDER, r.waiting, r.running) if w or n}
-        capacity = budget * workers
-        for i, p in enumerate(ORDER):
+        queued = dict(zip(ORDER, r.waiting_tokens))
+        waiting = dict(zip(ORDER, r.waiting))
+        running_by = dict(zip(ORDER, r.running))
+        kv_free = r.kv_capacity - r.kv_tokens
+        for p, held, cap in zip(ORDER, r.kv_by_class, r.kv_caps):
+            # A class at its KV cap (or a full cache) admits only as its own sequences complete and
+            # free their tokens: at its share of the completions, each freeing its average.
+            self.kv_room[p] = min(cap * r.kv_capacity - held, kv_free) if r.kv_capacity else float("inf")
+            completions_per_ms = self.finish_rate / 1000 * running_by[p] / max(running, 1)
+            per_seq = held / running_by[p] if running_by[p] else 0.0
+            self.ms_per_kv_token[p] = 1 / (completions_per_ms * per_seq) if completions_per_ms and per_seq else 0.0
+        for p in ORDER:
+            self.queued[p] = queued[p]
             if p == HIGH:
-                share_tokens = capacity - (running - r.running[0])
-                ahead = r.waiting_tokens[0]
-            else:
-                classes = busy | {p}
-                share = weights[p] / sum(weights[c] for c in classes)
-                share_tokens = share * capacity - r.running[i]
-                ahead = r.waiting_tokens[i]
-            share_tokens = max(share_tokens, capacity * MIN_PREFILL_SHARE)
-            per_token = full_step / share_tokens
-            self.base_ms[p] = full_step / 2 + ahead * per_token
-            self.per_prompt_token_ms[p] = per_token
+                self.first[p] = self.other_queue[p] = self.other_ratio[p] = 0.0
+                self.slots_ahead[p] = waiting[HIGH] + 1
+                continue
+            other = MEDIUM if p == LOW else LOW
+            self.first[p] = queued[HIGH]
+            self.other_queue[p] = queued[other]
+            self.other_ratio[p] = weights[other] / weights[p]
+            self.slots_ahead[p] = waiting[HIGH] + waiting[p] + min(waiting[other], waiting[p] * self.other_ratio[p]) + 1
 
     def ttft_ms(self, priority: int, prompt_tokens: int) -> float:
-        return self.base_ms[priority] + prompt_tokens * self.per_prompt_token_ms[priority]
+        mine = self.queued[priority] + prompt_tokens
+        other = mine * self.other_ratio[priority]
+        tokens = self.first[priority] + mine + (other if other < self.other_queue[priority] else self.other_queue[priority])
+        one_step = self.one_step_ms + tokens * self.ms_per_token
+        full_steps = tokens * self.ms_per_full_token
+        wait = (self.slots_ahead[priority] - self.free_slots) * self.ms_per_slot
+        kv_wait = (mine - self.kv_room[priority]) * self.ms_per_kv_token[priority]
+        if kv_wait > wait:
+            wait = kv_wait
+        return self.in_flight_ms + (one_step if one_step > full_steps else full_steps) + (wait if wait > 0 else 0.0)
 
     def e2e_ms(self, priority: int, prompt_tokens: int, max_tokens: int) -> float:
         return self.ttft_ms(priority, prompt_tokens) + max(max_tokens - 1, 0) * self.tpot_ms
@@ -157,7 +219,8 @@ class LatencyModel:
     def dispatched(self, priority: int, prompt_tokens: int) -> None:
         """A request was just sent here: the next one of its class waits for it too, until the
         pool's next report says how far it got."""
-        self.base_ms[priority] += prompt_tokens * self.per_prompt_token_ms[priority]
+        self.queued[priority] += prompt_tokens
+        self.slots_ahead[priority] += 1
 
     def observe(self, predicted_ms: float, actual_ms: float) -> None:
         """A request this pool served: how far off the prediction was feeds the margin."""
@@ -169,4 +232,6 @@ class LatencyModel:
             self._since_margin = 0
             ordered = sorted(self.ratios)
             ratio = ordered[min(int(MARGIN_QUANTILE * len(ordered)), len(ordered) - 1)]
+            if len(ordered) < MARGIN_TRUSTED:
+                ratio = max(ratio, MARGIN_START)
             self.margin = min(max(ratio, MARGIN_BOUNDS[0]), MARGIN_BOUNDS[1])

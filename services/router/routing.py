@@ -288,7 +288,7 @@ class PoolRouter:
                         tier.cursor = (start + k + 1) % len(members)
                         return Decision(pool.name, "slo-cost-unmeasured")
                     continue
-                predicted = model.base_ms[priority] + prompt * model.per_prompt_token_ms[priority]
+                predicted = model.ttft_ms(priority, prompt)
                 expected = predicted * model.margin
                 if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
                     tier.cursor = (start + k + 1) % len(members)

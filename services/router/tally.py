@@ -87,7 +87,7 @@ class RouterTotals:
             "qos_route_prediction_error_ms", "Routing latency model: |actual - predicted| TTFT, ms",
             ("pool", "priority"), buckets=PREDICTION_ERROR_BUCKETS_MS, registry=self.registry)
         self.prediction_margin = Gauge("qos_route_prediction_margin", "Routing latency model: the "
-                                       "factor predictions are multiplied by (P90 of actual/predicted)",
+                                       "factor predictions are multiplied by (P99 of actual/predicted)",
                                        ("pool",), registry=self.registry)
         self.rejected: Counter = Counter()       # (class or "unknown", reason) -> requests refused
         self.limits_hit: Counter = Counter()     # tenant -> requests refused by its own limits

@@ -55,6 +55,8 @@ class ContinuousBatcher:
         self.step_seconds = 0.0
         self.worker_steps = 0
         self.step_tokens = 0
+        self.step_kv_tokens = 0
+        self.finished = 0                           # requests completed since start
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
 
@@ -131,6 +133,8 @@ class ContinuousBatcher:
             self.step_seconds += elapsed
             self.worker_steps += sum(1 for b in plans.values() if b.num_tokens)
             self.step_tokens += tokens
+            self.step_kv_tokens += sum(self.workers[i].pool.num_used * self.workers[i].pool.block_size
+                                       for i, b in plans.items() if b.num_tokens and self.workers[i].pool)
             rate = tokens / max(elapsed, 1e-6)
             self.tokens_per_second = rate if not self.tokens_per_second \
                 else 0.8 * self.tokens_per_second + 0.2 * rate
@@ -214,6 +218,7 @@ class ContinuousBatcher:
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
             request.events.put_nowait(chunk)
             if chunk.finish_reason:
+                self.finished += 1
                 self._finish(request)
                 if self.on_finished is not None:
                     self.on_finished(request, now)

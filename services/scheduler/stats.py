@@ -22,6 +22,7 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
     running = b.running_by_priority()
     weights = policy.weights()
     info = next((l.info for l in b.links if l.info is not None), None)
+    prefill_left = prefill_backlog(b)
     return scheduler_pb2.PoolStats(
         pool=name, model=model, policy=policy.name, draining=draining,
         device=info.device_type if info else "", workers=len(connected),
@@ -43,17 +44,31 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
             rejected=rejected[p], preempted=b.preempted_by_priority[p],
             recomputed_tokens=b.planner.recomputed_tokens[p],
-            waiting_tokens=sum(r.pending for r in policy.queue(policy.lane_of_priority(p))
-                               if r.priority == p)) for p in ORDER],
+            waiting_tokens=prefill_left[p]) for p in ORDER],
         weight_changes=[scheduler_pb2.WeightChange(
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
             for c in (monitor.changes if monitor else ())],
         adapters=sorted(frozenset().union(*(l.adapters for l in connected))),
         step_seconds=b.step_seconds, worker_steps=b.worker_steps, step_tokens=b.step_tokens,
+        step_kv_tokens=b.step_kv_tokens, finished=b.finished,
         max_step_tokens=b.planner.max_step_tokens, max_running=b.planner.max_running,
         desired_workers=advisor.desired, min_workers=advisor.min_workers, max_workers=advisor.max_workers,
         scale_reason=advisor.reason)
+
+
+def prefill_backlog(batcher: ContinuousBatcher) -> Counter:
+    """Per class, the prompt tokens still to compute: queued requests' and the rest of running
+    ones' (a decoding sequence's one pending token is not prefill)."""
+    policy, left = batcher.policy, Counter()
+    for lane in policy.lanes:
+        for request in policy.queue(lane):
+            left[request.priority] += request.pending
+    for requests in batcher.running.values():
+        for request in requests:
+            if request.pending > 1:
+                left[request.priority] += request.pending
+    return left
 
 
 def scale_signals(batcher: ContinuousBatcher, max_running: int) -> PoolSignals:

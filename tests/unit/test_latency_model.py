@@ -12,15 +12,18 @@ from services.router.routing import PoolLoad, PoolRouter, PoolSpec, RouteRequest
 M = "model"
 
 
-def reports(fixed_ms: float, per_token_ms: float, batches, **queue):
-    """Cumulative reports of a pool whose steps take fixed + per_token x tokens, one step each."""
-    seconds = tokens = steps = 0
-    for batch in batches:
+def reports(fixed_ms: float, per_token_ms: float, batches, per_kv_ms: float = 0.0, kv=None, **queue):
+    """Cumulative reports of a pool whose steps take fixed + per_token x tokens (+ per_kv x KV
+    tokens held), one step each."""
+    seconds = tokens = steps = kv_sum = 0
+    kv = kv or [0] * len(batches)
+    for batch, held in zip(batches, kv):
         steps += 1
         tokens += batch
-        seconds += (fixed_ms + per_token_ms * batch) / 1000
+        kv_sum += held
+        seconds += (fixed_ms + per_token_ms * batch + per_kv_ms * held) / 1000
         yield PoolReport(step_seconds=seconds, worker_steps=steps, step_tokens=tokens, steps=steps,
-                         max_step_tokens=256, max_running=64, **queue)
+                         step_kv_tokens=kv_sum, kv_tokens=held, max_step_tokens=256, max_running=64, **queue)
 
 
 def fitted(fixed_ms=10.0, per_token_ms=0.1, **queue) -> LatencyModel:
@@ -36,10 +39,19 @@ def test_step_fit_recovers_the_line_from_steps_of_several_sizes():
     assert fit.ms_per_token == pytest.approx(0.1, rel=1e-6)
 
 
+def test_step_fit_separates_the_kv_term_when_context_varies_apart_from_batch():
+    model = LatencyModel()
+    for report in reports(8.0, 0.05, [16, 64, 256, 32, 128, 200, 8, 100], per_kv_ms=0.001,
+                          kv=[5_000, 1_000, 20_000, 30_000, 2_000, 9_000, 40_000, 15_000]):
+        model.report(report)
+    fit = model.fit
+    assert (fit.fixed_ms, fit.ms_per_token, fit.ms_per_kv_token) == pytest.approx((8.0, 0.05, 0.001), rel=1e-4)
+
+
 def test_step_fit_with_one_batch_size_still_predicts_that_size():
     fit = StepFit()
     for _ in range(5):
-        fit.add(64, 16.4, 1)
+        fit.add(64, 0, 16.4, 1)
     assert fit.step_ms(64) == pytest.approx(16.4)
 
 

@@ -1,0 +1,152 @@
+"""A pool of the cluster simulator driven by the real scheduler: services/scheduler's
+ContinuousBatcher plans every step (WFQ, caps, admission, preemption, chunked prefill) and
+postprocesses every sampled token, exactly as in a running pool; only the worker is simulated:
+its step takes the accelerator's step time (bench/sim/accelerators.py) for the tokens the plan
+computes and the KV tokens it holds, and samples token 7 for every sequence that reached the end
+of its known tokens.
+
+Exact, and slow (the planner's Python per step): for small clusters and for checking
+bench/sim/fast_pool.py (bench/simulate.py --validate).
+"""
+from __future__ import annotations
+
+from bench.sim.accelerators import BLOCK_TOKENS, Accelerator
+from bench.sim.pool_base import PoolBase
+from bench.sim.workload import SimRequest
+from services.common.kv_blocks import KVBlockPool
+from services.common.priority import ORDER
+from services.common.proto.qos.v1 import common_pb2, worker_pb2
+from services.common.step import SamplingParams
+from services.scheduler.batcher import ContinuousBatcher
+from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.policy import QoSSettings, create_policy
+from services.scheduler.request import Request
+from services.scheduler.stats import prefill_backlog
+
+TOKEN = 7
+
+
+class NullDecoder:
+    """Token ids to text without a tokenizer: one character a token."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+class SimWorker:
+    """The worker link the batcher plans for; its answers are computed, not run."""
+
+    def __init__(self, accelerator: Accelerator):
+        self.index, self.address = 0, "simulated"
+        self.info = worker_pb2.WorkerInfo(num_blocks=accelerator.kv_blocks, block_size=BLOCK_TOKENS,
+                                          max_context=1 << 20, device_type=accelerator.device)
+        self.pool = KVBlockPool(accelerator.kv_blocks, BLOCK_TOKENS)
+        self.adapters: frozenset[str] = frozenset()
+        self.max_loras = 0
+        self.is_connected = True
+        self.known: dict[int, list[int]] = {}    # seq id -> [tokens known, computed, to sample]
+
+    def answer(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        for seq_id in plan.released_seq_ids:
+            self.known.pop(seq_id, None)
+        for new in plan.new_sequences:
+            self.known[new.seq_id] = [len(new.prompt_token_ids), 0, new.sampling.max_tokens - new.num_generated]
+        tokens = []
+        for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
+            state = self.known[seq_id]
+            state[1] += num_tokens
+            if state[1] == state[0]:
+                state[0] += 1
+                state[2] -= 1
+                tokens.append(worker_pb2.SampledToken(
+                    seq_id=seq_id, token_id=TOKEN,
+                    finish_reason=common_pb2.FINISH_REASON_LENGTH if state[2] == 0 else 0))
+        return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)
+
+
+class StepPool(PoolBase):
+    def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None):
+        super().__init__(name, accelerator)
+        self.worker = SimWorker(accelerator)
+        self.batcher = ContinuousBatcher(name, [self.worker], create_policy("qos", settings or QoSSettings()),
+                                         max_running=accelerator.max_running,
+                                         max_step_tokens=accelerator.max_step_tokens)
+        self.requests: dict[int, SimRequest] = {}
+        self.plans = {}
+
+    def submit(self, request: SimRequest, now: float) -> float | None:
+        seq_id = request.request_id + 1
+        prompt = [3] * request.prompt_tokens
+        self.requests[seq_id] = request
+        self.batcher.submit(Request(
+            request_id=str(seq_id), seq_id=seq_id, priority=request.priority, tenant="", prompt_ids=prompt,
+            sampling=SamplingParams(temperature=0.0, max_tokens=request.output_tokens),
+            detokenizer=IncrementalDetokenizer(NullDecoder(), prompt)))
+        return self._plan(now) if self.busy_until is None else None
+
+    def step_end(self, now: float) -> float | None:
+        batcher = self.batcher
+        for builder in self.plans.values():
+            result = self.worker.answer(builder.plan)
+            batcher.postprocess(self.worker, builder, result)
+            for token in result.tokens:
+                request = self.requests.get(token.seq_id)
+                if request is None:
+                    continue
+                if request.first_token_at is None:
+                    self.first_token(request, now)
+                if token.finish_reason:
+                    self.finish(self.requests.pop(token.seq_id), now)
+        self.plans = {}
+        self.busy_until = None
+        return self._plan(now)
+
+    def _plan(self, now: float) -> float | None:
+        plans = self.batcher.plan_step()
+        tokens = sum(b.num_tokens for b in plans.values())
+        if not tokens:
+            for builder in plans.values():           # heartbeats only: answered at once
+                self.batcher.postprocess(self.worker, builder, self.worker.answer(builder.plan))
+            return None
+        acc = self.accelerator
+        step_s = acc.step_ms(tokens, self.kv_used()) / 1000
+        self.plans = plans
+        self.steps += 1
+        self.step_tokens += tokens
+        self.step_kv_tokens += self.kv_used()
+        self.step_seconds += step_s
+        self.busy_s += step_s
+        self.busy_until = now + step_s
+        return self.busy_until
+
+    # --- state for reports --------------------------------------------------------------------
+
+    def prefill_left(self, p: int) -> int:
+        return self.backlog[p]
+
+    def waiting(self, p: int) -> int:
+        return self.batcher.policy.waiting(p)
+
+    def running(self, p: int) -> int:
+        return sum(1 for r in self.batcher.running[0] if r.priority == p)
+
+    def kv_used(self) -> int:
+        return self.worker.pool.num_used * BLOCK_TOKENS
+
+    def weights(self) -> tuple:
+        w = self.batcher.policy.weights()
+        return tuple(w[p] for p in ORDER)
+
+    def kv_by_class(self) -> tuple:
+        held = self.worker.pool.holdings()
+        return tuple(held.get(p, 0) * BLOCK_TOKENS for p in ORDER)
+
+    def kv_caps(self) -> tuple:
+        return tuple(self.batcher.policy.kv_cap(p) for p in ORDER)
+
+    def report(self, now: float, with_ttft: bool = True):
+        self.backlog = prefill_backlog(self.batcher)
+        self.preemptions = self.batcher.preemptions
+        self.recomputed = self.batcher.planner.recomputed_tokens
+        self.served = self.batcher.served_tokens
+        return super().report(now, with_ttft)
