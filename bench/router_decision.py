@@ -37,7 +37,10 @@ def report(rng: random.Random, previous: PoolReport | None, device: str) -> Pool
     waiting = tuple(rng.randint(0, 6) for _ in range(3))
     return PoolReport(step_seconds=base.step_seconds + steps * (fixed + per_token * tokens) / 1000,
                       worker_steps=base.worker_steps + steps, step_tokens=base.step_tokens + steps * tokens,
-                      steps=base.steps + steps, waiting=waiting,
+                      steps=base.steps + steps, waiting=waiting, at_s=base.at_s + 0.2,
+                      finished=base.finished + rng.randint(0, 3), kv_capacity=100_000,
+                      kv_tokens=rng.randint(0, 80_000), kv_by_class=(10_000, 30_000, 20_000),
+                      kv_caps=(1.0, 0.7, 0.3),
                       waiting_tokens=tuple(n * rng.randint(50, 500) for n in waiting),
                       running=tuple(rng.randint(0, 16) for _ in range(3)), max_step_tokens=256, max_running=32)
 

@@ -25,7 +25,7 @@ not as absolute capacity):
 
 KV capacity: device memory less weights (16 GB) and ~10% for activations, at 128 KB a token.
 `local-cpu` is this machine's CPU worker on SmolLM2-135M (1 thread), measured, not published: its
-figures come from `bench/simulate.py --calibrate` on a real run (see there).
+figures are the step-time fit of a real `bench/cost_report.py` run (`bench/simulate.py --replay`).
 """
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ ACCELERATORS = {a.name: a for a in [
 ]}
 
 
-def local_cpu(fixed_ms: float, ms_per_token: float, kv_tokens: int, max_running: int,
-              max_step_tokens: int) -> Accelerator:
-    """This machine's CPU worker, from a measured step-time fit."""
-    return Accelerator("local-cpu", "cpu", fixed_ms, ms_per_token, 0.0, kv_tokens, max_running, max_step_tokens)
+def local_cpu(fixed_ms: float, ms_per_token: float, ms_per_kv_token: float, kv_tokens: int,
+              max_running: int, max_step_tokens: int) -> Accelerator:
+    """This machine's CPU worker, from a step-time fit measured on a real run (bench/cost_report.py)."""
+    return Accelerator("local-cpu", "cpu", fixed_ms, ms_per_token, ms_per_kv_token, kv_tokens, max_running,
+                       max_step_tokens)

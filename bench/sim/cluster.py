@@ -66,7 +66,7 @@ class SimCluster:
         self.stats_interval_s = stats_interval_s
         self.slo_ms = slo_ms or DEFAULT_SLO_MS
         specs = [PoolSpec(p.name, p.accelerator.device, frozenset({MODEL}), p.cost_per_token) for p in plans]
-        self.router = PoolRouter(specs, mode=mode)
+        self.router = PoolRouter(specs, mode=mode, lazy_models=True)
         self.specs = {s.name: s for s in specs}
         kind = {"fast": FastPool, "step": StepPool}[pool_kind]
         self.pools = [kind(p.name, p.accelerator, settings) for p in plans]
@@ -99,7 +99,10 @@ class SimCluster:
         next_stats = 0.0
         with_ttft = self.mode == "cost"
 
+        changed = [True] * len(pools)        # since the last stats round: an idle pool's stats stand
+
         def push(i: int, at: float | None) -> None:
+            changed[i] = True
             if at is not None:
                 versions[i] += 1
                 heapq.heappush(events, (at, versions[i], i))
@@ -109,8 +112,10 @@ class SimCluster:
             while True:
                 event_at = events[0][0] if events else float("inf")
                 if next_stats <= until and next_stats <= event_at:
-                    for pool in pools:
-                        router.update(pool.name, pool.report(next_stats, with_ttft), adapt=False)
+                    for i, pool in enumerate(pools):
+                        if changed[i]:
+                            changed[i] = False
+                            router.update(pool.name, pool.report(next_stats, with_ttft), adapt=False)
                     router.adapt_threshold()
                     next_stats += self.stats_interval_s
                     continue
@@ -133,6 +138,7 @@ class SimCluster:
             request.predicted_ttft_ms = decision.predicted_ttft_ms or router.predict_ttft_ms(decision.pool, route)
             i = index[decision.pool]
             push(i, pools[i].submit(request, request.arrival))
+            changed[i] = True
             all_requests.append(request)
             if request.arrival - shown >= 1:
                 bar.update(int(request.arrival - shown))

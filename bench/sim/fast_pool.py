@@ -246,17 +246,23 @@ class FastPool(PoolBase):
                 and self.kv_used() + seq.tokens <= acc.kv_tokens)
 
     def _make_room_for_decodes(self, n_dec: int) -> None:
-        """Decodes grow the cache by a token each: when it would overflow, the newest sequence of
-        the lowest class goes back to its queue (recomputed later), as the planner preempts."""
-        while self.kv_used() + n_dec > self.accelerator.kv_tokens and self._preempt(below=0):
-            n_dec = sum(self.n_dec.values())
+        """Decodes grow the cache by a token each: when that would take a class past its cap, its
+        newest sequence goes back to its queue (recomputed later); when it would overflow the
+        cache, the newest of the lowest class does, as the planner preempts."""
+        for p in ORDER:
+            while self.n_dec[p] and self.kv[p] + self.n_dec[p] > self.caps[p] and self._preempt(only=p):
+                pass
+        while self.kv_used() + sum(self.n_dec.values()) > self.accelerator.kv_tokens and self._preempt(below=0):
+            pass
 
-    def _preempt(self, below: int) -> bool:
+    def _preempt(self, below: int = 0, only: int = 0) -> bool:
         """Preempt the newest running sequence of the lowest class lower than `below` (any class
-        when 0); False when there is none."""
+        when 0; only class `only` when given); False when there is none."""
         for p in reversed(ORDER):
             if below and p <= below:
                 return False
+            if only and p != only:
+                continue
             candidates = [s for s in self.prefilling[p]] + [s for _, _, s in self.decoding
                                                              if s.state == DECODE and s.priority == p]
             if not candidates:

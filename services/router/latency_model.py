@@ -76,6 +76,7 @@ class StepFit:
     fixed_ms: float = 0.0
     ms_per_token: float = 0.0
     ms_per_kv_token: float = 0.0
+    solved: bool = True                  # the coefficients include every sample added
 
     @property
     def known(self) -> bool:
@@ -87,6 +88,11 @@ class StepFit:
             for j in range(3):
                 row[j] = FADE * row[j] + weight * features[i] * features[j]
             row[3] = FADE * row[3] + weight * features[i] * ms
+        self.solved = False
+
+    def solve(self) -> None:
+        """The coefficients from the samples so far (when asked: many reports, few predictions)."""
+        self.solved = True
         for terms in ((0, 1, 2), (0, 1), (0, 2)):
             solved = self._solve(terms)
             if solved is not None and all(c >= 0 for c in solved.values()):
@@ -133,6 +139,8 @@ class LatencyModel:
     kv_room: list = field(default_factory=lambda: [0.0] * 4)        # KV tokens the class may still take
     ms_per_kv_token: list = field(default_factory=lambda: [0.0] * 4)  # time until the class frees one
     finish_rate: float = 0.0             # requests completed per second, smoothed
+    terms: list = field(default_factory=lambda: [None] * 4)   # _pack(): per class, for ttft_ms
+    step_terms: tuple = (0.0, 0.0, 0.0, 0.0)
     in_flight_ms: float = 0.0            # half the step now running
     one_step_ms: float = 0.0             # a step of the running decodes alone
     ms_per_token: float = 0.0            # what each prefill token adds to a step
@@ -141,6 +149,10 @@ class LatencyModel:
     ratios: deque = field(default_factory=lambda: deque(maxlen=MARGIN_SAMPLES))
     margin: float = MARGIN_START
     known: bool = False                  # a step-time sample was seen (a field: read per decision)
+    stale: bool = False                  # a report came since the terms were computed
+    # Eager (the router: terms computed as each report arrives, off the request path) or lazy
+    # (the simulator: a thousand pools report far more often than each is asked about).
+    lazy: bool = False
     _since_margin: int = 0
 
     def report(self, report: PoolReport) -> None:
@@ -157,12 +169,17 @@ class LatencyModel:
                 ms = (report.step_seconds - last.step_seconds) * 1000 / steps
                 self.fit.add(tokens, kv_tokens, ms, steps)
         if self.fit.known:
-            self.known = True
-            self._refresh(report)
+            self.known = self.stale = True
+            if not self.lazy:
+                self._refresh()
 
-    def _refresh(self, r: PoolReport) -> None:
-        """The per-class terms of the prediction, from the queue and the step time now."""
-        fit, budget = self.fit, r.max_step_tokens
+    def _refresh(self) -> None:
+        """The per-class terms of the prediction, from the last report's queue and step time."""
+        self.stale = False
+        r, fit = self.last, self.fit
+        if not fit.solved:
+            fit.solve()
+        budget = r.max_step_tokens
         workers = max(r.workers, 1)
         running = sum(r.running)
         decodes = running / workers                       # one token each per step, per worker
@@ -200,18 +217,33 @@ class LatencyModel:
             self.other_queue[p] = queued[other]
             self.other_ratio[p] = weights[other] / weights[p]
             self.slots_ahead[p] = waiting[HIGH] + waiting[p] + min(waiting[other], waiting[p] * self.other_ratio[p]) + 1
+        self.step_terms = (self.in_flight_ms, self.one_step_ms, self.ms_per_token, self.ms_per_full_token)
+        for p in ORDER:
+            self._pack(p)
+
+    def _pack(self, p: int) -> None:
+        """One tuple per class of what ttft_ms reads (one lookup, not a dozen: it runs per pool
+        per routing decision)."""
+        kv_room, ms_per_kv = self.kv_room[p], self.ms_per_kv_token[p]
+        if kv_room == float("inf") or not ms_per_kv:       # no KV limit known: no KV wait (and no NaN)
+            kv_room, ms_per_kv = 0.0, 0.0
+        self.terms[p] = (self.queued[p], self.first[p], self.other_queue[p], self.other_ratio[p],
+                         (self.slots_ahead[p] - self.free_slots) * self.ms_per_slot, kv_room, ms_per_kv)
 
     def ttft_ms(self, priority: int, prompt_tokens: int) -> float:
-        mine = self.queued[priority] + prompt_tokens
-        other = mine * self.other_ratio[priority]
-        tokens = self.first[priority] + mine + (other if other < self.other_queue[priority] else self.other_queue[priority])
-        one_step = self.one_step_ms + tokens * self.ms_per_token
-        full_steps = tokens * self.ms_per_full_token
-        wait = (self.slots_ahead[priority] - self.free_slots) * self.ms_per_slot
-        kv_wait = (mine - self.kv_room[priority]) * self.ms_per_kv_token[priority]
-        if kv_wait > wait:
-            wait = kv_wait
-        return self.in_flight_ms + (one_step if one_step > full_steps else full_steps) + (wait if wait > 0 else 0.0)
+        if self.stale:
+            self._refresh()
+        queued, first, other_queue, other_ratio, slot_wait, kv_room, ms_per_kv = self.terms[priority]
+        mine = queued + prompt_tokens
+        other = mine * other_ratio
+        tokens = first + mine + (other if other < other_queue else other_queue)
+        in_flight, one_step_ms, ms_per_token, ms_per_full_token = self.step_terms
+        one_step = one_step_ms + tokens * ms_per_token
+        full_steps = tokens * ms_per_full_token
+        wait = (mine - kv_room) * ms_per_kv
+        if slot_wait > wait:
+            wait = slot_wait
+        return in_flight + (one_step if one_step > full_steps else full_steps) + (wait if wait > 0 else 0.0)
 
     def e2e_ms(self, priority: int, prompt_tokens: int, max_tokens: int) -> float:
         return self.ttft_ms(priority, prompt_tokens) + max(max_tokens - 1, 0) * self.tpot_ms
@@ -219,8 +251,11 @@ class LatencyModel:
     def dispatched(self, priority: int, prompt_tokens: int) -> None:
         """A request was just sent here: the next one of its class waits for it too, until the
         pool's next report says how far it got."""
+        if self.stale:
+            self._refresh()
         self.queued[priority] += prompt_tokens
         self.slots_ahead[priority] += 1
+        self._pack(priority)
 
     def observe(self, predicted_ms: float, actual_ms: float) -> None:
         """A request this pool served: how far off the prediction was feeds the margin."""

@@ -100,6 +100,12 @@ class PriceTier:
     cost: float
     members: list[tuple[PoolSpec, LatencyModel]]
     cursor: int = 0
+    # A scan in which no pool met (prompt, SLO) for a class: a request of that class with no shorter
+    # prompt and no looser SLO cannot be met either, until the next stats update or lower margin
+    # (predictions only grow in between, with dispatches). By priority: (epoch, prompt, SLO,
+    # fastest pool then, its expected ms). With hundreds of pools of one price, most decisions skip
+    # a saturated price tier at once instead of scanning it.
+    failed: list = field(default_factory=lambda: [None] * 4)
 
 
 @dataclass(slots=True)
@@ -118,6 +124,7 @@ class PoolRouter:
                                          # primary; "slo-cost": predicted latency (see above)
     threshold: OverflowThreshold = field(default_factory=OverflowThreshold)
     min_free_kv: float = 0.1             # "free capacity": at least this share of KV blocks free
+    lazy_models: bool = False            # latency models refreshed at the next prediction (simulator)
     max_queue_for_overflow: int = 4      # a cheap pool queueing more than this is backed up
     loads: dict[str, PoolLoad] = field(default_factory=dict)
     _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
@@ -127,6 +134,9 @@ class PoolRouter:
     # when a pool's health or adapters change, not on every decision.
     _healthy: dict[tuple[str, str | None], Candidates] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
+    _epoch: int = 0                      # bumped when predictions may have dropped (PriceTier.failed)
+    _primaries: list[PoolSpec] = field(default_factory=list)
+    _cheap: list[PoolSpec] = field(default_factory=list)      # the pools that are not primaries
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTING_MODES:
@@ -138,9 +148,11 @@ class PoolRouter:
             if pool.device not in DEFAULT_COST:
                 raise ValueError(f"pool {pool.name}: device must be cuda, npu or cpu, got {pool.device!r}")
             self.loads.setdefault(pool.name, PoolLoad())
-            self.models[pool.name] = LatencyModel()
+            self.models[pool.name] = LatencyModel(lazy=self.lazy_models)
         # Precomputed so that route() only walks short lists.
         self._by_cost = sorted(self.pools, key=lambda p: (p.cost, p.name))
+        self._primaries = [p for p in self.pools if self._is_primary(p)]
+        self._cheap = [p for p in self.pools if not self._is_primary(p)]
         for pool in self._by_cost:
             for model in pool.models:
                 self._by_model.setdefault(model, []).append(pool)
@@ -154,14 +166,15 @@ class PoolRouter:
         if old.healthy != load.healthy or old.adapters != load.adapters:
             self._healthy.clear()
         self.loads[name] = load
+        self._epoch += 1
         if load.report is not None:
             self.models[name].report(load.report)
         if adapt:
             self.adapt_threshold()
 
     def adapt_threshold(self) -> None:
-        primaries = [p for p in self.pools if self._is_primary(p)]
-        cheap = [p for p in self.pools if not self._is_primary(p) and self.loads[p.name].healthy]
+        primaries = self._primaries
+        cheap = [p for p in self._cheap if self.loads[p.name].healthy]
         if not primaries or not cheap:
             return
         primary_queued = min(self.loads[p.name].queued for p in primaries)
@@ -185,7 +198,11 @@ class PoolRouter:
 
     def observe_ttft(self, name: str, predicted_ms: float, actual_ms: float) -> None:
         """What a request's first token took on `name`, against what was predicted: the margin."""
-        self.models[name].observe(predicted_ms, actual_ms)
+        model = self.models[name]
+        before = model.margin
+        model.observe(predicted_ms, actual_ms)
+        if model.margin < before:
+            self._epoch += 1
 
     def _is_primary(self, pool: PoolSpec) -> bool:
         has_gpu = any(p.device == "cuda" for p in self.pools)
@@ -280,8 +297,15 @@ class PoolRouter:
         loads = self.loads
         priority, prompt = request.priority, request.prompt_tokens
         fastest, fastest_ms = None, float("inf")
+        epoch = self._epoch
         for tier in tiers:
+            failed = tier.failed[priority]
+            if failed is not None and failed[0] == epoch and prompt >= failed[1] and slo <= failed[2]:
+                if failed[3] is not None and failed[4] < fastest_ms:
+                    fastest, fastest_ms, fastest_model = failed[3], failed[4], self.models[failed[3].name]
+                continue
             members, start = tier.members, tier.cursor
+            tier_fastest, tier_ms = None, float("inf")
             for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
                 if not model.known:                # nothing measured yet: judged as rule 4 does
                     if self._has_room_by_rule(pool, slo):
@@ -293,8 +317,11 @@ class PoolRouter:
                 if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
                     tier.cursor = (start + k + 1) % len(members)
                     return Decision(pool.name, "slo-cost", predicted)
-                if expected < fastest_ms:
-                    fastest, fastest_ms, fastest_model = pool, expected, model
+                if expected < tier_ms:
+                    tier_fastest, tier_ms = pool, expected
+            tier.failed[priority] = (epoch, prompt, slo, tier_fastest, tier_ms)
+            if tier_ms < fastest_ms:
+                fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, self.models[tier_fastest.name]
         if fastest is None:                        # no pool measured and none with room
             return Decision(tiers[-1].members[0][0].name, "slo-fastest")
         return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)

@@ -1,0 +1,294 @@
+#!/usr/bin/env python
+"""Discrete-event simulation of a whole qos-serve cluster, to compare routing modes at a scale no
+test machine has: the real router (services/router/routing.py, its latency models fed by
+simulated pool stats every 200 ms) in front of pools that schedule with the real QoS policy.
+Pools run on step-time models of published accelerators (bench/sim/accelerators.py says where
+each figure comes from).
+
+Pool models (--pool-model):
+  fast  a queueing model of the scheduler (bench/sim/fast_pool.py): decodes counted per class, runs
+        of decode-only steps as one event, prefill shares from the real QoSPolicy. The default.
+  step  the real ContinuousBatcher plans and postprocesses every step (bench/sim/step_pool.py):
+        exact, ~25x slower. --validate runs both on a small cluster and compares them.
+
+Workload: the Azure 2023 conversation (or code) trace, replayed at --rate requests/s (its clock
+sped up; it repeats if --duration outlasts it) or as Poisson arrivals at --rate with lengths drawn
+from it (--arrivals poisson). Classes by the trace's own lengths (bench/qos_workloads.py
+trace_priority): short chat turns High, prompts over 2,048 tokens Low, the rest Medium. SLOs on
+time to first token: the router's class defaults (High 200 ms, Medium 2 s, Low 30 s).
+
+Reports, per routing mode (primary: everything on the GPU pools; cost: the overflow rules;
+slo-cost: the cheapest pool predicted to meet the SLO): total cost units (tokens x pool price x
+class multiplier, as the ledger bills), SLO attainment and P50/P99 TTFT per class, utilisation
+and share of requests per device type, the latency model's error, the routing decision's cost.
+
+    python bench/simulate.py [--json PATH] [--fleet h100:8,910b:8,xeon-spr:16] [--rate 60]
+                             [--duration 300] [--modes primary,cost,slo-cost] [--trace azure-conv]
+                             [--arrivals trace|poisson] [--pool-model fast|step]
+    python bench/simulate.py --load-curve 0.25,0.5,1,1.5 --plot docs/bench/sim_cost_vs_slo.png
+    python bench/simulate.py --validate        # fast model vs real scheduler, small cluster
+    python bench/simulate.py --replay cost.json   # predict a real bench/cost_report.py run
+    python bench/simulate.py --fleet h100:300,910b:300,xeon-spr:400 --rate 2000 --duration 600 \\
+                             --arrivals poisson --modes slo-cost        # scale: 1,000 pools
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import make_parser, quantile, write_json  # noqa: E402
+from bench.sim.accelerators import ACCELERATORS, local_cpu  # noqa: E402
+from bench.sim.cluster import PoolPlan, SimCluster, SimResult  # noqa: E402
+from bench.sim.workload import SimRequest, poisson, trace_replay  # noqa: E402
+from services.common.priority import parse_priority  # noqa: E402
+from services.router.routing import DEFAULT_COST  # noqa: E402
+
+CLASSES = ("high", "medium", "low")
+VALIDATE_FLEET = "h100:1,910b:1,xeon-spr:2"
+VALIDATE_TOLERANCE = 0.15
+REPLAY_TOLERANCE = 0.20
+
+
+def fleet(text: str) -> list[PoolPlan]:
+    """`h100:8,910b:8,xeon-spr:16` -> pools gpu0.., npu0.., cpu0.. at the device's default price."""
+    plans, counts = [], {}
+    for part in text.split(","):
+        name, _, count = part.partition(":")
+        if name not in ACCELERATORS:
+            raise SystemExit(f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)}")
+        accelerator = ACCELERATORS[name]
+        prefix = {"cuda": "gpu", "npu": "npu", "cpu": "cpu"}[accelerator.device]
+        for _ in range(int(count or 1)):
+            index = counts.get(prefix, 0)
+            counts[prefix] = index + 1
+            plans.append(PoolPlan(f"{prefix}{index}", accelerator, DEFAULT_COST[accelerator.device]))
+    return plans
+
+
+def arrivals(args, rate: float):
+    if args.arrivals == "poisson":
+        return poisson(args.trace, rate, args.duration, args.seed)
+    return trace_replay(args.trace, rate, args.duration)
+
+
+def simulate(args, plans: list[PoolPlan], mode: str, rate: float, pool_model: str | None = None) -> SimResult:
+    cluster = SimCluster(plans, mode, pool_kind=pool_model or args.pool_model)
+    return cluster.run(arrivals(args, rate), args.duration, label=f"{mode} @ {rate:g}/s")
+
+
+def table(results: dict[str, SimResult]) -> str:
+    modes = list(results)
+    width = max(18, *(len(m) + 2 for m in modes))
+    lines = [f"{'':<30}" + "".join(f"{m:>{width}}" for m in modes)]
+
+    def row(label, values, fmt):
+        lines.append(f"{label:<30}" + "".join(f"{format(v, fmt):>{width}}" for v in values))
+
+    row("requests", [r.requests for r in results.values()], "d")
+    row("cost units", [r.cost_units for r in results.values()], ",.0f")
+    base = results.get("primary")
+    if base is not None and base.cost_units:
+        row("cost vs primary", [r.cost_units / base.cost_units - 1 for r in results.values()], "+.1%")
+    for c in CLASSES:
+        row(f"{c} SLO attainment", [r.slo_attainment[c] for r in results.values()], ".2%")
+    for c in CLASSES:
+        row(f"{c} P50 / P99 TTFT ms", [f"{r.p50_ttft_ms[c]:,.0f} / {r.p99_ttft_ms[c]:,.0f}"
+                                       for r in results.values()], "")
+    for device in next(iter(results.values())).utilisation:
+        row(f"{device}: utilisation / requests", [f"{r.utilisation[device]:.0%} / {r.served_share[device]:.0%}"
+                                                   for r in results.values()], "")
+    row("unfinished", [r.unfinished for r in results.values()], "d")
+    row("preemptions", [r.preemptions for r in results.values()], "d")
+    row("TTFT prediction |err| p50/p90", [f"{r.prediction_error_ms.get('p50', 0):,.0f}/"
+                                          f"{r.prediction_error_ms.get('p90', 0):,.0f} ms" for r in results.values()], "")
+    row("route() mean / p99 us", [f"{r.decision_us['mean']:.1f} / {r.decision_us['p99']:.1f}"
+                                  for r in results.values()], "")
+    row("wall s (simulated s)", [f"{r.wall_s:.0f} ({r.simulated_s:.0f})" for r in results.values()], "")
+    return "\n".join(lines)
+
+
+def headline(results: dict[str, SimResult]) -> dict:
+    """The JSON keys of issue 21: cost_{mode}, slo_attainment_{class}_{mode} (mode with _)."""
+    out = {}
+    for mode, r in results.items():
+        key = mode.replace("-", "_")
+        out[f"cost_{key}"] = r.cost_units
+        for c in CLASSES:
+            out[f"slo_attainment_{c}_{key}"] = r.slo_attainment[c]
+            out[f"p99_ttft_ms_{c}_{key}"] = r.p99_ttft_ms[c]
+    return out
+
+
+def validate(args) -> dict:
+    """The fast model against the real scheduler on a small cluster: P99 TTFT per class."""
+    plans = fleet(VALIDATE_FLEET)
+    out = {"fleet": VALIDATE_FLEET, "rate": args.rate, "duration_s": args.duration, "mode": "slo-cost"}
+    results = {kind: simulate(args, plans, "slo-cost", args.rate, kind) for kind in ("step", "fast")}
+    print(f"\nfast model vs real scheduler: {VALIDATE_FLEET}, {args.trace} at {args.rate:g}/s for "
+          f"{args.duration:g} s, routing slo-cost\n")
+    print(table(results))
+    print(f"\n{'P99 TTFT':<12}{'step (real)':>14}{'fast model':>14}{'difference':>12}")
+    worst = 0.0
+    for c in CLASSES:
+        step, fast = results["step"].p99_ttft_ms[c], results["fast"].p99_ttft_ms[c]
+        diff = fast / step - 1 if step else 0.0
+        worst = max(worst, abs(diff))
+        print(f"{c:<12}{step:>14,.0f}{fast:>14,.0f}{diff:>+12.1%}")
+        out[f"p99_ttft_ms_{c}_step"], out[f"p99_ttft_ms_{c}_fast"] = step, fast
+    speedup = results["step"].wall_s / max(results["fast"].wall_s, 1e-9)
+    print(f"\nlargest difference {worst:.1%} (tolerance {VALIDATE_TOLERANCE:.0%}): "
+          f"{'agree' if worst <= VALIDATE_TOLERANCE else 'DO NOT agree'}; the fast model ran {speedup:.0f}x faster")
+    out.update(worst_p99_difference=worst, agree=worst <= VALIDATE_TOLERANCE, speedup=speedup,
+               results={k: r.as_dict() for k, r in results.items()})
+    return out
+
+
+def replay(path: Path) -> dict:
+    """Predict a real bench/cost_report.py run: its two pools on the step-time fits measured in
+    that run (this machine's CPU worker), its requests at their arrival times with their lengths,
+    each routing mode through the real router, pools scheduled by the real scheduler (step
+    model). Compares total cost and P99 TTFT per class with what the run measured. The client's
+    TTFT also holds what happens outside the pools (client, router, gRPC hops, tokenizing), which
+    the simulator does not model: the run's median of (client TTFT - scheduler TTFT) is added to
+    every simulated TTFT, and the scheduler-side P99 is compared as well."""
+    real = json.loads(path.read_text())
+    out, worst = {"source": str(path)}, 0.0
+    print(f"\nsimulator vs the real run in {path} ({real['requests']} requests at {real['rate']:g}/s)\n")
+    print(f"{'':<10}{'':<34}{'real':>10}{'simulated':>11}{'difference':>12}")
+    for mode, run in real["modes"].items():
+        fits = run["step_fits"]
+        if not fits:
+            raise SystemExit(f"{path}: mode {mode} has no step-time fit (no pool computed a step)")
+        plans = []
+        for name, cost in real["pools"].items():
+            fit = fits.get(name) or next(iter(fits.values()))     # an unused pool: same hardware here
+            plans.append(PoolPlan(name, local_cpu(fit["fixed_ms"], fit["ms_per_token"], fit["ms_per_kv_token"],
+                                                  fit["kv_tokens"] or 64_000, real["max_running"],
+                                                  real["max_step_tokens"]), cost))
+        done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
+        requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"])
+                    for i, r in enumerate(done)]
+        outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
+        sim = SimCluster(plans, mode, pool_kind="step").run(requests, max(r.arrival for r in requests) + 1,
+                                                            label=f"replay {mode}")
+        rows = [("cost units", run["total_cost_units"], sim.cost_units)]
+        for c in CLASSES:
+            mine = [(r, s) for r, s in zip(done, requests) if r["priority"] == c]
+            rows.append((f"{c} P99 TTFT ms (client; sim + {outside:.0f})",
+                         quantile([r["ttft_ms"] for r, _ in mine], 0.99),
+                         quantile([s.ttft_ms + outside for _, s in mine], 0.99)))
+        for c in CLASSES:
+            mine = [(r, s) for r, s in zip(done, requests) if r["priority"] == c]
+            rows.append((f"{c} P99 TTFT ms (scheduler)", quantile([r["scheduler_ttft_ms"] for r, _ in mine], 0.99),
+                         quantile([s.ttft_ms for _, s in mine], 0.99)))
+        out[mode] = {"outside_pool_ms": outside}
+        for label, measured, predicted in rows:
+            diff = predicted / measured - 1 if measured else 0.0
+            if "scheduler" not in label:
+                worst = max(worst, abs(diff))
+            print(f"{mode:<10}{label:<34}{measured:>10,.0f}{predicted:>11,.0f}{diff:>+12.1%}")
+            out[mode][label] = {"real": measured, "simulated": predicted, "difference": diff}
+    print(f"\nlargest difference, cost and client P99 TTFT (tolerance {REPLAY_TOLERANCE:.0%}): {worst:.1%}: "
+          f"{'agree' if worst <= REPLAY_TOLERANCE else 'DO NOT agree'}")
+    out.update(worst_difference=worst, agree=worst <= REPLAY_TOLERANCE)
+    return out
+
+
+def load_curve(args, plans: list[PoolPlan], modes: list[str]) -> dict:
+    """Every mode at several loads: cost per request and SLO attainment as load grows."""
+    curve = {mode: [] for mode in modes}
+    for factor in args.load_curve:
+        rate = args.rate * factor
+        for mode in modes:
+            r = simulate(args, plans, mode, rate)
+            curve[mode].append({"load": factor, "rate": rate, "cost_per_request": r.cost_units / max(r.requests, 1),
+                                **{f"slo_attainment_{c}": r.slo_attainment[c] for c in CLASSES},
+                                **{f"p99_ttft_ms_{c}": r.p99_ttft_ms[c] for c in CLASSES}})
+            print(f"load {factor:g} ({rate:g}/s) {mode:>9}: cost/request {curve[mode][-1]['cost_per_request']:,.0f}, "
+                  "SLO " + " ".join(f"{c} {r.slo_attainment[c]:.1%}" for c in CLASSES), flush=True)
+    return curve
+
+
+def plot(curve: dict, path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cost_ax, slo_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, points in curve.items():
+        loads = [p["load"] for p in points]
+        cost_ax.plot(loads, [p["cost_per_request"] for p in points], marker="o", label=mode)
+        for c, style in (("high", "-"), ("medium", "--"), ("low", ":")):
+            slo_ax.plot(loads, [100 * p[f"slo_attainment_{c}"] for p in points], style, marker=".",
+                        label=f"{mode} {c}")
+    cost_ax.set_xlabel("load (x the base rate)")
+    cost_ax.set_ylabel("cost units per request")
+    cost_ax.set_title("cost")
+    cost_ax.legend()
+    slo_ax.set_xlabel("load (x the base rate)")
+    slo_ax.set_ylabel("requests within their TTFT SLO, %")
+    slo_ax.set_title("SLO attainment (High 200 ms, Medium 2 s, Low 30 s)")
+    slo_ax.legend(fontsize=7, ncol=3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = make_parser(__doc__, seed=True)
+    parser.add_argument("--fleet", default="h100:8,910b:8,xeon-spr:16",
+                        help="accelerator:pools,... (accelerators: " + ", ".join(ACCELERATORS) + ")")
+    parser.add_argument("--rate", type=float, default=60.0, help="requests per second")
+    parser.add_argument("--duration", type=float, default=300.0, help="simulated seconds of arrivals")
+    parser.add_argument("--modes", default="primary,cost,slo-cost")
+    parser.add_argument("--trace", default="azure-conv", choices=["azure-conv", "azure-code"])
+    parser.add_argument("--arrivals", default="trace", choices=["trace", "poisson"])
+    parser.add_argument("--pool-model", default="fast", choices=["fast", "step"])
+    parser.add_argument("--validate", action="store_true", help="fast model vs real scheduler, small cluster")
+    parser.add_argument("--load-curve", type=lambda s: [float(x) for x in s.split(",")],
+                        help="run every mode at these multiples of --rate")
+    parser.add_argument("--replay", type=Path, metavar="COST_JSON",
+                        help="predict the real run a bench/cost_report.py --json file describes")
+    parser.add_argument("--plot", type=Path, help="PNG of cost and SLO attainment vs load (with --load-curve)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    if args.validate:
+        write_json(args.json, validate(args))
+        return
+    if args.replay:
+        write_json(args.json, replay(args.replay))
+        return
+    plans = fleet(args.fleet)
+    modes = args.modes.split(",")
+    describe = (f"{args.fleet} ({len(plans)} pools), {args.trace} {args.arrivals} at {args.rate:g} req/s for "
+                f"{args.duration:g} s, pool model {args.pool_model}")
+    if args.load_curve:
+        curve = load_curve(args, plans, modes)
+        if args.plot:
+            plot(curve, args.plot, describe)
+        write_json(args.json, {"fleet": args.fleet, "trace": args.trace, "rate": args.rate,
+                               "duration_s": args.duration, "curve": curve})
+        return
+    results = {mode: simulate(args, plans, mode, args.rate) for mode in modes}
+    print(f"\n{describe}\n")
+    print(table(results))
+    if "primary" in results and "slo-cost" in results:
+        a, b = results["primary"], results["slo-cost"]
+        print(f"\nslo-cost vs primary: {1 - b.cost_units / a.cost_units:.1%} fewer cost units; SLO attainment "
+              + ", ".join(f"{c} {100 * (b.slo_attainment[c] - a.slo_attainment[c]):+.2f} points" for c in CLASSES))
+    print(f"simulated in {time.perf_counter() - started:.0f} s")
+    write_json(args.json, {"fleet": args.fleet, "pools": len(plans), "trace": args.trace,
+                           "arrivals": args.arrivals, "rate": args.rate, "duration_s": args.duration,
+                           "pool_model": args.pool_model, **headline(results),
+                           "results": {m: r.as_dict() for m, r in results.items()}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The cluster simulator (bench/sim/): its pools against hand-computed step times, the fast
+queueing model against the real scheduler, and the routing modes end to end on a small fleet."""
+from __future__ import annotations
+
+import pytest
+
+from bench.sim.accelerators import ACCELERATORS, Accelerator
+from bench.sim.cluster import PoolPlan, SimCluster
+from bench.sim.fast_pool import FastPool
+from bench.sim.step_pool import StepPool
+from bench.sim.workload import SimRequest, poisson, trace_replay
+from services.common.priority import HIGH, LOW, MEDIUM
+
+SIMPLE = Accelerator("simple", "cuda", fixed_ms=10.0, ms_per_token=0.1, ms_per_kv_token=0.0, kv_tokens=100_000,
+                     max_running=8, max_step_tokens=64)
+
+
+def run_pool(pool, requests: list[SimRequest]) -> None:
+    """Feed arrivals and step ends in time order until the pool is idle."""
+    pending = sorted(requests, key=lambda r: r.arrival)
+    while pending or pool.busy_until is not None:
+        if pending and (pool.busy_until is None or pending[0].arrival <= pool.busy_until):
+            request = pending.pop(0)
+            pool.submit(request, request.arrival)
+        else:
+            pool.step_end(pool.busy_until)
+
+
+@pytest.mark.parametrize("kind", [FastPool, StepPool])
+def test_one_request_takes_its_prefill_chunks_then_one_step_per_token(kind):
+    pool = kind("p", SIMPLE)
+    request = SimRequest(0, 0.0, MEDIUM, prompt_tokens=100, output_tokens=5)
+    run_pool(pool, [request])
+    # Prefill: 64 then 36 tokens (the step budget), the first token at the end of the second
+    # step; then 4 decode steps of one token each.
+    prefill = (10 + 6.4) + (10 + 3.6)
+    assert request.ttft_ms == pytest.approx(prefill, rel=1e-6)
+    assert request.finished_at * 1000 == pytest.approx(prefill + 4 * 10.1, rel=1e-6)
+    assert pool.kv_used() == 0
+
+
+@pytest.mark.parametrize("kind", [FastPool, StepPool])
+def test_a_high_request_goes_ahead_of_a_low_backlog(kind):
+    pool = kind("p", SIMPLE)
+    lows = [SimRequest(i, 0.0, LOW, prompt_tokens=200, output_tokens=20) for i in range(6)]
+    high = SimRequest(99, 0.05, HIGH, prompt_tokens=30, output_tokens=2)
+    run_pool(pool, lows + [high])
+    assert high.ttft_ms < 60                               # the step in flight, then its own
+    assert max(r.ttft_ms for r in lows) > 5 * high.ttft_ms
+    assert all(r.finished_at is not None for r in lows + [high])
+
+
+def test_fast_pool_shares_a_backlogged_step_5_3_2():
+    pool = FastPool("p", Accelerator("wide", "cuda", 10.0, 0.1, 0.0, 10_000_000, 4096, 256))
+    requests = [SimRequest(i, 0.0, p, prompt_tokens=5_000, output_tokens=1) for i, p in
+                enumerate([HIGH, MEDIUM, LOW] * 20)]
+    for r in requests:
+        pool.submit(r, 0.0)
+    for _ in range(200):                                   # all three classes stay backlogged
+        pool.step_end(pool.busy_until)
+    served = pool.served
+    total = served[HIGH] + served[MEDIUM] + served[LOW]
+    assert served[HIGH] / total == pytest.approx(0.5, abs=0.03)
+    assert served[MEDIUM] / total == pytest.approx(0.3, abs=0.03)
+
+
+def test_fast_pool_keeps_low_under_its_kv_cap():
+    acc = Accelerator("small", "cuda", 10.0, 0.1, 0.0, kv_tokens=10_000, max_running=64, max_step_tokens=512)
+    pool = FastPool("p", acc)
+    peak = 0
+    for i in range(30):
+        pool.submit(SimRequest(i, 0.0, LOW, prompt_tokens=500, output_tokens=50), 0.0)
+    while pool.busy_until is not None:
+        peak = max(peak, pool.kv[LOW])
+        pool.step_end(pool.busy_until)
+    assert 0 < peak <= 0.3 * acc.kv_tokens
+
+
+def test_the_fast_model_agrees_with_the_real_scheduler_on_a_small_cluster():
+    plans = [PoolPlan("gpu0", ACCELERATORS["h100"], 1.0), PoolPlan("npu0", ACCELERATORS["910b"], 0.3),
+             PoolPlan("cpu0", ACCELERATORS["xeon-spr"], 0.1)]
+    results = {kind: SimCluster(plans, "slo-cost", pool_kind=kind).run(trace_replay("azure-conv", 6, 40), 40)
+               for kind in ("step", "fast")}
+    for c in ("high", "medium", "low"):
+        assert results["fast"].p50_ttft_ms[c] == pytest.approx(results["step"].p50_ttft_ms[c], rel=0.25)
+    assert results["fast"].cost_units == pytest.approx(results["step"].cost_units, rel=0.1)
+
+
+def test_slo_cost_routing_costs_less_than_primary_and_keeps_high_on_the_gpu():
+    plans = [PoolPlan(f"gpu{i}", ACCELERATORS["h100"], 1.0) for i in range(2)] + \
+            [PoolPlan(f"npu{i}", ACCELERATORS["910b"], 0.3) for i in range(2)] + \
+            [PoolPlan(f"cpu{i}", ACCELERATORS["xeon-spr"], 0.1) for i in range(4)]
+    results = {mode: SimCluster(plans, mode).run(list(poisson("azure-conv", 12, 60, seed=1)), 60)
+               for mode in ("primary", "slo-cost")}
+    primary, slo = results["primary"], results["slo-cost"]
+    assert primary.served_share["cuda"] == 1.0
+    assert slo.cost_units < 0.8 * primary.cost_units
+    assert slo.served_share["cpu"] > 0 and slo.served_share["npu"] > 0
+    assert slo.slo_attainment["high"] == pytest.approx(primary.slo_attainment["high"], abs=0.01)
+    assert slo.unfinished == primary.unfinished == 0
+
+
+def test_trace_replay_arrives_at_the_asked_rate_and_classes_follow_the_lengths():
+    rows = 19_366                                          # bench/traces/azure2023_conv.csv
+    requests = trace_replay("azure-conv", rate=100, duration_s=rows / 100)   # the whole trace, once
+    assert len(requests) == pytest.approx(rows, rel=0.01)
+    assert all(a.arrival <= b.arrival for a, b in zip(requests, requests[1:]))
+    for r in requests[:200]:
+        if r.prompt_tokens > 2048:
+            assert r.priority == LOW
