@@ -13,7 +13,8 @@ Pools (both CPU, on this machine): "primary" (cost 1.0 per token, like a GPU poo
 at --rate per second, 2 in 10 High chat, 3 Medium, 5 Low.
 
 While each run goes, the pools' stats are polled every 200 ms and fed to the router's own
-latency model (services/router/latency_model.py): its step-time fit per pool is in the JSON next
+latency model (services/router/latency_model.py, its samples not faded, so the fit is the whole
+run's): its step-time fit per pool is in the JSON next
 to every request's arrival, class, lengths, pool and TTFT, which is what
 `bench/simulate.py --replay PATH` needs to predict this very run (issue 21: the simulator is
 checked against reality).
@@ -40,7 +41,7 @@ from services.common.config import (ClusterConfig, PoolConfig, RouterConfig,  # 
                                     SchedulerConfig, WorkerConfig)
 from services.common.priority import parse_priority  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
-from services.router.latency_model import LatencyModel  # noqa: E402
+from services.router.latency_model import LatencyModel, StepFit  # noqa: E402
 from services.router.pools import pool_load  # noqa: E402
 from services.router.routing import DEFAULT_SLO_MS  # noqa: E402
 
@@ -127,7 +128,8 @@ def step_fits(models: dict[str, LatencyModel], kv_tokens: dict[str, int]) -> dic
 
 
 def run_mode(mode: str, requests) -> dict:
-    models = {name: LatencyModel() for name in POOLS}
+    # Unfaded: the fit of the whole run (the router's own fades, to follow changes).
+    models = {name: LatencyModel(fit=StepFit(fade=1.0)) for name in POOLS}
     kv_tokens: dict[str, int] = {}
     with LocalCluster(cluster_config(mode), quiet=True) as cluster:
         async def go():
@@ -201,7 +203,7 @@ def main() -> None:
               "attainment " + ", ".join(f"{p} {100 * (b[f'{p}_slo_attainment'] - a[f'{p}_slo_attainment']):+.0f} points"
                                         for p in PRIORITIES))
     write_json(args.json, {"modes": report, "seed": args.seed, "rate": args.rate, "requests": len(requests),
-                           "pools": POOLS, "max_running": MAX_RUNNING, "max_step_tokens": MAX_STEP_TOKENS})
+                           "pools": POOLS, "primary": "primary", "max_running": MAX_RUNNING, "max_step_tokens": MAX_STEP_TOKENS})
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def replay(path: Path) -> dict:
             fit = fits.get(name) or next(iter(fits.values()))     # an unused pool: same hardware here
             plans.append(PoolPlan(name, local_cpu(fit["fixed_ms"], fit["ms_per_token"], fit["ms_per_kv_token"],
                                                   fit["kv_tokens"] or 64_000, real["max_running"],
-                                                  real["max_step_tokens"]), cost))
+                                                  real["max_step_tokens"]), cost, primary=name == real["primary"]))
         done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
         requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"])
                     for i, r in enumerate(done)]
@@ -215,29 +215,39 @@ def load_curve(args, plans: list[PoolPlan], modes: list[str]) -> dict:
 
 
 def plot(curve: dict, path: Path, title: str) -> None:
+    """Three panels, one colour per routing mode: cost per request vs load; SLO attainment per
+    class vs load; and the trade-off itself, cost against the worst of High's and Medium's
+    attainment, each point a load."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (cost_ax, slo_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (cost_ax, slo_ax, trade_ax) = plt.subplots(1, 3, figsize=(15, 4.4))
+    colours = dict(zip(curve, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     for mode, points in curve.items():
         loads = [p["load"] for p in points]
-        cost_ax.plot(loads, [p["cost_per_request"] for p in points], marker="o", label=mode)
+        colour = colours[mode]
+        cost_ax.plot(loads, [p["cost_per_request"] for p in points], marker="o", color=colour, label=mode)
         for c, style in (("high", "-"), ("medium", "--"), ("low", ":")):
-            slo_ax.plot(loads, [100 * p[f"slo_attainment_{c}"] for p in points], style, marker=".",
-                        label=f"{mode} {c}")
-    cost_ax.set_xlabel("load (x the base rate)")
-    cost_ax.set_ylabel("cost units per request")
-    cost_ax.set_title("cost")
+            slo_ax.plot(loads, [100 * p[f"slo_attainment_{c}"] for p in points], style, marker=".", color=colour,
+                        label=f"{mode}, {c}")
+        worst = [100 * min(p["slo_attainment_high"], p["slo_attainment_medium"]) for p in points]
+        trade_ax.plot([p["cost_per_request"] for p in points], worst, marker="o", color=colour, label=mode)
+        for p, y in zip(points, worst):
+            trade_ax.annotate(f"{p['load']:g}x", (p["cost_per_request"], y), textcoords="offset points",
+                              xytext=(4, 4), fontsize=7, color=colour)
+    cost_ax.set(xlabel="load (x the base rate)", ylabel="cost units per request", title="cost as load grows")
+    slo_ax.set(xlabel="load (x the base rate)", ylabel="requests within their TTFT SLO, %",
+               title="SLO attainment (High 200 ms, Medium 2 s, Low 30 s)")
+    trade_ax.set(xlabel="cost units per request", ylabel="High and Medium within SLO (the worse), %",
+                 title="cost against SLO attainment (points: load)")
     cost_ax.legend()
-    slo_ax.set_xlabel("load (x the base rate)")
-    slo_ax.set_ylabel("requests within their TTFT SLO, %")
-    slo_ax.set_title("SLO attainment (High 200 ms, Medium 2 s, Low 30 s)")
-    slo_ax.legend(fontsize=7, ncol=3)
+    slo_ax.legend(fontsize=7, ncol=2)
+    trade_ax.legend()
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"plot: {path}")
 
 

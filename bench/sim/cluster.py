@@ -34,6 +34,7 @@ class PoolPlan:
     name: str
     accelerator: Accelerator
     cost_per_token: float
+    primary: bool = False              # takes High when the fleet has no GPU pool (as PoolConfig.primary)
 
 
 @dataclass(slots=True)
@@ -65,7 +66,8 @@ class SimCluster:
         self.mode = mode
         self.stats_interval_s = stats_interval_s
         self.slo_ms = slo_ms or DEFAULT_SLO_MS
-        specs = [PoolSpec(p.name, p.accelerator.device, frozenset({MODEL}), p.cost_per_token) for p in plans]
+        specs = [PoolSpec(p.name, p.accelerator.device, frozenset({MODEL}), p.cost_per_token, primary=p.primary)
+                 for p in plans]
         self.router = PoolRouter(specs, mode=mode, lazy_models=True)
         self.specs = {s.name: s for s in specs}
         kind = {"fast": FastPool, "step": StepPool}[pool_kind]
@@ -98,6 +100,9 @@ class SimCluster:
         clock = time.perf_counter_ns
         next_stats = 0.0
         with_ttft = self.mode == "cost"
+        # A real router adapts its overflow threshold on every pool's update; with hundreds of
+        # pools (O(pools) each time) the simulator does it once per round of updates.
+        adapt_each = len(pools) <= 64
 
         changed = [True] * len(pools)        # since the last stats round: an idle pool's stats stand
 
@@ -115,8 +120,9 @@ class SimCluster:
                     for i, pool in enumerate(pools):
                         if changed[i]:
                             changed[i] = False
-                            router.update(pool.name, pool.report(next_stats, with_ttft), adapt=False)
-                    router.adapt_threshold()
+                            router.update(pool.name, pool.report(next_stats, with_ttft), adapt=adapt_each)
+                    if not adapt_each:
+                        router.adapt_threshold()
                     next_stats += self.stats_interval_s
                     continue
                 if event_at > until:

@@ -73,6 +73,7 @@ class StepFit:
     batch) is dropped and the others refitted; with one batch size only, a third of the step
     is taken as fixed (what the engine's profile shows at small batches) until other sizes come."""
     sums: list = field(default_factory=lambda: [[0.0] * 4 for _ in range(3)])  # X'WX | X'Wy, features 1, x, z
+    fade: float = FADE                   # 1.0: every sample counts alike (a whole run's fit)
     fixed_ms: float = 0.0
     ms_per_token: float = 0.0
     ms_per_kv_token: float = 0.0
@@ -83,11 +84,11 @@ class StepFit:
         return self.sums[0][0] > 0
 
     def add(self, tokens: float, kv_tokens: float, ms: float, weight: float) -> None:
-        features = (1.0, tokens, kv_tokens)
+        features, fade = (1.0, tokens, kv_tokens), self.fade
         for i, row in enumerate(self.sums):
             for j in range(3):
-                row[j] = FADE * row[j] + weight * features[i] * features[j]
-            row[3] = FADE * row[3] + weight * features[i] * ms
+                row[j] = fade * row[j] + weight * features[i] * features[j]
+            row[3] = fade * row[3] + weight * features[i] * ms
         self.solved = False
 
     def solve(self) -> None:
@@ -244,6 +245,17 @@ class LatencyModel:
         if slot_wait > wait:
             wait = slot_wait
         return in_flight + (one_step if one_step > full_steps else full_steps) + (wait if wait > 0 else 0.0)
+
+    def lower_bound(self, priority: int) -> tuple[float, float, float, float]:
+        """(a, b, c, d) with ttft_ms(priority, P) >= max(a + b P, c + d P) for every P, as long
+        as nothing but dispatches changes the model (they only make it slower)."""
+        if self.stale:
+            self._refresh()
+        queued, first = self.terms[priority][0], self.terms[priority][1]
+        in_flight, one_step_ms, ms_per_token, ms_per_full_token = self.step_terms
+        ahead = queued + first
+        return (in_flight + one_step_ms + ahead * ms_per_token, ms_per_token,
+                in_flight + ahead * ms_per_full_token, ms_per_full_token)
 
     def e2e_ms(self, priority: int, prompt_tokens: int, max_tokens: int) -> float:
         return self.ttft_ms(priority, prompt_tokens) + max(max_tokens - 1, 0) * self.tpot_ms

@@ -16,7 +16,8 @@ rises while the cheap pools back up.
 Mode "slo-cost" keeps rules 0-2 and replaces 3-5: each pool's latency model
 (services/router/latency_model.py) predicts the request's time to first token from the pool's last
 stats; the cheapest pool whose prediction x margin meets the SLO takes it (pools of one price in
-turn, so that load spreads), else the pool with the smallest prediction. A pool whose model has no
+turn, so that load spreads), else the pool with the smallest prediction (Low: the fastest of the
+cheapest pools; batch work that is late anyway does not take the fast pools' room). A pool whose model has no
 step-time sample yet is judged as rule 4 judges pools.
 """
 from __future__ import annotations
@@ -106,6 +107,11 @@ class PriceTier:
     # fastest pool then, its expected ms). With hundreds of pools of one price, most decisions skip
     # a saturated price tier at once instead of scanning it.
     failed: list = field(default_factory=lambda: [None] * 4)
+    # By priority: (epoch, a, b, c, d, smallest margin): no member's expected TTFT for a P-token
+    # prompt is below max(a + b P, c + d P) x margin (latency_model.lower_bound), so a tier whose
+    # bound misses the SLO, or exceeds the fastest pool found so far, is not scanned. (epoch, None)
+    # while a member has no measurement.
+    bounds: list = field(default_factory=lambda: [None] * 4)
 
 
 @dataclass(slots=True)
@@ -294,37 +300,83 @@ class PoolRouter:
     def _cheapest_meeting_slo(self, request: RouteRequest, tiers: list[PriceTier], slo: float) -> Decision:
         """The first pool, by price and then in turn inside a price, whose predicted time to first
         token (x its margin) meets the SLO with KV room; else the one predicted fastest."""
-        loads = self.loads
         priority, prompt = request.priority, request.prompt_tokens
         fastest, fastest_ms = None, float("inf")
         epoch = self._epoch
+        skipped: list[tuple[float, PriceTier]] = []    # (lower bound, tier) of tiers not scanned
         for tier in tiers:
             failed = tier.failed[priority]
             if failed is not None and failed[0] == epoch and prompt >= failed[1] and slo <= failed[2]:
                 if failed[3] is not None and failed[4] < fastest_ms:
                     fastest, fastest_ms, fastest_model = failed[3], failed[4], self.models[failed[3].name]
                 continue
-            members, start = tier.members, tier.cursor
-            tier_fastest, tier_ms = None, float("inf")
-            for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
-                if not model.known:                # nothing measured yet: judged as rule 4 does
-                    if self._has_room_by_rule(pool, slo):
-                        tier.cursor = (start + k + 1) % len(members)
-                        return Decision(pool.name, "slo-cost-unmeasured")
-                    continue
-                predicted = model.ttft_ms(priority, prompt)
-                expected = predicted * model.margin
-                if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
-                    tier.cursor = (start + k + 1) % len(members)
-                    return Decision(pool.name, "slo-cost", predicted)
-                if expected < tier_ms:
-                    tier_fastest, tier_ms = pool, expected
+            bound = self._tier_bound(tier, priority, epoch, prompt)
+            if bound > slo:
+                skipped.append((bound, tier))
+                continue
+            chosen, tier_fastest, tier_ms = self._scan(tier, priority, prompt, slo)
+            if chosen is not None:
+                return chosen
             tier.failed[priority] = (epoch, prompt, slo, tier_fastest, tier_ms)
+            if tier_ms < fastest_ms:
+                fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, self.models[tier_fastest.name]
+        if priority == LOW:
+            # Batch work that no pool serves in time waits where it costs least, rather than take
+            # the fast pools' room from the classes that wait on their answer.
+            _, cheapest, cheapest_ms = self._scan(tiers[0], priority, prompt, -1.0)
+            if cheapest is not None:
+                return Decision(cheapest.name, "slo-cheapest-late", cheapest_ms / self.models[cheapest.name].margin)
+        # None meets the SLO: the fastest, looking into skipped tiers only where their bound says
+        # a member could beat the fastest found so far.
+        for bound, tier in sorted(skipped, key=lambda item: item[0]):
+            if bound >= fastest_ms:
+                break
+            _, tier_fastest, tier_ms = self._scan(tier, priority, prompt, -1.0)
             if tier_ms < fastest_ms:
                 fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, self.models[tier_fastest.name]
         if fastest is None:                        # no pool measured and none with room
             return Decision(tiers[-1].members[0][0].name, "slo-fastest")
         return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
+
+    def _scan(self, tier: PriceTier, priority: int, prompt: int, slo: float) -> tuple[Decision | None, PoolSpec | None, float]:
+        """The tier's pools in turn: the first whose expected TTFT meets the SLO with KV room (a
+        Decision), else the fastest of them and its expected TTFT."""
+        loads = self.loads
+        members, start = tier.members, tier.cursor
+        fastest, fastest_ms = None, float("inf")
+        for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
+            if not model.known:                    # nothing measured yet: judged as rule 4 does
+                if slo >= 0 and self._has_room_by_rule(pool, slo):
+                    tier.cursor = (start + k + 1) % len(members)
+                    return Decision(pool.name, "slo-cost-unmeasured"), None, fastest_ms
+                continue
+            predicted = model.ttft_ms(priority, prompt)
+            expected = predicted * model.margin
+            if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
+                tier.cursor = (start + k + 1) % len(members)
+                return Decision(pool.name, "slo-cost", predicted), None, fastest_ms
+            if expected < fastest_ms:
+                fastest, fastest_ms = pool, expected
+        return None, fastest, fastest_ms
+
+    def _tier_bound(self, tier: PriceTier, priority: int, epoch: int, prompt: int) -> float:
+        """A lower bound on every member's expected TTFT for this prompt (0 when unknown)."""
+        bound = tier.bounds[priority]
+        if bound is None or bound[0] != epoch:
+            a = b = c = d = margin = float("inf")
+            for _, model in tier.members:
+                if not model.known:
+                    tier.bounds[priority] = bound = (epoch, None)
+                    break
+                ma, mb, mc, md = model.lower_bound(priority)
+                a, b, c, d, margin = min(a, ma), min(b, mb), min(c, mc), min(d, md), min(margin, model.margin)
+            else:
+                tier.bounds[priority] = bound = (epoch, a, b, c, d, margin)
+        if bound[1] is None:
+            return 0.0
+        _, a, b, c, d, margin = bound
+        one, full = a + b * prompt, c + d * prompt
+        return (one if one > full else full) * margin
 
     def _least_queued(self, gpus: list[PoolSpec]) -> PoolSpec:
         """The primary among GPU pools: the least queued (the first among equals)."""

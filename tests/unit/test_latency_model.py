@@ -148,9 +148,12 @@ def test_high_keeps_its_strict_rule_under_slo_cost():
     assert (decision.pool, decision.rule) == ("gpu", "high-to-primary")
 
 
-def test_when_no_pool_meets_the_slo_the_fastest_takes_it():
-    decision = slo_router([GPU, NPU, CPU1], SPEEDS).route(RouteRequest(M, MEDIUM, prompt_tokens=100, slo_ms=1))
+def test_when_no_pool_meets_the_slo_the_fastest_takes_it_but_low_waits_where_it_costs_least():
+    router = slo_router([GPU, NPU, CPU1, CPU2], SPEEDS)
+    decision = router.route(RouteRequest(M, MEDIUM, prompt_tokens=100, slo_ms=1))
     assert (decision.pool, decision.rule) == ("gpu", "slo-fastest")
+    decision = router.route(RouteRequest(M, LOW, prompt_tokens=100, slo_ms=1))
+    assert decision.pool in ("cpu1", "cpu2") and decision.rule == "slo-cheapest-late"
 
 
 def test_a_backlogged_cheap_pool_is_passed_over():
