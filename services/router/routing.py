@@ -13,72 +13,19 @@ Rules, in order (../shared/DESIGN.md, Routing semantics):
 The overflow threshold adapts: it drops while the cheap pools idle and the primary queues, and
 rises while the cheap pools back up.
 
-Mode "slo-cost" keeps rules 0-2 and replaces 3-5: each pool's latency model
-(services/router/latency_model.py) predicts the request's time to first token from the pool's last
-stats; the cheapest pool whose prediction x margin meets the SLO takes it (pools of one price in
-turn, so that load spreads), else the pool with the smallest prediction (Low: the fastest of the
-cheapest pools; batch work that is late anyway does not take the fast pools' room). A pool whose model has no
-step-time sample yet is judged as rule 4 judges pools.
+Mode "slo-cost" keeps rules 0-2 and replaces 3-5 with predicted latency: services/router/slo_cost.py.
+The types routing reads and returns live in route_types.py (imported from here as well).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from services.common.config import ROUTING_MODES
-from services.common.priority import HIGH, LOW, MEDIUM
-from services.router.latency_model import LatencyModel, PoolReport
-
-DEFAULT_COST = {"cuda": 1.0, "npu": 0.3, "cpu": 0.1}
-DEFAULT_SLO_MS = {HIGH: 200.0, MEDIUM: 2_000.0, LOW: 30_000.0}
-
-
-class NoPoolError(LookupError):
-    """No pool can serve the request; the message names the model (and what was missing)."""
-
-
-@dataclass(slots=True, frozen=True)
-class PoolSpec:
-    name: str
-    device: str                          # cuda | npu | cpu
-    models: frozenset[str]
-    cost_per_token: float | None = None  # None: the device's default
-    lora: bool = False
-    primary: bool = False                # the pool High goes to when there is no GPU pool
-
-    @property
-    def cost(self) -> float:
-        return DEFAULT_COST[self.device] if self.cost_per_token is None else self.cost_per_token
-
-
-@dataclass(slots=True)
-class PoolLoad:
-    """What the router caches from a pool's stats stream."""
-    healthy: bool = False
-    queued: int = 0                      # requests waiting, all classes
-    free_kv: float = 1.0                 # free share of the pool's KV blocks
-    ttft_ms: float = 0.0                 # observed time to first token, recent requests (p90)
-    utilization: float = 0.0
-    adapters: frozenset = frozenset()    # LoRA adapters its workers hold
-    report: PoolReport | None = None     # what the latency model fits on (None: nothing yet)
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    model: str
-    priority: int
-    lora: str | None = None
-    slo_ms: float | None = None
-    exclude: frozenset[str] = frozenset()   # pools that already failed this request (migration)
-    prompt_tokens: int = 0               # estimated (the router does not tokenize)
-
-
-class Decision(NamedTuple):
-    """A tuple: made on every slo-cost decision, where a frozen dataclass costs a microsecond."""
-    pool: str
-    rule: str                            # which rule chose it, for traces and tests
-    predicted_ttft_ms: float = 0.0       # slo-cost: what the chosen pool's model predicted
-
+from services.common.priority import HIGH, MEDIUM
+from services.router.latency_model import LatencyModel
+from services.router.route_types import (DEFAULT_COST, DEFAULT_SLO_MS, Decision, NoPoolError,  # noqa: F401
+                                         PoolLoad, PoolSpec, RouteRequest)
+from services.router.slo_cost import PriceTier, cheapest_meeting_slo
 
 @dataclass(slots=True)
 class OverflowThreshold:
@@ -93,25 +40,6 @@ class OverflowThreshold:
             self.value = min(self.maximum, self.value * self.step)
         elif cheap_idle and primary_queued > 0:
             self.value = max(self.minimum, self.value / self.step)
-
-
-@dataclass(slots=True)
-class PriceTier:
-    """The healthy pools of one price (for one model), taken in turn by slo-cost routing."""
-    cost: float
-    members: list[tuple[PoolSpec, LatencyModel]]
-    cursor: int = 0
-    # A scan in which no pool met (prompt, SLO) for a class: a request of that class with no shorter
-    # prompt and no looser SLO cannot be met either, until the next stats update or lower margin
-    # (predictions only grow in between, with dispatches). By priority: (epoch, prompt, SLO,
-    # fastest pool then, its expected ms). With hundreds of pools of one price, most decisions skip
-    # a saturated price tier at once instead of scanning it.
-    failed: list = field(default_factory=lambda: [None] * 4)
-    # By priority: (epoch, a, b, c, d, smallest margin): no member's expected TTFT for a P-token
-    # prompt is below max(a + b P, c + d P) x margin (latency_model.lower_bound), so a tier whose
-    # bound misses the SLO, or exceeds the fastest pool found so far, is not scanned. (epoch, None)
-    # while a member has no measurement.
-    bounds: list = field(default_factory=lambda: [None] * 4)
 
 
 @dataclass(slots=True)
@@ -140,7 +68,7 @@ class PoolRouter:
     # when a pool's health or adapters change, not on every decision.
     _healthy: dict[tuple[str, str | None], Candidates] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
-    _epoch: int = 0                      # bumped when predictions may have dropped (PriceTier.failed)
+    epoch: int = 0                       # bumped when predictions may have dropped (slo_cost.py)
     _primaries: list[PoolSpec] = field(default_factory=list)
     _cheap: list[PoolSpec] = field(default_factory=list)      # the pools that are not primaries
 
@@ -172,7 +100,7 @@ class PoolRouter:
         if old.healthy != load.healthy or old.adapters != load.adapters:
             self._healthy.clear()
         self.loads[name] = load
-        self._epoch += 1
+        self.epoch += 1
         if load.report is not None:
             self.models[name].report(load.report)
         if adapt:
@@ -208,7 +136,7 @@ class PoolRouter:
         before = model.margin
         model.observe(predicted_ms, actual_ms)
         if model.margin < before:
-            self._epoch += 1
+            self.epoch += 1
 
     def _is_primary(self, pool: PoolSpec) -> bool:
         has_gpu = any(p.device == "cuda" for p in self.pools)
@@ -284,99 +212,19 @@ class PoolRouter:
                     return self._decision(pool, "lora-to-npu")
         slo = request.slo_ms if request.slo_ms else DEFAULT_SLO_MS.get(request.priority, DEFAULT_SLO_MS[MEDIUM])
         if self.mode == "slo-cost":
-            return self._cheapest_meeting_slo(request, candidates.tiers, slo)
+            return cheapest_meeting_slo(self, request, candidates.tiers, slo)
         if loads[primary.name].queued < self.threshold.value:
             return self._decision(primary, "primary-under-threshold")
         for pool in healthy:                       # cheapest first
-            if pool is not primary and self._has_room_by_rule(pool, slo):
+            if pool is not primary and self.has_room_by_rule(pool, slo):
                 return self._decision(pool, "overflow-cheapest")
         return self._decision(primary, "queue-on-primary")
 
-    def _has_room_by_rule(self, pool: PoolSpec, slo: float) -> bool:
+    def has_room_by_rule(self, pool: PoolSpec, slo: float) -> bool:
+        """Rule 4's test: free KV, a short queue, observed TTFT within the SLO."""
         load = self.loads[pool.name]
         return load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
             and load.ttft_ms <= slo
-
-    def _cheapest_meeting_slo(self, request: RouteRequest, tiers: list[PriceTier], slo: float) -> Decision:
-        """The first pool, by price and then in turn inside a price, whose predicted time to first
-        token (x its margin) meets the SLO with KV room; else the one predicted fastest."""
-        priority, prompt = request.priority, request.prompt_tokens
-        fastest, fastest_ms = None, float("inf")
-        epoch = self._epoch
-        skipped: list[tuple[float, PriceTier]] = []    # (lower bound, tier) of tiers not scanned
-        for tier in tiers:
-            failed = tier.failed[priority]
-            if failed is not None and failed[0] == epoch and prompt >= failed[1] and slo <= failed[2]:
-                if failed[3] is not None and failed[4] < fastest_ms:
-                    fastest, fastest_ms, fastest_model = failed[3], failed[4], self.models[failed[3].name]
-                continue
-            bound = self._tier_bound(tier, priority, epoch, prompt)
-            if bound > slo:
-                skipped.append((bound, tier))
-                continue
-            chosen, tier_fastest, tier_ms = self._scan(tier, priority, prompt, slo)
-            if chosen is not None:
-                return chosen
-            tier.failed[priority] = (epoch, prompt, slo, tier_fastest, tier_ms)
-            if tier_ms < fastest_ms:
-                fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, self.models[tier_fastest.name]
-        if priority == LOW:
-            # Batch work that no pool serves in time waits where it costs least, rather than take
-            # the fast pools' room from the classes that wait on their answer.
-            _, cheapest, cheapest_ms = self._scan(tiers[0], priority, prompt, -1.0)
-            if cheapest is not None:
-                return Decision(cheapest.name, "slo-cheapest-late", cheapest_ms / self.models[cheapest.name].margin)
-        # None meets the SLO: the fastest, looking into skipped tiers only where their bound says
-        # a member could beat the fastest found so far.
-        for bound, tier in sorted(skipped, key=lambda item: item[0]):
-            if bound >= fastest_ms:
-                break
-            _, tier_fastest, tier_ms = self._scan(tier, priority, prompt, -1.0)
-            if tier_ms < fastest_ms:
-                fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, self.models[tier_fastest.name]
-        if fastest is None:                        # no pool measured and none with room
-            return Decision(tiers[-1].members[0][0].name, "slo-fastest")
-        return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
-
-    def _scan(self, tier: PriceTier, priority: int, prompt: int, slo: float) -> tuple[Decision | None, PoolSpec | None, float]:
-        """The tier's pools in turn: the first whose expected TTFT meets the SLO with KV room (a
-        Decision), else the fastest of them and its expected TTFT."""
-        loads = self.loads
-        members, start = tier.members, tier.cursor
-        fastest, fastest_ms = None, float("inf")
-        for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
-            if not model.known:                    # nothing measured yet: judged as rule 4 does
-                if slo >= 0 and self._has_room_by_rule(pool, slo):
-                    tier.cursor = (start + k + 1) % len(members)
-                    return Decision(pool.name, "slo-cost-unmeasured"), None, fastest_ms
-                continue
-            predicted = model.ttft_ms(priority, prompt)
-            expected = predicted * model.margin
-            if expected <= slo and loads[pool.name].free_kv >= self.min_free_kv:
-                tier.cursor = (start + k + 1) % len(members)
-                return Decision(pool.name, "slo-cost", predicted), None, fastest_ms
-            if expected < fastest_ms:
-                fastest, fastest_ms = pool, expected
-        return None, fastest, fastest_ms
-
-    def _tier_bound(self, tier: PriceTier, priority: int, epoch: int, prompt: int) -> float:
-        """A lower bound on every member's expected TTFT for this prompt (0 when unknown)."""
-        bound = tier.bounds[priority]
-        if bound is None or bound[0] != epoch:
-            a = b = c = d = margin = float("inf")
-            for _, model in tier.members:
-                if not model.known:
-                    tier.bounds[priority] = bound = (epoch, None)
-                    break
-                ma, mb, mc, md = model.lower_bound(priority)
-                a, b, c, d, margin = min(a, ma), min(b, mb), min(c, mc), min(d, md), min(margin, model.margin)
-            else:
-                tier.bounds[priority] = bound = (epoch, a, b, c, d, margin)
-        if bound[1] is None:
-            return 0.0
-        _, a, b, c, d, margin = bound
-        one, full = a + b * prompt, c + d * prompt
-        return (one if one > full else full) * margin
 
     def _least_queued(self, gpus: list[PoolSpec]) -> PoolSpec:
         """The primary among GPU pools: the least queued (the first among equals)."""

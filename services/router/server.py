@@ -14,7 +14,7 @@ from dataclasses import replace
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common.config import ClusterConfig, RouterConfig
+from services.common.config import AuthConfig, ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import PRIORITIES

@@ -19,7 +19,8 @@ PURE = ["services.scheduler.batcher", "services.scheduler.request", "services.sc
         "services.scheduler.output", "services.scheduler.admission", "services.scheduler.policy",
         "services.router.routing", "services.router.validation", "services.common.errors",
         "services.common.drain", "services.common.wire", "services.common.kv_blocks",
-        "services.router.sla", "services.router.alerts", "services.scheduler.autoscale"]
+        "services.router.sla", "services.router.alerts", "services.scheduler.autoscale",
+        "services.router.latency_model", "services.router.slo_cost", "services.router.route_types"]
 SCHEDULER_AND_ROUTER = ["services.scheduler.server", "services.router.server"]
 ENGINE = ["services.engine.engine", "services.engine.batch_runner", "services.worker.server"]
 

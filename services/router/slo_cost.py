@@ -1,0 +1,125 @@
+"""Routing mode "slo-cost" (services/router/routing.py keeps the High and LoRA rules before it):
+the cheapest pool whose latency model (latency_model.py) predicts a time to first token within
+the request's SLO, x the pool's margin, with KV room; pools of one price taken in turn so that
+load spreads; none -> the pool predicted fastest, or for Low the fastest of the cheapest pools
+(batch work that is late anyway does not take the fast pools' room). A pool with no step-time
+sample yet is judged by the rules' overflow test.
+
+Cost: one prediction (a dozen arithmetic operations) per pool visited, pools visited only among
+those serving the model, cheapest price first. With hundreds of pools of one price, two things
+keep most decisions short: a lower bound per price tier (no member can beat it) skips a tier
+that cannot meet the SLO, and a scan that found none is remembered until the next stats update.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.common.priority import LOW
+from services.router.latency_model import LatencyModel
+from services.router.route_types import Decision, PoolSpec, RouteRequest
+
+if TYPE_CHECKING:
+    from services.router.routing import PoolRouter
+
+
+@dataclass(slots=True)
+class PriceTier:
+    """The healthy pools of one price (for one model), taken in turn by slo-cost routing."""
+    cost: float
+    members: list[tuple[PoolSpec, LatencyModel]]
+    cursor: int = 0
+    # A scan in which no pool met (prompt, SLO) for a class: a request of that class with no shorter
+    # prompt and no looser SLO cannot be met either, until the next stats update or lower margin
+    # (predictions only grow in between, with dispatches). By priority: (epoch, prompt, SLO,
+    # fastest pool then, its expected ms). With hundreds of pools of one price, most decisions skip
+    # a saturated price tier at once instead of scanning it.
+    failed: list = field(default_factory=lambda: [None] * 4)
+    # By priority: (epoch, a, b, c, d, smallest margin): no member's expected TTFT for a P-token
+    # prompt is below max(a + b P, c + d P) x margin (latency_model.lower_bound), so a tier whose
+    # bound misses the SLO, or exceeds the fastest pool found so far, is not scanned. (epoch, None)
+    # while a member has no measurement.
+    bounds: list = field(default_factory=lambda: [None] * 4)
+
+
+def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[PriceTier], slo: float) -> Decision:
+    """The first pool, by price and then in turn inside a price, whose predicted time to first
+    token (x its margin) meets the SLO with KV room; else the one predicted fastest."""
+    priority, prompt = request.priority, request.prompt_tokens
+    fastest, fastest_ms = None, float("inf")
+    epoch = router.epoch
+    skipped: list[tuple[float, PriceTier]] = []    # (lower bound, tier) of tiers not scanned
+    for tier in tiers:
+        failed = tier.failed[priority]
+        if failed is not None and failed[0] == epoch and prompt >= failed[1] and slo <= failed[2]:
+            if failed[3] is not None and failed[4] < fastest_ms:
+                fastest, fastest_ms, fastest_model = failed[3], failed[4], router.models[failed[3].name]
+            continue
+        bound = _tier_bound(tier, priority, epoch, prompt)
+        if bound > slo:
+            skipped.append((bound, tier))
+            continue
+        chosen, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, slo)
+        if chosen is not None:
+            return chosen
+        tier.failed[priority] = (epoch, prompt, slo, tier_fastest, tier_ms)
+        if tier_ms < fastest_ms:
+            fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
+    if priority == LOW:
+        # Batch work that no pool serves in time waits where it costs least, rather than take
+        # the fast pools' room from the classes that wait on their answer.
+        _, cheapest, cheapest_ms = _scan(router, tiers[0], priority, prompt, -1.0)
+        if cheapest is not None:
+            return Decision(cheapest.name, "slo-cheapest-late", cheapest_ms / router.models[cheapest.name].margin)
+    # None meets the SLO: the fastest, looking into skipped tiers only where their bound says
+    # a member could beat the fastest found so far.
+    for bound, tier in sorted(skipped, key=lambda item: item[0]):
+        if bound >= fastest_ms:
+            break
+        _, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, -1.0)
+        if tier_ms < fastest_ms:
+            fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
+    if fastest is None:                        # no pool measured and none with room
+        return Decision(tiers[-1].members[0][0].name, "slo-fastest")
+    return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
+
+def _scan(router: PoolRouter, tier: PriceTier, priority: int, prompt: int,
+          slo: float) -> tuple[Decision | None, PoolSpec | None, float]:
+    """The tier's pools in turn: the first whose expected TTFT meets the SLO with KV room (a
+    Decision), else the fastest of them and its expected TTFT."""
+    loads = router.loads
+    members, start = tier.members, tier.cursor
+    fastest, fastest_ms = None, float("inf")
+    for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
+        if not model.known:                    # nothing measured yet: judged as rule 4 does
+            if slo >= 0 and router.has_room_by_rule(pool, slo):
+                tier.cursor = (start + k + 1) % len(members)
+                return Decision(pool.name, "slo-cost-unmeasured"), None, fastest_ms
+            continue
+        predicted = model.ttft_ms(priority, prompt)
+        expected = predicted * model.margin
+        if expected <= slo and loads[pool.name].free_kv >= router.min_free_kv:
+            tier.cursor = (start + k + 1) % len(members)
+            return Decision(pool.name, "slo-cost", predicted), None, fastest_ms
+        if expected < fastest_ms:
+            fastest, fastest_ms = pool, expected
+    return None, fastest, fastest_ms
+
+def _tier_bound(tier: PriceTier, priority: int, epoch: int, prompt: int) -> float:
+    """A lower bound on every member's expected TTFT for this prompt (0 when unknown)."""
+    bound = tier.bounds[priority]
+    if bound is None or bound[0] != epoch:
+        a = b = c = d = margin = float("inf")
+        for _, model in tier.members:
+            if not model.known:
+                tier.bounds[priority] = bound = (epoch, None)
+                break
+            ma, mb, mc, md = model.lower_bound(priority)
+            a, b, c, d, margin = min(a, ma), min(b, mb), min(c, mc), min(d, md), min(margin, model.margin)
+        else:
+            tier.bounds[priority] = bound = (epoch, a, b, c, d, margin)
+    if bound[1] is None:
+        return 0.0
+    _, a, b, c, d, margin = bound
+    one, full = a + b * prompt, c + d * prompt
+    return (one if one > full else full) * margin
