@@ -25,7 +25,7 @@ from services.common.priority import HIGH, MEDIUM
 from services.router.latency_model import LatencyModel
 from services.router.route_types import (DEFAULT_COST, DEFAULT_SLO_MS, Decision, NoPoolError,  # noqa: F401
                                          PoolLoad, PoolSpec, RouteRequest)
-from services.router.slo_cost import PriceTier, cheapest_meeting_slo
+from services.router.slo_cost import PriceTier, cheapest_meeting_slo, refresh_bounds
 
 @dataclass(slots=True)
 class OverflowThreshold:
@@ -68,7 +68,9 @@ class PoolRouter:
     # when a pool's health or adapters change, not on every decision.
     _healthy: dict[tuple[str, str | None], Candidates] = field(default_factory=dict)
     _decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)   # immutable, reused
-    epoch: int = 0                       # bumped when predictions may have dropped (slo_cost.py)
+    # The cached price tiers each pool is in (slo_cost.py): a pool's new stats or lower margin
+    # make its tiers' bounds and remembered failures stale.
+    _tiers_of: dict[str, list[PriceTier]] = field(default_factory=dict)
     _primaries: list[PoolSpec] = field(default_factory=list)
     _cheap: list[PoolSpec] = field(default_factory=list)      # the pools that are not primaries
 
@@ -99,10 +101,11 @@ class PoolRouter:
         old = self.loads[name]
         if old.healthy != load.healthy or old.adapters != load.adapters:
             self._healthy.clear()
+            self._tiers_of.clear()
         self.loads[name] = load
-        self.epoch += 1
         if load.report is not None:
             self.models[name].report(load.report)
+        self._touch(name)
         if adapt:
             self.adapt_threshold()
 
@@ -136,7 +139,16 @@ class PoolRouter:
         before = model.margin
         model.observe(predicted_ms, actual_ms)
         if model.margin < before:
-            self.epoch += 1
+            self._touch(name)
+
+    def _touch(self, name: str) -> None:
+        """The pool's predictions may have dropped: its tiers start a new epoch; the router (not
+        the simulator, whose thousand pools report far more often than it decides) recomputes
+        their bounds now, off the request path."""
+        for tier in self._tiers_of.get(name, ()):
+            tier.epoch += 1
+            if not self.lazy_models:
+                refresh_bounds(tier)
 
     def _is_primary(self, pool: PoolSpec) -> bool:
         has_gpu = any(p.device == "cuda" for p in self.pools)
@@ -161,7 +173,7 @@ class PoolRouter:
             key = (request.model, request.lora)
             cached = self._healthy.get(key)
             if cached is None:
-                cached = self._healthy[key] = self._candidates(self._holding(candidates, request))
+                cached = self._healthy[key] = self._candidates(self._holding(candidates, request), cache=True)
             return self._choose(request, cached)
         if request.lora:
             candidates = self._holding(candidates, request)
@@ -182,7 +194,7 @@ class PoolRouter:
                               f"{request.model!r}")
         return holding
 
-    def _candidates(self, candidates: list[PoolSpec]) -> Candidates:
+    def _candidates(self, candidates: list[PoolSpec], cache: bool = False) -> Candidates:
         """The healthy candidates (all, when none is), the GPU pools among them, the primary when
         it does not depend on load (no GPU pool: the marked primary, else the priciest), and the
         healthy pools grouped by price."""
@@ -195,6 +207,8 @@ class PoolRouter:
             if not tiers or tiers[-1].cost != pool.cost:
                 tiers.append(PriceTier(pool.cost, []))
             tiers[-1].members.append((pool, self.models[pool.name]))
+            if cache:
+                self._tiers_of.setdefault(pool.name, []).append(tiers[-1])
         return Candidates(healthy, gpus, fixed, tiers)
 
     def _choose(self, request: RouteRequest, candidates: Candidates) -> Decision:

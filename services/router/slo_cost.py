@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.common.priority import LOW
+from services.common.priority import LOW, MEDIUM
 from services.router.latency_model import LatencyModel
 from services.router.route_types import Decision, PoolSpec, RouteRequest
 
@@ -29,6 +29,7 @@ class PriceTier:
     cost: float
     members: list[tuple[PoolSpec, LatencyModel]]
     cursor: int = 0
+    epoch: int = 0                       # bumped when a member's predictions may have dropped
     # A scan in which no pool met (prompt, SLO) for a class: a request of that class with no shorter
     # prompt and no looser SLO cannot be met either, until the next stats update or lower margin
     # (predictions only grow in between, with dispatches). By priority: (epoch, prompt, SLO,
@@ -47,35 +48,38 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
     token (x its margin) meets the SLO with KV room; else the one predicted fastest."""
     priority, prompt = request.priority, request.prompt_tokens
     fastest, fastest_ms = None, float("inf")
-    epoch = router.epoch
     skipped: list[tuple[float, PriceTier]] = []    # (lower bound, tier) of tiers not scanned
     for tier in tiers:
         failed = tier.failed[priority]
-        if failed is not None and failed[0] == epoch and prompt >= failed[1] and slo <= failed[2]:
+        if failed is not None and failed[0] == tier.epoch and prompt >= failed[1] and slo <= failed[2]:
             if failed[3] is not None and failed[4] < fastest_ms:
                 fastest, fastest_ms, fastest_model = failed[3], failed[4], router.models[failed[3].name]
             continue
-        bound = _tier_bound(tier, priority, epoch, prompt)
+        bound = _tier_bound(tier, priority, prompt)
         if bound > slo:
             skipped.append((bound, tier))
             continue
         chosen, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, slo)
         if chosen is not None:
             return chosen
-        tier.failed[priority] = (epoch, prompt, slo, tier_fastest, tier_ms)
+        tier.failed[priority] = (tier.epoch, prompt, slo, tier_fastest, tier_ms)
         if tier_ms < fastest_ms:
             fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
     if priority == LOW:
         # Batch work that no pool serves in time waits where it costs least, rather than take
         # the fast pools' room from the classes that wait on their answer.
-        _, cheapest, cheapest_ms = _scan(router, tiers[0], priority, prompt, -1.0)
+        failed = tiers[0].failed[priority]
+        if failed is not None and failed[0] == tiers[0].epoch and failed[1] == prompt and failed[2] == slo:
+            cheapest, cheapest_ms = failed[3], failed[4]          # scanned just now, in this call
+        else:
+            _, cheapest, cheapest_ms = _scan(router, tiers[0], priority, prompt, -1.0)
         if cheapest is not None:
             return Decision(cheapest.name, "slo-cheapest-late", cheapest_ms / router.models[cheapest.name].margin)
     # None meets the SLO: the fastest, looking into skipped tiers only where their bound says
     # a member could beat the fastest found so far.
-    for bound, tier in sorted(skipped, key=lambda item: item[0]):
+    for bound, tier in skipped:
         if bound >= fastest_ms:
-            break
+            continue
         _, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, -1.0)
         if tier_ms < fastest_ms:
             fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
@@ -89,35 +93,50 @@ def _scan(router: PoolRouter, tier: PriceTier, priority: int, prompt: int,
     Decision), else the fastest of them and its expected TTFT."""
     loads = router.loads
     members, start = tier.members, tier.cursor
+    count = len(members)
     fastest, fastest_ms = None, float("inf")
-    for k, (pool, model) in enumerate(members[start:] + members[:start] if start else members):
+    for i in range(start, start + count):
+        if i >= count:
+            i -= count
+        pool, model = members[i]
         if not model.known:                    # nothing measured yet: judged as rule 4 does
             if slo >= 0 and router.has_room_by_rule(pool, slo):
-                tier.cursor = (start + k + 1) % len(members)
+                tier.cursor = i + 1 if i + 1 < count else 0
                 return Decision(pool.name, "slo-cost-unmeasured"), None, fastest_ms
             continue
         predicted = model.ttft_ms(priority, prompt)
         expected = predicted * model.margin
         if expected <= slo and loads[pool.name].free_kv >= router.min_free_kv:
-            tier.cursor = (start + k + 1) % len(members)
+            tier.cursor = i + 1 if i + 1 < count else 0
             return Decision(pool.name, "slo-cost", predicted), None, fastest_ms
         if expected < fastest_ms:
             fastest, fastest_ms = pool, expected
     return None, fastest, fastest_ms
 
-def _tier_bound(tier: PriceTier, priority: int, epoch: int, prompt: int) -> float:
+
+def refresh_bounds(tier: PriceTier) -> None:
+    """The tier's bounds for the classes slo-cost routes (High keeps its rule)."""
+    for priority in (MEDIUM, LOW):
+        _compute_bound(tier, priority)
+
+
+def _compute_bound(tier: PriceTier, priority: int) -> tuple:
+    a = b = c = d = margin = float("inf")
+    for _, model in tier.members:
+        if not model.known:
+            tier.bounds[priority] = bound = (tier.epoch, None)
+            return bound
+        ma, mb, mc, md = model.lower_bound(priority)
+        a, b, c, d, margin = min(a, ma), min(b, mb), min(c, mc), min(d, md), min(margin, model.margin)
+    tier.bounds[priority] = bound = (tier.epoch, a, b, c, d, margin)
+    return bound
+
+
+def _tier_bound(tier: PriceTier, priority: int, prompt: int) -> float:
     """A lower bound on every member's expected TTFT for this prompt (0 when unknown)."""
     bound = tier.bounds[priority]
-    if bound is None or bound[0] != epoch:
-        a = b = c = d = margin = float("inf")
-        for _, model in tier.members:
-            if not model.known:
-                tier.bounds[priority] = bound = (epoch, None)
-                break
-            ma, mb, mc, md = model.lower_bound(priority)
-            a, b, c, d, margin = min(a, ma), min(b, mb), min(c, mc), min(d, md), min(margin, model.margin)
-        else:
-            tier.bounds[priority] = bound = (epoch, a, b, c, d, margin)
+    if bound is None or bound[0] != tier.epoch:
+        bound = _compute_bound(tier, priority)
     if bound[1] is None:
         return 0.0
     _, a, b, c, d, margin = bound
