@@ -27,6 +27,7 @@ and share of requests per device type, the latency model's error, the routing de
                              [--arrivals trace|poisson] [--pool-model fast|step]
     python bench/simulate.py --load-curve 0.25,0.5,1,1.5 --plot docs/bench/sim_cost_vs_slo.png
     python bench/simulate.py --validate        # fast model vs real scheduler, small cluster
+                                               # (routing slo-cost, or a single --modes value)
     python bench/simulate.py --replay cost.json   # predict a real bench/cost_report.py run
     python bench/simulate.py --fleet h100:300,910b:300,xeon-spr:400 --rate 2000 --duration 600 \\
                              --arrivals poisson --modes slo-cost        # scale: 1,000 pools
@@ -84,10 +85,11 @@ def simulate(args, plans: list[PoolPlan], mode: str, rate: float, pool_model: st
 def validate(args) -> dict:
     """The fast model against the real scheduler on a small cluster: P99 TTFT per class."""
     plans = fleet(VALIDATE_FLEET)
-    out = {"fleet": VALIDATE_FLEET, "rate": args.rate, "duration_s": args.duration, "mode": "slo-cost"}
-    results = {kind: simulate(args, plans, "slo-cost", args.rate, kind) for kind in ("step", "fast")}
+    mode = args.modes if "," not in args.modes else "slo-cost"     # one --modes value picks it
+    out = {"fleet": VALIDATE_FLEET, "rate": args.rate, "duration_s": args.duration, "mode": mode}
+    results = {kind: simulate(args, plans, mode, args.rate, kind) for kind in ("step", "fast")}
     print(f"\nfast model vs real scheduler: {VALIDATE_FLEET}, {args.trace} at {args.rate:g}/s for "
-          f"{args.duration:g} s, routing slo-cost\n")
+          f"{args.duration:g} s, routing {mode}\n")
     print(table(results))
     print(f"\n{'P99 TTFT':<12}{'step (real)':>14}{'fast model':>14}{'difference':>12}")
     worst = 0.0

@@ -87,6 +87,7 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
         return Decision(tiers[-1].members[0][0].name, "slo-fastest")
     return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
 
+
 def _scan(router: PoolRouter, tier: PriceTier, priority: int, prompt: int,
           slo: float) -> tuple[Decision | None, PoolSpec | None, float]:
     """The tier's pools in turn: the first whose expected TTFT meets the SLO with KV room (a
