@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tqdm import tqdm  # noqa: E402
 
 from bench.harness import calibration_line, machine, make_parser, python_loop_ns, quantile, write_json  # noqa: E402
-from services.common.kv_blocks import KVBlockPool  # noqa: E402
+from bench.sim.step_pool import NullDecoder, SimWorker  # noqa: E402
 from services.common.priority import ORDER  # noqa: E402
-from services.common.proto.qos.v1 import common_pb2, worker_pb2  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402
 from services.scheduler.batcher import ContinuousBatcher  # noqa: E402
 from services.scheduler.detokenizer import IncrementalDetokenizer  # noqa: E402
@@ -45,47 +44,6 @@ OUTPUT_RANGE = (32, 512)
 CURVE_STEPS = 400
 RUNNING_CURVE = (64, 256, 1024)      # at 1,000 queued
 QUEUED_CURVE = (1_000, 10_000)       # at 256 running
-
-
-class NullDecoder:
-    def decode(self, ids, skip_special_tokens=True):
-        return "x" * len(ids)
-
-
-class InstantWorker:
-    """A worker link whose steps complete at once: every sequence that reaches the end of its
-    known tokens gets token 7, and a sequence that reaches its max_tokens is finished (LENGTH)."""
-
-    def __init__(self, num_blocks: int):
-        self.index, self.address = 0, "instant"
-        self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=16, max_context=1 << 20)
-        self.pool = KVBlockPool(num_blocks, 16)
-        self.adapters: frozenset[str] = frozenset()
-        self.max_loras = 0
-        self.known: dict[int, list[int]] = {}
-        self.is_connected = True
-
-    async def close(self) -> None:
-        self.is_connected = False
-
-    async def execute(self, plan):
-        for seq_id in plan.released_seq_ids:
-            self.known.pop(seq_id, None)
-        for new in plan.new_sequences:
-            # [tokens known, tokens computed, tokens still to sample]
-            self.known[new.seq_id] = [len(new.prompt_token_ids), 0,
-                                      new.sampling.max_tokens - new.num_generated]
-        tokens = []
-        for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
-            state = self.known[seq_id]
-            state[1] += num_tokens
-            if state[1] == state[0]:
-                state[0] += 1
-                state[2] -= 1
-                tokens.append(worker_pb2.SampledToken(
-                    seq_id=seq_id, token_id=7,
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if state[2] == 0 else 0))
-        return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)
 
 
 class Workload:
@@ -109,7 +67,7 @@ class Workload:
 def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
             label: str) -> dict:
     """Plan `steps` steps at steady state; returns p50/p99 in us and what the steps did."""
-    worker = InstantWorker(num_blocks=running * 64)
+    worker = SimWorker(num_blocks=running * 64, address="instant")
     batcher = ContinuousBatcher("bench", [worker], create_policy(policy),
                                 max_running=running, max_step_tokens=2 * running)
     workload = Workload(tenants)

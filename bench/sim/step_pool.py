@@ -34,13 +34,15 @@ class NullDecoder:
 
 
 class SimWorker:
-    """The worker link the batcher plans for; its answers are computed, not run."""
+    """The worker link the batcher plans for; its answers are computed, not run: every sequence
+    that reaches the end of its known tokens gets token 7, and one that reaches its max_tokens is
+    finished (LENGTH). Also bench/scheduler_overhead.py's instant worker."""
 
-    def __init__(self, accelerator: Accelerator):
-        self.index, self.address = 0, "simulated"
-        self.info = worker_pb2.WorkerInfo(num_blocks=accelerator.kv_blocks, block_size=BLOCK_TOKENS,
-                                          max_context=1 << 20, device_type=accelerator.device)
-        self.pool = KVBlockPool(accelerator.kv_blocks, BLOCK_TOKENS)
+    def __init__(self, num_blocks: int, device_type: str = "", address: str = "simulated"):
+        self.index, self.address = 0, address
+        self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=BLOCK_TOKENS,
+                                          max_context=1 << 20, device_type=device_type)
+        self.pool = KVBlockPool(num_blocks, BLOCK_TOKENS)
         self.adapters: frozenset[str] = frozenset()
         self.max_loras = 0
         self.is_connected = True
@@ -63,11 +65,18 @@ class SimWorker:
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if state[2] == 0 else 0))
         return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)
 
+    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        """The batcher's own execute() path (WorkerLink's interface): answered at once."""
+        return self.answer(plan)
+
+    async def close(self) -> None:
+        self.is_connected = False
+
 
 class StepPool(PoolBase):
     def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None):
         super().__init__(name, accelerator)
-        self.worker = SimWorker(accelerator)
+        self.worker = SimWorker(accelerator.kv_blocks, accelerator.device)
         self.batcher = ContinuousBatcher(name, [self.worker], create_policy("qos", settings or QoSSettings()),
                                          max_running=accelerator.max_running,
                                          max_step_tokens=accelerator.max_step_tokens)

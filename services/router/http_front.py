@@ -35,7 +35,7 @@ from services.common.priority import PRIORITY_HEADER
 from services.common.tracing import extract_metadata
 from services.router import adapter_admin
 from services.router.http_generation import GenerationResponse, error_response
-from services.router.limits import estimate_tokens
+from services.router.limits import estimate_tokens, prompt_chars
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
 
@@ -102,7 +102,7 @@ class HttpFront:
         except ClientDisconnect:      # gone while sending the body: nobody to answer
             return Response(status_code=499)
         body = request.body
-        estimate = estimate_tokens(len(body.prompt) + sum(len(m.content) for m in body.messages),
+        estimate = estimate_tokens(prompt_chars(body),
                                    body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
         return GenerationResponse(self, head, caller, estimate, request,
                                   extract_metadata(http.headers.items()))

@@ -29,6 +29,15 @@ CHARS_PER_TOKEN = 4           # prompt tokens are estimated from the text's leng
 DEFAULT_MAX_TOKENS = 256      # what the scheduler gives a request that names no max_tokens
 
 
+def prompt_chars(request) -> int:
+    """Characters of a GenerateRequest's prompt and messages (what the estimates start from)."""
+    return len(request.prompt) + sum(len(m.content) for m in request.messages)
+
+
+def estimated_prompt_tokens(request) -> int:
+    return math.ceil(prompt_chars(request) / CHARS_PER_TOKEN)
+
+
 def estimate_tokens(text_chars: int, max_tokens: int | None) -> int:
     return math.ceil(text_chars / CHARS_PER_TOKEN) + (max_tokens or DEFAULT_MAX_TOKENS)
 

@@ -52,7 +52,9 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
         step_seconds=stats.step_seconds, worker_steps=stats.worker_steps, step_tokens=stats.step_tokens,
         step_kv_tokens=stats.step_kv_tokens, steps=stats.steps, finished=stats.finished, at_s=time.monotonic(),
         kv_capacity=stats.kv_blocks_total * stats.block_size,
-        kv_by_class=tuple(c.kv_blocks * stats.block_size for c in classes), kv_caps=tuple(c.kv_cap for c in classes), kv_tokens=stats.kv_blocks_used * stats.block_size, waiting=tuple(c.waiting for c in classes),
+        kv_tokens=stats.kv_blocks_used * stats.block_size,
+        kv_by_class=tuple(c.kv_blocks * stats.block_size for c in classes), kv_caps=tuple(c.kv_cap for c in classes),
+        waiting=tuple(c.waiting for c in classes),
         waiting_tokens=tuple(c.waiting_tokens for c in classes), running=tuple(c.running for c in classes),
         weights=tuple(c.weight for c in classes), workers=max(stats.workers - stats.workers_draining, 1),
         max_step_tokens=stats.max_step_tokens, max_running=stats.max_running) \

@@ -10,7 +10,6 @@ that is here. Failures are ServiceErrors, raised to the front, which maps them t
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
@@ -25,7 +24,7 @@ from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.tracing import inject_metadata
 from services.router.accounts import Accounts
-from services.router.limits import CHARS_PER_TOKEN
+from services.router.limits import estimated_prompt_tokens
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.tally import RouterTotals, Tally
@@ -134,9 +133,8 @@ class RequestPath:
         its latency model predicts (None before the pool has reported a step)."""
         router = self.pools.router
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
-        prompt_chars = len(body.prompt) + sum(len(m.content) for m in body.messages)
         request = RouteRequest(body.model or self.model_name, head.priority, head.lora,
-                               head.slo_ms or None, exclude, math.ceil(prompt_chars / CHARS_PER_TOKEN))
+                               head.slo_ms or None, exclude, estimated_prompt_tokens(body))
         try:
             decision = router.route(request)
         except NoPoolError as exc:

@@ -30,7 +30,7 @@ from services.router.sla_monitor import SlaMonitor
 from services.router.tally import RouterTotals
 from services.router.accounts import Accounts
 from services.router.ledger import LedgerWriter
-from services.router.limits import estimate_tokens
+from services.router.limits import estimate_tokens, prompt_chars
 from services.router.tenancy import Caller, TenantBook
 from services.router.validation import RequestHead, decode_request, parse_head
 from services.store.store import Store
@@ -90,7 +90,7 @@ class RouterService:
         except ServiceError as refused:
             self.totals.refused_early(refused)
             raise
-        estimate = estimate_tokens(len(raw.prompt) + sum(len(m.content) for m in raw.messages),
+        estimate = estimate_tokens(prompt_chars(raw),
                                    raw.sampling.max_tokens if raw.sampling.HasField("max_tokens") else None)
         with self.drain.track():
             async for chunk in self.path.serve(head, lambda max_context: decode_request(raw, max_context),
