@@ -14,10 +14,10 @@ at --rate per second, 2 in 10 High chat, 3 Medium, 5 Low.
 
 While each run goes, the pools' stats are polled every 200 ms and fed to the router's own
 latency model (services/router/latency_model.py, its samples not faded, so the fit is the whole
-run's): its step-time fit per pool is in the JSON next
-to every request's arrival, class, lengths, pool and TTFT, which is what
-`bench/simulate.py --replay PATH` needs to predict this very run (issue 21: the simulator is
-checked against reality).
+run's). The JSON holds that step-time fit per pool, the pools' step counters over time (the
+machine's pace, bench/sim/pace.py) and every request's arrival, class, lengths, pool and TTFT:
+what `bench/simulate.py --replay PATH` needs to predict this very run (issue 21: the simulator
+is checked against reality).
 
     python bench/cost_report.py [--json PATH] [--requests N] [--rate R] [--seed S]
                                 [--modes primary,cost,slo-cost]
@@ -72,8 +72,7 @@ def workload(count: int, rate: float, seed: int) -> list[tuple[float, str, str]]
     return out
 
 
-async def run_workload(address: str, requests, bar) -> list[dict]:
-    started = time.perf_counter()
+async def run_workload(address: str, requests, bar, started: float) -> list[dict]:
     async with RouterClient(address) as client:
         async def one(at, priority, prompt):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - started)))
@@ -94,15 +93,18 @@ async def run_workload(address: str, requests, bar) -> list[dict]:
 
 
 async def watch_pools(cluster: LocalCluster, models: dict[str, LatencyModel], kv_tokens: dict[str, int],
-                      stop: asyncio.Event) -> None:
-    """Each pool's stats every STATS_INTERVAL_S into a latency model, as the router does; and
-    its KV capacity."""
+                      samples: dict[str, list], started: float, stop: asyncio.Event) -> None:
+    """Each pool's stats every STATS_INTERVAL_S into a latency model, as the router does; its KV
+    capacity; and its cumulative step counters with the time since the workload started (what
+    bench/sim/pace.py turns into the machine's pace over the run)."""
     channels = {p.name: grpc.aio.insecure_channel(p.scheduler.address) for p in cluster.config.pools}
     try:
         while not stop.is_set():
             for name, channel in channels.items():
                 stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
                 load = pool_load(stats)
+                samples[name].append([round(time.perf_counter() - started, 3), stats.step_seconds, stats.worker_steps,
+                                      stats.step_tokens, stats.step_kv_tokens])
                 if load.report is not None:
                     models[name].report(load.report)
                     kv_tokens[name] = stats.kv_blocks_total * stats.block_size
@@ -131,12 +133,14 @@ def run_mode(mode: str, requests) -> dict:
     # Unfaded: the fit of the whole run (the router's own fades, to follow changes).
     models = {name: LatencyModel(fit=StepFit(fade=1.0)) for name in POOLS}
     kv_tokens: dict[str, int] = {}
+    samples: dict[str, list] = {name: [] for name in POOLS}
     with LocalCluster(cluster_config(mode), quiet=True) as cluster:
         async def go():
             stop = asyncio.Event()
-            watcher = asyncio.create_task(watch_pools(cluster, models, kv_tokens, stop))
+            started = time.perf_counter()
+            watcher = asyncio.create_task(watch_pools(cluster, models, kv_tokens, samples, started, stop))
             with progress(len(requests), f"routing={mode}") as bar:
-                results = await run_workload(cluster.router_address, requests, bar)
+                results = await run_workload(cluster.router_address, requests, bar, started)
             stop.set()
             await watcher
             return results
@@ -144,7 +148,7 @@ def run_mode(mode: str, requests) -> dict:
         results = asyncio.run(go())
         wall = time.perf_counter() - started
     summary = summarise(results)
-    summary.update(wall_s=wall, requests=results, step_fits=step_fits(models, kv_tokens))
+    summary.update(wall_s=wall, requests=results, step_fits=step_fits(models, kv_tokens), pace_samples=samples)
     return summary
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -35,6 +35,7 @@ class PoolPlan:
     accelerator: Accelerator
     cost_per_token: float
     primary: bool = False              # takes High when the fleet has no GPU pool (as PoolConfig.primary)
+    pace: Callable[[float], float] | None = None   # a real run's machine pace (bench/sim/pace.py)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,8 @@ class SimCluster:
         self.specs = {s.name: s for s in specs}
         kind = {"fast": FastPool, "step": StepPool}[pool_kind]
         self.pools = [kind(p.name, p.accelerator, settings) for p in plans]
+        for pool, plan in zip(self.pools, plans):
+            pool.pace = plan.pace
         self.index = {pool.name: i for i, pool in enumerate(self.pools)}
         for pool in self.pools:
             pool.first_token = self._first_token_hook(pool, pool.first_token)

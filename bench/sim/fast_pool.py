@@ -186,11 +186,11 @@ class FastPool(PoolBase):
             return None
         kv_read = self.kv_used()
         if chunks:
-            steps, step_s = 1, acc.step_ms(tokens, kv_read) / 1000
+            steps, step_s = 1, self.step_s(tokens, kv_read, now)
         else:
             # Nothing but decoding until the next sequence finishes (an arrival may cut this).
             steps = self.decoding[0][0] - self.step + 1
-            step_s = acc.step_ms(tokens, kv_read + n_dec * (steps - 1) / 2) / 1000
+            step_s = self.step_s(tokens, kv_read + n_dec * (steps - 1) / 2, now)
         self.run_start, self.run_steps, self.run_step_s, self.run_chunks = now, steps, step_s, chunks
         # The report counters take the whole run now (a cut takes back what did not run).
         self.steps += steps

@@ -33,6 +33,12 @@ class PoolBase:
         self.finished: list[SimRequest] = []
         self._last_busy = 0.0
         self._last_report_at = 0.0
+        self.pace = None                       # t -> step-time factor (bench/sim/pace.py); None: 1
+
+    def step_s(self, tokens: float, kv_tokens: float, now: float) -> float:
+        """One step's duration on this pool's accelerator, at the machine's pace at `now`."""
+        seconds = self.accelerator.step_ms(tokens, kv_tokens) / 1000
+        return seconds * self.pace(now) if self.pace is not None else seconds
 
     # --- what subclasses provide -------------------------------------------------------------------
 

@@ -117,8 +117,7 @@ class StepPool(PoolBase):
             for builder in plans.values():           # heartbeats only: answered at once
                 self.batcher.postprocess(self.worker, builder, self.worker.answer(builder.plan))
             return None
-        acc = self.accelerator
-        step_s = acc.step_ms(tokens, self.kv_used()) / 1000
+        step_s = self.step_s(tokens, self.kv_used(), now)
         self.plans = plans
         self.steps += 1
         self.step_tokens += tokens

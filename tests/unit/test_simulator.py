@@ -7,6 +7,7 @@ import pytest
 from bench.sim.accelerators import ACCELERATORS, Accelerator
 from bench.sim.cluster import PoolPlan, SimCluster
 from bench.sim.fast_pool import FastPool
+from bench.sim.pace import MIN_STEPS, MachinePace
 from bench.sim.step_pool import StepPool
 from bench.sim.workload import SimRequest, poisson, trace_replay
 from services.common.priority import HIGH, LOW, MEDIUM
@@ -48,6 +49,32 @@ def test_a_high_request_goes_ahead_of_a_low_backlog(kind):
     assert high.ttft_ms < 60                               # the step in flight, then its own
     assert max(r.ttft_ms for r in lows) > 5 * high.ttft_ms
     assert all(r.finished_at is not None for r in lows + [high])
+
+
+@pytest.mark.parametrize("kind", [FastPool, StepPool])
+def test_a_slower_machine_pace_stretches_each_step_it_starts(kind):
+    pool = kind("p", SIMPLE)
+    pool.pace = MachinePace([2.0, 1.0], window_s=0.02)     # twice the fit for the first 20 ms
+    request = SimRequest(0, 0.0, MEDIUM, prompt_tokens=100, output_tokens=1)
+    run_pool(pool, [request])
+    # The first chunk starts at 0 (pace 2), the second at 32.8 ms (pace 1).
+    assert request.ttft_ms == pytest.approx(2 * (10 + 6.4) + (10 + 3.6), rel=1e-6)
+
+
+def test_machine_pace_is_measured_over_fitted_step_time_per_window():
+    fits = {"a": {"fixed_ms": 10.0, "ms_per_token": 1.0, "ms_per_kv_token": 0.0},
+            "b": {"fixed_ms": 20.0, "ms_per_token": 0.0, "ms_per_kv_token": 0.0}}
+    # Cumulative [t, step_seconds, steps, tokens, kv]: window 0 (0-5 s) pool a runs 10 steps of
+    # 10 tokens in 0.3 s (fit: 0.2 s, pace 1.5); window 1 has too few steps to judge (keeps
+    # 1.5); window 2: a at the fit, b at half its fit: (0.2 + 0.1) / (0.2 + 0.2) = 0.75.
+    samples = {"a": [[0.0, 0.0, 0, 0, 0], [4.0, 0.3, 10, 100, 0], [6.0, 0.32, 10 + MIN_STEPS - 1, 101, 0],
+                     [12.0, 0.52, 19 + MIN_STEPS, 201, 0]],
+               "b": [[0.0, 0.0, 0, 0, 0], [12.0, 0.1, 10, 0, 0]],
+               "unfitted": [[0.0, 0.0, 0, 0, 0], [1.0, 9.0, 10, 0, 0]]}
+    pace = MachinePace.measured(samples, fits)
+    assert pace.factors == pytest.approx([1.5, 1.5, 0.75])
+    assert pace(-1.0) == pytest.approx(1.5) and pace(99.0) == pytest.approx(0.75)
+    assert pace.spread() == pytest.approx((0.75, 1.5, 1.5))
 
 
 def test_fast_pool_shares_a_backlogged_step_5_3_2():
