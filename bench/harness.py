@@ -18,6 +18,7 @@ import json
 import math
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Iterable
@@ -67,6 +68,24 @@ def quantile(values: Iterable[float], q: float) -> float:
     0.99 for P99); NaN when there are no values, so that a class with no answers shows as nan
     rather than as 0 ms."""
     return percentile(values, q, math.nan)
+
+
+def bootstrap_interval(values: list[float], q: float, rounds: int = 1000, level: float = 0.9,
+                       seed: int = 0) -> tuple[float, float]:
+    """How far the quantile q of `values` could be from the same quantile of another run of the
+    same system, from sampling alone: the central `level` interval of the quantile over `rounds`
+    resamples with replacement. A P99 over a hundred values is its worst one or two; this says
+    how much that moves."""
+    if not values:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    ordered = sorted(values)
+    n = len(ordered)
+    rank = max(1, math.ceil(q * n))                   # nearest rank, as quantile()
+    # Values sorted, so a resample's rank-th smallest value is that of its rank-th smallest index.
+    estimates = sorted(ordered[sorted(rng.randrange(n) for _ in range(n))[rank - 1]] for _ in range(rounds))
+    tail = (1 - level) / 2
+    return estimates[int(tail * rounds)], estimates[min(rounds - 1, int((1 - tail) * rounds))]
 
 
 def progress(total: int, desc: str, unit: str = "req") -> tqdm:

@@ -28,32 +28,30 @@ and share of requests per device type, the latency model's error, the routing de
     python bench/simulate.py --load-curve 0.25,0.5,1,1.5 --plot docs/bench/sim_cost_vs_slo.png
     python bench/simulate.py --validate        # fast model vs real scheduler, small cluster
                                                # (routing slo-cost, or a single --modes value)
-    python bench/simulate.py --replay cost.json   # predict a real bench/cost_report.py run
+    python bench/simulate.py --replay cost.json [--repeat cost2.json]
+                                # predict a real bench/cost_report.py run (bench/sim/replay.py);
+                                # --repeat: a second real run of it, the floor of any prediction
     python bench/simulate.py --fleet h100:300,910b:300,xeon-spr:400 --rate 2000 --duration 600 \\
                              --arrivals poisson --modes slo-cost        # scale: 1,000 pools
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
-from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import make_parser, quantile, write_json  # noqa: E402
-from bench.sim.accelerators import ACCELERATORS, local_cpu  # noqa: E402
+from bench.harness import make_parser, write_json  # noqa: E402
+from bench.sim.accelerators import ACCELERATORS  # noqa: E402
 from bench.sim.cluster import PoolPlan, SimCluster, SimResult  # noqa: E402
 from bench.sim.report import CLASSES, headline, plot, table  # noqa: E402
-from bench.sim.pace import MachinePace  # noqa: E402
-from bench.sim.workload import SimRequest, poisson, trace_replay  # noqa: E402
-from services.common.priority import parse_priority  # noqa: E402
+from bench.sim.replay import repeat, replay  # noqa: E402
+from bench.sim.workload import poisson, trace_replay  # noqa: E402
 from services.router.routing import DEFAULT_COST  # noqa: E402
 
 VALIDATE_FLEET = "h100:1,910b:1,xeon-spr:2"
 VALIDATE_TOLERANCE = 0.15
-REPLAY_TOLERANCE = 0.20
 
 
 def fleet(text: str) -> list[PoolPlan]:
@@ -108,80 +106,6 @@ def validate(args) -> dict:
     return out
 
 
-def replay(path: Path) -> dict:
-    """Predict a real bench/cost_report.py run: its two pools on the step-time fits measured in
-    that run (this machine's CPU worker), its requests at their arrival times with their lengths,
-    each routing mode through the real router, pools scheduled by the real scheduler (step
-    model). Compares total cost and P99 TTFT per class with what the run measured.
-
-    Twice per mode: at the machine's pace measured in that run (bench/sim/pace.py: how much
-    slower or faster than the fit its steps ran, window by window; the figure judged), and at
-    the fit's mean pace throughout (what the step-time model alone predicts). The client's TTFT
-    also holds what happens outside the pools (client, router, gRPC hops, tokenizing), which the
-    simulator does not model: the run's median of (client TTFT - scheduler TTFT) is added to
-    every simulated TTFT, and the scheduler-side P99 is compared as well."""
-    real = json.loads(path.read_text())
-    out, worst, worst_mean_pace = {"source": str(path)}, 0.0, 0.0
-    print(f"\nsimulator vs the real run in {path} ({real['requests']} requests at {real['rate']:g}/s)\n")
-    print(f"{'':<10}{'':<34}{'real':>10}{'simulated':>11}{'difference':>12}{'mean pace':>11}{'difference':>12}")
-    for mode, run in real["modes"].items():
-        fits = run["step_fits"]
-        if not fits:
-            raise SystemExit(f"{path}: mode {mode} has no step-time fit (no pool computed a step)")
-        pace = MachinePace.measured(run["pace_samples"], fits) if run.get("pace_samples") else None
-        done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
-        outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
-        simulated = {}
-        for label, machine_pace in (("paced", pace), ("mean", None)):
-            plans = []
-            for name, cost in real["pools"].items():
-                fit = fits.get(name) or next(iter(fits.values()))     # an unused pool: same hardware here
-                plans.append(PoolPlan(name, local_cpu(fit["fixed_ms"], fit["ms_per_token"], fit["ms_per_kv_token"],
-                                                      fit["kv_tokens"] or 64_000, real["max_running"],
-                                                      real["max_step_tokens"]),
-                                      cost, primary=name == real["primary"], pace=machine_pace))
-            requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"],
-                                   r["output_tokens"]) for i, r in enumerate(done)]
-            sim = SimCluster(plans, mode, pool_kind="step").run(requests, max(r.arrival for r in requests) + 1,
-                                                                label=f"replay {mode} ({label} pace)")
-            simulated[label] = (sim, requests)
-        rows = [("cost units", run["total_cost_units"], *(simulated[k][0].cost_units for k in ("paced", "mean")))]
-        for c in CLASSES:
-            rows.append((f"{c} P99 TTFT ms (client; sim + {outside:.0f})", *_class_ttft(done, simulated, c, 0.99, outside)))
-        for c in CLASSES:
-            rows.append((f"{c} P99 TTFT ms (scheduler)", *_class_ttft(done, simulated, c, 0.99, 0.0,
-                                                                      key="scheduler_ttft_ms")))
-            rows.append((f"{c} P50 TTFT ms (client)", *_class_ttft(done, simulated, c, 0.5, outside)))
-        out[mode] = {"outside_pool_ms": outside}
-        if pace is not None:
-            low, mid, high = pace.spread()
-            out[mode]["pace"] = {"window_s": pace.window_s, "lowest": low, "median": mid, "highest": high}
-            print(f"{mode:<10}machine pace over {pace.window_s:g} s windows: {low:.2f} .. {mid:.2f} .. {high:.2f}"
-                  " (step time measured / fitted; lowest, median, highest)")
-        for label, measured, paced, mean_paced in rows:
-            diff = paced / measured - 1 if measured else 0.0
-            diff_mean = mean_paced / measured - 1 if measured else 0.0
-            if "scheduler" not in label and "P50" not in label:   # the bar: cost and client P99s
-                worst = max(worst, abs(diff))
-                worst_mean_pace = max(worst_mean_pace, abs(diff_mean))
-            print(f"{mode:<10}{label:<34}{measured:>10,.0f}{paced:>11,.0f}{diff:>+12.1%}{mean_paced:>11,.0f}{diff_mean:>+12.1%}")
-            out[mode][label] = {"real": measured, "simulated": paced, "difference": diff,
-                                "simulated_mean_pace": mean_paced, "difference_mean_pace": diff_mean}
-    print(f"\nlargest difference, cost and client P99 TTFT (tolerance {REPLAY_TOLERANCE:.0%}): {worst:.1%}: "
-          f"{'agree' if worst <= REPLAY_TOLERANCE else 'DO NOT agree'}; at the fit's mean pace throughout: "
-          f"{worst_mean_pace:.1%}")
-    out.update(worst_difference=worst, agree=worst <= REPLAY_TOLERANCE, worst_difference_mean_pace=worst_mean_pace)
-    return out
-
-
-def _class_ttft(done: list[dict], simulated: dict, c: str, q: float, outside: float,
-                key: str = "ttft_ms") -> tuple[float, float, float]:
-    """(real, simulated at the measured pace, simulated at the mean pace) quantile q of class c's TTFT."""
-    mine = [i for i, r in enumerate(done) if r["priority"] == c]
-    return (quantile([done[i][key] for i in mine], q),
-            *(quantile([simulated[k][1][i].ttft_ms + outside for i in mine], q) for k in ("paced", "mean")))
-
-
 def load_curve(args, plans: list[PoolPlan], modes: list[str]) -> dict:
     """Every mode at several loads: cost per request and SLO attainment as load grows."""
     curve = {mode: [] for mode in modes}
@@ -212,6 +136,8 @@ def main() -> None:
                         help="run every mode at these multiples of --rate")
     parser.add_argument("--replay", type=Path, metavar="COST_JSON",
                         help="predict the real run a bench/cost_report.py --json file describes")
+    parser.add_argument("--repeat", type=Path, metavar="COST_JSON",
+                        help="with --replay: a second real run of the same workload, compared with the first")
     parser.add_argument("--plot", type=Path, help="PNG of cost and SLO attainment vs load (with --load-curve)")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -219,7 +145,10 @@ def main() -> None:
         write_json(args.json, validate(args))
         return
     if args.replay:
-        write_json(args.json, replay(args.replay))
+        result = replay(args.replay)
+        if args.repeat:
+            result["repeat"] = repeat(args.replay, args.repeat)
+        write_json(args.json, result)
         return
     plans = fleet(args.fleet)
     modes = args.modes.split(",")

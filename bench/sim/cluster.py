@@ -139,13 +139,16 @@ class SimCluster:
         for request in arrivals:
             advance(request.arrival)
             route = RouteRequest(MODEL, request.priority, prompt_tokens=request.prompt_tokens)
-            t0 = clock()
-            decision = router.route(route)
-            decision_ns.append(clock() - t0)
-            router.note_dispatch(decision.pool, route)
-            request.pool = decision.pool
-            request.predicted_ttft_ms = decision.predicted_ttft_ms or router.predict_ttft_ms(decision.pool, route)
-            i = index[decision.pool]
+            if request.pool:         # routed already: a real run's decision, replayed as it was
+                request.predicted_ttft_ms = router.predict_ttft_ms(request.pool, route)
+            else:
+                t0 = clock()
+                decision = router.route(route)
+                decision_ns.append(clock() - t0)
+                request.pool = decision.pool
+                request.predicted_ttft_ms = decision.predicted_ttft_ms or router.predict_ttft_ms(decision.pool, route)
+            router.note_dispatch(request.pool, route)
+            i = index[request.pool]
             push(i, pools[i].submit(request, request.arrival))
             changed[i] = True
             all_requests.append(request)

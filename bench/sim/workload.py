@@ -24,7 +24,7 @@ class SimRequest:
     priority: int
     prompt_tokens: int
     output_tokens: int
-    pool: str = ""
+    pool: str = ""                   # where the router sent it (set beforehand: sent there)
     first_token_at: float | None = None
     finished_at: float | None = None
     predicted_ttft_ms: float | None = None

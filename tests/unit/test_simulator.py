@@ -2,6 +2,9 @@
 queueing model against the real scheduler, and the routing modes end to end on a small fleet."""
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from bench.sim.accelerators import ACCELERATORS, Accelerator
@@ -135,3 +138,17 @@ def test_trace_replay_arrives_at_the_asked_rate_and_classes_follow_the_lengths()
     for r in requests[:200]:
         if r.prompt_tokens > 2048:
             assert r.priority == LOW
+
+
+def test_a_resampled_p99_interval_holds_the_p99_and_narrows_with_more_values():
+    from bench.harness import bootstrap_interval, quantile
+    rng = random.Random(1)
+    few = [rng.expovariate(1.0) for _ in range(100)]
+    many = [rng.expovariate(1.0) for _ in range(5_000)]
+    for values in (few, many):
+        low, high = bootstrap_interval(values, 0.99)
+        assert low <= quantile(values, 0.99) <= high <= max(values)
+    width = [(lambda lo_hi: (lo_hi[1] - lo_hi[0]) / quantile(v, 0.99))(bootstrap_interval(v, 0.99))
+             for v in (few, many)]
+    assert width[1] < width[0] / 2
+    assert all(math.isnan(x) for x in bootstrap_interval([], 0.99))     # as quantile([])

@@ -1,0 +1,127 @@
+"""The simulator against reality: predict a real bench/cost_report.py run and compare.
+
+The run's two pools are simulated on the step-time fits measured in that run (this machine's CPU
+worker on SmolLM2), its requests arrive at their times with their lengths, each routing mode goes
+through the real router, and the pools are scheduled by the real scheduler (step-level pools).
+Compared per mode: total cost units and P99 TTFT per class (the bar), P50s and the scheduler-side
+P99s as well. Three predictions side by side:
+
+- "simulated": at the machine's pace measured in the run (bench/sim/pace.py), routed by the
+  simulator's own router: the prediction judged;
+- "real routes": the same, each request sent where the real router sent it: the pools' model
+  alone, without the routing decisions that went the other way;
+- "mean pace": routed by the simulator, every step at the fit's mean (the step model alone).
+
+The client's TTFT also holds what happens outside the pools (client, router, gRPC hops,
+tokenizing), which the simulator does not model: the run's median of (client TTFT - scheduler
+TTFT) is added to every simulated TTFT. Next to each real P99, the interval it would move within
+from sampling alone (bench/harness.py bootstrap_interval); `repeat` compares two real runs of the
+same workload, which is the floor any prediction can reach.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from statistics import median
+
+from bench.harness import bootstrap_interval, quantile
+from bench.sim.accelerators import local_cpu
+from bench.sim.cluster import PoolPlan, SimCluster
+from bench.sim.pace import MachinePace
+from bench.sim.workload import SimRequest
+from services.common.priority import parse_priority
+
+CLASSES = ("high", "medium", "low")
+TOLERANCE = 0.20          # issue 21: cost and P99 TTFT per class within 20%
+VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
+
+
+def simulate_run(real: dict, mode: str, paced: bool, real_routes: bool) -> tuple[list[dict], list[SimRequest], float]:
+    """(the run's completed requests by arrival, their simulated twins, simulated cost units)."""
+    run = real["modes"][mode]
+    fits = run["step_fits"]
+    if not fits:
+        raise SystemExit(f"mode {mode} has no step-time fit (no pool computed a step)")
+    pace = MachinePace.measured(run["pace_samples"], fits) if paced and run.get("pace_samples") else None
+    plans = []
+    for name, cost in real["pools"].items():
+        fit = fits.get(name) or next(iter(fits.values()))     # an unused pool: same hardware here
+        accelerator = local_cpu(fit["fixed_ms"], fit["ms_per_token"], fit["ms_per_kv_token"],
+                                fit["kv_tokens"] or 64_000, real["max_running"], real["max_step_tokens"])
+        plans.append(PoolPlan(name, accelerator, cost, primary=name == real["primary"], pace=pace))
+    done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
+    requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
+                           pool=r["pool"] if real_routes else "") for i, r in enumerate(done)]
+    result = SimCluster(plans, mode, pool_kind="step").run(requests, max(r.arrival for r in requests) + 1,
+                                                           label=f"replay {mode}")
+    return done, requests, result.cost_units
+
+
+def _pct(a: float, b: float) -> float:
+    return a / b - 1 if b else 0.0
+
+
+def replay(path: Path) -> dict:
+    real = json.loads(path.read_text())
+    out: dict = {"source": str(path)}
+    worst = dict.fromkeys((v for v, _, _ in VARIANTS), 0.0)
+    print(f"\nsimulator vs the real run in {path} ({real['requests']} requests at {real['rate']:g}/s)\n")
+    header = "".join(f"{v:>13}{'diff':>8}" for v, _, _ in VARIANTS)
+    print(f"{'':<10}{'':<22}{'real':>9}{header}{'real, resampled 90%':>22}")
+    for mode, run in real["modes"].items():
+        sims = {v: simulate_run(real, mode, paced, routes) for v, paced, routes in VARIANTS}
+        done = sims["simulated"][0]
+        outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
+        out[mode] = {"outside_pool_ms": outside}
+        if run.get("pace_samples"):
+            low, mid, high = MachinePace.measured(run["pace_samples"], run["step_fits"]).spread()
+            out[mode]["pace"] = {"lowest": low, "median": mid, "highest": high}
+            print(f"{mode:<10}machine pace (measured / fitted step time, 5 s windows) {low:.2f} .. {mid:.2f} .. "
+                  f"{high:.2f}; {outside:.0f} ms outside the pools added to simulated TTFTs")
+        rows = [("cost units", run["total_cost_units"], {v: s[2] for v, s in sims.items()}, None, True)]
+        for q, key, name, judged in ((0.99, "ttft_ms", "P99 TTFT", True), (0.5, "ttft_ms", "P50 TTFT", False),
+                                     (0.99, "scheduler_ttft_ms", "P99 sched.", False)):
+            for c in CLASSES:
+                mine = [i for i, r in enumerate(done) if r["priority"] == c]
+                values = [done[i][key] for i in mine]
+                add = outside if key == "ttft_ms" else 0.0
+                predicted = {v: quantile([s[1][i].ttft_ms + add for i in mine], q) for v, s in sims.items()}
+                interval = bootstrap_interval(values, q) if judged else None
+                rows.append((f"{c} {name} ms", quantile(values, q), predicted, interval, judged))
+        for label, measured, predicted, interval, judged in rows:
+            cells = ""
+            for v in predicted:
+                diff = _pct(predicted[v], measured)
+                if judged:
+                    worst[v] = max(worst[v], abs(diff))
+                cells += f"{predicted[v]:>13,.0f}{diff:>+8.0%}"
+            spread = f"{interval[0]:,.0f} .. {interval[1]:,.0f}" if interval else ""
+            print(f"{mode:<10}{label:<22}{measured:>9,.0f}{cells}{spread:>22}")
+            out[mode][label] = {"real": measured, "real_resampled_90": interval,
+                                **{v: {"predicted": p, "difference": _pct(p, measured)} for v, p in predicted.items()}}
+    print(f"\nlargest difference on cost and P99 TTFT (tolerance {TOLERANCE:.0%}): "
+          + ", ".join(f"{v} {w:.0%}" for v, w in worst.items())
+          + f": the simulation {'agrees' if worst['simulated'] <= TOLERANCE else 'does NOT agree'}")
+    out.update(worst_difference=worst["simulated"], worst_by_variant=worst, agree=worst["simulated"] <= TOLERANCE)
+    return out
+
+
+def repeat(first: Path, second: Path) -> dict:
+    """Two real runs of the same workload (same seed): how far apart their cost and P99s are."""
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    print(f"\nreal vs real: {first} and {second}, the same workload run twice\n")
+    print(f"{'':<10}{'':<22}{'first':>9}{'second':>9}{'diff':>8}")
+    out, worst = {}, 0.0
+    for mode in [m for m in a["modes"] if m in b["modes"]]:
+        rows = [("cost units", a["modes"][mode]["total_cost_units"], b["modes"][mode]["total_cost_units"])]
+        for c in CLASSES:
+            rows.append((f"{c} P99 TTFT ms", a["modes"][mode][f"{c}_p99_ttft_ms"], b["modes"][mode][f"{c}_p99_ttft_ms"]))
+        out[mode] = {}
+        for label, x, y in rows:
+            diff = _pct(y, x)
+            worst = max(worst, abs(diff))
+            print(f"{mode:<10}{label:<22}{x:>9,.0f}{y:>9,.0f}{diff:>+8.0%}")
+            out[mode][label] = {"first": x, "second": y, "difference": diff}
+    print(f"\nlargest difference between the two real runs: {worst:.0%}")
+    out["worst_difference"] = worst
+    return out
