@@ -14,6 +14,7 @@ from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
 from services.common.priority import HIGH, LOW, MEDIUM
+from services.scheduler.planner import victim_order
 from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Phase, Request
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
@@ -241,6 +242,15 @@ def test_high_preempts_the_lower_sequence_that_loses_the_least_work():
     h.step()
     assert high.output_ids, "High waited for a running slot"
     assert (long_low.preemptions, short_low.preemptions) == (0, 1)
+
+
+@given(st.lists(st.tuples(st.sampled_from([HIGH, MEDIUM, LOW]), st.integers(0, 4)), max_size=40))
+def test_victim_order_is_lowest_class_then_least_work_then_newest(shapes):
+    requests = [Request(request_id=str(i), seq_id=i, priority=p, tenant="", prompt_ids=[1],
+                        sampling=SamplingParams(), detokenizer=None, computed=c)
+                for i, (p, c) in enumerate(shapes)]
+    expected = sorted(requests, key=lambda r: (-r.priority, r.computed, -r.seq_id))
+    assert victim_order(requests[::-1]) == expected and victim_order(requests) == expected
 
 
 def test_running_lanes_are_counted_as_sequences_come_and_go():
