@@ -62,6 +62,7 @@ def _pct(a: float, b: float) -> float:
 
 
 def replay(path: Path) -> dict:
+    """Print and return, per routing mode of the run in `path`, real vs the three predictions."""
     real = json.loads(path.read_text())
     out: dict = {"source": str(path)}
     worst = dict.fromkeys((v for v, _, _ in VARIANTS), 0.0)
