@@ -15,7 +15,8 @@ at --rate per second, 2 in 10 High chat, 3 Medium, 5 Low.
 While each run goes, the pools' stats are polled every 200 ms and fed to the router's own
 latency model (services/router/latency_model.py, its samples not faded, so the fit is the whole
 run's). The JSON holds that step-time fit per pool, the pools' step counters over time (the
-machine's pace, bench/sim/pace.py) and every request's arrival, class, lengths, pool and TTFT:
+machine's pace, bench/sim/pace.py), the router's margins over time (from its /metrics) and every
+request's arrival, class, lengths, pool and TTFT:
 what `bench/simulate.py --replay PATH` needs to predict this very run (issue 21: the simulator
 is checked against reality).
 
@@ -28,6 +29,7 @@ import asyncio
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -50,6 +52,7 @@ TOPICS = ["rivers", "volcanoes", "trains", "bees", "clouds", "chess", "bridges",
 POOLS = {"primary": 1.0, "cheap": 0.1}           # name -> cost per token
 MAX_RUNNING, MAX_STEP_TOKENS = 4, 64
 STATS_INTERVAL_S = 0.2
+MARGIN_EVERY = 5                   # the router's margins every 5th poll (1 s)
 
 
 def cluster_config(routing: str) -> ClusterConfig:
@@ -92,14 +95,38 @@ async def run_workload(address: str, requests, bar, started: float) -> list[dict
         return await asyncio.gather(*(one(*r) for r in requests))
 
 
+def margins_from_metrics(text: str) -> dict[str, float]:
+    """qos_route_prediction_margin{pool=...} from a Prometheus text page: the factor the router
+    multiplies each pool's predictions by."""
+    margins = {}
+    for line in text.splitlines():
+        if line.startswith("qos_route_prediction_margin{"):
+            labels, value = line.rsplit(" ", 1)
+            margins[labels.split('pool="', 1)[1].split('"', 1)[0]] = float(value)
+    return margins
+
+
+def router_margins(cluster: LocalCluster) -> dict[str, float]:
+    """The real router's margins now, from its /metrics."""
+    router = cluster.config.router
+    with urllib.request.urlopen(f"http://{router.host}:{router.http_port}/metrics", timeout=2) as answer:
+        return margins_from_metrics(answer.read().decode())
+
+
 async def watch_pools(cluster: LocalCluster, models: dict[str, LatencyModel], kv_tokens: dict[str, int],
-                      samples: dict[str, list], started: float, stop: asyncio.Event) -> None:
+                      samples: dict[str, list], margins: list, started: float, stop: asyncio.Event) -> None:
     """Each pool's stats every STATS_INTERVAL_S into a latency model, as the router does; its KV
-    capacity; and its cumulative step counters with the time since the workload started (what
-    bench/sim/pace.py turns into the machine's pace over the run)."""
+    capacity; its cumulative step counters with the time since the workload started (what
+    bench/sim/pace.py turns into the machine's pace over the run); and every MARGIN_EVERY polls
+    the router's margins."""
     channels = {p.name: grpc.aio.insecure_channel(p.scheduler.address) for p in cluster.config.pools}
+    polls = 0
     try:
         while not stop.is_set():
+            polls += 1
+            if polls % MARGIN_EVERY == 0:
+                margins.append([round(time.perf_counter() - started, 3),
+                                await asyncio.to_thread(router_margins, cluster)])
             for name, channel in channels.items():
                 stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
                 load = pool_load(stats)
@@ -134,11 +161,12 @@ def run_mode(mode: str, requests) -> dict:
     models = {name: LatencyModel(fit=StepFit(fade=1.0)) for name in POOLS}
     kv_tokens: dict[str, int] = {}
     samples: dict[str, list] = {name: [] for name in POOLS}
+    margins: list = []
     with LocalCluster(cluster_config(mode), quiet=True) as cluster:
         async def go():
             stop = asyncio.Event()
             started = time.perf_counter()
-            watcher = asyncio.create_task(watch_pools(cluster, models, kv_tokens, samples, started, stop))
+            watcher = asyncio.create_task(watch_pools(cluster, models, kv_tokens, samples, margins, started, stop))
             with progress(len(requests), f"routing={mode}") as bar:
                 results = await run_workload(cluster.router_address, requests, bar, started)
             stop.set()
@@ -148,7 +176,8 @@ def run_mode(mode: str, requests) -> dict:
         results = asyncio.run(go())
         wall = time.perf_counter() - started
     summary = summarise(results)
-    summary.update(wall_s=wall, requests=results, step_fits=step_fits(models, kv_tokens), pace_samples=samples)
+    summary.update(wall_s=wall, requests=results, step_fits=step_fits(models, kv_tokens), pace_samples=samples,
+                   router_margins=margins)
     return summary
 
 

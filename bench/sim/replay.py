@@ -36,8 +36,9 @@ TOLERANCE = 0.20          # issue 21: cost and P99 TTFT per class within 20%
 VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
 
 
-def simulate_run(real: dict, mode: str, paced: bool, real_routes: bool) -> tuple[list[dict], list[SimRequest], float]:
-    """(the run's completed requests by arrival, their simulated twins, simulated cost units)."""
+def simulate_run(real: dict, mode: str, paced: bool, real_routes: bool) -> tuple[list[dict], list[SimRequest], float, dict]:
+    """(the run's completed requests by arrival, their simulated twins, simulated cost units, the
+    simulated router's margin per pool at the end)."""
     run = real["modes"][mode]
     fits = run["step_fits"]
     if not fits:
@@ -52,9 +53,9 @@ def simulate_run(real: dict, mode: str, paced: bool, real_routes: bool) -> tuple
     done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
     requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
                            pool=r["pool"] if real_routes else "") for i, r in enumerate(done)]
-    result = SimCluster(plans, mode, pool_kind="step").run(requests, max(r.arrival for r in requests) + 1,
-                                                           label=f"replay {mode}")
-    return done, requests, result.cost_units
+    cluster = SimCluster(plans, mode, pool_kind="step")
+    result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
+    return done, requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}
 
 
 def _pct(a: float, b: float) -> float:
@@ -79,6 +80,13 @@ def replay(path: Path) -> dict:
             out[mode]["pace"] = {"lowest": low, "median": mid, "highest": high}
             print(f"{mode:<10}machine pace (measured / fitted step time, 5 s windows) {low:.2f} .. {mid:.2f} .. "
                   f"{high:.2f}; {outside:.0f} ms outside the pools added to simulated TTFTs")
+        if run.get("router_margins"):
+            real_end = run["router_margins"][-1][1]
+            simulated_end = sims["simulated"][3]
+            out[mode]["router_margins"] = {"real_at_end": real_end, "simulated_at_end": simulated_end}
+            print(f"{mode:<10}router margins at the end, real / simulated: " + ", ".join(
+                f"{pool} {real_end.get(pool, float('nan')):.2f} / {simulated_end.get(pool, float('nan')):.2f}"
+                for pool in real["pools"]))
         rows = [("cost units", run["total_cost_units"], {v: s[2] for v, s in sims.items()}, None, True)]
         for q, key, name, judged in ((0.99, "ttft_ms", "P99 TTFT", True), (0.5, "ttft_ms", "P50 TTFT", False),
                                      (0.99, "scheduler_ttft_ms", "P99 sched.", False)):

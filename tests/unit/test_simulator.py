@@ -152,3 +152,14 @@ def test_a_resampled_p99_interval_holds_the_p99_and_narrows_with_more_values():
              for v in (few, many)]
     assert width[1] < width[0] / 2
     assert all(math.isnan(x) for x in bootstrap_interval([], 0.99))     # as quantile([])
+
+
+def test_the_real_routers_margins_are_read_from_its_metrics_page():
+    from bench.cost_report import margins_from_metrics
+    page = ("# HELP qos_route_prediction_margin Routing latency model: the factor\n"
+            "# TYPE qos_route_prediction_margin gauge\n"
+            'qos_route_prediction_margin{pool="primary"} 1.5\n'
+            'qos_route_prediction_margin{pool="cheap"} 3.25\n'
+            'qos_route_prediction_error_ms_count{pool="cheap",priority="low"} 7.0\n')
+    assert margins_from_metrics(page) == {"primary": 1.5, "cheap": 3.25}
+    assert margins_from_metrics("") == {}
