@@ -36,7 +36,8 @@ TOLERANCE = 0.20          # issue 21: cost and P99 TTFT per class within 20%
 VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
 
 
-def simulate_run(real: dict, mode: str, paced: bool, real_routes: bool) -> tuple[list[dict], list[SimRequest], float, dict]:
+def simulate_run(real: dict, mode: str, paced: bool,
+                 real_routes: bool) -> tuple[list[dict], list[SimRequest], float, dict]:
     """(the run's completed requests by arrival, their simulated twins, simulated cost units, the
     simulated router's margin per pool at the end)."""
     run = real["modes"][mode]
@@ -124,7 +125,8 @@ def repeat(first: Path, second: Path) -> dict:
     for mode in [m for m in a["modes"] if m in b["modes"]]:
         rows = [("cost units", a["modes"][mode]["total_cost_units"], b["modes"][mode]["total_cost_units"])]
         for c in CLASSES:
-            rows.append((f"{c} P99 TTFT ms", a["modes"][mode][f"{c}_p99_ttft_ms"], b["modes"][mode][f"{c}_p99_ttft_ms"]))
+            key = f"{c}_p99_ttft_ms"
+            rows.append((f"{c} P99 TTFT ms", a["modes"][mode][key], b["modes"][mode][key]))
         out[mode] = {}
         for label, x, y in rows:
             diff = _pct(y, x)
