@@ -150,7 +150,6 @@ class SimCluster:
             router.note_dispatch(request.pool, route)
             i = index[request.pool]
             push(i, pools[i].submit(request, request.arrival))
-            changed[i] = True
             all_requests.append(request)
             if request.arrival - shown >= 1:
                 bar.update(int(request.arrival - shown))

@@ -60,4 +60,3 @@ class MachinePace:
         """(lowest, median, highest) pace over the windows."""
         ordered = sorted(self.factors)
         return ordered[0], ordered[len(ordered) // 2], ordered[-1]
-

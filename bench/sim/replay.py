@@ -36,27 +36,22 @@ TOLERANCE = 0.20          # issue 21: cost and P99 TTFT per class within 20%
 VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
 
 
-def simulate_run(real: dict, mode: str, paced: bool,
-                 real_routes: bool) -> tuple[list[dict], list[SimRequest], float, dict]:
-    """(the run's completed requests by arrival, their simulated twins, simulated cost units, the
-    simulated router's margin per pool at the end)."""
-    run = real["modes"][mode]
-    fits = run["step_fits"]
-    if not fits:
-        raise SystemExit(f"mode {mode} has no step-time fit (no pool computed a step)")
-    pace = MachinePace.measured(run["pace_samples"], fits) if paced and run.get("pace_samples") else None
+def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | None,
+                 real_routes: bool) -> tuple[list[SimRequest], float, dict]:
+    """The run's completed requests (`done`, by arrival) simulated: their simulated twins, the
+    simulated cost units, the simulated router's margin per pool at the end."""
+    fits = real["modes"][mode]["step_fits"]
     plans = []
     for name, cost in real["pools"].items():
         fit = fits.get(name) or next(iter(fits.values()))     # an unused pool: same hardware here
         accelerator = local_cpu(fit["fixed_ms"], fit["ms_per_token"], fit["ms_per_kv_token"],
                                 fit["kv_tokens"] or 64_000, real["max_running"], real["max_step_tokens"])
         plans.append(PoolPlan(name, accelerator, cost, primary=name == real["primary"], pace=pace))
-    done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
     requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
                            pool=r["pool"] if real_routes else "") for i, r in enumerate(done)]
     cluster = SimCluster(plans, mode, pool_kind="step")
     result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
-    return done, requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}
+    return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}
 
 
 def _pct(a: float, b: float) -> float:
@@ -72,30 +67,33 @@ def replay(path: Path) -> dict:
     header = "".join(f"{v:>13}{'diff':>8}" for v, _, _ in VARIANTS)
     print(f"{'':<10}{'':<22}{'real':>9}{header}{'real, resampled 90%':>22}")
     for mode, run in real["modes"].items():
-        sims = {v: simulate_run(real, mode, paced, routes) for v, paced, routes in VARIANTS}
-        done = sims["simulated"][0]
+        if not run["step_fits"]:
+            raise SystemExit(f"mode {mode} has no step-time fit (no pool computed a step)")
+        done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
+        pace = MachinePace.measured(run["pace_samples"], run["step_fits"]) if run.get("pace_samples") else None
+        sims = {v: simulate_run(real, mode, done, pace if paced else None, routes) for v, paced, routes in VARIANTS}
         outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
         out[mode] = {"outside_pool_ms": outside}
-        if run.get("pace_samples"):
-            low, mid, high = MachinePace.measured(run["pace_samples"], run["step_fits"]).spread()
+        if pace is not None:
+            low, mid, high = pace.spread()
             out[mode]["pace"] = {"lowest": low, "median": mid, "highest": high}
             print(f"{mode:<10}machine pace (measured / fitted step time, 5 s windows) {low:.2f} .. {mid:.2f} .. "
                   f"{high:.2f}; {outside:.0f} ms outside the pools added to simulated TTFTs")
         if run.get("router_margins"):
             real_end = run["router_margins"][-1][1]
-            simulated_end = sims["simulated"][3]
+            simulated_end = sims["simulated"][2]
             out[mode]["router_margins"] = {"real_at_end": real_end, "simulated_at_end": simulated_end}
             print(f"{mode:<10}router margins at the end, real / simulated: " + ", ".join(
                 f"{pool} {real_end.get(pool, float('nan')):.2f} / {simulated_end.get(pool, float('nan')):.2f}"
                 for pool in real["pools"]))
-        rows = [("cost units", run["total_cost_units"], {v: s[2] for v, s in sims.items()}, None, True)]
+        rows = [("cost units", run["total_cost_units"], {v: s[1] for v, s in sims.items()}, None, True)]
         for q, key, name, judged in ((0.99, "ttft_ms", "P99 TTFT", True), (0.5, "ttft_ms", "P50 TTFT", False),
                                      (0.99, "scheduler_ttft_ms", "P99 sched.", False)):
             for c in CLASSES:
                 mine = [i for i, r in enumerate(done) if r["priority"] == c]
                 values = [done[i][key] for i in mine]
                 add = outside if key == "ttft_ms" else 0.0
-                predicted = {v: quantile([s[1][i].ttft_ms + add for i in mine], q) for v, s in sims.items()}
+                predicted = {v: quantile([s[0][i].ttft_ms + add for i in mine], q) for v, s in sims.items()}
                 interval = bootstrap_interval(values, q) if judged else None
                 rows.append((f"{c} {name} ms", quantile(values, q), predicted, interval, judged))
         for label, measured, predicted, interval, judged in rows:

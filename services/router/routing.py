@@ -27,6 +27,7 @@ from services.router.route_types import (DEFAULT_COST, DEFAULT_SLO_MS, Decision,
                                          PoolLoad, PoolSpec, RouteRequest)
 from services.router.slo_cost import PriceTier, cheapest_meeting_slo, refresh_bounds
 
+
 @dataclass(slots=True)
 class OverflowThreshold:
     """Primary-pool queue depth above which work overflows to cheaper pools."""

@@ -53,7 +53,7 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
         failed = tier.failed[priority]
         if failed is not None and failed[0] == tier.epoch and prompt >= failed[1] and slo <= failed[2]:
             if failed[3] is not None and failed[4] < fastest_ms:
-                fastest, fastest_ms, fastest_model = failed[3], failed[4], router.models[failed[3].name]
+                fastest, fastest_ms = failed[3], failed[4]
             continue
         bound = _tier_bound(tier, priority, prompt)
         if bound > slo:
@@ -64,7 +64,7 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
             return chosen
         tier.failed[priority] = (tier.epoch, prompt, slo, tier_fastest, tier_ms)
         if tier_ms < fastest_ms:
-            fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
+            fastest, fastest_ms = tier_fastest, tier_ms
     if priority == LOW:
         # Batch work that no pool serves in time waits where it costs least, rather than take
         # the fast pools' room from the classes that wait on their answer.
@@ -82,10 +82,10 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
             continue
         _, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, -1.0)
         if tier_ms < fastest_ms:
-            fastest, fastest_ms, fastest_model = tier_fastest, tier_ms, router.models[tier_fastest.name]
+            fastest, fastest_ms = tier_fastest, tier_ms
     if fastest is None:                        # no pool measured and none with room
         return Decision(tiers[-1].members[0][0].name, "slo-fastest")
-    return Decision(fastest.name, "slo-fastest", fastest_ms / fastest_model.margin)
+    return Decision(fastest.name, "slo-fastest", fastest_ms / router.models[fastest.name].margin)
 
 
 def _scan(router: PoolRouter, tier: PriceTier, priority: int, prompt: int,
