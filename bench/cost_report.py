@@ -44,6 +44,7 @@ from services.common.config import (ClusterConfig, PoolConfig, RouterConfig,  # 
 from services.common.priority import parse_priority  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.router.latency_model import LatencyModel, StepFit  # noqa: E402
+from services.router.limits import estimated_prompt_tokens  # noqa: E402
 from services.router.pools import pool_load  # noqa: E402
 from services.router.routing import DEFAULT_SLO_MS  # noqa: E402
 
@@ -80,13 +81,16 @@ async def run_workload(address: str, requests, bar, started: float) -> list[dict
         async def one(at, priority, prompt):
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - started)))
             params = sampling_params(max_tokens=MAX_TOKENS[priority], temperature=0.0, ignore_eos=True)
+            request = chat_request(prompt, params)
             try:
-                answer = await client.generate(chat_request(prompt, params), priority=priority)
+                answer = await client.generate(request, priority=priority)
                 return {"priority": priority, "arrival_s": at, "ok": True, "pool": answer.pool,
                         "cost": answer.cost_units, "ttft_ms": answer.ttft_ms, "e2e_ms": answer.e2e_ms,
                         # the scheduler's own: from arrival there (tokenized) to the first token
                         "scheduler_ttft_ms": answer.server_timings.ttft_ms if answer.server_timings else None,
                         "prompt_tokens": answer.total_tokens - len(answer.token_ids),
+                        # what the router routed by: its estimate from the text (limits.py)
+                        "routed_prompt_tokens": estimated_prompt_tokens(request),
                         "output_tokens": len(answer.token_ids)}
             except grpc.aio.AioRpcError as exc:
                 return {"priority": priority, "arrival_s": at, "ok": False, "error": exc.code().name}

@@ -87,7 +87,7 @@ class SimCluster:
         def first_token(request: SimRequest, now: float) -> None:
             record(request, now)
             if request.predicted_ttft_ms is not None:
-                actual = (now - request.arrival) * 1000
+                actual = (now - request.arrival) * 1000 + request.outside_ms
                 router.observe_ttft(pool.name, request.predicted_ttft_ms, actual)
                 self.errors_ms.append(abs(actual - request.predicted_ttft_ms))
         return first_token
@@ -138,7 +138,8 @@ class SimCluster:
         shown = 0
         for request in arrivals:
             advance(request.arrival)
-            route = RouteRequest(MODEL, request.priority, prompt_tokens=request.prompt_tokens)
+            route = RouteRequest(MODEL, request.priority,
+                                 prompt_tokens=request.routed_prompt_tokens or request.prompt_tokens)
             if request.pool:         # routed already: a real run's decision, replayed as it was
                 request.predicted_ttft_ms = router.predict_ttft_ms(request.pool, route)
             else:

@@ -12,9 +12,11 @@ P99s as well. Three predictions side by side:
   alone, without the routing decisions that went the other way;
 - "mean pace": routed by the simulator, every step at the fit's mean (the step model alone).
 
-The client's TTFT also holds what happens outside the pools (client, router, gRPC hops,
-tokenizing), which the simulator does not model: the run's median of (client TTFT - scheduler
-TTFT) is added to every simulated TTFT. Next to each real P99, the interval it would move within
+Two things the real router saw are given to the simulated one as they were: the prompt length
+it routed by (its estimate from the text, about a quarter of the tokens the chat template makes
+here) and each request's time outside the pools (client TTFT - scheduler TTFT: client, router,
+gRPC hops, tokenizing), which the simulator does not model; it is added to the request's
+simulated TTFT and so to what the router learns its margins from (actual / predicted). Next to each real P99, the interval it would move within
 from sampling alone (bench/harness.py bootstrap_interval); `repeat` compares two real runs of the
 same workload, which is the floor any prediction can reach.
 """
@@ -48,10 +50,26 @@ def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | No
                                 fit["kv_tokens"] or 64_000, real["max_running"], real["max_step_tokens"])
         plans.append(PoolPlan(name, accelerator, cost, primary=name == real["primary"], pace=pace))
     requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
-                           pool=r["pool"] if real_routes else "") for i, r in enumerate(done)]
+                           pool=r["pool"] if real_routes else "", routed_prompt_tokens=r["routed_prompt_tokens"],
+                           outside_ms=r["ttft_ms"] - r["scheduler_ttft_ms"]) for i, r in enumerate(done)]
     cluster = SimCluster(plans, mode, pool_kind="step")
     result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
     return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}
+
+
+def with_routed_prompts(real: dict, records: list[dict]) -> list[dict]:
+    """The records, each with the prompt length the real router routed by. Runs recorded before
+    cost_report kept it: the same workload made again from its seed (records are in its order)."""
+    if all("routed_prompt_tokens" in r for r in records):
+        return records
+    from bench.cost_report import workload               # grpc and the cluster: only when needed
+    from services.client import chat_request
+    from services.router.limits import estimated_prompt_tokens
+    prompts = workload(real["requests"], real["rate"], real["seed"])
+    if any(abs(r["arrival_s"] - at) > 1e-6 for r, (at, _, _) in zip(records, prompts)):
+        raise SystemExit("the run's requests are not its seed's workload: cannot tell the routed prompt lengths")
+    return [{**r, "routed_prompt_tokens": estimated_prompt_tokens(chat_request(prompt))}
+            for r, (_, _, prompt) in zip(records, prompts, strict=True)]
 
 
 def _pct(a: float, b: float) -> float:
@@ -69,16 +87,16 @@ def replay(path: Path) -> dict:
     for mode, run in real["modes"].items():
         if not run["step_fits"]:
             raise SystemExit(f"mode {mode} has no step-time fit (no pool computed a step)")
-        done = sorted((r for r in run["requests"] if r["ok"]), key=lambda r: r["arrival_s"])
+        done = sorted((r for r in with_routed_prompts(real, run["requests"]) if r["ok"]), key=lambda r: r["arrival_s"])
         pace = MachinePace.measured(run["pace_samples"], run["step_fits"]) if run.get("pace_samples") else None
         sims = {v: simulate_run(real, mode, done, pace if paced else None, routes) for v, paced, routes in VARIANTS}
         outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
-        out[mode] = {"outside_pool_ms": outside}
+        out[mode] = {"outside_pool_ms_median": outside}
         if pace is not None:
             low, mid, high = pace.spread()
             out[mode]["pace"] = {"lowest": low, "median": mid, "highest": high}
             print(f"{mode:<10}machine pace (measured / fitted step time, 5 s windows) {low:.2f} .. {mid:.2f} .. "
-                  f"{high:.2f}; {outside:.0f} ms outside the pools added to simulated TTFTs")
+                  f"{high:.2f}; {outside:.0f} ms outside the pools (median)")
         if run.get("router_margins"):
             real_end = run["router_margins"][-1][1]
             simulated_end = sims["simulated"][2]
@@ -92,8 +110,8 @@ def replay(path: Path) -> dict:
             for c in CLASSES:
                 mine = [i for i, r in enumerate(done) if r["priority"] == c]
                 values = [done[i][key] for i in mine]
-                add = outside if key == "ttft_ms" else 0.0
-                predicted = {v: quantile([s[0][i].ttft_ms + add for i in mine], q) for v, s in sims.items()}
+                attribute = "ttft_ms" if key == "ttft_ms" else "pool_ttft_ms"
+                predicted = {v: quantile([getattr(s[0][i], attribute) for i in mine], q) for v, s in sims.items()}
                 interval = bootstrap_interval(values, q) if judged else None
                 rows.append((f"{c} {name} ms", quantile(values, q), predicted, interval, judged))
         for label, measured, predicted, interval, judged in rows:

@@ -28,10 +28,21 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     predicted_ttft_ms: float | None = None
+    # A real run replayed (bench/sim/replay.py): the prompt length the real router saw (its estimate
+    # from the text; 0: the true count) and the time the request spent outside the pools (client,
+    # router, gRPC hops), which the router's TTFT includes and the simulated pools do not.
+    routed_prompt_tokens: int = 0
+    outside_ms: float = 0.0
+
+    @property
+    def pool_ttft_ms(self) -> float | None:
+        """From arrival at the pool to the first token (what a scheduler measures)."""
+        return None if self.first_token_at is None else (self.first_token_at - self.arrival) * 1000
 
     @property
     def ttft_ms(self) -> float | None:
-        return None if self.first_token_at is None else (self.first_token_at - self.arrival) * 1000
+        """As the client sees it: the pool's and the time outside."""
+        return None if self.first_token_at is None else (self.first_token_at - self.arrival) * 1000 + self.outside_ms
 
 
 def trace_rows(trace: str) -> list[tuple[float, int, int]]:

@@ -130,6 +130,28 @@ def test_slo_cost_routing_costs_less_than_primary_and_keeps_high_on_the_gpu():
     assert slo.unfinished == primary.unfinished == 0
 
 
+def test_a_replayed_request_is_routed_by_the_routers_estimate_and_its_outside_time_feeds_the_margin():
+    """A real run replayed: the router predicts from the prompt length it saw (its estimate), and
+    the time a request spent outside the pools counts in its TTFT and in what the router learns."""
+    def run(outside_ms: float, routed: int) -> tuple[list[SimRequest], float]:
+        cluster = SimCluster([PoolPlan("gpu0", SIMPLE, 1.0, primary=True)], "slo-cost", pool_kind="step")
+        requests = [SimRequest(i, 0.5 * i, MEDIUM, prompt_tokens=300, output_tokens=2, routed_prompt_tokens=routed,
+                               outside_ms=outside_ms) for i in range(60)]
+        cluster.run(requests, 31)
+        return requests, cluster.router.models["gpu0"].margin
+
+    plain, plain_margin = run(0.0, 0)
+    outside, outside_margin = run(40.0, 0)
+    estimated, estimated_margin = run(0.0, 75)
+    for a, b in zip(plain, outside):
+        assert b.pool_ttft_ms == pytest.approx(a.pool_ttft_ms)
+        assert b.ttft_ms == pytest.approx(a.ttft_ms + 40.0)
+    assert outside_margin > plain_margin + 0.5                 # 40 ms on a ~70 ms prediction
+    later = slice(5, None)                                     # once the pool has reported a step
+    assert all(e.predicted_ttft_ms < p.predicted_ttft_ms for e, p in zip(estimated[later], plain[later]))
+    assert estimated_margin > 2 * plain_margin                 # a quarter of the prompt seen: the margin makes up
+
+
 def test_trace_replay_arrives_at_the_asked_rate_and_classes_follow_the_lengths():
     rows = 19_366                                          # bench/traces/azure2023_conv.csv
     requests = trace_replay("azure-conv", rate=100, duration_s=rows / 100)   # the whole trace, once
