@@ -130,9 +130,11 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> float:
 
 
 # QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq and
-# qos-exclusive: another high_first_token mode), each its own cluster and column.
+# qos-exclusive: another high_first_token mode; qos-short: steps kept to --high-step-ms while
+# High is around), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
-            "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"}}
+            "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
+            "short": {}}
 
 
 def cluster_config(name: str, model: str, args):
@@ -140,7 +142,7 @@ def cluster_config(name: str, model: str, args):
     if variant and (policy != "qos" or variant not in VARIANTS):
         raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-" + ", qos-".join(VARIANTS))
     settings = {"high_first_token": args.high_first_token, "kv_cap_mode": args.kv_cap_mode,
-                **VARIANTS.get(variant, {})}
+                "high_step_ms": args.high_step_ms if variant == "short" else 0.0, **VARIANTS.get(variant, {})}
     return single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
@@ -202,7 +204,9 @@ def parse_args():
                         help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive (one column each)")
+                             "qos-exclusive, qos-short (one column each)")
+    parser.add_argument("--high-step-ms", type=float, default=30.0,
+                        help="qos-short: each step planned to at most this many ms while High is around")
     parser.add_argument("--kv-cap-mode", choices=KV_CAP_MODES, default="strict", help="qos: KV caps")
     parser.add_argument("--front", choices=["grpc", "http"], default="grpc",
                         help="send through the router's gRPC or its OpenAI-compatible HTTP front (SSE)")

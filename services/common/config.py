@@ -92,6 +92,10 @@ class SchedulerConfig(ServiceConfig):
     # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
     # other class waits, and takes them back by preemption when a higher class needs them
     kv_cap_mode: str = "strict"
+    # qos: > 0 keeps each step to about this many ms (by the pool's measured step time) while High
+    # requests are in the pool: the step in flight when a High request arrives is short, at some
+    # cost in the other classes' throughput. 0: off
+    high_step_ms: float = 0.0
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

@@ -14,6 +14,7 @@ from collections import Counter, deque
 from typing import Callable
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
+from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import finish_reason
 from services.scheduler.monitor import ResourceMonitor
@@ -21,6 +22,7 @@ from services.scheduler.output import token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
+from services.scheduler.step_clock import StepClock
 from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class ContinuousBatcher:
         self.step_kv_tokens = 0
         self.finished = 0                           # requests completed since start
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
+        # Steps kept short while High is around (policy's high_step_ms; None: off).
+        self.step_clock = StepClock(policy.high_step_ms) if policy.high_step_ms > 0 else None
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
 
     @property
@@ -84,6 +88,8 @@ class ContinuousBatcher:
 
     def submit(self, request: Request) -> None:
         self.policy.add(request)
+        if self.step_clock is not None and request.priority == HIGH:
+            self.step_clock.high_arrived(time.perf_counter())
         self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
@@ -135,6 +141,10 @@ class ContinuousBatcher:
             self.step_tokens += tokens
             self.step_kv_tokens += sum(self.workers[i].pool.num_used * self.workers[i].pool.block_size
                                        for i, b in plans.items() if b.num_tokens and self.workers[i].pool)
+            if self.step_clock is not None:
+                computing = [b for b in plans.values() if b.num_tokens]
+                self.step_clock.observe(tokens / len(computing), sum(b.context for b in computing) / len(computing),
+                                        elapsed * 1000)
             rate = tokens / max(elapsed, 1e-6)
             self.tokens_per_second = rate if not self.tokens_per_second \
                 else 0.8 * self.tokens_per_second + 0.2 * rate
@@ -149,6 +159,10 @@ class ContinuousBatcher:
         backlogged |= self.planner.lanes_running()
         policy.backlog_changed(backlogged)
         builders = {}
+        clock = self.step_clock
+        if clock is not None:
+            high = policy.lane_of_priority(HIGH)
+            high_present = bool(policy.queue(high)) or self.planner.running_per_lane[high] > 0
         # Admit to a worker with a free running slot first (a request it takes preempts nobody,
         # where a full worker would have to), then to the emptiest, so load spreads.
         running, max_running = self.running, self.planner.max_running
@@ -156,7 +170,9 @@ class ContinuousBatcher:
                                                        -(l.pool.num_free if l.pool else -1))):
             if not link.is_connected:
                 continue
-            builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link))
+            cost = clock.budget(high_present, now) if clock is not None else None
+            builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link), cost=cost,
+                                        measure=clock is not None)
             if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
             for priority, held in link.pool.holdings().items():

@@ -18,12 +18,14 @@ from operator import attrgetter
 from typing import Protocol
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens, cap_blocks
+from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import engine_sampling
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
-from services.scheduler.step_builder import StepBuilder
 from services.scheduler.request import Phase, Request
+from services.scheduler.step_builder import StepBuilder
+from services.scheduler.step_clock import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class StepPlanner:
         self.preempted_by_priority: Counter = Counter()
         self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
+        self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
 
     def lanes_running(self) -> set[int]:
         """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
@@ -80,12 +83,16 @@ class StepPlanner:
         self.running.pop(index, None)
         self.to_release.pop(index, None)
 
-    def plan(self, worker: Worker, step_id: int, admits: bool = True) -> StepBuilder:
+    def plan(self, worker: Worker, step_id: int, admits: bool = True, cost: StepCost | None = None,
+             measure: bool = False) -> StepBuilder:
+        """The worker's next step. `cost`: a time budget for the step (step_clock.py; High's work
+        is not held to it); `measure`: note the context the step attends to (for the clock)."""
         released, self.to_release[worker.index] = self.to_release[worker.index], []
-        builder = StepBuilder(step_id, self.max_step_tokens, released, admits)
         policy = self.policy
+        builder = StepBuilder(step_id, self.max_step_tokens, released, admits, cost,
+                              policy.lane_by_priority[HIGH] if cost is not None else None)
         work = LaneWork(self.running[worker.index], policy.lanes, policy.lane_by_priority,
-                        worker.pool.block_size)
+                        worker.pool.block_size, self.left_out.pop(worker.index, None))
         active = {lane for lane in policy.lanes if work.has_running(lane) or policy.queue(lane)}
         first = policy.first_token_lane()
         if first is not None and first in active and (policy.queue(first) or work.first_token_pending(first)):
@@ -103,9 +110,11 @@ class StepPlanner:
         for lane in policy.lanes:
             builder.charge_tenants(policy, lane)
         self.served_tokens.update(builder.served)
+        if builder.time_cut:
+            self.left_out[worker.index] = work.left_out(builder.is_scheduled)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
-        builder.finish(self.to_release[worker.index])
+        builder.finish(self.to_release[worker.index], measure)
         self.to_release[worker.index] = []
         return builder
 
@@ -116,8 +125,28 @@ class StepPlanner:
         tokens it took."""
         taken = 0
         others = work.others[lane]
+        timed = builder.timed(lane)
         while builder.budget > 0 and (taken == 0 or taken < allowance):
+            if timed and builder.out_of_time():
+                active.discard(lane)
+                break
+            overdue = work.overdue[lane]
+            if overdue:                       # left out of the last (short) step: before the rest
+                request = overdue.popleft()
+                if request.phase is Phase.RUNNING:
+                    tokens = self._schedule(worker, builder, request)
+                    taken += tokens
+                    builder.note_served(request, tokens, lane)
+                continue
             ready = work.take_ready(lane, allowance - taken, builder.budget)
+            if ready and builder.cost is not None:
+                count = builder.decodes_in_time(ready, lane)
+                if count < len(ready):
+                    work.put_back(lane, len(ready) - count)
+                    ready = ready[:count]
+                    if not ready:
+                        active.discard(lane)
+                        break
             if ready:
                 taken += builder.add_decodes(ready, lane, self.policy.lane_is_class)
                 continue
@@ -265,6 +294,10 @@ class StepPlanner:
         pool = worker.pool
         pending = request.pending
         num_tokens = pending if pending < builder.budget else builder.budget
+        if builder.cost is not None:
+            num_tokens = builder.tokens_in_time(request, num_tokens, self.policy.lane_of(request))
+            if not num_tokens:
+                return 0
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0 and not self._make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.

@@ -35,6 +35,9 @@ class QoSSettings:
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
+    # > 0: while High requests are in the pool, each step is planned to take at most this many ms
+    # (the pool's measured step time); the other classes' work beyond it waits (step_clock.py).
+    high_step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
@@ -42,6 +45,8 @@ class QoSSettings:
         if self.high_first_token not in FIRST_TOKEN_MODES:
             raise ValueError(f"high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                              f"got {self.high_first_token!r}")
+        if not self.high_step_ms >= 0:
+            raise ValueError(f"high_step_ms must be >= 0 (0: off), got {self.high_step_ms!r}")
         for p in ORDER:
             if not self.weights.get(p, 0) > 0:
                 raise ValueError(f"weight of {priority_name(p)} must be > 0")
@@ -125,6 +130,7 @@ class SchedulingPolicy(ABC):
         return None
 
     first_token_exclusive = False     # ... and the other lanes only decode in that step
+    high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
 
     def backlog_changed(self, backlogged: set[int]) -> None:
         """Lanes with work at the start of a step (for virtual-time bookkeeping)."""
@@ -249,6 +255,10 @@ class QoSPolicy(SchedulingPolicy):
     @property
     def first_token_exclusive(self) -> bool:
         return self.settings.high_first_token == "exclusive"
+
+    @property
+    def high_step_ms(self) -> float:
+        return self.settings.high_step_ms
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]

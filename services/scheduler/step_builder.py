@@ -9,14 +9,23 @@ from itertools import repeat
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.scheduler.request import Phase, Request
+from services.scheduler.step_clock import StepCost
 
 
 class StepBuilder:
     """Collects one worker's plan for one step; finish() writes it into the StepPlan."""
 
-    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True):
+    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True,
+                 cost: StepCost | None = None, exempt_lane: int | None = None):
         self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
         self.budget = budget
+        # A step kept short while High is around (step_clock.py): its time left, and the lane whose
+        # work is never cut (High's). `time_cut`: other lanes' work was left out for time.
+        self.cost = cost
+        self.exempt_lane = exempt_lane
+        self.time_cut = False
+        self._others_served = False     # a lane under the time budget got something this step
+        self.context = 0                # tokens the scheduled sequences attend to (finish(measure=True))
         self.admits = admits        # False: the worker drains, only its running sequences go on
         self.scheduled: list[tuple[Request, int]] = []
         # The scheduled requests as a set, built only when asked (is_scheduled: a preemption looks
@@ -48,6 +57,44 @@ class StepBuilder:
 
     def may_admit(self, request: Request) -> bool:
         return self.admits and (self.victim_floor is None or request.priority < self.victim_floor)
+
+    def timed(self, lane: int) -> bool:
+        """The lane's work this step is held to the time budget."""
+        return self.cost is not None and lane != self.exempt_lane
+
+    def out_of_time(self) -> bool:
+        """No time left for another token of a lane under the budget (one item always goes)."""
+        cost = self.cost
+        return self._others_served and cost.ms_left < cost.ms_per_token + cost.ms_per_context_token
+
+    def decodes_in_time(self, requests: list[Request], lane: int) -> int:
+        """How many of these ready decodes (taken in order) the step's time allows, charged to it."""
+        cost = self.cost
+        computed = [r.computed for r in requests]
+        if lane == self.exempt_lane:
+            cost.charge(len(requests), sum(computed) + len(requests))
+            return len(requests)
+        count = cost.decodes_within(computed)
+        if count == 0 and not self._others_served:
+            count = 1
+            cost.charge(1, computed[0] + 1)
+        if count < len(requests):
+            self.time_cut = True
+        self._others_served = self._others_served or count > 0
+        return count
+
+    def tokens_in_time(self, request: Request, num_tokens: int, lane: int) -> int:
+        """How many of a chunk's tokens the step's time allows, charged to it."""
+        cost = self.cost
+        if lane != self.exempt_lane:
+            fits = cost.tokens_within(request.computed, num_tokens)
+            if fits < num_tokens:
+                self.time_cut = True
+            num_tokens = fits if fits or self._others_served else 1
+            self._others_served = self._others_served or num_tokens > 0
+        if num_tokens:
+            cost.charge(num_tokens, request.computed + num_tokens)
+        return num_tokens
 
     def add(self, request: Request, num_tokens: int) -> None:
         if request.new_blocks:
@@ -91,7 +138,9 @@ class StepBuilder:
             self._set_covers = len(self.scheduled)
         return request in self._scheduled_set
 
-    def finish(self, released: list[int]) -> worker_pb2.StepPlan:
+    def finish(self, released: list[int], measure: bool = False) -> worker_pb2.StepPlan:
+        if measure:             # for the step clock: before the step, computed is what came before
+            self.context = sum([r.computed + n for r, n in self.scheduled])
         self.plan.released_seq_ids.extend(released)
         self.plan.scheduled_seq_ids.extend([r.seq_id for r, _ in self.scheduled])
         self.plan.scheduled_num_tokens.extend([n for _, n in self.scheduled])

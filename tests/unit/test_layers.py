@@ -20,7 +20,8 @@ PURE = ["services.scheduler.batcher", "services.scheduler.request", "services.sc
         "services.router.routing", "services.router.validation", "services.common.errors",
         "services.common.drain", "services.common.wire", "services.common.kv_blocks",
         "services.router.sla", "services.router.alerts", "services.scheduler.autoscale",
-        "services.router.latency_model", "services.router.slo_cost", "services.router.route_types"]
+        "services.router.latency_model", "services.router.slo_cost", "services.router.route_types",
+        "services.scheduler.step_clock", "services.common.step_fit"]
 SCHEDULER_AND_ROUTER = ["services.scheduler.server", "services.router.server"]
 ENGINE = ["services.engine.engine", "services.engine.batch_runner", "services.worker.server"]
 

@@ -24,11 +24,11 @@ class Harness:
     """A batcher over simulated workers, advanced one step at a time."""
 
     def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1,
-                 tenant_fairness=True, high_first_token="exclusive", kv_cap_mode="strict"):
+                 tenant_fairness=True, high_first_token="exclusive", kv_cap_mode="strict", high_step_ms=0.0):
         self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
         self.policy = create_policy(policy, QoSSettings(tenant_fairness=tenant_fairness,
                                                         high_first_token=high_first_token,
-                                                        kv_cap_mode=kv_cap_mode))
+                                                        kv_cap_mode=kv_cap_mode, high_step_ms=high_step_ms))
         self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
         self.next_id = 1
         self.requests: list[Request] = []
