@@ -167,7 +167,10 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     `during(cluster)`, if given, is a context manager held while the jobs run (e.g. an open
     console: bench/console_overhead.py)."""
     config = cluster_config(policy, model, args)
-    with LocalCluster(config, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
+    log_dir = args.log_dir / policy if getattr(args, "log_dir", None) else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    with LocalCluster(config, log_dir=log_dir, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
         idle_ms = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
         before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:
@@ -205,6 +208,8 @@ def parse_args():
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
                              "qos-exclusive, qos-short (one column each)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--high-step-ms", type=float, default=30.0,
                         help="qos-short: each step planned to at most this many ms while High is around")
     parser.add_argument("--kv-cap-mode", choices=KV_CAP_MODES, default="strict", help="qos: KV caps")

@@ -173,6 +173,8 @@ class ContinuousBatcher:
             cost = clock.budget(high_present, now) if clock is not None else None
             builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link), cost=cost,
                                         measure=clock is not None)
+            if cost is not None:
+                clock.planned(builder.time_cut)
             if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
             for priority, held in link.pool.holdings().items():

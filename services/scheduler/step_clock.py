@@ -17,13 +17,17 @@ computed and the context tokens its sequences attended to:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from services.common.step_fit import StepFit
 
+log = logging.getLogger(__name__)
+
 HIGH_RECENT_S = 1.0       # a High request arrived this recently: more are likely, keep steps short
 FIT_FADE = 0.98           # per step: the fit follows the last ~50 steps
 MIN_FIT_STEPS = 8         # steps measured before the fit is trusted to cut a plan
+REPORT_EVERY = 500        # steps between two log lines on the fit and the steps cut
 
 
 @dataclass(slots=True)
@@ -65,6 +69,8 @@ class StepClock:
         self.high_step_ms = high_step_ms
         self.fit = StepFit(fade=FIT_FADE)
         self.measured = 0
+        self.budgeted = 0                 # steps planned within a budget, since the last report
+        self.cut = 0                      # ... of which some work was left out for time
         self.last_high_at = float("-inf")
 
     def high_arrived(self, now: float) -> None:
@@ -74,6 +80,19 @@ class StepClock:
         """One executed step: per worker, tokens computed and context attended; its wall time."""
         self.fit.add(tokens, context, ms, 1.0)
         self.measured += 1
+        if self.measured % REPORT_EVERY == 0:
+            fit = self.fit
+            if not fit.solved:
+                fit.solve()
+            log.info("step time %.1f ms + %.3f ms/token + %.5f ms/context token; last %d steps: %d within "
+                     "%.0f ms (High around), %d of them cut", fit.fixed_ms, fit.ms_per_token, fit.ms_per_kv_token,
+                     REPORT_EVERY, self.budgeted, self.high_step_ms, self.cut)
+            self.budgeted = self.cut = 0
+
+    def planned(self, cut: bool) -> None:
+        """A step was planned within a budget (`cut`: work was left out for time)."""
+        self.budgeted += 1
+        self.cut += cut
 
     def budget(self, high_present: bool, now: float) -> StepCost | None:
         """The time budget of a step planned now, or None when steps are not cut (no High around,
