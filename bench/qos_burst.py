@@ -170,7 +170,8 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     log_dir = args.log_dir / policy if getattr(args, "log_dir", None) else None
     if log_dir:
         log_dir.mkdir(parents=True, exist_ok=True)
-    with LocalCluster(config, log_dir=log_dir, quiet=True) as cluster, (during(cluster) if during else contextlib.nullcontext()):
+    with LocalCluster(config, log_dir=log_dir, quiet=True) as cluster, \
+            (during(cluster) if during else contextlib.nullcontext()):
         idle_ms = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
         before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:

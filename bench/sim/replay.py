@@ -16,9 +16,11 @@ Two things the real router saw are given to the simulated one as they were: the 
 it routed by (its estimate from the text, about a quarter of the tokens the chat template makes
 here) and each request's time outside the pools (client TTFT - scheduler TTFT: client, router,
 gRPC hops, tokenizing), which the simulator does not model; it is added to the request's
-simulated TTFT and so to what the router learns its margins from (actual / predicted). Next to each real P99, the interval it would move within
-from sampling alone (bench/harness.py bootstrap_interval); `repeat` compares two real runs of the
-same workload, which is the floor any prediction can reach.
+simulated TTFT and so to what the router learns its margins from (actual / predicted).
+
+Next to each real P99, the interval it would move within from sampling alone
+(bench/harness.py bootstrap_interval); `repeat` compares two real runs of the same workload,
+which is the floor any prediction can reach.
 """
 from __future__ import annotations
 

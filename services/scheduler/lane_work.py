@@ -5,8 +5,9 @@ Within a lane: decodes first (one token each, latency-critical), then prefill ch
 first. `ready` holds the common case, decodes whose next token fits in the blocks they hold (no
 allocation, no preemption, nothing new to tell the worker): the planner takes them in slices,
 without a Python loop per sequence, since a step is mostly them. `others` holds the rest: decodes
-that need a new block, then sequences with prompt (or recompute) tokens left. Ready decodes a
-short step left out (`first`) go first in their lane the next step.
+that need a new block, then sequences with prompt (or recompute) tokens left. Decodes a short
+step left out (`first`, step_clock.py) go first the next step: ready ones at the head of `ready`,
+those that need a block in `overdue`, which the planner serves before the lane's ready decodes.
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ class LaneWork:
     def left_out(self, scheduled: Callable[[Request], bool]) -> dict[Request, int]:
         """Decodes not scheduled this step, each with its rank: those overdue already, then the
         ready ones in their order, then those that needed a block."""
-        candidates = self._overdue_at_start + [r for ready in self.ready.values() for r in ready] + self._block_decodes
+        candidates = (self._overdue_at_start + [r for ready in self.ready.values() for r in ready]
+                      + self._block_decodes)
         waiting = [r for r in candidates if r.phase is Phase.RUNNING and r.pending == 1 and not scheduled(r)]
         return {r: i for i, r in enumerate(dict.fromkeys(waiting))}
 

@@ -18,7 +18,7 @@ from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 48
+REQUESTS = 40
 
 
 async def burst(cluster) -> list[str]:
