@@ -71,6 +71,8 @@ class StepClock:
         self.measured = 0
         self.budgeted = 0                 # steps planned within a budget, since the last report
         self.cut = 0                      # ... of which some work was left out for time
+        self.budgeted_ms: list[float] = []   # ... and what they took
+        self._next_budgeted = False       # the step being executed was planned within a budget
         self.last_high_at = float("-inf")
 
     def high_arrived(self, now: float) -> None:
@@ -80,19 +82,27 @@ class StepClock:
         """One executed step: per worker, tokens computed and context attended; its wall time."""
         self.fit.add(tokens, context, ms, 1.0)
         self.measured += 1
+        if self._next_budgeted:
+            self.budgeted_ms.append(ms)
+            self._next_budgeted = False
         if self.measured % REPORT_EVERY == 0:
             fit = self.fit
             if not fit.solved:
                 fit.solve()
+            took = sorted(self.budgeted_ms)
+            taken = (f"; they took {took[len(took) // 2]:.0f} ms (median), {took[int(0.99 * (len(took) - 1))]:.0f} "
+                     f"ms (P99)") if took else ""
             log.info("step time %.1f ms + %.3f ms/token + %.5f ms/context token; last %d steps: %d within "
-                     "%.0f ms (High around), %d of them cut", fit.fixed_ms, fit.ms_per_token, fit.ms_per_kv_token,
-                     REPORT_EVERY, self.budgeted, self.high_step_ms, self.cut)
+                     "%.0f ms (High around), %d of them cut%s", fit.fixed_ms, fit.ms_per_token, fit.ms_per_kv_token,
+                     REPORT_EVERY, self.budgeted, self.high_step_ms, self.cut, taken)
             self.budgeted = self.cut = 0
+            self.budgeted_ms = []
 
     def planned(self, cut: bool) -> None:
         """A step was planned within a budget (`cut`: work was left out for time)."""
         self.budgeted += 1
         self.cut += cut
+        self._next_budgeted = True
 
     def budget(self, high_present: bool, now: float) -> StepCost | None:
         """The time budget of a step planned now, or None when steps are not cut (no High around,
