@@ -133,9 +133,9 @@ def test_a_breach_fires_once_and_recovery_resolves_once(cluster):
     assert resolved()[0]["alerts"][0]["fingerprint"] == alert["fingerprint"]
     assert resolved()[0]["alerts"][0]["endsAt"] != "0001-01-01T00:00:00Z"
     reply = run(alerts(cluster))
-    # Resolved, and not firing again. "pending" is allowed: a fast request still in flight at
-    # the resolution that happens to take over 1 s on a loaded 2-core machine opens a new breach,
-    # which must hold for_seconds before it could fire (seen once in a fresh-clone CI run).
+    # Resolved, and not firing again. "pending" is allowed: any High request that ends over 1 s
+    # after the resolution (a fresh-clone CI run on this loaded 2-core machine saw the state
+    # pending here once) opens a new breach, which must hold for_seconds before it could fire.
     assert [a.state for a in reply.alerts] == ["resolved"] and reply.objectives[0].state in ("ok", "pending")
     body = json.loads(http_get(cluster, "/v1/alerts"))
     assert body["alerts"][0]["state"] == "resolved" and body["objectives"][0]["priority"] == "high"
