@@ -19,16 +19,16 @@ from services.scheduler.request import Phase, Request
 
 
 class LaneWork:
-    __slots__ = ("ready", "others", "overdue", "_taken", "_block_decodes", "_overdue_at_start")
+    __slots__ = ("ready", "others", "overdue", "_taken", "_overdue_at_start")
 
     def __init__(self, running: list[Request], lanes: tuple[int, ...], lane_by_priority: dict[int, int],
                  block_size: int, first: dict[Request, int] | None = None):
         self.ready: dict[int, list[Request]] = {lane: [] for lane in lanes}
         self.others: dict[int, deque[Request]] = {lane: deque() for lane in lanes}
-        # Decodes that need a new block and that a short step left out last time: before the rest.
-        self.overdue: dict[int, deque[Request]] = {lane: deque() for lane in lanes}
+        # By lane, decodes that need a new block and that a short step left out last time: before
+        # the rest (only lanes that have some: most plans have none).
+        self.overdue: dict[int, deque[Request]] = {}
         self._taken = dict.fromkeys(lanes, 0)          # ready decodes already handed out, per lane
-        self._block_decodes: list[Request] = []        # decodes that need a block, in their order
         self._overdue_at_start: list[Request] = []
         prefills = []
         for request in running:
@@ -39,7 +39,6 @@ class LaneWork:
                 self.ready[lane_by_priority[request.priority]].append(request)
             else:
                 self.others[lane_by_priority[request.priority]].append(request)
-                self._block_decodes.append(request)
         for request in prefills:
             self.others[lane_by_priority[request.priority]].append(request)
         if first:
@@ -53,12 +52,12 @@ class LaneWork:
             ready.sort(key=lambda r: first.get(r, last))
             late = sorted((r for r in self.others[lane] if r in first), key=first.__getitem__)
             if late:
-                self.overdue[lane].extend(late)
+                self.overdue[lane] = deque(late)
                 self._overdue_at_start += late
                 self.others[lane] = deque(r for r in self.others[lane] if r not in first)
 
     def has_running(self, lane: int) -> bool:
-        return bool(self.ready[lane] or self.others[lane] or self.overdue[lane])
+        return bool(self.ready[lane] or self.others[lane] or self.overdue.get(lane))
 
     def take_ready(self, lane: int, allowance_left: float, budget: int) -> list[Request]:
         """The lane's next ready decodes: as many as the allowance left (rounded up: a lane's turn
@@ -75,11 +74,11 @@ class LaneWork:
         """The last `count` decodes taken were not scheduled after all: they stay for later."""
         self._taken[lane] -= count
 
-    def left_out(self, scheduled: Callable[[Request], bool]) -> dict[Request, int]:
+    def left_out(self, running: list[Request], scheduled: Callable[[Request], bool]) -> dict[Request, int]:
         """Decodes not scheduled this step, each with its rank: those overdue already, then the
-        ready ones in their order, then those that needed a block."""
-        candidates = (self._overdue_at_start + [r for ready in self.ready.values() for r in ready]
-                      + self._block_decodes)
+        ready ones in their order, then the rest of the worker's `running` ones (those that needed
+        a block) in theirs."""
+        candidates = self._overdue_at_start + [r for ready in self.ready.values() for r in ready] + running
         waiting = [r for r in candidates if r.phase is Phase.RUNNING and r.pending == 1 and not scheduled(r)]
         return {r: i for i, r in enumerate(dict.fromkeys(waiting))}
 

@@ -111,7 +111,7 @@ class StepPlanner:
             builder.charge_tenants(policy, lane)
         self.served_tokens.update(builder.served)
         if builder.time_cut:
-            self.left_out[worker.index] = work.left_out(builder.is_scheduled)
+            self.left_out[worker.index] = work.left_out(self.running[worker.index], builder.is_scheduled)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
         builder.finish(self.to_release[worker.index], measure)
@@ -130,7 +130,7 @@ class StepPlanner:
             if timed and builder.out_of_time():
                 active.discard(lane)
                 break
-            overdue = work.overdue[lane]
+            overdue = work.overdue.get(lane)
             if overdue:                       # left out of the last (short) step: before the rest
                 request = overdue.popleft()
                 if request.phase is Phase.RUNNING:
