@@ -188,7 +188,8 @@ class QoSPolicy(SchedulingPolicy):
 
     Each class has a virtual time, advanced by tokens served / weight; each slice of a step's
     budget goes to the backlogged class with the smallest. A class that was idle re-enters at the
-    smallest virtual time among the backlogged ones, so idle time banks no credit."""
+    smallest virtual time among the backlogged ones (after a spell with nothing backlogged: where
+    service stood then), so idle time banks no credit and service alone is no debt."""
     name = "qos"
     MIN_QUANTUM_TOKENS = 16
     # High goes ahead for a first token only while it is no more than this many High tokens ahead
@@ -203,6 +204,7 @@ class QoSPolicy(SchedulingPolicy):
         self._weights = dict(self.settings.weights)
         self.virtual_time = {p: 0.0 for p in ORDER}
         self._backlogged: set[int] = set()
+        self._system_vtime = 0.0     # the least virtual time among the backlogged, when last seen
         self.served = {p: 0 for p in ORDER}
 
     @property
@@ -213,11 +215,19 @@ class QoSPolicy(SchedulingPolicy):
         return priority
 
     def backlog_changed(self, backlogged: set[int]) -> None:
+        vtime = self.virtual_time
         returning = backlogged - self._backlogged
-        if returning and backlogged - returning:
-            floor = min(self.virtual_time[p] for p in backlogged - returning)
+        if returning:
+            # A class returns at the system's virtual time: where the classes still backlogged
+            # stand, or, after a spell with nothing to do, where service stood when it stopped.
+            # So time away banks no credit, and a class that was served alone (or went ahead)
+            # while nobody else waited owes nothing for it.
+            staying = backlogged - returning
+            floor = min(vtime[p] for p in staying) if staying else self._system_vtime
             for p in returning:
-                self.virtual_time[p] = max(self.virtual_time[p], floor)
+                vtime[p] = max(vtime[p], floor)
+        if backlogged:
+            self._system_vtime = min(vtime[p] for p in backlogged)
         self._backlogged = set(backlogged)
 
     def pick_lane(self, candidates: set[int]) -> tuple[int, float]:

@@ -298,6 +298,27 @@ def test_high_pays_back_what_it_took_ahead():
     assert h.batcher.served_tokens[HIGH] - served_before[HIGH] <= 1     # at most its decode... or none
 
 
+def test_a_class_served_alone_owes_nothing_when_the_others_return():
+    h = Harness(max_step_tokens=64, high_first_token="ahead")
+    alone = h.submit(HIGH, prompt_len=3000, max_tokens=2)     # nobody else waits: it gets every step
+    h.run_until_all_finished(max_steps=100)
+    assert alone.phase is Phase.FINISHED
+    h.step()                                                  # a quiet step: nothing to do
+    for _ in range(8):
+        h.submit(MEDIUM, prompt_len=200, max_tokens=500)
+    for _ in range(3):
+        h.step()
+    high = h.submit(HIGH, prompt_len=300, max_tokens=2)
+    steps = 0
+    while not high.output_ids:
+        h.step()
+        steps += 1
+    # Medium came back at the virtual time High's service alone had reached, so High is not in
+    # debt for it: its 300 tokens go ahead (5 steps of 64), rather than waiting until Medium has
+    # been served the ~3,000 tokens High took alone.
+    assert steps == 5, steps
+
+
 def test_exclusive_mode_keeps_other_classes_to_decodes_in_a_first_token_step():
     h = Harness(max_step_tokens=64, high_first_token="exclusive")
     lows = [h.submit(LOW, prompt_len=200, max_tokens=500) for _ in range(2)]
