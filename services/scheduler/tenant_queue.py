@@ -4,8 +4,8 @@ Inside a class, tenants share its tokens by weight, with the same weighted fair 
 classes use between them (services/scheduler/policy.py): each tenant has a virtual time, advanced
 by the tokens its requests are served (prefill and decode, running ones included) divided by its
 weight, and the next request admitted is the oldest of the tenant with the smallest virtual time.
-A tenant that was idle re-enters at the smallest virtual time among the waiting ones, so idle time
-banks no credit. So a tenant with 200 queued requests cannot make another tenant's first request
+A tenant that was idle re-enters at the smallest virtual time among the waiting ones (with none
+waiting: among those served last), so idle time banks no credit and service alone is no debt. So a tenant with 200 queued requests cannot make another tenant's first request
 wait behind all of them: it waits for one admission. With fairness off it is one FIFO.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ class TenantQueue:
         self._by_tenant: dict[str, deque[Request]] = {}
         self._vtime: dict[str, float] = {}
         self._weight: dict[str, float] = {}    # each tenant's share, as its latest request says
+        self._floor = 0.0       # with nobody waiting: the least virtual time of those served last
         self._size = 0
 
     def _key(self, request: Request) -> str:
@@ -31,12 +32,13 @@ class TenantQueue:
 
     def _enter(self, key: str) -> deque[Request]:
         """The tenant's queue; a tenant that had nothing waiting re-enters at the smallest
-        virtual time of those that do (no credit for idle time)."""
+        virtual time of those that do, or where service stands if none does (no credit for idle
+        time, no debt for having been served while nobody else waited)."""
         queue = self._by_tenant.get(key)
         if queue:
             return queue
         waiting = [self._vtime[t] for t, q in self._by_tenant.items() if q]
-        floor = min(waiting) if waiting else self._vtime.get(key, 0.0)
+        floor = min(waiting) if waiting else self._floor
         self._vtime[key] = max(self._vtime.get(key, 0.0), floor)
         return self._by_tenant.setdefault(key, deque())
 
@@ -69,6 +71,8 @@ class TenantQueue:
             vtime, weight = self._vtime, self._weight
             for tenant, tokens in tokens_by_tenant.items():
                 vtime[tenant] = vtime.get(tenant, 0.0) + tokens / weight.get(tenant, 1.0)
+            if not self._size:
+                self._floor = min(vtime[t] for t in tokens_by_tenant)
 
     def __len__(self) -> int:
         return self._size

@@ -43,3 +43,16 @@ def test_backlogged_tenants_share_the_class_by_weight():
               for t in ("heavy", "light")}
     share = served["heavy"] / (served["heavy"] + served["light"])
     assert abs(share - 0.75) <= 0.08, served
+
+
+def test_a_tenant_served_alone_owes_nothing_when_another_arrives():
+    h = Harness(max_running=4, max_step_tokens=64)
+    alone = [h.submit(LOW, prompt_len=20, max_tokens=300, tenant="a") for _ in range(4)]
+    h.run_until_all_finished(max_steps=2_000)        # a alone: ~1,300 tokens, nobody else waiting
+    assert all(r.output_ids for r in alone)
+    others = [h.submit(LOW, prompt_len=20, max_tokens=20, tenant="b") for _ in range(12)]
+    a = h.submit(LOW, prompt_len=20, max_tokens=20, tenant="a")
+    # b arrived where service stood, not at 0: a's next request is not held back until b's
+    # twelve have been served what a got alone.
+    ahead = admitted_before(h, a, others)
+    assert ahead <= 5, ahead
