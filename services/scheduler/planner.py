@@ -4,9 +4,10 @@ who is preempted, which KV blocks are granted.
 A step is filled lane by lane as the policy says (services/scheduler/policy.py): each lane offers
 its running sequences (decodes first, then prefill chunks, oldest first) and then its waiting
 requests; the policy picks which lane's next item gets tokens, until the step's token budget is
-spent. KV blocks are allocated as tokens need them, within each class's cap. When blocks run
-short, running sequences the policy allows are preempted (blocks freed, requeued at the front of
-their lane, recomputed later; their client streams simply continue).
+spent. KV blocks are allocated as tokens need them, within each class's cap. When blocks or
+running slots run short, running sequences the policy allows are preempted (room.py chooses them;
+here their blocks are freed and they are requeued at the front of their lane, to be recomputed
+later; their client streams simply continue).
 """
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from operator import attrgetter
 from typing import Protocol
 
-from services.common.kv_blocks import KVBlockPool, blocks_for_tokens, cap_blocks
+from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import engine_sampling
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
+from services.scheduler.room import Room
 from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
 
@@ -36,21 +37,6 @@ class Worker(Protocol):
     pool: KVBlockPool | None
     adapters: frozenset[str]          # LoRA adapters it holds
     max_loras: int                    # distinct adapters its running sequences may use
-
-
-_PRIORITY, _COMPUTED, _SEQ_ID = attrgetter("priority"), attrgetter("computed"), attrgetter("seq_id")
-
-
-def victim_order(running: list[Request]) -> list[Request]:
-    """Preemption order: lowest class first; inside a class, the sequence that loses the least
-    work (the fewest tokens in its KV cache, all of which are computed again when it resumes),
-    newest first among equals. Three stable sorts on C-level keys, least significant first: a
-    Python key function per sequence cost more than the sorts (this runs in most plans that
-    admit High while every slot is taken)."""
-    order = sorted(running, key=_SEQ_ID, reverse=True)
-    order.sort(key=_COMPUTED)
-    order.sort(key=_PRIORITY, reverse=True)
-    return order
 
 
 class StepPlanner:
@@ -68,6 +54,7 @@ class StepPlanner:
         self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
         self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
+        self.room = Room(policy, self.running, self.preempt)
 
     def lanes_running(self) -> set[int]:
         """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
@@ -183,7 +170,7 @@ class StepPlanner:
         if head.lora and not self._lora_fits(worker, head.lora):
             return None
         if len(self.running[worker.index]) >= self.max_running \
-                and not self._free_slot(worker, builder, head):
+                and not self.room.free_slot(worker, builder, head):
             return None
         if self._admit(worker, builder, head):
             return self.running[worker.index][-1]
@@ -197,38 +184,11 @@ class StepPlanner:
         running = {r.lora for r in self.running[worker.index] if r.lora}
         return lora in running or len(running) < worker.max_loras
 
-    def _victims(self, worker: Worker, builder: StepBuilder) -> list[Request]:
-        """Candidates for preemption in victim_order, sorted once per plan: the order does not
-        change while planning, and callers skip those preempted or scheduled meanwhile."""
-        if builder.victims is None:
-            builder.victims = victim_order(self.running[worker.index])
-        return builder.victims
-
-    def _free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
-        """All running slots are taken: preempt one sequence the policy lets `request` displace,
-        if any."""
-        if not self.policy.admission_may_preempt(request):
-            return False
-        victims = self._victims(worker, builder)
-        for i in range(builder.slot_cursor, len(victims)):
-            victim = victims[i]
-            if victim.priority <= request.priority:
-                return False        # an admission displaces only lower classes (lowest first)
-            if victim.phase is not Phase.RUNNING or builder.is_scheduled(victim):
-                if i == builder.slot_cursor:
-                    builder.slot_cursor += 1    # out of reach for the rest of this plan
-                continue
-            if self.policy.may_preempt(request, victim, admitting=True):
-                self.preempt(worker, victim)
-                builder.note_victim(victim)
-                return True
-        return False
-
     def _admit(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         # Admit only when the whole known sequence (+1 for its next token) fits now, so admitted
         # prompts rarely need to preempt others to finish their prefill.
         need = blocks_for_tokens(request.num_tokens + 1, worker.pool.block_size)
-        if not self._make_room(worker, builder, request, need, admitting=True):
+        if not self.room.make_room(worker, builder, request, need, admitting=True):
             return False
         self.policy.remove(request)
         request.phase = Phase.RUNNING
@@ -241,54 +201,6 @@ class StepPlanner:
         self.admitted[worker.index] += 1
         return True
 
-    def _class_cap(self, pool: KVBlockPool, priority: int) -> int:
-        """The most blocks the class may hold on this worker under its cap."""
-        return cap_blocks(pool.num_blocks, self.policy.kv_cap(priority))
-
-    def _cap(self, pool: KVBlockPool, request: Request) -> int:
-        policy = self.policy
-        if policy.elastic_caps and not any(policy.queue(lane) for lane in policy.lanes
-                                           if lane != policy.lane_of(request)):
-            return pool.num_blocks        # elastic, and no other class waits: borrow freely
-        return self._class_cap(pool, request.priority)
-
-    def _borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
-        """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
-        return (self.policy.elastic_caps and victim.priority > requester.priority
-                and pool.held(victim.priority) > self._class_cap(pool, victim.priority))
-
-    def _make_room(self, worker: Worker, builder: StepBuilder, request: Request, need: int,
-                   admitting: bool) -> bool:
-        """Ensure `need` more blocks fit the pool and the request's class cap, preempting what the
-        policy allows (lowest class first, newest first) only if that is enough."""
-        pool = worker.pool
-        short_pool = need - pool.num_free
-        short_cap = pool.held(request.priority) + need - self._cap(pool, request)
-        if short_pool <= 0 and short_cap <= 0:
-            return True
-        victims = []
-        for victim in self._victims(worker, builder):
-            if short_pool <= 0 and short_cap <= 0:
-                break
-            if victim is request or victim.phase is not Phase.RUNNING or builder.is_scheduled(victim) \
-                    or not victim.blocks \
-                    or not (self.policy.may_preempt(request, victim, admitting)
-                            or self._borrowing(pool, victim, request)):
-                continue
-            same_class = victim.priority == request.priority
-            if short_pool <= 0 and not same_class:
-                continue   # only the cap binds, and other classes' blocks do not count against it
-            victims.append(victim)
-            short_pool -= len(victim.blocks)
-            if same_class:
-                short_cap -= len(victim.blocks)
-        if short_pool > 0 or short_cap > 0:
-            return False
-        for victim in victims:
-            self.preempt(worker, victim)
-            builder.note_victim(victim)
-        return True
-
     def _schedule(self, worker: Worker, builder: StepBuilder, request: Request) -> int:
         """Schedule the request's next chunk (as much as fits); returns the tokens scheduled."""
         pool = worker.pool
@@ -299,9 +211,9 @@ class StepPlanner:
             if not num_tokens:
                 return 0
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
-        if need > 0 and not self._make_room(worker, builder, request, need, admitting=False):
+        if need > 0 and not self.room.make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
-            room = min(pool.num_free, self._cap(pool, request) - pool.held(request.priority))
+            room = min(pool.num_free, self.room.cap(pool, request) - pool.held(request.priority))
             num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
                              pending, builder.budget)
             if num_tokens <= 0:

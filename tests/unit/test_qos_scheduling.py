@@ -14,7 +14,7 @@ from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
 from services.common.priority import HIGH, LOW, MEDIUM
-from services.scheduler.planner import victim_order
+from services.scheduler.room import victim_order
 from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Phase, Request
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
@@ -173,7 +173,7 @@ def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_block
 def test_fcfs_ignores_priorities():
     h = Harness(policy="fcfs", max_step_tokens=64)
     low = h.submit(LOW, prompt_len=200, max_tokens=5)
-    high = h.submit(HIGH, prompt_len=20, max_tokens=5)
+    h.submit(HIGH, prompt_len=20, max_tokens=5)
     builders = h.step()
     assert [r.seq_id for r, _ in builders[0].scheduled] == [low.seq_id]   # Low came first
 

@@ -1,0 +1,119 @@
+"""Room for a sequence on one worker: KV blocks within its class's cap (strict or elastic), a
+running slot, and the preemption of what the policy allows when there is not enough.
+
+The planner (planner.py) asks while it fills a step; the preempting itself (blocks back to the
+pool, the request back at the front of its queue) is the planner's, which owns the running lists.
+Victims are taken in victim_order: the lowest class first, and in it the sequence that loses the
+least work. Pure Python, tested through the planner (tests/unit/test_qos_scheduling.py).
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import TYPE_CHECKING, Callable
+
+from services.common.kv_blocks import KVBlockPool, cap_blocks
+from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.request import Phase, Request
+from services.scheduler.step_builder import StepBuilder
+
+if TYPE_CHECKING:
+    from services.scheduler.planner import Worker
+
+_PRIORITY, _COMPUTED, _SEQ_ID = attrgetter("priority"), attrgetter("computed"), attrgetter("seq_id")
+
+
+def victim_order(running: list[Request]) -> list[Request]:
+    """Preemption order: lowest class first; inside a class, the sequence that loses the least
+    work (the fewest tokens in its KV cache, all of which are computed again when it resumes),
+    newest first among equals. Three stable sorts on C-level keys, least significant first: a
+    Python key function per sequence cost more than the sorts (this runs in most plans that
+    admit High while every slot is taken)."""
+    order = sorted(running, key=_SEQ_ID, reverse=True)
+    order.sort(key=_COMPUTED)
+    order.sort(key=_PRIORITY, reverse=True)
+    return order
+
+
+class Room:
+    """Blocks and slots for requests on the workers' running lists (shared with the planner)."""
+
+    def __init__(self, policy: SchedulingPolicy, running: dict[int, list[Request]],
+                 preempt: Callable[[Worker, Request], None]):
+        self.policy = policy
+        self.running = running
+        self._preempt = preempt
+
+    def victims(self, worker: Worker, builder: StepBuilder) -> list[Request]:
+        """Candidates for preemption in victim_order, sorted once per plan: the order does not
+        change while planning, and callers skip those preempted or scheduled meanwhile."""
+        if builder.victims is None:
+            builder.victims = victim_order(self.running[worker.index])
+        return builder.victims
+
+    def free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
+        """All running slots are taken: preempt one sequence the policy lets `request` displace,
+        if any."""
+        if not self.policy.admission_may_preempt(request):
+            return False
+        victims = self.victims(worker, builder)
+        for i in range(builder.slot_cursor, len(victims)):
+            victim = victims[i]
+            if victim.priority <= request.priority:
+                return False        # an admission displaces only lower classes (lowest first)
+            if victim.phase is not Phase.RUNNING or builder.is_scheduled(victim):
+                if i == builder.slot_cursor:
+                    builder.slot_cursor += 1    # out of reach for the rest of this plan
+                continue
+            if self.policy.may_preempt(request, victim, admitting=True):
+                self._preempt(worker, victim)
+                builder.note_victim(victim)
+                return True
+        return False
+
+    def class_cap(self, pool: KVBlockPool, priority: int) -> int:
+        """The most blocks the class may hold on this worker under its cap."""
+        return cap_blocks(pool.num_blocks, self.policy.kv_cap(priority))
+
+    def cap(self, pool: KVBlockPool, request: Request) -> int:
+        policy = self.policy
+        if policy.elastic_caps and not any(policy.queue(lane) for lane in policy.lanes
+                                           if lane != policy.lane_of(request)):
+            return pool.num_blocks        # elastic, and no other class waits: borrow freely
+        return self.class_cap(pool, request.priority)
+
+    def borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
+        """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
+        return (self.policy.elastic_caps and victim.priority > requester.priority
+                and pool.held(victim.priority) > self.class_cap(pool, victim.priority))
+
+    def make_room(self, worker: Worker, builder: StepBuilder, request: Request, need: int,
+                   admitting: bool) -> bool:
+        """Ensure `need` more blocks fit the pool and the request's class cap, preempting what the
+        policy allows (lowest class first, newest first) only if that is enough."""
+        pool = worker.pool
+        short_pool = need - pool.num_free
+        short_cap = pool.held(request.priority) + need - self.cap(pool, request)
+        if short_pool <= 0 and short_cap <= 0:
+            return True
+        victims = []
+        for victim in self.victims(worker, builder):
+            if short_pool <= 0 and short_cap <= 0:
+                break
+            if victim is request or victim.phase is not Phase.RUNNING or builder.is_scheduled(victim) \
+                    or not victim.blocks \
+                    or not (self.policy.may_preempt(request, victim, admitting)
+                            or self.borrowing(pool, victim, request)):
+                continue
+            same_class = victim.priority == request.priority
+            if short_pool <= 0 and not same_class:
+                continue   # only the cap binds, and other classes' blocks do not count against it
+            victims.append(victim)
+            short_pool -= len(victim.blocks)
+            if same_class:
+                short_cap -= len(victim.blocks)
+        if short_pool > 0 or short_cap > 0:
+            return False
+        for victim in victims:
+            self._preempt(worker, victim)
+            builder.note_victim(victim)
+        return True
