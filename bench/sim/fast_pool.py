@@ -166,7 +166,7 @@ class FastPool(PoolBase):
         self._make_room_for_decodes(n_dec)
         n_dec = sum(self.n_dec.values())
         backlogged = {p for p in ORDER if self.queue[p] or self.running(p)}
-        policy.backlog_changed(backlogged)
+        policy.backlog_changed(backlogged, now)
         budget = acc.max_step_tokens - n_dec
         chunks: list = []
         demand = {p for p in ORDER if self.prefilling[p] or self.queue[p]}

@@ -157,7 +157,7 @@ class ContinuousBatcher:
         policy = self.policy
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
         backlogged |= self.planner.lanes_running()
-        policy.backlog_changed(backlogged)
+        policy.backlog_changed(backlogged, now)
         builders = {}
         clock = self.step_clock
         if clock is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.config import FIRST_TOKEN_MODES, KV_CAP_MODES
@@ -132,8 +133,9 @@ class SchedulingPolicy(ABC):
     first_token_exclusive = False     # ... and the other lanes only decode in that step
     high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
 
-    def backlog_changed(self, backlogged: set[int]) -> None:
-        """Lanes with work at the start of a step (for virtual-time bookkeeping)."""
+    def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
+        """Lanes with work at the start of a step at `now` (seconds, any clock): for virtual-time
+        bookkeeping."""
 
     # --- memory ---------------------------------------------------------------------------------
 
@@ -196,6 +198,12 @@ class QoSPolicy(SchedulingPolicy):
     # of the least-served backlogged class: bounded debt, so that the 5:3:2 shares still hold over
     # a window and High's own decodes never wait long for the others to catch up.
     AHEAD_LIMIT_TOKENS = 512
+    # ... or up to this many while High's share of the tokens served over the last window is
+    # below its weight's share among the classes backlogged now: the debt is then within what
+    # High's weight entitles it to over that window, so a long prompt (a 1,000-token chat
+    # history) goes ahead for its whole first token while 5:3:2 holds over every window.
+    AHEAD_MAX_TOKENS = 1024
+    SHARE_WINDOW_S = 10.0
 
     def __init__(self, settings: QoSSettings | None = None):
         settings = settings or QoSSettings()
@@ -205,6 +213,8 @@ class QoSPolicy(SchedulingPolicy):
         self.virtual_time = {p: 0.0 for p in ORDER}
         self._backlogged: set[int] = set()
         self._system_vtime = 0.0     # the least virtual time among the backlogged, when last seen
+        # (time, High's tokens, all tokens) served by the start of each step of the last window
+        self._window: deque[tuple[float, int, int]] = deque()
         self.served = {p: 0 for p in ORDER}
 
     @property
@@ -214,7 +224,11 @@ class QoSPolicy(SchedulingPolicy):
     def _lane_of_priority(self, priority: int) -> int:
         return priority
 
-    def backlog_changed(self, backlogged: set[int]) -> None:
+    def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
+        served, window = self.served, self._window
+        window.append((now, served[HIGH], served[HIGH] + served[MEDIUM] + served[LOW]))
+        while now - window[0][0] > self.SHARE_WINDOW_S:
+            window.popleft()
         vtime = self.virtual_time
         returning = backlogged - self._backlogged
         if returning:
@@ -255,8 +269,22 @@ class QoSPolicy(SchedulingPolicy):
         if self.settings.high_first_token == "wfq":
             return None
         others = [self.virtual_time[p] for p in self._backlogged if p != HIGH]
-        lead = self.virtual_time[HIGH] - min(others) if others else 0.0
-        return HIGH if lead * self._weights[HIGH] <= self.AHEAD_LIMIT_TOKENS else None
+        lead = (self.virtual_time[HIGH] - min(others)) * self._weights[HIGH] if others else 0.0
+        if lead <= self.AHEAD_LIMIT_TOKENS:
+            return HIGH
+        return HIGH if lead <= self.AHEAD_MAX_TOKENS and self._high_under_its_share() else None
+
+    def _high_under_its_share(self) -> bool:
+        """High was served less than its weight's share (among the classes backlogged now) of
+        the tokens served over the last window."""
+        _, high_before, all_before = self._window[0]
+        served = self.served
+        tokens = served[HIGH] + served[MEDIUM] + served[LOW] - all_before
+        if tokens <= 0:
+            return True
+        weights = self._weights
+        fair = weights[HIGH] / sum(weights[p] for p in self._backlogged | {HIGH})
+        return served[HIGH] - high_before < fair * tokens
 
     @property
     def elastic_caps(self) -> bool:

@@ -319,6 +319,30 @@ def test_a_class_served_alone_owes_nothing_when_the_others_return():
     assert steps == 5, steps
 
 
+def steps_to_a_long_first_token(ahead_max_tokens: int) -> int:
+    """A 1,000-token High prompt arrives while Medium and Low are backlogged (128-token steps)."""
+    h = Harness(max_step_tokens=128, high_first_token="exclusive")
+    h.policy.AHEAD_MAX_TOKENS = ahead_max_tokens
+    for p in (MEDIUM, LOW):
+        for _ in range(8):
+            h.submit(p, prompt_len=200, max_tokens=500)
+    for _ in range(20):
+        h.step()
+    high = h.submit(HIGH, prompt_len=1000, max_tokens=5)
+    steps = 0
+    while not high.output_ids:
+        h.step()
+        steps += 1
+    return steps
+
+
+def test_a_long_high_prompt_goes_ahead_for_all_of_it_while_high_is_under_its_share():
+    # High has had none of the window's tokens, so its whole 1,000-token prompt goes ahead (8
+    # steps of 128) rather than stopping 512 tokens ahead and then sharing steps with the others.
+    assert steps_to_a_long_first_token(QoSPolicy.AHEAD_MAX_TOKENS) == 8
+    assert steps_to_a_long_first_token(QoSPolicy.AHEAD_LIMIT_TOKENS) >= 11
+
+
 def test_shares_stay_5_3_2_over_every_window_while_long_high_prompts_go_ahead():
     # Every class saturated: Medium and Low decode more sequences (80) than their share of a
     # 128-token step; High's 40 decodes plus a 1,000-token prompt every 25 steps (~80 tokens a
