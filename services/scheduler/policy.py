@@ -277,6 +277,8 @@ class QoSPolicy(SchedulingPolicy):
     def _high_under_its_share(self) -> bool:
         """High was served less than its weight's share (among the classes backlogged now) of
         the tokens served over the last window."""
+        if not self._window:
+            return True
         _, high_before, all_before = self._window[0]
         served = self.served
         tokens = served[HIGH] + served[MEDIUM] + served[LOW] - all_before
