@@ -5,8 +5,9 @@ classes use between them (services/scheduler/policy.py): each tenant has a virtu
 by the tokens its requests are served (prefill and decode, running ones included) divided by its
 weight, and the next request admitted is the oldest of the tenant with the smallest virtual time.
 A tenant that was idle re-enters at the smallest virtual time among the waiting ones (with none
-waiting: among those served last), so idle time banks no credit and service alone is no debt. So a tenant with 200 queued requests cannot make another tenant's first request
-wait behind all of them: it waits for one admission. With fairness off it is one FIFO.
+waiting: among those served last), so idle time banks no credit and service alone is no debt. So
+a tenant with 200 queued requests cannot make another tenant's first request wait behind all of
+them: it waits for one admission. With fairness off it is one FIFO.
 """
 from __future__ import annotations
 

@@ -264,15 +264,18 @@ def test_running_lanes_are_counted_as_sequences_come_and_go():
     assert h.batcher.planner.lanes_running() == {MEDIUM}
 
 
-def steps_to_first_token(mode: str) -> tuple[int, Harness, Request]:
-    """A 300-token High prompt arrives while Medium and Low are backlogged (64-token steps)."""
-    h = Harness(max_step_tokens=64, high_first_token=mode)
+def steps_to_first_token(mode: str, prompt_len: int = 300, step_tokens: int = 64,
+                         ahead_max_tokens: int | None = None) -> tuple[int, Harness, Request]:
+    """A High prompt arrives while Medium and Low are backlogged."""
+    h = Harness(max_step_tokens=step_tokens, high_first_token=mode)
+    if ahead_max_tokens is not None:
+        h.policy.AHEAD_MAX_TOKENS = ahead_max_tokens
     for p in (MEDIUM, LOW):
         for _ in range(8):
             h.submit(p, prompt_len=200, max_tokens=500)
     for _ in range(20):
         h.step()
-    high = h.submit(HIGH, prompt_len=300, max_tokens=5)
+    high = h.submit(HIGH, prompt_len=prompt_len, max_tokens=5)
     steps = 0
     while not high.output_ids:
         h.step()
@@ -319,28 +322,14 @@ def test_a_class_served_alone_owes_nothing_when_the_others_return():
     assert steps == 5, steps
 
 
-def steps_to_a_long_first_token(ahead_max_tokens: int) -> int:
-    """A 1,000-token High prompt arrives while Medium and Low are backlogged (128-token steps)."""
-    h = Harness(max_step_tokens=128, high_first_token="exclusive")
-    h.policy.AHEAD_MAX_TOKENS = ahead_max_tokens
-    for p in (MEDIUM, LOW):
-        for _ in range(8):
-            h.submit(p, prompt_len=200, max_tokens=500)
-    for _ in range(20):
-        h.step()
-    high = h.submit(HIGH, prompt_len=1000, max_tokens=5)
-    steps = 0
-    while not high.output_ids:
-        h.step()
-        steps += 1
-    return steps
-
-
 def test_a_long_high_prompt_goes_ahead_for_all_of_it_while_high_is_under_its_share():
     # High has had none of the window's tokens, so its whole 1,000-token prompt goes ahead (8
     # steps of 128) rather than stopping 512 tokens ahead and then sharing steps with the others.
-    assert steps_to_a_long_first_token(QoSPolicy.AHEAD_MAX_TOKENS) == 8
-    assert steps_to_a_long_first_token(QoSPolicy.AHEAD_LIMIT_TOKENS) >= 11
+    def steps(ahead_max_tokens: int) -> int:
+        return steps_to_first_token("exclusive", 1000, 128, ahead_max_tokens)[0]
+
+    assert steps(QoSPolicy.AHEAD_MAX_TOKENS) == 8
+    assert steps(QoSPolicy.AHEAD_LIMIT_TOKENS) >= 11
 
 
 def test_shares_stay_5_3_2_over_every_window_while_long_high_prompts_go_ahead():
