@@ -40,7 +40,10 @@ class StepFit:
         self.solved = False
 
     def solve(self) -> None:
-        """The coefficients from the samples so far (when asked: many reports, few predictions)."""
+        """The coefficients from the samples so far (when asked: many reports, few predictions);
+        nothing to do when no sample came since the last time."""
+        if self.solved:
+            return
         self.solved = True
         for terms in ((0, 1, 2), (0, 1), (0, 2)):
             solved = self._solve(terms)

@@ -120,8 +120,7 @@ class LatencyModel:
         """The per-class terms of the prediction, from the last report's queue and step time."""
         self.stale = False
         r, fit = self.last, self.fit
-        if not fit.solved:
-            fit.solve()
+        fit.solve()
         budget = r.max_step_tokens
         workers = max(r.workers, 1)
         running = sum(r.running)

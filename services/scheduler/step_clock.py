@@ -87,8 +87,7 @@ class StepClock:
             self._next_budgeted = False
         if self.measured % REPORT_EVERY == 0:
             fit = self.fit
-            if not fit.solved:
-                fit.solve()
+            fit.solve()
             took = sorted(self.budgeted_ms)
             taken = (f"; they took {took[len(took) // 2]:.0f} ms (median), {took[int(0.99 * (len(took) - 1))]:.0f} "
                      f"ms (P99)") if took else ""
@@ -110,6 +109,5 @@ class StepClock:
         if not (high_present or now - self.last_high_at < HIGH_RECENT_S) or self.measured < MIN_FIT_STEPS:
             return None
         fit = self.fit
-        if not fit.solved:
-            fit.solve()
+        fit.solve()
         return StepCost(self.high_step_ms - fit.fixed_ms, fit.ms_per_token, fit.ms_per_kv_token)
