@@ -29,7 +29,7 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
                 now: float) -> common_pb2.GenerateChunk:
     """Record a sampled token and build its chunk. The chunk ends the request (finish_reason set,
     with usage and timings) when the engine finished the sequence or a stop string matched."""
-    request.output_ids.append(token_id)
+    request.add_output(token_id)
     if request.first_token_at is None:
         request.first_token_at = now
     detok = request.detokenizer

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from operator import attrgetter
 from typing import Protocol
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
@@ -29,6 +30,7 @@ from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
 
 log = logging.getLogger(__name__)
+_PRIORITY = attrgetter("priority")
 
 
 class Worker(Protocol):
@@ -79,7 +81,7 @@ class StepPlanner:
         builder = StepBuilder(step_id, self.max_step_tokens, released, admits, cost,
                               policy.lane_by_priority[HIGH] if cost is not None else None)
         work = LaneWork(self.running[worker.index], policy.lanes, policy.lane_by_priority,
-                        worker.pool.block_size, self.left_out.pop(worker.index, None))
+                        self.left_out.pop(worker.index, None))
         active = {lane for lane in policy.lanes if work.has_running(lane) or policy.queue(lane)}
         first = policy.first_token_lane()
         if first is not None and first in active and (policy.queue(first) or work.first_token_pending(first)):
@@ -119,22 +121,25 @@ class StepPlanner:
                 break
             overdue = work.overdue.get(lane)
             if overdue:                       # left out of the last (short) step: before the rest
-                request = overdue.popleft()
-                if request.phase is Phase.RUNNING:
-                    tokens = self._schedule(worker, builder, request)
-                    taken += tokens
-                    builder.note_served(request, tokens, lane)
+                taken += self._schedule_each(worker, builder, [overdue.popleft()], lane)
                 continue
-            ready = work.take_ready(lane, allowance - taken, builder.budget)
+            ready, boundary = work.take_ready(lane, allowance - taken, builder.budget)
             if ready and builder.cost is not None:
                 count = builder.decodes_in_time(ready, lane)
                 if count < len(ready):
-                    work.put_back(lane, len(ready) - count)
+                    work.put_back(lane, len(ready) - count, boundary)
                     ready = ready[:count]
                     if not ready:
                         active.discard(lane)
                         break
+            if ready and builder.victim_floor is not None:      # someone was preempted this step
+                ready = [r for r in ready if r.phase is Phase.RUNNING]
+                if not ready:
+                    continue
             if ready:
+                if boundary and not self._grant_blocks(worker, builder, ready):
+                    taken += self._schedule_each(worker, builder, ready, lane)   # short of room
+                    continue
                 taken += builder.add_decodes(ready, lane, self.policy.lane_is_class)
                 continue
             if not others:
@@ -148,6 +153,37 @@ class StepPlanner:
             builder.note_served(request, tokens, lane)
         if taken:
             self.policy.charge(lane, taken)
+        return taken
+
+    def _grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request]) -> bool:
+        """A block each for decodes whose next token starts one, all at once, when the pool and
+        every class's cap have room for all of them (the common case); else False, nothing taken:
+        then each goes through _schedule, which preempts or yields as the policy allows."""
+        pool = worker.pool
+        if len(decodes) > pool.num_free:
+            return False
+        by_class = Counter(map(_PRIORITY, decodes))
+        for priority, count in by_class.items():
+            if pool.held(priority) + count > self.room.cap(pool, priority):
+                return False
+        grants = builder.plan.block_grants
+        for priority, count in by_class.items():
+            blocks = iter(pool.allocate(priority, count))
+            for request in decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]:
+                block = next(blocks)
+                request.blocks.append(block)
+                request.capacity += pool.block_size
+                grants.add(seq_id=request.seq_id, block_ids=(block,))
+        return True
+
+    def _schedule_each(self, worker: Worker, builder: StepBuilder, requests: list[Request], lane: int) -> int:
+        """_schedule each request still running, in turn; returns the tokens scheduled."""
+        taken = 0
+        for request in requests:
+            if request.phase is Phase.RUNNING:      # not preempted a moment ago to make room
+                tokens = self._schedule(worker, builder, request)
+                taken += tokens
+                builder.note_served(request, tokens, lane)
         return taken
 
     def _next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
@@ -213,7 +249,7 @@ class StepPlanner:
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0 and not self.room.make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
-            room = min(pool.num_free, self.room.cap(pool, request) - pool.held(request.priority))
+            room = min(pool.num_free, self.room.cap(pool, request.priority) - pool.held(request.priority))
             num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
                              pending, builder.budget)
             if num_tokens <= 0:
@@ -224,6 +260,7 @@ class StepPlanner:
         if need > 0:
             blocks = pool.allocate(request.priority, need)
             request.blocks.extend(blocks)
+            request.capacity = len(request.blocks) * pool.block_size
             request.new_blocks.extend(blocks)
         if not request.announced:
             builder.plan.new_sequences.append(worker_pb2.NewSequence(
@@ -248,7 +285,7 @@ class StepPlanner:
         """Take a running request off its worker: blocks back to the pool, state dropped there."""
         if request.blocks and worker.pool is not None:
             worker.pool.free(request.priority, request.blocks)
-        request.blocks, request.new_blocks = [], []
+        request.blocks, request.new_blocks, request.capacity = [], [], 0
         request.computed = 0
         if request.announced:
             self.to_release[worker.index].append(request.seq_id)

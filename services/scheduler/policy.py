@@ -154,6 +154,10 @@ class SchedulingPolicy(ABC):
         spares planning a walk over every running sequence)."""
         return True
 
+    # True when a request may only ever preempt its own class or lower ones (never a higher
+    # class): planning then looks for victims among those classes only (room.py).
+    preempts_by_class = False
+
     def weights(self) -> dict[int, float]:
         return {p: 1.0 for p in ORDER}
 
@@ -302,6 +306,8 @@ class QoSPolicy(SchedulingPolicy):
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]
+
+    preempts_by_class = True
 
     def admission_may_preempt(self, requester: Request) -> bool:
         return requester.priority == HIGH

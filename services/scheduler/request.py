@@ -17,12 +17,24 @@ class Phase(Enum):
     FINISHED = "finished"   # completed, cancelled or failed; holds nothing
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Request:
-    request_id: str
+    # What planning reads of every running sequence every step comes first, side by side: the
+    # slots are laid out in this order, so a plan touches a cache line or two per sequence rather
+    # than one per field (on a busy pool, most of a plan's time is waiting on memory).
     seq_id: int
     priority: int
     tenant: str
+    phase: Phase = Phase.WAITING
+    # The worker's view: whether it was told of the sequence (the prompt, or after a preemption
+    # the prompt plus output so far) and how many of all tokens are in its KV cache.
+    announced: bool = False
+    computed: int = 0
+    # Tokens known (prompt + output) and tokens its blocks hold: numbers, so that planning need
+    # not read the lists' lengths (three more objects per sequence).
+    num_tokens: int = field(init=False, default=0)
+    capacity: int = 0                # len(blocks) x the pool's block size
+    request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer
@@ -31,14 +43,9 @@ class Request:
     traceparent: str = ""            # W3C context of the request's scheduler span (or "")
     lora: str = ""                   # LoRA adapter the worker adds ("": the base model)
     finished_at: float | None = None
-    output_ids: list[int] = field(default_factory=list)
-    phase: Phase = Phase.WAITING
+    output_ids: list[int] = field(default_factory=list)     # grows by add_output() only
     worker: int | None = None        # index of the worker it runs on
     blocks: list[int] = field(default_factory=list)
-    # The worker's view: tokens it was given as the prompt when announced (the prompt, or after a
-    # preemption the prompt plus output so far) and how many of all tokens are in its KV cache.
-    announced: bool = False
-    computed: int = 0
     new_blocks: list[int] = field(default_factory=list)   # allocated, not yet sent to the worker
     cancelled: bool = False
     preemptions: int = 0
@@ -51,19 +58,27 @@ class Request:
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_ids) + len(self.output_ids)
+
+    def add_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.num_tokens += 1
+
+    def set_output(self, token_ids: list[int]) -> None:
+        """Output so far, as another pool streamed it (a resumed request)."""
+        self.output_ids = token_ids
+        self.num_tokens = len(self.prompt_ids) + len(token_ids)
+
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
     def pending(self) -> int:
         """Tokens known but not yet in the KV cache: the rest of the prompt, or the last sampled
         token (or, after a preemption, everything again)."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.computed
+        return self.num_tokens - self.computed
 
     def wall_ns(self, moment: float) -> int:
         """A perf_counter moment as wall-clock nanoseconds (span timestamps)."""

@@ -12,6 +12,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
 from services.common.kv_blocks import KVBlockPool, cap_blocks
+from services.common.priority import ORDER
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import StepBuilder
@@ -34,6 +35,30 @@ def victim_order(running: list[Request]) -> list[Request]:
     return order
 
 
+class VictimOrder:
+    """One worker's running sequences in victim_order, sorted a class at a time, lowest class
+    first, as far as a caller needs: an admitted High that displaces a Low, the common case, sorts
+    only the Low ones. Made once per plan (StepBuilder.victims): the order does not change while
+    planning, and callers skip those preempted or scheduled meanwhile. A class sorted later in the
+    plan also holds sequences admitted since (scheduled, so skipped as well)."""
+
+    def __init__(self, running: list[Request]):
+        self._running = running
+        self._unsorted = sorted(ORDER, reverse=True)      # lowest class (largest value) first
+        self._order: list[Request] = []
+
+    def down_to(self, builder: StepBuilder, priority: int, inclusive: bool = True) -> list[Request]:
+        """The order through the classes below `priority` (and `priority` itself if inclusive),
+        leaving out those scheduled already when their class is sorted (never victims this step).
+        The list only grows: an index into it stays valid for the rest of the plan."""
+        unsorted = self._unsorted
+        while unsorted and (unsorted[0] > priority or (inclusive and unsorted[0] == priority)):
+            cls = unsorted.pop(0)
+            scheduled = builder.scheduled_set()
+            self._order += victim_order([r for r in self._running if r.priority == cls and r not in scheduled])
+        return self._order
+
+
 class Room:
     """Blocks and slots for requests on the workers' running lists (shared with the planner)."""
 
@@ -43,19 +68,22 @@ class Room:
         self.running = running
         self._preempt = preempt
 
-    def victims(self, worker: Worker, builder: StepBuilder) -> list[Request]:
-        """Candidates for preemption in victim_order, sorted once per plan: the order does not
-        change while planning, and callers skip those preempted or scheduled meanwhile."""
+    def victims(self, worker: Worker, builder: StepBuilder, requester: Request,
+                admitting: bool) -> list[Request]:
+        """Candidates for preemption by `requester` in victim_order: under a policy that preempts
+        by class, only its lower classes (and its own when not admitting); else every class."""
         if builder.victims is None:
-            builder.victims = victim_order(self.running[worker.index])
-        return builder.victims
+            builder.victims = VictimOrder(self.running[worker.index])
+        if not self.policy.preempts_by_class:
+            return builder.victims.down_to(builder, min(ORDER))
+        return builder.victims.down_to(builder, requester.priority, inclusive=not admitting)
 
     def free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         """All running slots are taken: preempt one sequence the policy lets `request` displace,
         if any."""
         if not self.policy.admission_may_preempt(request):
             return False
-        victims = self.victims(worker, builder)
+        victims = self.victims(worker, builder, request, admitting=True)
         for i in range(builder.slot_cursor, len(victims)):
             victim = victims[i]
             if victim.priority <= request.priority:
@@ -74,12 +102,13 @@ class Room:
         """The most blocks the class may hold on this worker under its cap."""
         return cap_blocks(pool.num_blocks, self.policy.kv_cap(priority))
 
-    def cap(self, pool: KVBlockPool, request: Request) -> int:
+    def cap(self, pool: KVBlockPool, priority: int) -> int:
+        """The most blocks the class may hold now (its cap, or all while elastic and alone)."""
         policy = self.policy
         if policy.elastic_caps and not any(policy.queue(lane) for lane in policy.lanes
-                                           if lane != policy.lane_of(request)):
+                                           if lane != policy.lane_of_priority(priority)):
             return pool.num_blocks        # elastic, and no other class waits: borrow freely
-        return self.class_cap(pool, request.priority)
+        return self.class_cap(pool, priority)
 
     def borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
         """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
@@ -92,11 +121,11 @@ class Room:
         policy allows (lowest class first, newest first) only if that is enough."""
         pool = worker.pool
         short_pool = need - pool.num_free
-        short_cap = pool.held(request.priority) + need - self.cap(pool, request)
+        short_cap = pool.held(request.priority) + need - self.cap(pool, request.priority)
         if short_pool <= 0 and short_cap <= 0:
             return True
         victims = []
-        for victim in self.victims(worker, builder):
+        for victim in self.victims(worker, builder, request, admitting):
             if short_pool <= 0 and short_cap <= 0:
                 break
             if victim is request or victim.phase is not Phase.RUNNING or builder.is_scheduled(victim) \

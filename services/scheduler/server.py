@@ -54,7 +54,7 @@ def resume(request: Request, streamed: list[int]) -> None:
                       f"{request.sampling.max_tokens}: nothing left to generate", field="resume_token_ids")
     for token_id in streamed:
         request.detokenizer.add(token_id)
-    request.output_ids = streamed
+    request.set_output(streamed)
     request.resumed = len(streamed)
 
 

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 from services.common.proto.qos.v1 import worker_pb2
-from services.scheduler.request import Phase, Request
+from services.scheduler.request import Request
 from services.scheduler.step_clock import StepCost
+
+if TYPE_CHECKING:
+    from services.scheduler.room import VictimOrder
 
 
 class StepBuilder:
@@ -37,7 +41,7 @@ class StepBuilder:
         self.victim_floor: int | None = None
         # A lane served ahead for a first token, in exclusive mode: the other lanes only decode.
         self.decodes_only_after: int | None = None
-        self.victims: list[Request] | None = None     # running at the start, in preemption order
+        self.victims: VictimOrder | None = None     # running sequences in preemption order (room.py)
         self.slot_cursor = 0          # victims before it are preempted or scheduled already
         self.served: Counter = Counter()              # tokens scheduled per priority
         # Tokens scheduled per lane and tenant, not yet charged to the tenant's share.
@@ -105,11 +109,8 @@ class StepBuilder:
 
     def add_decodes(self, requests: list[Request], lane: int, lane_is_class: bool) -> int:
         """One token each for running sequences whose next token fits in the blocks they hold,
-        all of one lane; returns the tokens scheduled (those preempted meanwhile are skipped).
-        Comprehensions and C-level updates: this is most of a step, kept free of a Python loop
-        per sequence."""
-        if self.victim_floor is not None:               # someone was preempted this step
-            requests = [r for r in requests if r.phase is Phase.RUNNING]
+        all of one lane, none of them preempted; returns the tokens scheduled. Comprehensions
+        and C-level updates: this is most of a step, kept free of a Python loop per sequence."""
         self.scheduled.extend(zip(requests, repeat(1)))
         self.budget -= len(requests)
         if lane_is_class:
@@ -132,11 +133,15 @@ class StepBuilder:
         if tokens_by_tenant:
             policy.charge_tenants(lane, tokens_by_tenant)
 
-    def is_scheduled(self, request: Request) -> bool:
+    def scheduled_set(self) -> set[Request]:
+        """The requests scheduled so far (kept up to date as asked, not at every add)."""
         if self._set_covers < len(self.scheduled):
             self._scheduled_set.update([r for r, _ in self.scheduled[self._set_covers:]])
             self._set_covers = len(self.scheduled)
-        return request in self._scheduled_set
+        return self._scheduled_set
+
+    def is_scheduled(self, request: Request) -> bool:
+        return request in self.scheduled_set()
 
     def finish(self, released: list[int], measure: bool = False) -> worker_pb2.StepPlan:
         if measure:             # for the step clock: before the step, computed is what came before

@@ -3,6 +3,8 @@ gRPC, no torch): fair shares, KV caps, preemption for High, bounded delay, the r
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -242,6 +244,26 @@ def test_high_preempts_the_lower_sequence_that_loses_the_least_work():
     h.step()
     assert high.output_ids, "High waited for a running slot"
     assert (long_low.preemptions, short_low.preemptions) == (0, 1)
+
+
+def test_a_plan_that_preempts_leaves_no_reference_cycle_behind():
+    # A plan's objects must go when the step ends, by reference counting alone: a cycle (say,
+    # the victim order holding its plan) keeps every plan of a busy pool alive until the garbage
+    # collector runs, and its runs then land inside planning as pauses of milliseconds.
+    h = Harness(num_blocks=4096, max_running=2, max_step_tokens=1024)
+    for _ in range(2):
+        h.submit(LOW, prompt_len=20, max_tokens=50)
+    h.step()
+    h.submit(HIGH, prompt_len=20, max_tokens=3)
+    gc.disable()
+    try:
+        builders = h.batcher.plan_step()
+        assert builders[0].victims is not None and h.batcher.preemptions == 1   # victims were sought
+        plan = weakref.ref(builders[0])
+        del builders
+        assert plan() is None, "the step plan outlived its step (a reference cycle)"
+    finally:
+        gc.enable()
 
 
 @given(st.lists(st.tuples(st.sampled_from([HIGH, MEDIUM, LOW]), st.integers(0, 4)), max_size=40))
