@@ -214,16 +214,16 @@ class ContinuousBatcher:
         if result.error:
             # The worker refused the plan: a bug on our side. Fail what it carried, keep serving.
             log.error("worker %s refused step %d: %s", link.address, result.step_id, result.error)
-            for request, _ in builder.scheduled:
+            for request in builder.scheduled_requests:
                 self._finish(request, ServiceError(ErrorKind.INTERNAL,
                                                    f"worker refused the step: {result.error}"))
             return
         if self.monitor is not None and link.pool is not None:
             self.monitor.observe(result.device.utilization, link.pool.num_free / link.pool.num_blocks)
-        for request, num_tokens in builder.scheduled:
+        for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
             if request.phase is Phase.RUNNING:
                 request.computed += num_tokens
-        by_seq = {r.seq_id: r for r, _ in builder.scheduled}
+        by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         for token in result.tokens:
             request = by_seq.get(token.seq_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from services.common.proto.qos.v1 import worker_pb2
@@ -14,6 +15,8 @@ from services.scheduler.step_clock import StepCost
 
 if TYPE_CHECKING:
     from services.scheduler.room import VictimOrder
+
+_COMPUTED, _SEQ_ID = attrgetter("computed"), attrgetter("seq_id")
 
 
 class StepBuilder:
@@ -31,9 +34,12 @@ class StepBuilder:
         self._others_served = False     # a lane under the time budget got something this step
         self.context = 0                # tokens the scheduled sequences attend to (finish(measure=True))
         self.admits = admits        # False: the worker drains, only its running sequences go on
-        self.scheduled: list[tuple[Request, int]] = []
+        # The requests scheduled and their token counts, side by side (not as pairs: a step is
+        # mostly decodes, added a slice at a time, and finish() reads each list whole).
+        self.scheduled_requests: list[Request] = []
+        self.scheduled_tokens: list[int] = []
         # The scheduled requests as a set, built only when asked (is_scheduled: a preemption looks
-        # for victims), from the first `_set_covers` entries of `scheduled`.
+        # for victims), from the first `_set_covers` entries of `scheduled_requests`.
         self._scheduled_set: set[Request] = set()
         self._set_covers = 0
         # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
@@ -49,11 +55,16 @@ class StepBuilder:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduled or self.plan.released_seq_ids)
+        return bool(self.scheduled_requests or self.plan.released_seq_ids)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(self.scheduled_tokens)
+
+    @property
+    def scheduled(self) -> list[tuple[Request, int]]:
+        """(request, tokens) for each sequence scheduled."""
+        return list(zip(self.scheduled_requests, self.scheduled_tokens))
 
     def note_victim(self, request: Request) -> None:
         if self.victim_floor is None or request.priority < self.victim_floor:
@@ -104,14 +115,16 @@ class StepBuilder:
         if request.new_blocks:
             self.plan.block_grants.add(seq_id=request.seq_id, block_ids=request.new_blocks)
             request.new_blocks = []
-        self.scheduled.append((request, num_tokens))
+        self.scheduled_requests.append(request)
+        self.scheduled_tokens.append(num_tokens)
         self.budget -= num_tokens
 
     def add_decodes(self, requests: list[Request], lane: int, lane_is_class: bool) -> int:
         """One token each for running sequences whose next token fits in the blocks they hold,
         all of one lane, none of them preempted; returns the tokens scheduled. Comprehensions
         and C-level updates: this is most of a step, kept free of a Python loop per sequence."""
-        self.scheduled.extend(zip(requests, repeat(1)))
+        self.scheduled_requests.extend(requests)
+        self.scheduled_tokens.extend(repeat(1, len(requests)))
         self.budget -= len(requests)
         if lane_is_class:
             self.served[lane] += len(requests)
@@ -135,9 +148,10 @@ class StepBuilder:
 
     def scheduled_set(self) -> set[Request]:
         """The requests scheduled so far (kept up to date as asked, not at every add)."""
-        if self._set_covers < len(self.scheduled):
-            self._scheduled_set.update([r for r, _ in self.scheduled[self._set_covers:]])
-            self._set_covers = len(self.scheduled)
+        scheduled = self.scheduled_requests
+        if self._set_covers < len(scheduled):
+            self._scheduled_set.update(scheduled[self._set_covers:])
+            self._set_covers = len(scheduled)
         return self._scheduled_set
 
     def is_scheduled(self, request: Request) -> bool:
@@ -145,8 +159,8 @@ class StepBuilder:
 
     def finish(self, released: list[int], measure: bool = False) -> worker_pb2.StepPlan:
         if measure:             # for the step clock: before the step, computed is what came before
-            self.context = sum([r.computed + n for r, n in self.scheduled])
+            self.context = sum(map(_COMPUTED, self.scheduled_requests)) + sum(self.scheduled_tokens)
         self.plan.released_seq_ids.extend(released)
-        self.plan.scheduled_seq_ids.extend([r.seq_id for r, _ in self.scheduled])
-        self.plan.scheduled_num_tokens.extend([n for _, n in self.scheduled])
+        self.plan.scheduled_seq_ids.extend(map(_SEQ_ID, self.scheduled_requests))
+        self.plan.scheduled_num_tokens.extend(self.scheduled_tokens)
         return self.plan

@@ -23,6 +23,8 @@ class TenantQueue:
     def __init__(self, fair: bool = True):
         self.fair = fair
         self._by_tenant: dict[str, deque[Request]] = {}
+        # Tenants with a request waiting, in the order they began to wait (a dict: ordered).
+        self._waiting: dict[str, None] = {}
         self._vtime: dict[str, float] = {}
         self._weight: dict[str, float] = {}    # each tenant's share, as its latest request says
         self._floor = 0.0       # with nobody waiting: the least virtual time of those served last
@@ -38,9 +40,10 @@ class TenantQueue:
         queue = self._by_tenant.get(key)
         if queue:
             return queue
-        waiting = [self._vtime[t] for t, q in self._by_tenant.items() if q]
-        floor = min(waiting) if waiting else self._floor
-        self._vtime[key] = max(self._vtime.get(key, 0.0), floor)
+        vtime = self._vtime
+        floor = min(map(vtime.__getitem__, self._waiting)) if self._waiting else self._floor
+        vtime[key] = max(vtime.get(key, 0.0), floor)
+        self._waiting[key] = None
         return self._by_tenant.setdefault(key, deque())
 
     def append(self, request: Request) -> None:
@@ -55,16 +58,19 @@ class TenantQueue:
         self._size += 1
 
     def remove(self, request: Request) -> None:
-        self._by_tenant[self._key(request)].remove(request)
+        key = self._key(request)
+        queue = self._by_tenant[key]
+        queue.remove(request)
+        if not queue:
+            del self._waiting[key]
         self._size -= 1
 
     def peek(self) -> Request | None:
-        """The request to admit next: the oldest of the tenant with the smallest virtual time."""
-        best = None
-        for key, queue in self._by_tenant.items():
-            if queue and (best is None or self._vtime[key] < self._vtime[best]):
-                best = key
-        return None if best is None else self._by_tenant[best][0]
+        """The request to admit next: the oldest of the tenant with the smallest virtual time (of
+        equal ones, the tenant waiting longest)."""
+        if not self._waiting:
+            return None
+        return self._by_tenant[min(self._waiting, key=self._vtime.__getitem__)][0]
 
     def charge(self, tokens_by_tenant: dict[str, int]) -> None:
         """Tokens were served to requests of these tenants (waiting or running)."""
