@@ -16,7 +16,7 @@ from services.scheduler.step_clock import StepCost
 if TYPE_CHECKING:
     from services.scheduler.room import VictimOrder
 
-_COMPUTED, _SEQ_ID = attrgetter("computed"), attrgetter("seq_id")
+_COMPUTED, _SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("computed", "seq_id", "priority", "tenant"))
 
 
 class StepBuilder:
@@ -121,16 +121,16 @@ class StepBuilder:
 
     def add_decodes(self, requests: list[Request], lane: int, lane_is_class: bool) -> int:
         """One token each for running sequences whose next token fits in the blocks they hold,
-        all of one lane, none of them preempted; returns the tokens scheduled. Comprehensions
-        and C-level updates: this is most of a step, kept free of a Python loop per sequence."""
+        all of one lane, none of them preempted; returns the tokens scheduled. C-level maps and
+        updates only: this is most of a step, kept free of a Python loop per sequence."""
         self.scheduled_requests.extend(requests)
         self.scheduled_tokens.extend(repeat(1, len(requests)))
         self.budget -= len(requests)
         if lane_is_class:
             self.served[lane] += len(requests)
         else:
-            self.served.update([r.priority for r in requests])
-        self.uncharged.setdefault(lane, Counter()).update([r.tenant for r in requests])
+            self.served.update(map(_PRIORITY, requests))
+        self.uncharged.setdefault(lane, Counter()).update(map(_TENANT, requests))
         return len(requests)
 
     def note_served(self, request: Request, tokens: int, lane: int) -> None:
