@@ -30,7 +30,7 @@ from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
 
 log = logging.getLogger(__name__)
-_PRIORITY = attrgetter("priority")
+_PRIORITY, _SEQ_ID = attrgetter("priority"), attrgetter("seq_id")
 
 
 class Worker(Protocol):
@@ -166,14 +166,15 @@ class StepPlanner:
         for priority, count in by_class.items():
             if pool.held(priority) + count > self.room.cap(pool, priority):
                 return False
-        grants = builder.plan.block_grants
+        block_size = pool.block_size
         for priority, count in by_class.items():
-            blocks = iter(pool.allocate(priority, count))
-            for request in decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]:
-                block = next(blocks)
+            takers = decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]
+            blocks = pool.allocate(priority, count)
+            for request, block in zip(takers, blocks):
                 request.blocks.append(block)
-                request.capacity += pool.block_size
-                grants.add(seq_id=request.seq_id, block_ids=(block,))
+                request.capacity += block_size
+            builder.granted_seq_ids.extend(map(_SEQ_ID, takers))
+            builder.granted_block_ids.extend(blocks)
         return True
 
     def _schedule_each(self, worker: Worker, builder: StepBuilder, requests: list[Request], lane: int) -> int:

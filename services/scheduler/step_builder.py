@@ -38,6 +38,9 @@ class StepBuilder:
         # mostly decodes, added a slice at a time, and finish() reads each list whole).
         self.scheduled_requests: list[Request] = []
         self.scheduled_tokens: list[int] = []
+        # Blocks granted, one entry per block (StepPlan.granted_seq_ids / granted_block_ids).
+        self.granted_seq_ids: list[int] = []
+        self.granted_block_ids: list[int] = []
         # The scheduled requests as a set, built only when asked (is_scheduled: a preemption looks
         # for victims), from the first `_set_covers` entries of `scheduled_requests`.
         self._scheduled_set: set[Request] = set()
@@ -111,9 +114,14 @@ class StepBuilder:
             cost.charge(num_tokens, request.computed + num_tokens)
         return num_tokens
 
+    def grant(self, request: Request, blocks: list[int]) -> None:
+        """Blocks for the request's block table on the worker (sent in finish())."""
+        self.granted_seq_ids.extend(repeat(request.seq_id, len(blocks)))
+        self.granted_block_ids.extend(blocks)
+
     def add(self, request: Request, num_tokens: int) -> None:
         if request.new_blocks:
-            self.plan.block_grants.add(seq_id=request.seq_id, block_ids=request.new_blocks)
+            self.grant(request, request.new_blocks)
             request.new_blocks = []
         self.scheduled_requests.append(request)
         self.scheduled_tokens.append(num_tokens)
@@ -163,4 +171,6 @@ class StepBuilder:
         self.plan.released_seq_ids.extend(released)
         self.plan.scheduled_seq_ids.extend(map(_SEQ_ID, self.scheduled_requests))
         self.plan.scheduled_num_tokens.extend(self.scheduled_tokens)
+        self.plan.granted_seq_ids.extend(self.granted_seq_ids)
+        self.plan.granted_block_ids.extend(self.granted_block_ids)
         return self.plan

@@ -51,8 +51,9 @@ class SequenceTable:
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
                 sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
                 traceparent=new.traceparent, lora=new.lora)
-        for grant in plan.block_grants:
-            self.sequences[grant.seq_id].block_table.extend(grant.block_ids)
+        sequences = self.sequences
+        for seq_id, block_id in zip(plan.granted_seq_ids, plan.granted_block_ids):
+            sequences[seq_id].block_table.append(block_id)
         work = []
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
             seq = self.sequences[seq_id]
@@ -78,9 +79,11 @@ class SequenceTable:
             raise PlanError("scheduled_seq_ids and scheduled_num_tokens differ in length")
         if len(set(plan.scheduled_seq_ids)) != len(plan.scheduled_seq_ids):
             raise PlanError("a sequence is scheduled twice in one step")
-        for grant in plan.block_grants:
-            if grant.seq_id not in known:
-                raise PlanError(f"blocks granted to sequence {grant.seq_id}, unknown to this worker")
+        if len(plan.granted_seq_ids) != len(plan.granted_block_ids):
+            raise PlanError("granted_seq_ids and granted_block_ids differ in length")
+        for seq_id in set(plan.granted_seq_ids):
+            if seq_id not in known:
+                raise PlanError(f"blocks granted to sequence {seq_id}, unknown to this worker")
         lengths = {n.seq_id: len(n.prompt_token_ids) for n in plan.new_sequences}
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
             if seq_id not in known:

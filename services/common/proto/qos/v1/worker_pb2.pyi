@@ -129,29 +129,23 @@ class NewSequence(_message.Message):
     lora: str
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
-class BlockGrant(_message.Message):
-    __slots__ = ("seq_id", "block_ids")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "block_grants", "released_seq_ids")
+    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_GRANTS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRANTED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     scheduled_num_tokens: _containers.RepeatedScalarFieldContainer[int]
-    block_grants: _containers.RepeatedCompositeFieldContainer[BlockGrant]
+    granted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    granted_block_ids: _containers.RepeatedScalarFieldContainer[int]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., block_grants: _Optional[_Iterable[_Union[BlockGrant, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob", "finish_reason")
