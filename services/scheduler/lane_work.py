@@ -7,9 +7,9 @@ allocation, no preemption, nothing new to tell the worker); `boundary` the decod
 token starts a new block (with 16-token blocks, about one decode in 16 each step). The planner
 takes both in slices, ready ones first, without a Python loop per sequence: a step is mostly
 them. `others` holds the rest: sequences with prompt (or recompute) tokens left, and any decode
-the worker has not been told of yet. Decodes a short step left out (`first`, step_clock.py) go first the next
-step: ready ones at the head of `ready`, boundary ones in `overdue`, which the planner serves
-before the lane's ready decodes.
+the worker has not been told of yet. Decodes a short step left out (`first`, step_clock.py) go
+first the next step: ready ones at the head of `ready`, boundary ones in `overdue`, which the
+planner serves before the lane's ready decodes.
 """
 from __future__ import annotations
 
