@@ -30,7 +30,7 @@ from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
 
 log = logging.getLogger(__name__)
-_PRIORITY, _SEQ_ID = attrgetter("priority"), attrgetter("seq_id")
+_PRIORITY = attrgetter("priority")
 
 
 class Worker(Protocol):
@@ -171,10 +171,8 @@ class StepPlanner:
             takers = decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]
             blocks = pool.allocate(priority, count)
             for request, block in zip(takers, blocks):
-                request.blocks.append(block)
-                request.capacity += block_size
-            builder.granted_seq_ids.extend(map(_SEQ_ID, takers))
-            builder.granted_block_ids.extend(blocks)
+                request.add_blocks((block,), block_size)
+            builder.grant_each(takers, blocks)
         return True
 
     def _schedule_each(self, worker: Worker, builder: StepBuilder, requests: list[Request], lane: int) -> int:
@@ -260,8 +258,7 @@ class StepPlanner:
             need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0:
             blocks = pool.allocate(request.priority, need)
-            request.blocks.extend(blocks)
-            request.capacity = len(request.blocks) * pool.block_size
+            request.add_blocks(blocks, pool.block_size)
             request.new_blocks.extend(blocks)
         if not request.announced:
             builder.plan.new_sequences.append(worker_pb2.NewSequence(

@@ -65,6 +65,11 @@ class Request:
         self.output_ids.append(token_id)
         self.num_tokens += 1
 
+    def add_blocks(self, blocks: list[int] | tuple[int, ...], block_size: int) -> None:
+        """KV blocks granted to it, `capacity` kept in step."""
+        self.blocks.extend(blocks)
+        self.capacity = len(self.blocks) * block_size
+
     def set_output(self, token_ids: list[int]) -> None:
         """Output so far, as another pool streamed it (a resumed request)."""
         self.output_ids = token_ids

@@ -119,6 +119,11 @@ class StepBuilder:
         self.granted_seq_ids.extend(repeat(request.seq_id, len(blocks)))
         self.granted_block_ids.extend(blocks)
 
+    def grant_each(self, requests: list[Request], blocks: list[int]) -> None:
+        """One block each: blocks[i] for requests[i] (C-level, for a slice of decodes)."""
+        self.granted_seq_ids.extend(map(_SEQ_ID, requests))
+        self.granted_block_ids.extend(blocks)
+
     def add(self, request: Request, num_tokens: int) -> None:
         if request.new_blocks:
             self.grant(request, request.new_blocks)
