@@ -129,11 +129,12 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> float:
     return quantile([o.ttft_ms for o in outcomes if o.ok], 0.5)
 
 
-# QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq and
-# qos-exclusive: another high_first_token mode; qos-short: steps kept to --high-step-ms while
-# High is around), each its own cluster and column.
+# QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
+# qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
+# --high-step-ms while High is around), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
+            "alone": {"high_first_token": "alone"},
             "short": {}}
 
 
@@ -208,7 +209,7 @@ def parse_args():
                         help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive, qos-short (one column each)")
+                             "qos-exclusive, qos-alone, qos-short (one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--high-step-ms", type=float, default=30.0,

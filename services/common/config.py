@@ -30,7 +30,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
-FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive")   # SchedulerConfig.high_first_token
+FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive", "alone")   # SchedulerConfig.high_first_token
 ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 

@@ -88,11 +88,17 @@ class StepPlanner:
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
-            # which keeps the step, and so that first token, short.
-            served = self._serve(worker, builder, work, first, math.inf, active)
-            if served and policy.first_token_exclusive:
-                builder.decodes_only_after = first
-            active.discard(first)
+            # which keeps the step, and so that first token, short. In "alone" mode the step
+            # carries nothing but first-token work, not even the class's own decodes, when that
+            # work fits in one step (a longer prompt would stall the class's streams for steps).
+            if policy.first_token_alone and self._first_tokens_fit(work, first, builder.budget) \
+                    and self._serve_first_tokens(worker, builder, work, first):
+                active.clear()
+            else:
+                served = self._serve(worker, builder, work, first, math.inf, active)
+                if served and policy.first_token_exclusive:
+                    builder.decodes_only_after = first
+                active.discard(first)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
             self._serve(worker, builder, work, lane, allowance, active)
@@ -148,6 +154,45 @@ class StepPlanner:
             if request is None:
                 active.discard(lane)
                 break
+            tokens = self._schedule(worker, builder, request)
+            taken += tokens
+            builder.note_served(request, tokens, lane)
+        if taken:
+            self.policy.charge(lane, taken)
+        return taken
+
+    def _first_tokens_fit(self, work: LaneWork, lane: int, budget: int) -> bool:
+        """The lane's work toward first tokens (prompt left of its running sequences that have
+        none yet, and its queued prompts) fits in `budget` tokens."""
+        tokens = 0
+        for request in (*work.ready[lane], *work.boundary[lane], *work.others[lane], *self.policy.queue(lane)):
+            if request.first_token_at is None:
+                tokens += request.pending
+                if tokens > budget:
+                    return False
+        return True
+
+    def _serve_first_tokens(self, worker: Worker, builder: StepBuilder, work: LaneWork, lane: int) -> int:
+        """The lane's turn in "alone" mode: only its sequences still waiting for their first token
+        (prefill under way, oldest first), then its admissions; returns the tokens it took.
+
+        Its decodes wait for the next step: on a busy pool each running sequence costs a step
+        about as much as a short prompt (the logits and sampling over the vocabulary alone), so a
+        step without them is about as short as an idle pool's."""
+        taken = 0
+        waiting = [r for r in (*work.ready[lane], *work.boundary[lane], *work.others[lane])
+                   if r.first_token_at is None]
+        for request in waiting:
+            if builder.budget <= 0:
+                break
+            if request.phase is Phase.RUNNING:      # not preempted a moment ago to make room
+                tokens = self._schedule(worker, builder, request)
+                taken += tokens
+                builder.note_served(request, tokens, lane)
+        if builder.budget > 0:
+            builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
+        admissions: deque[Request] = deque()            # no running sequence: the queue's heads only
+        while builder.budget > 0 and (request := self._next_item(worker, builder, admissions, lane)) is not None:
             tokens = self._schedule(worker, builder, request)
             taken += tokens
             builder.note_served(request, tokens, lane)

@@ -29,9 +29,11 @@ class QoSSettings:
     kv_caps: dict[int, float] = field(default_factory=lambda: {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3})
     tenant_fairness: bool = True      # inside a class, tenants share by weight (tenant_queue.py)
     # A High request waiting for its first token: "wfq" (it waits for High's turn like any other
-    # work), "ahead" (High's work goes first that step) or "exclusive" (first, and the other
-    # classes only decode that step, so it is short). The tokens are charged to High's virtual
-    # time either way, so the others get them back over the following steps.
+    # work), "ahead" (High's work goes first that step), "exclusive" (first, and the other
+    # classes only decode that step, so it is short) or "alone" (that step carries only the work
+    # of requests waiting for a first token, not even High's decodes: shortest). The tokens are
+    # charged to High's virtual time either way, so the others get them back over the following
+    # steps.
     high_first_token: str = "exclusive"
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
@@ -131,6 +133,7 @@ class SchedulingPolicy(ABC):
         return None
 
     first_token_exclusive = False     # ... and the other lanes only decode in that step
+    first_token_alone = False         # ... or that step carries first-token work alone
     high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
 
     def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
@@ -299,6 +302,10 @@ class QoSPolicy(SchedulingPolicy):
     @property
     def first_token_exclusive(self) -> bool:
         return self.settings.high_first_token == "exclusive"
+
+    @property
+    def first_token_alone(self) -> bool:
+        return self.settings.high_first_token == "alone"
 
     @property
     def high_step_ms(self) -> float:

@@ -354,13 +354,14 @@ def test_a_long_high_prompt_goes_ahead_for_all_of_it_while_high_is_under_its_sha
     assert steps(QoSPolicy.AHEAD_LIMIT_TOKENS) >= 11
 
 
-def test_shares_stay_5_3_2_over_every_window_while_long_high_prompts_go_ahead():
+@pytest.mark.parametrize("mode", ["exclusive", "alone"])
+def test_shares_stay_5_3_2_over_every_window_while_long_high_prompts_go_ahead(mode):
     # Every class saturated: Medium and Low decode more sequences (80) than their share of a
     # 128-token step; High's 40 decodes plus a 1,000-token prompt every 25 steps (~80 tokens a
     # step) exceed its 64. Each long prompt goes ahead for its first token. Over every window of
     # 100 steps (12,800 tokens, ~10 s of this machine's steps) the shares stay within 5% of 5:3:2:
     # what High takes ahead it pays back within the window.
-    h = Harness(num_blocks=200_000, max_step_tokens=128, high_first_token="exclusive")
+    h = Harness(num_blocks=200_000, max_step_tokens=128, high_first_token=mode)
     for p, sequences in ((HIGH, 40), (MEDIUM, 80), (LOW, 80)):
         for _ in range(sequences):
             h.submit(p, prompt_len=100, max_tokens=3000)
@@ -395,6 +396,56 @@ def test_exclusive_mode_keeps_other_classes_to_decodes_in_a_first_token_step():
     # Low only decoded: prompts in progress did not advance in the step that served High's prompt.
     for request, before in zip(lows, low_computed):
         assert request.computed - before <= 1
+
+
+def test_alone_mode_serves_a_first_token_step_with_nothing_else_then_everyone_next():
+    h = Harness(max_step_tokens=64, high_first_token="alone")
+    lows = [h.submit(LOW, prompt_len=20, max_tokens=500) for _ in range(3)]
+    streaming = h.submit(HIGH, prompt_len=20, max_tokens=500)
+    for _ in range(3):
+        h.step()
+    assert all(r.output_ids for r in lows + [streaming]), "all four are decoding"
+    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
+    plans = h.step()
+    # Only the new prompt: neither Low's decodes nor High's own streaming one are in this step.
+    assert [(r.seq_id, tokens) for r, tokens in plans[0].scheduled] == [(high.seq_id, 20)]
+    assert high.output_ids
+    plans = h.step()
+    assert {r.seq_id for r, _ in plans[0].scheduled} == {r.seq_id for r in lows + [streaming, high]}
+
+
+def test_alone_mode_finishes_a_prompt_whose_last_token_is_left_for_a_decode_step():
+    # 65 prompt tokens at 64 a step: the last one is computed as a decode would be (one token),
+    # and that sequence still waits for its first token, so the next first-token step takes it.
+    h = Harness(max_step_tokens=64, high_first_token="alone")
+    for _ in range(4):
+        h.submit(LOW, prompt_len=200, max_tokens=500)
+    for _ in range(5):
+        h.step()
+    high = h.submit(HIGH, prompt_len=65, max_tokens=3)
+    h.step()
+    assert high.pending == 1 and not high.output_ids
+    plans = h.step()
+    assert [(r.seq_id, tokens) for r, tokens in plans[0].scheduled] == [(high.seq_id, 1)]
+    assert high.output_ids
+
+
+def test_alone_mode_takes_a_long_prompt_ahead_as_exclusive_does_without_stalling_high_streams():
+    alone, _, _ = steps_to_first_token("alone", 1000, 128)
+    exclusive, _, _ = steps_to_first_token("exclusive", 1000, 128)
+    assert alone == exclusive == 8, (alone, exclusive)
+    # A prompt longer than a step is not served alone: High's streams decode in every step of it
+    # but the last (its last chunk fits in one step, which then carries it alone).
+    h = Harness(max_step_tokens=128, high_first_token="alone")
+    streaming = h.submit(HIGH, prompt_len=20, max_tokens=500)
+    h.step()
+    long_prompt = h.submit(HIGH, prompt_len=1000, max_tokens=3)
+    decoded = []
+    while not long_prompt.output_ids:
+        before = len(streaming.output_ids)
+        h.step()
+        decoded.append(len(streaming.output_ids) - before)
+    assert decoded == [1] * 7 + [0], decoded    # 7 x 127 prompt tokens beside a decode, then 111 alone
 
 
 def low_peak_alone(mode: str) -> tuple[int, Harness]:
