@@ -34,7 +34,7 @@ class QoSSettings:
     # of requests waiting for a first token, not even High's decodes: shortest). The tokens are
     # charged to High's virtual time either way, so the others get them back over the following
     # steps.
-    high_first_token: str = "exclusive"
+    high_first_token: str = "alone"
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
@@ -133,7 +133,7 @@ class SchedulingPolicy(ABC):
         return None
 
     first_token_exclusive = False     # ... and the other lanes only decode in that step
-    first_token_alone = False         # ... or that step carries first-token work alone
+    first_token_alone = False         # ... or that step carries first-token work alone (when it fits)
     high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
 
     def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
@@ -301,7 +301,8 @@ class QoSPolicy(SchedulingPolicy):
 
     @property
     def first_token_exclusive(self) -> bool:
-        return self.settings.high_first_token == "exclusive"
+        # "alone" is "exclusive" for a first-token turn too long to go alone
+        return self.settings.high_first_token in ("exclusive", "alone")
 
     @property
     def first_token_alone(self) -> bool:

@@ -383,16 +383,18 @@ def test_shares_stay_5_3_2_over_every_window_while_long_high_prompts_go_ahead(mo
     assert sum(1 for r in long_prompts if r.output_ids) >= 14, len(long_prompts)
 
 
-def test_exclusive_mode_keeps_other_classes_to_decodes_in_a_first_token_step():
-    h = Harness(max_step_tokens=64, high_first_token="exclusive")
+@pytest.mark.parametrize("mode, prompt_len", [("exclusive", 20), ("alone", 100)])
+def test_exclusive_mode_keeps_other_classes_to_decodes_in_a_first_token_step(mode, prompt_len):
+    # "alone" with a prompt longer than the step: it goes ahead as "exclusive" does.
+    h = Harness(max_step_tokens=64, high_first_token=mode)
     lows = [h.submit(LOW, prompt_len=200, max_tokens=500) for _ in range(2)]
     h.step()
     h.step()
     low_computed = [r.computed for r in lows]
     assert any(r.pending > 1 for r in lows), "a Low prompt still has prefill left"
-    high = h.submit(HIGH, prompt_len=20, max_tokens=3)
-    h.step()
-    assert high.output_ids
+    high = h.submit(HIGH, prompt_len=prompt_len, max_tokens=3)
+    while not high.output_ids:
+        h.step()
     # Low only decoded: prompts in progress did not advance in the step that served High's prompt.
     for request, before in zip(lows, low_computed):
         assert request.computed - before <= 1
