@@ -11,6 +11,29 @@ import torch
 from services.common.step import SamplingParams
 
 _MASK_64 = (1 << 63) - 1
+ARGMAX_CHUNK = 128        # columns per chunk of argmax_rows' first pass
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1) of a [B, V] tensor, the same indices (the first of equal maxima).
+
+    On CPU, torch's argmax over a row is ~10x slower than its max reduction (measured on this
+    project's machine: 2.2 ms against 0.25 ms for 20 rows of a 49,152-token vocabulary, a tenth of
+    a small model's decode step), so: the max of each 128-column chunk, the argmax of those, then
+    the argmax inside the winning chunk, and a look at the last V % 128 columns."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 4 * ARGMAX_CHUNK:
+        return logits.argmax(dim=-1)
+    body = vocab - vocab % ARGMAX_CHUNK
+    chunks = logits[:, :body].unflatten(1, (-1, ARGMAX_CHUNK))
+    best = chunks.amax(dim=-1).argmax(dim=-1)
+    chosen = best * ARGMAX_CHUNK + chunks[torch.arange(rows), best].argmax(dim=-1)
+    if body < vocab:
+        tail_max, tail_index = logits[:, body:].max(dim=-1)
+        # Strictly greater: among equal maxima the earlier column wins, as in argmax.
+        later = tail_max > logits.gather(1, chosen.unsqueeze(1)).squeeze(1)
+        chosen = torch.where(later, tail_index + body, chosen)
+    return chosen
 
 
 def seed_for_token(seed: int, output_index: int) -> int:
@@ -39,7 +62,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            generator: torch.Generator) -> tuple[list[int], list[float]]:
     """Pick one token per row of logits [B, V] (float32). Returns (token ids, logprobs)."""
-    chosen = logits.argmax(dim=-1)
+    chosen = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
@@ -61,6 +84,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
                 noise[row].exponential_(generator=own)
         chosen[rows] = (probs / noise).argmax(dim=-1)
     token_ids = chosen.tolist()
-    # log p(token) = logit - logsumexp(logits): a reduction, no [B, V] log-softmax to write out.
-    logprobs = (logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - logits.logsumexp(dim=-1)).tolist()
+    # One fused log-softmax kernel: on CPU faster than logsumexp's four (measured: 1.5 against
+    # 1.9 ms for 20 rows of 49,152), though it writes out [B, V].
+    logprobs = logits.log_softmax(dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
     return token_ids, logprobs

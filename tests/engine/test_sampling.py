@@ -9,7 +9,7 @@ import torch
 
 from services.common.step import SamplingParams
 from services.engine.batch_runner import BatchRunner, GenerationRequest
-from services.engine.sampler import sample
+from services.engine.sampler import argmax_rows, sample
 from tests.tiny_models import make_engine
 
 SEEDED = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=24,
@@ -75,3 +75,18 @@ def test_logprob_is_under_the_unmodified_distribution():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3))
     tokens, logprobs = sample(logits, [SamplingParams(temperature=0.0)], [0], torch.Generator())
     assert logprobs[0] == pytest.approx(logits.log_softmax(-1)[0, tokens[0]].item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [49152, 32000, 151936, 50257, 1000, 300])
+def test_argmax_rows_picks_what_argmax_picks(vocab):
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(7, vocab, generator=generator)
+    # Ties, first occurrence wins: in one chunk, across chunks, and between the body and the tail.
+    logits[1, 5] = logits[1, 9] = 100.0
+    logits[2, 3] = logits[2, vocab // 2] = 100.0
+    logits[3, vocab - 1] = logits[3, 0] = 100.0
+    logits[4, vocab - 1] = 100.0                     # the maximum in the last (partial) chunk
+    logits[5] = 0.0                                  # all equal
+    logits[6, :] = -torch.inf
+    logits[6, vocab - 2] = 1.0
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
