@@ -88,9 +88,9 @@ class StepPlanner:
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
-            # which keeps the step, and so that first token, short. In "alone" mode (default) the step
-            # carries nothing but first-token work, not even the class's own decodes, when that
-            # work fits in one step (a longer prompt would stall the class's streams for steps).
+            # which keeps the step, and so that first token, short. In "alone" mode (the default)
+            # the step carries nothing but first-token work, not even the class's own decodes, when
+            # that work fits in one step (a longer prompt would stall the class's streams for steps).
             if policy.first_token_alone and self._first_tokens_fit(work, first, builder.budget) \
                     and self._serve_first_tokens(worker, builder, work, first):
                 active.clear()
@@ -150,13 +150,11 @@ class StepPlanner:
                 continue
             if not others:
                 builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
-            request = self._next_item(worker, builder, others, lane)
-            if request is None:
+            tokens = self._serve_next_item(worker, builder, others, lane)
+            if tokens is None:
                 active.discard(lane)
                 break
-            tokens = self._schedule(worker, builder, request)
             taken += tokens
-            builder.note_served(request, tokens, lane)
         if taken:
             self.policy.charge(lane, taken)
         return taken
@@ -179,23 +177,15 @@ class StepPlanner:
         Its decodes wait for the next step: on a busy pool each running sequence costs a step
         about as much as a short prompt (the logits and sampling over the vocabulary alone), so a
         step without them is about as short as an idle pool's."""
-        taken = 0
+        # All of it fits in the budget (_first_tokens_fit), unless blocks run short.
         waiting = [r for r in (*work.ready[lane], *work.boundary[lane], *work.others[lane])
                    if r.first_token_at is None]
-        for request in waiting:
-            if builder.budget <= 0:
-                break
-            if request.phase is Phase.RUNNING:      # not preempted a moment ago to make room
-                tokens = self._schedule(worker, builder, request)
-                taken += tokens
-                builder.note_served(request, tokens, lane)
+        taken = self._schedule_each(worker, builder, waiting, lane)
         if builder.budget > 0:
             builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
         admissions: deque[Request] = deque()            # no running sequence: the queue's heads only
-        while builder.budget > 0 and (request := self._next_item(worker, builder, admissions, lane)) is not None:
-            tokens = self._schedule(worker, builder, request)
+        while builder.budget > 0 and (tokens := self._serve_next_item(worker, builder, admissions, lane)) is not None:
             taken += tokens
-            builder.note_served(request, tokens, lane)
         if taken:
             self.policy.charge(lane, taken)
         return taken
@@ -229,6 +219,16 @@ class StepPlanner:
                 taken += tokens
                 builder.note_served(request, tokens, lane)
         return taken
+
+    def _serve_next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
+                         lane: int) -> int | None:
+        """Schedule the lane's next item (_next_item); the tokens it got, or None when there is none."""
+        request = self._next_item(worker, builder, running_in_lane, lane)
+        if request is None:
+            return None
+        tokens = self._schedule(worker, builder, request)
+        builder.note_served(request, tokens, lane)
+        return tokens
 
     def _next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
                    lane: int) -> Request | None:
