@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from itertools import chain
 from operator import attrgetter
 from typing import Protocol
 
@@ -163,7 +164,8 @@ class StepPlanner:
         """The lane's work toward first tokens (prompt left of its running sequences that have
         none yet, and its queued prompts) fits in `budget` tokens."""
         tokens = 0
-        for request in (*work.ready[lane], *work.boundary[lane], *work.others[lane], *self.policy.queue(lane)):
+        # Prompts in progress and queued ones first: when they do not fit, that shows soonest.
+        for request in chain(work.others[lane], self.policy.queue(lane), work.boundary[lane], work.ready[lane]):
             if request.first_token_at is None:
                 tokens += request.pending
                 if tokens > budget:
