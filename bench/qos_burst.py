@@ -205,7 +205,7 @@ def parse_args():
     parser.add_argument("--max-step-tokens", type=int, default=128,
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default="alone",
+    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default="exclusive",
                         help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "

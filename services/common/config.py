@@ -89,7 +89,7 @@ class SchedulerConfig(ServiceConfig):
     # qos: a High request waiting for its first token goes ahead of the fair-queueing order
     # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), with nothing
     # else in that step when its prompt fits ("alone"), or not ("wfq")
-    high_first_token: str = "alone"
+    high_first_token: str = "exclusive"
     # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
     # other class waits, and takes them back by preemption when a higher class needs them
     kv_cap_mode: str = "strict"

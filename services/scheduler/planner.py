@@ -89,7 +89,7 @@ class StepPlanner:
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
-            # which keeps the step, and so that first token, short. In "alone" mode (the default)
+            # which keeps the step, and so that first token, short. In "alone" mode
             # the step carries nothing but first-token work, not even the class's own decodes, when
             # that work fits in one step (a longer prompt would stall the class's streams for steps).
             if policy.first_token_alone and self._first_tokens_fit(work, first, builder.budget) \
