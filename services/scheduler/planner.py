@@ -92,8 +92,8 @@ class StepPlanner:
             # which keeps the step, and so that first token, short. In "alone" mode
             # the step carries nothing but first-token work, not even the class's own decodes, when
             # that work fits in one step (a longer prompt would stall the class's streams for steps).
-            if policy.first_token_alone and self._first_tokens_fit(work, first, builder.budget) \
-                    and self._serve_first_tokens(worker, builder, work, first):
+            waiting = self._first_token_work(work, first, builder.budget) if policy.first_token_alone else None
+            if waiting is not None and self._serve_first_tokens(worker, builder, waiting, first):
                 active.clear()
             else:
                 served = self._serve(worker, builder, work, first, math.inf, active)
@@ -160,28 +160,27 @@ class StepPlanner:
             self.policy.charge(lane, taken)
         return taken
 
-    def _first_tokens_fit(self, work: LaneWork, lane: int, budget: int) -> bool:
-        """The lane's work toward first tokens (prompt left of its running sequences that have
-        none yet, and its queued prompts) fits in `budget` tokens."""
-        tokens = 0
-        # Prompts in progress and queued ones first: when they do not fit, that shows soonest.
-        for request in chain(work.others[lane], self.policy.queue(lane), work.boundary[lane], work.ready[lane]):
+    def _first_token_work(self, work: LaneWork, lane: int, budget: int) -> list[Request] | None:
+        """The lane's running sequences still waiting for their first token, when their prompt
+        left and the lane's queued prompts fit in `budget` tokens together; else None."""
+        waiting = [r for r in chain(work.ready[lane], work.boundary[lane], work.others[lane])
+                   if r.first_token_at is None]
+        tokens = sum(r.pending for r in waiting)
+        for request in self.policy.queue(lane):
+            if tokens > budget:
+                break
             if request.first_token_at is None:
                 tokens += request.pending
-                if tokens > budget:
-                    return False
-        return True
+        return waiting if tokens <= budget else None
 
-    def _serve_first_tokens(self, worker: Worker, builder: StepBuilder, work: LaneWork, lane: int) -> int:
+    def _serve_first_tokens(self, worker: Worker, builder: StepBuilder, waiting: list[Request], lane: int) -> int:
         """The lane's turn in "alone" mode: only its sequences still waiting for their first token
-        (prefill under way, oldest first), then its admissions; returns the tokens it took.
+        (`waiting`, from _first_token_work: all of it fits, unless blocks run short), then its
+        admissions; returns the tokens it took.
 
         Its decodes wait for the next step: on a busy pool each running sequence costs a step
         about as much as a short prompt (the logits and sampling over the vocabulary alone), so a
         step without them is about as short as an idle pool's."""
-        # All of it fits in the budget (_first_tokens_fit), unless blocks run short.
-        waiting = [r for r in (*work.ready[lane], *work.boundary[lane], *work.others[lane])
-                   if r.first_token_at is None]
         taken = self._schedule_each(worker, builder, waiting, lane)
         if builder.budget > 0:
             builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
