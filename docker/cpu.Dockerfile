@@ -8,6 +8,11 @@ ENV PYTHONUNBUFFERED=1 \
     QOS_SERVE_CACHE=/opt/qos-serve/cache \
     HF_HUB_OFFLINE=1
 
+# gcc: the CPU worker's paged decode attention kernel is compiled at build time (docker/install.sh).
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/qos-serve/src
 # Dependencies first: this layer is rebuilt only when the pins change.
 COPY requirements.txt ./

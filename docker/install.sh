@@ -26,6 +26,9 @@ app)
     pip_install -c requirements.txt ".${2:+[$2]}"
     # Converted at build time: containers never download or convert anything.
     python -m services.engine.default_model
+    # The CPU decode kernel, compiled now where the image has a C compiler (the CPU image does);
+    # without one, CPU workers use torch's gather + SDPA and say so in their log.
+    if command -v cc >/dev/null 2>&1; then python -m services.engine.paged_attention; fi
     useradd --create-home --uid 10001 --user-group qos
     ;;
 *)

@@ -33,6 +33,7 @@ POLICIES = ("qos", "fcfs")
 FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive", "alone")   # SchedulerConfig.high_first_token
 ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
+DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
 
 
 class ConfigError(ValueError):
@@ -121,6 +122,9 @@ class WorkerConfig(ServiceConfig):
     block_size: int = 16
     max_loras: int = 4                # LoRA adapters on the device at once (and among its running sequences)
     max_cpu_loras: int = 16           # adapters loaded in host memory; past it the least recently used idle one goes
+    # "auto": CPU fp32 workers attend decodes with the paged C kernel where it builds; "kernel":
+    # that or refuse to start; "torch": gather + SDPA (services/engine/paged_attention.py).
+    decode_attention: str = "auto"
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An

@@ -8,9 +8,11 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES, ROUTING_MODES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
-                                    ClusterConfig, ConfigError, PoolConfig, RouterConfig, SchedulerConfig,
-                                    ServiceConfig, SlaConfig, StoreConfig, WorkerConfig, default_slas)
+from services.common.config import (DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES,
+                                    ROUTING_MODES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig,
+                                    BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
+                                    SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
+                                    default_slas)
 
 
 def _section(cls, raw: dict, where: str):
@@ -113,6 +115,9 @@ def _parse_pool(raw: dict, where: str) -> PoolConfig:
         if len(pool.adapters) > w.max_cpu_loras:
             raise ConfigError(f"{where}.workers[{i}].max_cpu_loras is {w.max_cpu_loras} but the pool lists "
                               f"{len(pool.adapters)} adapters")
+        if w.decode_attention not in DECODE_ATTENTION:
+            raise ConfigError(f"{where}.workers[{i}].decode_attention must be one of "
+                              f"{', '.join(DECODE_ATTENTION)}, got {w.decode_attention!r}")
         if w.kv_cache_mb is not None and (not isinstance(w.kv_cache_mb, int) or w.kv_cache_mb <= 0):
             raise ConfigError(f"{where}.workers[{i}].kv_cache_mb must be a positive integer (MiB)")
         if w.kv_cache_fraction is not None and (not isinstance(w.kv_cache_fraction, (int, float))

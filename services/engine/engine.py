@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.config import DECODE_ATTENTION
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
-from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder
+from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder, PagedDecodes
+from services.engine.paged_attention import DecodeKernel, load_decode_kernel
 from services.engine.sampler import sample
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.engine.weights import load_safetensors
@@ -73,6 +75,9 @@ class EngineConfig:
     prepack_linear: bool = True             # CPU: oneDNN with prepacked weights (services/engine/linear.py)
     max_loras: int = 4                      # LoRA adapters on the device at once (and in one step)
     max_cpu_loras: int = 16                 # adapters loaded (host copies); beyond, the least recently used idle one goes
+    # Decode attention: "auto" = the paged C kernel on CPU in fp32 where it builds (else "torch"),
+    # "kernel" = that kernel or fail, "torch" = gather + SDPA (services/engine/paged_attention.py).
+    decode_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_fraction <= 1.0:
@@ -81,6 +86,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
+                             f"got {self.decode_attention!r}")
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= max_loras <= max_cpu_loras, got {self.max_loras} and {self.max_cpu_loras}")
 
@@ -96,8 +104,9 @@ class Engine:
         if self.device.type == "cpu":
             keep_freed_memory()          # activations live in host memory (services/engine/host_memory.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
+        self.decode_kernel = self._decode_kernel()
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
-                                  self.device, self.dtype, config.prepack_linear)
+                                  self.device, self.dtype, config.prepack_linear, self.decode_kernel)
         budget = config.kv_cache_bytes or int(self.backend.memory().free_bytes * config.kv_cache_fraction)
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
@@ -105,8 +114,23 @@ class Engine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
-        log.info("engine ready: %s on %s, %s (%s, %d threads); %s", self.model_config.architecture,
-                 self.device, self.backend.name, self.dtype, self.threads, self.kv_spec.describe())
+        log.info("engine ready: %s on %s, %s (%s, %d threads); %s; decode attention: %s",
+                 self.model_config.architecture, self.device, self.backend.name, self.dtype, self.threads,
+                 self.kv_spec.describe(), "paged C kernel" if self.decode_kernel else "gather + SDPA")
+
+    def _decode_kernel(self) -> DecodeKernel | None:
+        choice = self.config.decode_attention
+        if choice == "torch":
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            if choice == "kernel":
+                raise ValueError(f"decode_attention='kernel' needs fp32 on CPU, not {self.dtype} on {self.device}")
+            return None
+        kernel = load_decode_kernel()
+        if kernel is None and choice == "kernel":
+            raise RuntimeError("decode_attention='kernel' but the paged decode kernel could not be "
+                               "built (the log says why)")
+        return kernel
 
     @property
     def max_context(self) -> int:
@@ -246,6 +270,12 @@ class Engine:
 
         ordered: list[SequenceWork] = []
         cached: list[ContextAttention] = []
+        paged = None
+        if decodes and self.decode_kernel is not None:
+            # The kernel reads each context in place at its own length: one set, no groups.
+            paged = self._paged_decodes(decodes)
+            ordered.extend(decodes)
+            decodes = []
         for members in [*group_decodes(decodes, block_size), *([seq] for seq in continued)]:
             cached.append(self._context_attention(members, len_before=sum(
                 len(s.token_ids) for s in ordered)))
@@ -266,8 +296,15 @@ class Engine:
         device = self.device
         layout = AttentionLayout(positions=torch.tensor(positions, device=device),
                                  slots=torch.tensor(slots, device=device),
-                                 cached=cached, fresh=fresh_spans)
+                                 cached=cached, fresh=fresh_spans, decodes=paged)
         return ordered, torch.tensor(token_ids, device=device), layout
+
+    def _paged_decodes(self, decodes: list[SequenceWork]) -> PagedDecodes:
+        block_size = self.kv_spec.block_size
+        widest = max(blocks_for(s.end, block_size) for s in decodes)
+        tables = [(s.block_table + [0] * widest)[:widest] for s in decodes]
+        return PagedDecodes(num_seqs=len(decodes), block_tables=torch.tensor(tables, dtype=torch.int64),
+                            context_lens=torch.tensor([s.end for s in decodes], dtype=torch.int64))
 
     def _context_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
         """Attention over cached context for one decode group or one continued prefill chunk."""

@@ -15,6 +15,7 @@ from services.engine.config import ModelConfig, UnsupportedModelError
 from services.engine.kv_cache import PagedKVCache
 from services.engine.linear import Linear
 from services.engine.lora import LoraBatch
+from services.engine.paged_attention import DecodeKernel
 from services.engine.rope import RotaryTable, apply_rotary
 
 
@@ -35,14 +36,25 @@ class ContextAttention:
 
 
 @dataclass(slots=True)
+class PagedDecodes:
+    """Decodes attended by the paged decode kernel, straight from the cache (no gather, no
+    padding): the first `num_seqs` tokens of the step's flat batch, one per sequence."""
+    num_seqs: int
+    block_tables: torch.Tensor    # [num_seqs, most blocks of any of them] int64, rows zero-padded
+    context_lens: torch.Tensor    # [num_seqs] int64: keys 0 .. len-1 (the token's own included)
+
+
+@dataclass(slots=True)
 class AttentionLayout:
     """Where every token of a step lives in the cache and what it attends to."""
     positions: torch.Tensor       # [T]
     slots: torch.Tensor           # [T] cache slot each token's K/V is written to
-    # In flat-batch order: decode groups first, then prefill chunks. A chunk given as (start,
-    # length) starts a prompt at position 0, so its own K/V are its whole context.
+    # In flat-batch order: kernel decodes (if any), then decode groups, then prefill chunks. A
+    # chunk given as (start, length) starts a prompt at position 0, so its own K/V are its whole
+    # context.
     cached: list[ContextAttention]
     fresh: list[tuple[int, int]]
+    decodes: PagedDecodes | None = None
 
 
 @dataclass(slots=True)
@@ -87,8 +99,11 @@ def _fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, prepack_linear: bool = True):
+                 device: torch.device, dtype: torch.dtype, prepack_linear: bool = True,
+                 decode_kernel: DecodeKernel | None = None):
+        """`decode_kernel`: attends the layouts' PagedDecodes (services/engine/paged_attention.py)."""
         self.config = config
+        self.decode_kernel = decode_kernel
         self.prepack = prepack_linear
         self.device, self.dtype = device, dtype
         reader = _WeightReader(tensors, device, dtype)
@@ -179,6 +194,12 @@ class LlamaDecoder:
         c = self.config
         width = c.num_heads * c.head_dim
         outputs = []
+        if layout.decodes is not None:
+            n = layout.decodes.num_seqs
+            out = self.decode_kernel(q[:n].reshape(n, c.num_kv_heads, -1, c.head_dim),
+                                     cache.keys[layer], cache.values[layer], layout.decodes.block_tables,
+                                     layout.decodes.context_lens, cache.block_size, c.head_dim ** -0.5)
+            outputs.append(out.view(n, width))
         for group, (key_buffer, value_buffer) in zip(layout.cached, buffers):
             cache.gather_blocks(layer, group.block_ids, key_buffer, value_buffer)
             rows = (group.num_seqs, -1, c.num_kv_heads, c.head_dim)

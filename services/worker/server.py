@@ -228,7 +228,8 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
     return EngineConfig(model_dir=model_dir, device=worker.device, dtype=worker.dtype,
                         block_size=worker.block_size, kv_cache_bytes=kv_bytes,
                         kv_cache_fraction=kv_fraction, num_threads=worker.threads,
-                        max_loras=worker.max_loras, max_cpu_loras=worker.max_cpu_loras)
+                        max_loras=worker.max_loras, max_cpu_loras=worker.max_cpu_loras,
+                        decode_attention=worker.decode_attention)
 
 
 async def join_pool(scheduler: str, advertised: str, drain: Drain) -> None:

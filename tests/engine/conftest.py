@@ -5,6 +5,7 @@ QOS_TEST_DEVICE=cuda (or npu) runs the reference-logit tests' engine on that dev
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -35,14 +36,27 @@ def tiny_engine(tiny_model_dir):
     return make_engine(tiny_model_dir)
 
 
-@pytest.fixture
-def device_engine(tiny_model_dir):
-    """The tiny engine on QOS_TEST_DEVICE (default cpu), fp32."""
+# On CPU both decode attention paths are checked against the reference: the paged C kernel
+# (services/engine/paged_attention.py) and gather + SDPA. Elsewhere only torch's exists.
+DECODE_PATHS = ["kernel", "torch"] if TEST_DEVICE == "cpu" else ["torch"]
+
+
+@pytest.fixture(params=DECODE_PATHS)
+def device_engine(tiny_model_dir, request):
+    """The tiny engine on QOS_TEST_DEVICE (default cpu), fp32, with each decode attention path."""
     from services.engine.device import DeviceUnavailableError
+    require_decode_kernel_compiler(request.param)
     try:
-        return make_engine(tiny_model_dir, device=TEST_DEVICE, dtype="float32")
+        return make_engine(tiny_model_dir, device=TEST_DEVICE, dtype="float32",
+                           decode_attention=request.param)
     except DeviceUnavailableError as exc:
         pytest.fail(f"QOS_TEST_DEVICE={TEST_DEVICE}: {exc}")
+
+
+def require_decode_kernel_compiler(decode_attention: str) -> None:
+    if decode_attention == "kernel" and shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("the paged decode kernel needs a C compiler (cc or $CC) and this machine has none "
+                    "(.ci/run installs gcc)")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -58,6 +58,7 @@ def test_worker_config_made_in_code_keeps_the_cpu_default():
     ({"max_loras": 0}, "need 1 <= max_loras <= max_cpu_loras, got 0 and 16"),
     ({"max_loras": 8, "max_cpu_loras": 4}, "need 1 <= max_loras <= max_cpu_loras, got 8 and 4"),
     ({"gpus": 2}, "unknown key pools\\[0\\].workers\\[0\\].gpus"),
+    ({"decode_attention": "fast"}, "decode_attention must be one of auto, kernel, torch, got 'fast'"),
 ])
 def test_bad_worker_settings_name_the_key(worker, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,100 @@
+"""The paged decode kernel (services/engine/paged_attention.py) against attention written out in
+torch, on caches whose blocks are scattered, for the shapes Llama-family models use."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.engine import paged_attention
+from services.engine.paged_attention import KernelBuildError, build_library, load_decode_kernel
+from tests.engine.conftest import require_decode_kernel_compiler
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    require_decode_kernel_compiler("kernel")
+    built = load_decode_kernel()
+    assert built is not None, "a C compiler is present but the kernel did not build (see the log)"
+    return built
+
+
+def reference(q, k_cache, v_cache, tables, lens, block_size):
+    """Each sequence's keys and values gathered token by token, then softmax(q k^T / sqrt(d)) v."""
+    out = torch.empty_like(q)
+    kv_heads, group, head_dim = q.shape[1:]
+    for s, length in enumerate(lens.tolist()):
+        slots = [tables[s][t // block_size] * block_size + t % block_size for t in range(length)]
+        keys, values = k_cache[slots], v_cache[slots]                # [len, kv_heads, head_dim]
+        for h in range(kv_heads):
+            scores = q[s, h] @ keys[:, h].T / head_dim ** 0.5          # [group, len]
+            out[s, h] = torch.softmax(scores, dim=-1) @ values[:, h]
+    return out
+
+
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 24)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size):
+    rng = random.Random(kv_heads * 100 + head_dim + block_size)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    # One token, a block exactly, a block and one, and longer contexts of any length.
+    lens = [1, block_size, block_size + 1, 2 * block_size - 1] + [rng.randrange(1, 300) for _ in range(6)]
+    num_blocks = 2 * sum(-(-n // block_size) for n in lens)      # half of the cache left unused
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    widest = max(-(-n // block_size) for n in lens)
+    tables = []
+    for n in lens:
+        own = [free.pop() for _ in range(-(-n // block_size))]
+        tables.append(own + [0] * (widest - len(own)))
+    q = torch.randn(len(lens), kv_heads, group, head_dim, generator=gen)
+    tables_t, lens_t = torch.tensor(tables), torch.tensor(lens)
+    got = kernel(q, k_cache, v_cache, tables_t, lens_t, block_size, head_dim ** -0.5)
+    want = reference(q, k_cache, v_cache, tables, lens_t, block_size)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_kernel_refuses_what_it_cannot_compute(kernel):
+    q = torch.randn(2, 3, 3, 64)
+    cache = torch.randn(64, 3, 64)
+    tables, lens = torch.zeros(2, 4, dtype=torch.int64), torch.tensor([3, 5])
+    with pytest.raises(TypeError, match="fp32"):
+        kernel(q.double(), cache, cache, tables, lens, 16, 0.125)
+    with pytest.raises(TypeError, match="int64"):
+        kernel(q, cache, cache, tables.int(), lens, 16, 0.125)
+    with pytest.raises(ValueError, match="cache shape"):
+        kernel(q, torch.randn(64, 2, 64), torch.randn(64, 2, 64), tables, lens, 16, 0.125)
+    with pytest.raises(ValueError, match="one block table row"):
+        kernel(q, cache, cache, tables[:1], lens, 16, 0.125)
+
+
+def test_a_missing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(KernelBuildError, match="no C compiler: 'no-such-cc'"):
+        build_library(compiler="no-such-cc")
+
+
+def test_a_compiler_error_is_reported_with_its_message(tmp_path, monkeypatch):
+    require_decode_kernel_compiler("kernel")
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(paged_attention, "SOURCE", broken)
+    monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(KernelBuildError, match="failed"):
+        build_library()
+    assert not list((tmp_path / "cache").glob("*.so")), "a failed build must leave no library behind"
+
+
+def test_engine_decode_attention_setting(tiny_model_dir):
+    from services.engine.engine import EngineConfig
+    from tests.tiny_models import make_engine
+    with pytest.raises(ValueError, match="decode_attention must be one of auto, kernel, torch"):
+        EngineConfig(model_dir=str(tiny_model_dir), decode_attention="fast")
+    assert make_engine(tiny_model_dir, decode_attention="torch").decode_kernel is None
+    require_decode_kernel_compiler("kernel")
+    assert make_engine(tiny_model_dir, decode_attention="auto").decode_kernel is not None
+    with pytest.raises(ValueError, match="needs fp32 on CPU"):
+        make_engine(tiny_model_dir, decode_attention="kernel", dtype="bfloat16")
