@@ -17,8 +17,8 @@ third of every cached slot, and the loads stalled.
 
 It is compiled with the system C compiler ($CC, else cc) into $QOS_SERVE_KERNEL_CACHE, else the
 project's cache folder (services/common/paths.py) under kernels/, keyed by the source, the flags and the machine; OpenMP is resolved to
-the libgomp torch has already loaded, so both share one thread pool and torch.set_num_threads
-governs the kernel too. Without a compiler the engine keeps the torch path.
+the libgomp torch has already loaded, so both share one thread pool, and each call runs on
+torch.get_num_threads() threads. Without a compiler the engine keeps the torch path.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class DecodeKernel:
         lib = ctypes.CDLL(str(library))
         fn = lib.paged_decode_attention
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
         self._fn = fn
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -129,7 +129,7 @@ class DecodeKernel:
             raise ValueError("the decode kernel runs on CPU tensors only")
         out = torch.empty_like(tensors[0])
         status = self._fn(*(t.data_ptr() for t in tensors), out.data_ptr(), num_seqs, kv_heads, group,
-                          head_dim, block_size, block_tables.shape[1], scale)
+                          head_dim, block_size, block_tables.shape[1], scale, torch.get_num_threads())
         if status != 0:
             raise MemoryError("the decode kernel could not allocate its score buffers")
         return out

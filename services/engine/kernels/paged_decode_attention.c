@@ -78,14 +78,16 @@ static void attend_sequence(const float *restrict q, const float *restrict k_cac
     }
 }
 
-/* Returns 0, or -1 when a sequence could not get its score buffer (out of memory). */
+/* Returns 0, or -1 when a sequence could not get its score buffer (out of memory). `threads` is
+ * passed by the caller (torch.get_num_threads()): OpenMP's own default is per calling thread, and
+ * the worker steps the engine in a thread of its own. */
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int64_t num_seqs, int64_t kv_heads, int64_t group, int64_t head_dim,
-                           int64_t block_size, int64_t max_blocks, float scale) {
+                           int64_t block_size, int64_t max_blocks, float scale, int threads) {
     int failed = 0;
     const int64_t rows = kv_heads * group;
-    #pragma omp parallel for schedule(dynamic, 1) reduction(|: failed)
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|: failed)
     for (int64_t s = 0; s < num_seqs; s++) {
         float *scores = malloc(sizeof(float) * (size_t)(rows * context_lens[s]));
         if (scores == NULL) {
