@@ -13,12 +13,13 @@ in place, with no padding: 1.5-1.9 ms (reading those 19 MB at this machine's ~17
 third of every cached slot, and the loads stalled.
 
     kernel = load_decode_kernel()        # None (with the reason logged) when it cannot be built
-    out = kernel(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = kernel(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
-It is compiled with the system C compiler ($CC, else cc) into $QOS_SERVE_KERNEL_CACHE, else the
-project's cache folder (services/common/paths.py) under kernels/, keyed by the source, the flags and the machine; OpenMP is resolved to
-the libgomp torch has already loaded, so both share one thread pool, and each call runs on
-torch.get_num_threads() threads. Without a compiler the engine keeps the torch path.
+It is compiled with the system C compiler ($CC, else cc) into $QOS_SERVE_KERNEL_CACHE, else
+kernels/ in the project's cache folder (services/common/paths.py), keyed by the source, the flags
+and the machine. OpenMP resolves to the libgomp torch has already loaded, so both share one
+thread pool; each call runs on torch.get_num_threads() threads. Without a compiler the engine
+keeps the torch path.
 """
 from __future__ import annotations
 
