@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from bench.harness import cpu_name, make_parser, progress, write_json  # noqa: E402
+from services.common.config import DECODE_ATTENTION  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402
 from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
@@ -75,7 +76,7 @@ def useful_tokens(requests: list[Request]) -> int:
 # --- our engine --------------------------------------------------------------------------------
 
 def load_engine(model_dir: str, threads: int, max_prompt: int, max_output: int, device: str,
-                dtype: str) -> Engine:
+                dtype: str, decode_attention: str = "auto") -> Engine:
     # Size the KV cache for exactly BATCH worst-case requests rather than a fraction of free
     # memory: BatchRunner admits a request only once its whole KV need is reserved, so too small a
     # cache would silently run fewer than 32 at a time and too large a one only costs RAM.
@@ -84,7 +85,7 @@ def load_engine(model_dir: str, threads: int, max_prompt: int, max_output: int, 
                                                      DTYPES[dtype])
     return Engine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
                                block_size=DEFAULT_BLOCK_SIZE, kv_cache_bytes=kv_bytes,
-                               num_threads=threads))
+                               num_threads=threads, decode_attention=decode_attention))
 
 
 def run_engine(engine: Engine, requests: list[Request], max_running: int,
@@ -171,7 +172,8 @@ def print_report(report: dict, seconds: dict) -> None:
     w = report["workload"]
     m = report["machine"]
     print(f"\nmodel {report['model']} | {m['device']} ({m['device_name']}) | CPU {m['cpu']} | "
-          f"{report['threads']} threads | torch {m['torch']}, transformers {m['transformers']} | {report['dtype']}")
+          f"{report['threads']} threads | torch {m['torch']}, transformers {m['transformers']} | {report['dtype']} | "
+          f"decode attention: {report['decode_attention']}")
     print(f"workload: seed {w['seed']}; b1 {w['requests_b1']} requests, b32 {w['requests_b32']} requests; "
           f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, output {w['output_len'][0]}-"
           f"{w['output_len'][1]} tokens (forced); engine max_step_tokens {w['engine_max_step_tokens']}")
@@ -189,6 +191,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (both sides)")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="both sides")
+    parser.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION,
+                        help="the engine's decode attention: the paged C kernel (CPU) or gather + SDPA")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
     parser.add_argument("--min-prompt", type=int, default=16)
@@ -220,7 +224,8 @@ def main() -> None:
     backend = open_backend(args.device)
     print(f"loading {model_dir} on {backend.device} ({backend.name}, {args.dtype}, {threads} threads)",
           file=sys.stderr)
-    engine = load_engine(model_dir, threads, args.max_prompt, args.max_output, args.device, args.dtype)
+    engine = load_engine(model_dir, threads, args.max_prompt, args.max_output, args.device, args.dtype,
+                         args.decode_attention)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(backend.device).eval()
     pad_id = hf.generation_config.pad_token_id
     if pad_id is None:
@@ -245,6 +250,7 @@ def main() -> None:
                     "transformers": transformers.__version__, "device": str(backend.device),
                     "device_name": backend.name},
         "threads": threads, "dtype": args.dtype,
+        "decode_attention": "paged C kernel" if engine.decode_kernel is not None else "gather + SDPA",
         "workload": {"seed": args.seed, "requests_b1": len(b1), "requests_b32": len(b32),
                      "prompt_len": list(prompt_range), "output_len": list(output_range),
                      "useful_tokens_b1": useful_tokens(b1), "useful_tokens_b32": useful_tokens(b32),
