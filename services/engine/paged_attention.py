@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
 # -ffast-math: the dot products and exponentials vectorise only so (the C file avoids infinities).
-_BASE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-shared", "-fopenmp"]
+# Compile-time only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process the moment the library loads (torch's maths included).
+_COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}   # "kernel": the DecodeKernel or None once tried
@@ -61,7 +64,7 @@ def _cpu_flags() -> set[str]:
 
 def compile_flags() -> list[str]:
     """AVX2 + FMA where this CPU has them (every x86 server of the last decade), else generic."""
-    flags = list(_BASE_FLAGS)
+    flags = list(_COMPILE_FLAGS)
     if {"avx2", "fma"} <= _cpu_flags():
         flags += ["-mavx2", "-mfma"]
     return flags
@@ -83,18 +86,20 @@ def build_library(compiler: str | None = None) -> Path:
         raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
     source = SOURCE.read_bytes()
     flags = compile_flags()
-    key = hashlib.sha256(source + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags + _LINK_FLAGS).encode()
+                         + platform.machine().encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode_attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed: processes starting together never load half a file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-800:]}")
+        obj, built = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        for command in ([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)],
+                        [compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if result.returncode != 0:
+                raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-800:]}")
         os.replace(built, target)
     return target
 

@@ -98,3 +98,10 @@ def test_engine_decode_attention_setting(tiny_model_dir):
     assert make_engine(tiny_model_dir, decode_attention="auto").decode_kernel is not None
     with pytest.raises(ValueError, match="needs fp32 on CPU"):
         make_engine(tiny_model_dir, decode_attention="kernel", dtype="bfloat16")
+
+
+def test_loading_the_kernel_leaves_the_processs_float_environment_alone(kernel):
+    """Linked with -ffast-math, the library would switch on flush-to-zero for every float op of
+    the process (gcc's crtfastmath.o constructor), torch's included: a denormal must survive."""
+    denormal = torch.tensor([1e-39], dtype=torch.float32)
+    assert (denormal * 1.0).item() != 0.0
