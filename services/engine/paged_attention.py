@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from services.common.paths import cache_root
+from services.engine.device import _read_lines
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +53,9 @@ _loaded: dict[str, object] = {}   # "kernel": the DecodeKernel or None once trie
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    for line in _read_lines("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
     return set()
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from services.common.kv_blocks import blocks_for_tokens
 from services.engine import paged_attention
 from services.engine.paged_attention import KernelBuildError, build_library, load_decode_kernel
 from tests.engine.conftest import require_decode_kernel_compiler
@@ -40,15 +41,15 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     # One token, a block exactly, a block and one, and longer contexts of any length.
     lens = [1, block_size, block_size + 1, 2 * block_size - 1] + [rng.randrange(1, 300) for _ in range(6)]
-    num_blocks = 2 * sum(-(-n // block_size) for n in lens)      # half of the cache left unused
+    num_blocks = 2 * sum(blocks_for_tokens(n, block_size) for n in lens)   # half of the cache unused
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
     free = list(range(num_blocks))
     rng.shuffle(free)
-    widest = max(-(-n // block_size) for n in lens)
+    widest = max(blocks_for_tokens(n, block_size) for n in lens)
     tables = []
     for n in lens:
-        own = [free.pop() for _ in range(-(-n // block_size))]
+        own = [free.pop() for _ in range(blocks_for_tokens(n, block_size))]
         tables.append(own + [0] * (widest - len(own)))
     q = torch.randn(len(lens), kv_heads, group, head_dim, generator=gen)
     tables_t, lens_t = torch.tensor(tables), torch.tensor(lens)
