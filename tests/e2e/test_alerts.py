@@ -20,7 +20,7 @@ from services.common.config import AlertsConfig, SlaConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 from services.cluster import LocalCluster
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +47,7 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def cluster(receiver):
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     # High end to end within 1 s: 128 tokens take seconds on this machine, 1 token far less.
     config.sla = [SlaConfig(priority="high", e2e_p99_ms=1000.0, window_s=4.0, for_seconds=1.0,
                             resolve_seconds=1.0, min_requests=2)]

@@ -14,7 +14,7 @@ from services.cluster import LocalCluster
 from services.common.config import AutoscaleConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ REQUESTS = 40
 
 async def burst(cluster) -> list[str]:
     async def one(stub, i):
-        request = chat_request(f"Story {i}:", sampling_params(max_tokens=32, ignore_eos=True))
+        request = chat_request(f"Story {i}:", sampling_params(max_tokens=48, ignore_eos=True))
         try:
             async for chunk in stub.Generate(request, metadata=[("x-priority", "high")]):
                 if chunk.finish_reason:
@@ -42,7 +42,7 @@ async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
 
 
 def test_a_high_backlog_scales_out_then_idle_scales_back_in_losing_nothing():
-    config = cluster_config(max_running=4)
+    config = cluster_config(max_running=4, model=bench_model())
     config.pools[0].autoscale = AutoscaleConfig(
         max_workers=2, scale_out_high_backlog=3, scale_out_cooldown_s=2.0, scale_in_below=0.25,
         scale_in_after_s=3.0, scale_in_cooldown_s=3.0)

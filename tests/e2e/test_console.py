@@ -23,7 +23,7 @@ from services.cluster import LocalCluster
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 from services.store.store import Store, Tenant
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (requirements.txt)")
@@ -88,7 +88,7 @@ class StatsSampler(threading.Thread):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(cluster_config(max_running=4), quiet=True) as running:
+    with LocalCluster(cluster_config(max_running=4, model=bench_model()), quiet=True) as running:
         yield running
 
 
@@ -99,7 +99,7 @@ def auth_cluster(tmp_path):
     store.add_tenant(Tenant("acme"))
     acme_key = store.create_key("acme")[0]
     store.close()
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     config.store.url, config.auth.required, config.auth.admin_key = url, True, ADMIN
     with LocalCluster(config, quiet=True) as running:
         running.acme_key = acme_key

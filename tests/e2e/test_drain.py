@@ -18,18 +18,18 @@ from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.tokenizer import TextTokenizer
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
 STREAMS = 8
-TOKENS = 64
+TOKENS = 160         # a few seconds of streaming on the bench model: the drain is probed meanwhile
 DRAIN_SECONDS = 60.0
 
 
 def drain_cluster() -> LocalCluster:
     # The worker test restarts the pool's only worker: requests queued meanwhile must wait for it.
-    config = cluster_config(orphan_grace_s=DRAIN_SECONDS)
+    config = cluster_config(orphan_grace_s=DRAIN_SECONDS, model=bench_model())
     for section in (config.router, config.pools[0].scheduler, *config.pools[0].workers):
         section.drain_seconds = DRAIN_SECONDS
     return LocalCluster(config, quiet=True)

@@ -15,7 +15,7 @@ from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,7 @@ def assert_same(reference, got) -> None:
 
 
 def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
     with LocalCluster(config, quiet=True) as cluster:
         async def go():
@@ -107,7 +107,7 @@ def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
 
 
 def test_the_only_worker_restarted_within_the_grace_finishes_every_stream():
-    config = cluster_config(orphan_grace_s=120.0)
+    config = cluster_config(orphan_grace_s=120.0, model=bench_model())
     with LocalCluster(config, quiet=True) as cluster:
         async def go():
             async with RouterClient(cluster.router_address) as client:
@@ -130,7 +130,7 @@ def two_pools() -> ClusterConfig:
         return PoolConfig(name=name, device="cpu", primary=primary,
                           scheduler=SchedulerConfig(port=0, max_step_tokens=128),
                           workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128)])
-    return ClusterConfig(router=RouterConfig(port=0, http_port=0, routing="primary"),
+    return ClusterConfig(router=RouterConfig(port=0, http_port=0, routing="primary"), model=bench_model(),
                          pools=[pool("first", True), pool("second", False)])
 
 
@@ -160,7 +160,7 @@ def test_a_dead_schedulers_requests_move_to_the_other_pool_with_what_they_stream
 
 
 def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
     with LocalCluster(config, quiet=True) as cluster:
         address = cluster.config.pools[0].workers[1].address

@@ -26,7 +26,7 @@ from services.cluster import LocalCluster, free_port
 from services.common.config_file import parse_config
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import run
+from tests.e2e.conftest import bench_model, run
 
 pytestmark = pytest.mark.slow
 
@@ -49,6 +49,7 @@ def overlay(tmp_path, monkeypatch):
     pool.scheduler.workers_dns_interval_s = 1.0          # the overlay's 5 s, shortened for the test
     pool.workers[0].host, pool.workers[0].port, pool.workers[0].metrics_port = "127.0.0.1", worker_port, None
     config.store.url, config.auth.admin_key = f"sqlite:///{tmp_path}/store.db", ADMIN
+    config.model = bench_model()                        # membership is under test, not the text
     dns = tmp_path / "dns.json"
     monkeypatch.setenv("QOS_TEST_DNS_FILE", str(dns))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(STUB), os.environ.get("PYTHONPATH", "")]))

@@ -5,7 +5,6 @@ tokens equal PEFT + transformers `generate` with the adapter; the base model's a
 an unknown adapter is refused by name."""
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 

@@ -11,7 +11,7 @@ from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
-from tests.e2e.conftest import run
+from tests.e2e.conftest import bench_model, run
 from tests.e2e.test_observability import scrape
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ def two_pools() -> ClusterConfig:
                           scheduler=SchedulerConfig(port=0, max_running=max_running, max_step_tokens=64),
                           workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=64)])
     # The primary runs 2 sequences at a time, so a burst queues there quickly.
-    return ClusterConfig(router=RouterConfig(port=0, http_port=0),
+    return ClusterConfig(router=RouterConfig(port=0, http_port=0), model=bench_model(),
                          pools=[pool("big", 0.2, True, 2), pool("small", 0.05, False, 4)])
 
 

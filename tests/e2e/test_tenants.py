@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import time
 from pathlib import Path
 
 import grpc

@@ -20,7 +20,7 @@ from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.store.billing import report
 from services.store.store import Store, Tenant
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def test_tls_on_both_fronts_with_a_key_and_plaintext_refused(tmp_path):
     store.add_tenant(Tenant("acme"))
     key = store.create_key("acme")[0]
     store.close()
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     config.router.tls_cert, config.router.tls_key = cert, key_file
     config.store.url, config.auth.required = url, True
     with LocalCluster(config, quiet=True) as cluster:
@@ -105,7 +105,7 @@ async def mixed_run(address: str, count: int, cancel_every: int = 5):
 
 def test_ledger_rows_match_what_clients_were_told_and_survive_a_router_kill(tmp_path):
     url = f"sqlite:///{tmp_path}/store.db"
-    config = cluster_config()
+    config = cluster_config(model=bench_model())
     config.store.url, config.billing.flush_seconds = url, 0.2
     with LocalCluster(config, quiet=True) as cluster:
         seen = run(mixed_run(cluster.router_address, 20))

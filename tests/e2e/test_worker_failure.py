@@ -14,7 +14,7 @@ import pytest
 from services.client import RouterClient, chat_request, sampling_params
 from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ GRACE_S = 1.0
 
 
 def test_killed_worker_fails_streams_fast_and_recovery_follows():
-    with LocalCluster(cluster_config(orphan_grace_s=GRACE_S), quiet=True) as cluster:
+    with LocalCluster(cluster_config(orphan_grace_s=GRACE_S, model=bench_model()), quiet=True) as cluster:
         async def stream_until_killed(client, prompt):
             call = client.stream(chat_request(prompt, sampling_params(max_tokens=500, ignore_eos=True)),
                                  priority="medium")
