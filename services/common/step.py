@@ -83,7 +83,6 @@ class StepBatch:
 class SampledToken:
     seq_id: int
     token_id: int
-    logprob: float                    # under the model's unmodified distribution
     finish_reason: FinishReason | None = None
 
 

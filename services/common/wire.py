@@ -43,7 +43,7 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:
     return worker_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id,
-                                   logprob=token.logprob, finish_reason=token.finish_reason or 0)
+                                   finish_reason=token.finish_reason or 0)
 
 
 def finish_reason(value: int) -> FinishReason | None:

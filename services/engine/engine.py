@@ -179,10 +179,9 @@ class Engine:
         tokens: list[SampledToken] = []
         if sampled:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
-            ids, logprobs = sample(logits, [s.sampling for s in sampled],
-                                   [s.num_generated for s in sampled], self.generator)
-            tokens = [SampledToken(s.seq_id, tid, lp, self._finish_reason(s, tid))
-                      for s, tid, lp in zip(sampled, ids, logprobs)]
+            ids = sample(logits, [s.sampling for s in sampled], [s.num_generated for s in sampled],
+                         self.generator)
+            tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid)) for s, tid in zip(sampled, ids)]
         return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)
 
     def compute_logits(self, batch: StepBatch) -> dict[int, torch.Tensor]:

@@ -79,7 +79,7 @@ class SimulatedWorker:
                 token = next_token(seq.tokens[:work.end])
                 generated = work.num_generated + 1
                 reason = FinishReason.LENGTH if generated >= work.sampling.max_tokens else None
-                tokens.append(SampledToken(work.seq_id, token, 0.0, reason))
+                tokens.append(SampledToken(work.seq_id, token, reason))
         self.table.commit(batch, tokens)
         return worker_pb2.StepResult(step_id=plan.step_id, tokens=[sampled_token_proto(t) for t in tokens])
 

@@ -148,16 +148,14 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "finish_reason")
+    __slots__ = ("seq_id", "token_id", "finish_reason")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
-    logprob: float
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class DeviceStats(_message.Message):
     __slots__ = ("memory_used_bytes", "memory_total_bytes", "utilization", "device_utilization")
