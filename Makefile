@@ -36,7 +36,7 @@ demo: model
 test: model $(NPU_WHEEL_STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
-# Pure-logic tests only (no model loads): seconds.
+# Everything not marked slow (no SmolLM2 load, no cluster of real processes): ~1.5 minutes on 2 cores.
 test-fast: venv
 	$(PY) -m pytest -q tests -m "not slow"
 
