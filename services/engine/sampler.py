@@ -60,7 +60,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
-           generator: torch.Generator) -> tuple[list[int], list[float]]:
+           generator: torch.Generator) -> list[int]:
     """Pick one token per row of logits [B, V] (float32); returns the token ids.
 
     No logprobs: nothing downstream reads them (the fronts refuse `logprobs: true`), and a
