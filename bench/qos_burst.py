@@ -277,8 +277,9 @@ def main() -> None:
         print(f"per-request outcomes: {write_outcomes(outcomes, args.plots / f'outcomes_{policy}.csv')}",
               file=sys.stderr)
     report["policies"] = list(runs)
-    if not {"fcfs", "qos"} <= set(runs):
+    if not {"fcfs", "qos"} <= set(runs):      # no FCFS-vs-QoS table to print: the figures as JSON
         print(json.dumps(report, indent=2))
+        write_json(args.json, report)
         return
     print_table(report)
     for path in plot(report, runs, args.plots):
