@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Where the engine's time goes on bench/engine_throughput.py's batch-32 workload, by kind of step.
+
+The engine alone (no transformers) runs the b32 phase (same requests, same BatchRunner settings).
+Steps are split into those that carry prompt chunks and decode-only ones; every `--every`-th
+step of the kind asked for runs under torch.profiler, and the report gives, per profiled step,
+its wall time, the torch operators' self time (the largest first) and what is left outside them
+(the paged decode kernel, called through ctypes, and Python), next to the unprofiled steps' mean
+wall time, since the profiler slows what it watches. Matmul GFLOPS are estimated from
+the model's shapes: 2 x (layer parameters x tokens + output-head parameters x sampled rows).
+
+    python bench/engine_profile.py [--kind prompt|decode] [--every 3] [--threads 2] [--json PATH]
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from bench.engine_throughput import BATCH, load_engine, make_workload, run_engine  # noqa: E402
+from bench.harness import make_parser, write_json  # noqa: E402
+from services.engine.config import load_model_config  # noqa: E402
+from services.engine.default_model import default_model_dir  # noqa: E402
+from services.engine.device import set_cpu_threads  # noqa: E402
+
+TOP_OPS = 12
+
+
+def layer_and_head_params(config) -> tuple[int, int]:
+    """Matmul parameters per token in the decoder layers, and in the output head (per sampled row)."""
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv = hidden * (config.num_heads + 2 * config.num_kv_heads) * head_dim
+    per_layer = qkv + config.num_heads * head_dim * hidden + 3 * hidden * inter
+    return per_layer * config.num_layers, hidden * config.vocab_size
+
+
+def main() -> None:
+    parser = make_parser(__doc__, seed=True)
+    parser.add_argument("--kind", choices=["prompt", "decode"], default="decode")
+    parser.add_argument("--every", type=int, default=3, help="profile every N-th step of that kind")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=64)
+    args = parser.parse_args()
+    if args.every < 1:
+        parser.error("--every must be >= 1")
+
+    threads = set_cpu_threads(args.threads)
+    model_dir = str(default_model_dir())
+    config = load_model_config(model_dir)
+    workload = make_workload(args.requests, args.seed, config.vocab_size, (16, 256), (16, 128))
+    engine = load_engine(model_dir, threads, 256, 128, "cpu", "float32")
+    run_engine(engine, make_workload(2, args.seed + 1, config.vocab_size, (8, 32), (4, 4)), 2)   # warm-up
+    layer_params, head_params = layer_and_head_params(config)
+
+    plain_step = engine.step
+    wall_ms, steps, op_ms, profiled = Counter(), Counter(), Counter(), {"steps": 0, "wall_ms": 0.0, "flops": 0.0}
+
+    def step(batch):
+        kind = "prompt" if any(len(s.token_ids) > 1 for s in batch.sequences) else "decode"
+        watch = kind == args.kind and steps[kind] % args.every == 0
+        if watch:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                started = time.perf_counter()     # the profiler's own start and stop left out
+                output = plain_step(batch)
+                took = (time.perf_counter() - started) * 1000
+        else:
+            started = time.perf_counter()
+            output = plain_step(batch)
+            took = (time.perf_counter() - started) * 1000
+            wall_ms[kind] += took
+            steps[kind] += 1
+        if watch:
+            steps[kind] += 1
+            for event in prof.key_averages():
+                op_ms[event.key] += event.self_cpu_time_total / 1000
+            profiled["steps"] += 1
+            profiled["wall_ms"] += took
+            profiled["flops"] += 2 * (layer_params * batch.num_tokens + head_params * len(output.tokens))
+        return output
+
+    engine.step = step
+    seconds, _ = run_engine(engine, workload, BATCH)
+    n = max(profiled["steps"], 1)
+    ops_total = sum(op_ms.values()) / n
+    matmul = op_ms.get("mkldnn::_linear_pointwise", 0.0) + op_ms.get("aten::addmm", 0.0) + op_ms.get("aten::mm", 0.0)
+    plain = {k: steps[k] - (profiled["steps"] if k == args.kind else 0) for k in ("prompt", "decode")}
+    print(f"b32 phase, engine alone ({threads} threads): {seconds:.1f} s with the profiling; steps not "
+          "profiled: " + "; ".join(f"{plain[k]} {k}, {wall_ms[k] / max(plain[k], 1):.1f} ms each"
+                                   for k in ("prompt", "decode")))
+    print(f"\n{args.kind} steps profiled: {profiled['steps']}, {profiled['wall_ms'] / n:.1f} ms each; "
+          f"torch operators {ops_total:.1f} ms, outside them (decode kernel, Python) "
+          f"{profiled['wall_ms'] / n - ops_total:.1f} ms; matmuls ~{profiled['flops'] / max(matmul, 1e-9) / 1e6:.0f} "
+          f"GFLOPS")
+    for name, total in op_ms.most_common(TOP_OPS):
+        print(f"  {name:<52}{total / n:>9.1f} ms")
+    write_json(args.json, {"seconds": seconds, "steps": dict(steps),
+                           "unprofiled_step_ms": {k: wall_ms[k] / max(plain[k], 1) for k in plain},
+                           "kind": args.kind, "profiled_steps": profiled["steps"],
+                           "profiled_step_ms": profiled["wall_ms"] / n,
+                           "ops_ms_per_step": {k: v / n for k, v in op_ms.items()},
+                           "matmul_gflops": profiled["flops"] / max(matmul, 1e-9) / 1e6, "threads": threads})
+
+
+if __name__ == "__main__":
+    main()
