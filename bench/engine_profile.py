@@ -46,8 +46,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=64)
     args = parser.parse_args()
-    if args.every < 1:
-        parser.error("--every must be >= 1")
+    if args.every < 1 or args.requests < 1 or args.threads < 0:
+        parser.error("need --every >= 1, --requests >= 1 and --threads >= 0 (0: all cores)")
 
     threads = set_cpu_threads(args.threads)
     model_dir = str(default_model_dir())
