@@ -63,24 +63,20 @@ def main() -> None:
     def step(batch):
         kind = "prompt" if any(len(s.token_ids) > 1 for s in batch.sequences) else "decode"
         watch = kind == args.kind and steps[kind] % args.every == 0
-        if watch:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                started = time.perf_counter()     # the profiler's own start and stop left out
-                output = plain_step(batch)
-                took = (time.perf_counter() - started) * 1000
-        else:
+        steps[kind] += 1
+        if not watch:
             started = time.perf_counter()
             output = plain_step(batch)
-            took = (time.perf_counter() - started) * 1000
-            wall_ms[kind] += took
-            steps[kind] += 1
-        if watch:
-            steps[kind] += 1
-            for event in prof.key_averages():
-                op_ms[event.key] += event.self_cpu_time_total / 1000
-            profiled["steps"] += 1
-            profiled["wall_ms"] += took
-            profiled["flops"] += 2 * (layer_params * batch.num_tokens + head_params * len(output.tokens))
+            wall_ms[kind] += (time.perf_counter() - started) * 1000
+            return output
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()     # the profiler's own start and stop left out
+            output = plain_step(batch)
+            profiled["wall_ms"] += (time.perf_counter() - started) * 1000
+        for event in prof.key_averages():
+            op_ms[event.key] += event.self_cpu_time_total / 1000
+        profiled["steps"] += 1
+        profiled["flops"] += 2 * (layer_params * batch.num_tokens + head_params * len(output.tokens))
         return output
 
     engine.step = step
