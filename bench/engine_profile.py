@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.engine_throughput import BATCH, load_engine, make_workload, run_engine  # noqa: E402
+from bench.engine_throughput import (BATCH, OUTPUT_RANGE, PROMPT_RANGE, load_engine, make_workload,  # noqa: E402
+                                     run_engine, warmup_workload)
 from bench.harness import make_parser, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
@@ -31,12 +32,12 @@ from services.engine.device import set_cpu_threads  # noqa: E402
 TOP_OPS = 12
 
 
-def layer_and_head_params(config) -> tuple[int, int]:
-    """Matmul parameters per token in the decoder layers, and in the output head (per sampled row)."""
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv = hidden * (config.num_heads + 2 * config.num_kv_heads) * head_dim
-    per_layer = qkv + config.num_heads * head_dim * hidden + 3 * hidden * inter
-    return per_layer * config.num_layers, hidden * config.vocab_size
+def layer_and_head_params(model) -> tuple[int, int]:
+    """Matmul parameters per token in the decoder layers, and in the output head (per sampled
+    row), read off the loaded model's linear layers."""
+    layers = sum(linear.in_features * linear.out_features for layer in model.layers
+                 for linear in (layer.qkv, layer.out, layer.gate_up, layer.down))
+    return layers, model.lm_head.in_features * model.lm_head.out_features
 
 
 def main() -> None:
@@ -52,10 +53,10 @@ def main() -> None:
     threads = set_cpu_threads(args.threads)
     model_dir = str(default_model_dir())
     config = load_model_config(model_dir)
-    workload = make_workload(args.requests, args.seed, config.vocab_size, (16, 256), (16, 128))
-    engine = load_engine(model_dir, threads, 256, 128, "cpu", "float32")
-    run_engine(engine, make_workload(2, args.seed + 1, config.vocab_size, (8, 32), (4, 4)), 2)   # warm-up
-    layer_params, head_params = layer_and_head_params(config)
+    workload = make_workload(args.requests, args.seed, config.vocab_size, PROMPT_RANGE, OUTPUT_RANGE)
+    engine = load_engine(model_dir, threads, PROMPT_RANGE[1], OUTPUT_RANGE[1], "cpu", "float32")
+    run_engine(engine, warmup_workload(args.seed, config.vocab_size), 2)
+    layer_params, head_params = layer_and_head_params(engine.model)
 
     plain_step = engine.step
     wall_ms, steps, op_ms, profiled = Counter(), Counter(), Counter(), {"steps": 0, "wall_ms": 0.0, "flops": 0.0}

@@ -50,6 +50,8 @@ BATCH = 32                    # concurrency of the b32 phase, both sides
 # within run-to-run noise (46-48 s). 512 fits a whole default-max prompt next to 32 decodes.
 ENGINE_MAX_STEP_TOKENS = 512
 FIRST_PLAIN_TOKEN_ID = 100    # SmolLM2-style vocabularies keep special tokens (BOS, EOS...) below
+PROMPT_RANGE = (16, 256)      # default prompt and output lengths, tokens (--min/--max-prompt, -output)
+OUTPUT_RANGE = (16, 128)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,11 @@ def make_workload(count: int, seed: int, vocab: int, prompt_range: tuple[int, in
         prompt = [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range))]
         requests.append(Request(prompt, rng.randint(*output_range)))
     return requests
+
+
+def warmup_workload(seed: int, vocab: int) -> list[Request]:
+    """Two tiny requests run before the timed phases (allocator, kernel selection, lazy imports)."""
+    return make_workload(2, seed + 1, vocab, (8, 32), (4, 4))
 
 
 def useful_tokens(requests: list[Request]) -> int:
@@ -195,10 +202,10 @@ def parse_args() -> argparse.Namespace:
                         help="the engine's decode attention: the paged C kernel (CPU) or gather + SDPA")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
-    parser.add_argument("--min-prompt", type=int, default=16)
-    parser.add_argument("--max-prompt", type=int, default=256)
-    parser.add_argument("--min-output", type=int, default=16)
-    parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--min-prompt", type=int, default=PROMPT_RANGE[0])
+    parser.add_argument("--max-prompt", type=int, default=PROMPT_RANGE[1])
+    parser.add_argument("--min-output", type=int, default=OUTPUT_RANGE[0])
+    parser.add_argument("--max-output", type=int, default=OUTPUT_RANGE[1])
     args = parser.parse_args()
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         parser.error("need 1 <= min <= max for both prompt and output lengths")
@@ -232,7 +239,7 @@ def main() -> None:
         pad_id = config.eos_token_ids[0]
 
     # Warm-up outside the timed phases (allocator, kernel selection, lazy imports in generate()).
-    warmup = make_workload(2, args.seed + 1, config.vocab_size, (8, 32), (4, 4))
+    warmup = warmup_workload(args.seed, config.vocab_size)
     print("warming up", file=sys.stderr)
     run_engine(engine, warmup, max_running=2)
     hf_generate(hf, warmup, pad_id)

@@ -277,13 +277,12 @@ def main() -> None:
         print(f"per-request outcomes: {write_outcomes(outcomes, args.plots / f'outcomes_{policy}.csv')}",
               file=sys.stderr)
     report["policies"] = list(runs)
-    if not {"fcfs", "qos"} <= set(runs):      # no FCFS-vs-QoS table to print: the figures as JSON
+    if {"fcfs", "qos"} <= set(runs):
+        print_table(report)
+        for path in plot(report, runs, args.plots):
+            print(f"plot: {path}")
+    else:                                     # no FCFS-vs-QoS table to print: the figures as JSON
         print(json.dumps(report, indent=2))
-        write_json(args.json, report)
-        return
-    print_table(report)
-    for path in plot(report, runs, args.plots):
-        print(f"plot: {path}")
     write_json(args.json, report)
 
 
