@@ -222,7 +222,7 @@ class ContinuousBatcher:
             self.monitor.observe(result.device.utilization, link.pool.num_free / link.pool.num_blocks)
         for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
             if request.phase is Phase.RUNNING:
-                request.computed += num_tokens
+                request.advance(num_tokens)
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         for token in result.tokens:

@@ -36,12 +36,13 @@ class LaneWork:
         self._overdue_at_start: list[Request] = []
         prefills = []
         for request in running:
-            computed = request.computed
-            if request.num_tokens - computed > 1:
+            # pending and room, not computed against num_tokens and capacity: small ints for a
+            # decode, no int object to fetch per sequence (request.py)
+            if request.pending > 1:
                 prefills.append(request)
             elif not request.announced:
                 self.others[lane_by_priority[request.priority]].append(request)
-            elif computed < request.capacity:
+            elif request.room > 0:
                 self.ready[lane_by_priority[request.priority]].append(request)
             else:
                 self.boundary[lane_by_priority[request.priority]].append(request)

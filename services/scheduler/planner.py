@@ -274,7 +274,7 @@ class StepPlanner:
         self.policy.remove(request)
         request.phase = Phase.RUNNING
         request.worker = worker.index
-        request.computed = 0
+        request.reset_cache()
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
@@ -329,8 +329,7 @@ class StepPlanner:
         """Take a running request off its worker: blocks back to the pool, state dropped there."""
         if request.blocks and worker.pool is not None:
             worker.pool.free(request.priority, request.blocks)
-        request.blocks, request.new_blocks, request.capacity = [], [], 0
-        request.computed = 0
+        request.reset_cache()
         if request.announced:
             self.to_release[worker.index].append(request.seq_id)
         request.announced = False

@@ -3,6 +3,7 @@ messages, then either a final chunk (finish_reason set) or a ServiceError saying
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,17 +22,22 @@ class Phase(Enum):
 class Request:
     # What planning reads of every running sequence every step comes first, side by side: the
     # slots are laid out in this order, so a plan touches a cache line or two per sequence rather
-    # than one per field (on a busy pool, most of a plan's time is waiting on memory).
-    seq_id: int
+    # than one per field (on a busy pool, most of a plan's time is waiting on memory). `pending`
+    # and `room` are kept as numbers beside the counts they derive from because for a decoding
+    # sequence they are small (1, and 0-15 with 16-token blocks): Python shares one object for
+    # each small int, always in cache, where `computed` or `capacity` is an int object of its
+    # own somewhere on the heap, one more cache miss per sequence and step.
+    pending: int = field(init=False, default=0)     # num_tokens - computed
+    room: int = field(init=False, default=0)        # capacity - computed: free places in its blocks
+    announced: bool = False          # the worker was told of it (prompt, or all tokens again after a preemption)
     priority: int
     tenant: str
     phase: Phase = Phase.WAITING
-    # The worker's view: whether it was told of the sequence (the prompt, or after a preemption
-    # the prompt plus output so far) and how many of all tokens are in its KV cache.
-    announced: bool = False
+    seq_id: int
+    # Tokens in the worker's KV cache, tokens known (prompt + output) and tokens its blocks hold.
+    # Change them only through advance(), add_output(), add_blocks(), set_output() and
+    # reset_cache(), which keep `pending` and `room` in step.
     computed: int = 0
-    # Tokens known (prompt + output) and tokens its blocks hold: numbers, so that planning need
-    # not read the lists' lengths (three more objects per sequence).
     num_tokens: int = field(init=False, default=0)
     capacity: int = 0                # len(blocks) x the pool's block size
     request_id: str
@@ -59,31 +65,48 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def __post_init__(self) -> None:
+        # One str object per tenant, shared by all its requests: a plan counts tokens by tenant
+        # for every running sequence, and a shared name is found in those dicts by identity with
+        # its hash in cache, where a name of each request's own (as decoded from each message) is
+        # one more object to fetch from memory per sequence and step.
+        self.tenant = sys.intern(self.tenant)
         self.num_tokens = len(self.prompt_ids) + len(self.output_ids)
+        self.pending = self.num_tokens - self.computed
+        self.room = self.capacity - self.computed
 
     def add_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.num_tokens += 1
+        self.pending += 1
+
+    def advance(self, tokens: int) -> None:
+        """The worker computed `tokens` more of its tokens (a step's answer)."""
+        self.computed += tokens
+        self.pending -= tokens
+        self.room -= tokens
 
     def add_blocks(self, blocks: list[int] | tuple[int, ...], block_size: int) -> None:
         """KV blocks granted to it, `capacity` kept in step."""
         self.blocks.extend(blocks)
         self.capacity = len(self.blocks) * block_size
+        self.room = self.capacity - self.computed
+
+    def reset_cache(self) -> None:
+        """Nothing of it in a worker's KV cache any more, and no blocks (admitted anew, released,
+        preempted): every known token is pending again."""
+        self.blocks, self.new_blocks = [], []
+        self.computed = self.capacity = self.room = 0
+        self.pending = self.num_tokens
 
     def set_output(self, token_ids: list[int]) -> None:
         """Output so far, as another pool streamed it (a resumed request)."""
         self.output_ids = token_ids
         self.num_tokens = len(self.prompt_ids) + len(token_ids)
+        self.pending = self.num_tokens - self.computed
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    @property
-    def pending(self) -> int:
-        """Tokens known but not yet in the KV cache: the rest of the prompt, or the last sampled
-        token (or, after a preemption, everything again)."""
-        return self.num_tokens - self.computed
 
     def wall_ns(self, moment: float) -> int:
         """A perf_counter moment as wall-clock nanoseconds (span timestamps)."""

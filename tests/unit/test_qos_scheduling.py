@@ -164,6 +164,11 @@ def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_block
         assert pool.held(LOW) <= cap_blocks(pool.num_blocks, 0.3)
         assert pool.held(MEDIUM) <= cap_blocks(pool.num_blocks, 0.7)
         assert step < 5000, "no progress"
+        for request in h.requests:      # the counts planning reads stay in step through preemptions
+            assert request.num_tokens == len(request.prompt_ids) + len(request.output_ids)
+            assert request.capacity == len(request.blocks) * BLOCK
+            assert request.pending == request.num_tokens - request.computed
+            assert request.room == request.capacity - request.computed
     for request in h.requests:
         got = events(request)
         finals = [e for e in got if isinstance(e, ServiceError) or e.finish_reason]
