@@ -56,8 +56,9 @@ class StepPlanner:
         self.preempted_by_priority: Counter = Counter()
         self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
+        self.running_by_class: dict[int, Counter] = {}   # per worker: running sequences per priority
         self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
-        self.room = Room(policy, self.running, self.preempt)
+        self.room = Room(policy, self.running, self.running_by_class, self.preempt)
 
     def lanes_running(self) -> set[int]:
         """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
@@ -65,12 +66,14 @@ class StepPlanner:
 
     def add_worker(self, index: int) -> None:
         self.running.setdefault(index, [])
+        self.running_by_class.setdefault(index, Counter())
         self.to_release.setdefault(index, [])
 
     def remove_worker(self, index: int) -> None:
         """Forget a worker that left; its sequences were moved off it first."""
         assert not self.running.get(index), "remove_worker with sequences still on it"
         self.running.pop(index, None)
+        self.running_by_class.pop(index, None)
         self.to_release.pop(index, None)
 
     def plan(self, worker: Worker, step_id: int, admits: bool = True, cost: StepCost | None = None,
@@ -279,6 +282,7 @@ class StepPlanner:
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
         self.running_per_lane[self.policy.lane_of(request)] += 1
+        self.running_by_class[worker.index][request.priority] += 1
         self.admitted[worker.index] += 1
         return True
 
@@ -336,3 +340,4 @@ class StepPlanner:
         request.worker = None
         self.running[worker.index].remove(request)
         self.running_per_lane[self.policy.lane_of(request)] -= 1
+        self.running_by_class[worker.index][request.priority] -= 1

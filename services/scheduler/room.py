@@ -8,6 +8,7 @@ least work. Pure Python, tested through the planner (tests/unit/test_qos_schedul
 """
 from __future__ import annotations
 
+from collections import Counter
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
@@ -63,9 +64,10 @@ class Room:
     """Blocks and slots for requests on the workers' running lists (shared with the planner)."""
 
     def __init__(self, policy: SchedulingPolicy, running: dict[int, list[Request]],
-                 preempt: Callable[[Worker, Request], None]):
+                 running_by_class: dict[int, Counter], preempt: Callable[[Worker, Request], None]):
         self.policy = policy
         self.running = running
+        self.running_by_class = running_by_class       # per worker: running sequences per priority
         self._preempt = preempt
 
     def victims(self, worker: Worker, builder: StepBuilder, requester: Request,
@@ -83,6 +85,11 @@ class Room:
         if any."""
         if not self.policy.admission_may_preempt(request):
             return False
+        if not self._unscheduled_below(worker, builder, request.priority):
+            # Every lower-class sequence has work in this step already, and none of those is
+            # displaced: on a full pool that is most admission attempts late in a plan, and
+            # finding it out from the victim order would sort them all first.
+            return False
         victims = self.victims(worker, builder, request, admitting=True)
         for i in range(builder.slot_cursor, len(victims)):
             victim = victims[i]
@@ -97,6 +104,13 @@ class Room:
                 builder.note_victim(victim)
                 return True
         return False
+
+    def _unscheduled_below(self, worker: Worker, builder: StepBuilder, priority: int) -> bool:
+        """Some sequence of a class below `priority` runs on the worker and is not scheduled yet
+        in this step (counted, not looked for)."""
+        scheduled = builder.sequences_by_priority
+        return any(count > scheduled[lower] for lower, count in self.running_by_class[worker.index].items()
+                   if lower > priority)
 
     def class_cap(self, pool: KVBlockPool, priority: int) -> int:
         """The most blocks the class may hold on this worker under its cap."""

@@ -53,6 +53,7 @@ class StepBuilder:
         self.victims: VictimOrder | None = None     # running sequences in preemption order (room.py)
         self.slot_cursor = 0          # victims before it are preempted or scheduled already
         self.served: Counter = Counter()              # tokens scheduled per priority
+        self.sequences_by_priority: Counter = Counter()   # sequences scheduled per priority
         # Tokens scheduled per lane and tenant, not yet charged to the tenant's share.
         self.uncharged: dict[int, Counter] = {}
 
@@ -130,6 +131,7 @@ class StepBuilder:
             request.new_blocks = []
         self.scheduled_requests.append(request)
         self.scheduled_tokens.append(num_tokens)
+        self.sequences_by_priority[request.priority] += 1
         self.budget -= num_tokens
 
     def add_decodes(self, requests: list[Request], lane: int, lane_is_class: bool) -> int:
@@ -141,8 +143,10 @@ class StepBuilder:
         self.budget -= len(requests)
         if lane_is_class:
             self.served[lane] += len(requests)
+            self.sequences_by_priority[lane] += len(requests)
         else:
             self.served.update(map(_PRIORITY, requests))
+            self.sequences_by_priority.update(map(_PRIORITY, requests))
         self.uncharged.setdefault(lane, Counter()).update(map(_TENANT, requests))
         return len(requests)
 
