@@ -101,9 +101,10 @@ def test_kv_need_over_the_class_cap_is_refused_at_once(tight_cluster):
 def test_queue_overflow_is_refused_with_retry_after(tight_cluster):
     async def go():
         async with RouterClient(tight_cluster.router_address) as client:
-            # Low can run ~4 of these at once within its 13 blocks; 2 more may wait; the rest
-            # must be refused rather than queued without bound.
-            return await asyncio.gather(*[outcome(client, f"Tell me about {i}.", "low", 100)
+            # Sent at once, all 14 arrive well before the first finishes (24 tokens): Low runs 3
+            # of these (~60 tokens, 4 blocks each) within its 13 blocks, 2 more may wait, and the
+            # rest must be refused rather than queued without bound.
+            return await asyncio.gather(*[outcome(client, f"Tell me about {i}.", "low", 24)
                                           for i in range(14)])
 
     results = run(go())
