@@ -38,10 +38,12 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
     chunk = common_pb2.GenerateChunk(request_id=request.request_id, text=text,
                                      token_ids=[token_id], pool=pool)
     if reason is None:
-        chunk.timings.CopyFrom(timings(request))
         if len(request.output_ids) == request.resumed + 1:
-            # The first chunk tells the prompt's size: the router bills a request that ends early.
+            # The first chunk tells the prompt's size (the router bills a request that ends early)
+            # and the queueing and TTFT so far. Later chunks repeat neither: they would say the
+            # same on every token (a message each, built and sent per token) until the last.
             chunk.usage.prompt_tokens = len(request.prompt_ids)
+            chunk.timings.CopyFrom(timings(request))
         return chunk
     if not detok.stopped:
         chunk.text += detok.flush()       # text held back in case a stop string was starting

@@ -201,6 +201,31 @@ def test_unknown_policy_is_refused():
         create_policy("lottery")
 
 
+def test_the_first_chunk_tells_prompt_size_and_ttft_the_last_everything_and_the_rest_only_tokens():
+    request = make_request(1, prompt_len=5, max_tokens=4)
+    chunks = []
+
+    async def run():      # stepped by hand, so that every chunk is seen as it was put
+        links = [SimulatedWorker(0, 64)]
+        batcher = ContinuousBatcher("sim", links, create_policy("fcfs"), 8, 16)
+        batcher.submit(request)
+        for _ in range(20):          # prompt, 4 tokens: a few steps; bounded, never a hang
+            if len(chunks) == 4:
+                break
+            await batcher.step()
+            while not request.events.empty():
+                chunks.append(request.events.get_nowait())
+
+    asyncio.run(run())
+    first, *middle, last = chunks
+    assert first.usage.prompt_tokens == 5 and first.HasField("timings") and first.timings.ttft_ms > 0
+    assert first.timings.e2e_ms == 0
+    assert middle and all(not c.HasField("timings") and not c.HasField("usage") for c in middle)
+    assert all(len(c.token_ids) == 1 for c in chunks)
+    assert last.finish_reason and last.usage.completion_tokens == 4 and last.timings.e2e_ms > 0
+    assert last.timings.ttft_ms == first.timings.ttft_ms
+
+
 def test_queued_chunks_are_coalesced_without_losing_anything():
     async def scenario():
         queue: asyncio.Queue = asyncio.Queue()
