@@ -82,14 +82,14 @@ class CpuBackend(DeviceBackend):
 
     @property
     def name(self) -> str:
-        for line in _read_lines("/proc/cpuinfo"):
+        for line in read_lines("/proc/cpuinfo"):
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
         return platform.machine() or "unknown CPU"
 
     def memory(self) -> MemoryInfo:
         fields = {}
-        for line in _read_lines("/proc/meminfo"):
+        for line in read_lines("/proc/meminfo"):
             key, _, rest = line.partition(":")
             if key in ("MemAvailable", "MemTotal"):
                 fields[key] = int(rest.split()[0]) * 1024
@@ -254,7 +254,8 @@ def _nvml_handle(index: int):
         return None
 
 
-def _read_lines(path: str) -> list[str]:
+def read_lines(path: str) -> list[str]:
+    """A /proc file's lines, or none where it cannot be read (not Linux, a sandbox)."""
     try:
         with open(path) as f:
             return f.readlines()

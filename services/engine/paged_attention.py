@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from services.common.paths import cache_root
-from services.engine.device import _read_lines
+from services.engine.device import read_lines
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ _loaded: dict[str, object] = {}   # "kernel": the DecodeKernel or None once trie
 
 
 def _cpu_flags() -> set[str]:
-    for line in _read_lines("/proc/cpuinfo"):
+    for line in read_lines("/proc/cpuinfo"):
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
