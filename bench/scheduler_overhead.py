@@ -3,8 +3,12 @@
 queued sequences.
 
 The real batcher and QoS policy plan steps for one worker whose execution is simulated (each
-scheduled sequence advances, sampling a fixed token), so only planning is timed: per step,
-plan_step() (reaping, lane choice, block allocation, preemption, the StepPlan protobuf).
+scheduled sequence advances, sampling a fixed token), so only the scheduler's work is timed:
+per step, plan_step() (reaping, lane choice, block allocation, preemption, the StepPlan
+protobuf), and postprocessing (below). After each step every stream's chunks are taken off its
+queue, untimed, as the Submit handlers that read them do in a server (until 2026-12-01 they were
+left there: ~70,000 chunks alive that no server holds, which slowed planning by ~10% at p50 and
+~25% at p99).
 
 Headline: 256 sequences running (mixed priorities, 50 tenants of weights 1-3), 1,000 queued
 behind the max_running limit. Requests finish (outputs of 32-512 tokens) and the queue is topped
@@ -14,6 +18,12 @@ running), fewer steps each; the cost per step should grow with running sequences
 
     python bench/scheduler_overhead.py [--json PATH] [--steps N] [--running N] [--queued N]
                                        [--tenants N] [--no-curves]
+
+Also timed, beside the plan: postprocessing, what the scheduler does with the step's answer
+before it can plan the next one (every sampled token into its stream's chunk: detokenizing with a
+stand-in decoder, stop strings, the chunk, the request's queue; requests finishing), the
+simulated worker's own time left out. At 256 running it is the larger part of a step's
+scheduling.
 
 Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run.
 Target (issue 20): plan p99 <= 1,000 us, <= 600 us where python_loop_ns <= 80.
@@ -64,26 +74,47 @@ class Workload:
                        detokenizer=IncrementalDetokenizer(NullDecoder(), prompt))
 
 
+class TimedSimWorker(SimWorker):
+    """The instant worker, adding up how long building its answers took: simulation, not
+    scheduling, so left out of the postprocessing time."""
+    answer_seconds = 0.0
+
+    def answer(self, plan):
+        started = time.perf_counter()
+        try:
+            return super().answer(plan)
+        finally:
+            self.answer_seconds += time.perf_counter() - started
+
+
 def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
             label: str) -> dict:
-    """Plan `steps` steps at steady state; returns p50/p99 in us and what the steps did."""
-    worker = SimWorker(num_blocks=running * 64, address="instant")
+    """Plan `steps` steps at steady state; returns p50/p99 in us of planning and of
+    postprocessing, and what the steps did."""
+    worker = TimedSimWorker(num_blocks=running * 64, address="instant")
     batcher = ContinuousBatcher("bench", [worker], create_policy(policy),
                                 max_running=running, max_step_tokens=2 * running)
     workload = Workload(tenants)
     for _ in range(running + queued):
         batcher.submit(workload.request())
 
-    async def step() -> float:
+    async def step() -> tuple[float, float]:
         started = time.perf_counter()
         builders = batcher.plan_step()
-        elapsed = time.perf_counter() - started
+        planned = time.perf_counter()
+        answering = worker.answer_seconds
         await batcher.execute(builders)
+        postprocessed = time.perf_counter() - planned - (worker.answer_seconds - answering)
+        for builder in builders.values():           # the streams' readers (Submit handlers), untimed
+            for request in builder.scheduled_requests:
+                events = request.events
+                while not events.empty():
+                    events.get_nowait()
         for _ in range(running + queued - len(batcher.policy) - len(batcher.running[0])):
             batcher.submit(workload.request())     # keep the pool as full as it started
-        return elapsed
+        return planned - started, postprocessed
 
-    async def run() -> list[float]:
+    async def run() -> tuple[list[tuple[float, float]], int, int]:
         # Warm up: every slot taken and the first wave of prompts prefilled.
         while len(batcher.running[0]) < running or any(r.pending > 1 for r in batcher.running[0]):
             await step()
@@ -92,9 +123,11 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
         return times, sum(batcher.planner.admitted.values()) - admitted, batcher.preemptions - preempted
 
     times, admitted, preempted = asyncio.run(run())
-    times_us = [t * 1e6 for t in times]
+    plan_us = [plan * 1e6 for plan, _ in times]
+    post_us = [post * 1e6 for _, post in times]
     return {"running": running, "queued": queued, "steps": steps,
-            "p50_us": quantile(times_us, 0.5), "p99_us": quantile(times_us, 0.99),
+            "p50_us": quantile(plan_us, 0.5), "p99_us": quantile(plan_us, 0.99),
+            "postprocess_p50_us": quantile(post_us, 0.5), "postprocess_p99_us": quantile(post_us, 0.99),
             "admitted_per_step": admitted / steps, "preempted_per_step": preempted / steps}
 
 
@@ -122,13 +155,18 @@ def main() -> None:
     print(f"plan_step: p50 {head['p50_us']:.0f} us, p99 {head['p99_us']:.0f} us (target p99 <= {target} us "
           f"at this python_loop_ns); per step {head['admitted_per_step']:.2f} admitted, "
           f"{head['preempted_per_step']:.2f} preempted")
+    print(f"postprocess: p50 {head['postprocess_p50_us']:.0f} us, p99 {head['postprocess_p99_us']:.0f} us a step "
+          f"(the step's sampled tokens into their streams; no target)")
     print(calibration_line(loop_ns))
     if curves:
-        print(f"\n{'running':>8} {'queued':>8} {'p50 us':>8} {'p99 us':>8} {'p50 us/running':>15}")
+        print(f"\n{'running':>8} {'queued':>8} {'p50 us':>8} {'p99 us':>8} {'p50 us/running':>15} "
+              f"{'postprocess p50 us':>19}")
         for c in curves:
             print(f"{c['running']:>8} {c['queued']:>8} {c['p50_us']:>8.0f} {c['p99_us']:>8.0f} "
-                  f"{c['p50_us'] / c['running']:>15.2f}")
+                  f"{c['p50_us'] / c['running']:>15.2f} {c['postprocess_p50_us']:>19.0f}")
     write_json(args.json, {"plan_p50_us": head["p50_us"], "plan_p99_us": head["p99_us"],
+                           "postprocess_p50_us": head["postprocess_p50_us"],
+                           "postprocess_p99_us": head["postprocess_p99_us"],
                            "policy": args.policy, "running": head["running"], "queued": head["queued"],
                            "tenants": args.tenants, "steps": args.steps,
                            "admitted_per_step": head["admitted_per_step"],
