@@ -226,6 +226,49 @@ def test_the_first_chunk_tells_prompt_size_and_ttft_the_last_everything_and_the_
     assert last.timings.ttft_ms == first.timings.ttft_ms
 
 
+class StreamWatchingWorker(SimulatedWorker):
+    """Notes, as each plan arrives, how many of the watched request's tokens the scheduler has
+    taken and how many have reached its stream (nobody reads the stream meanwhile). It answers
+    after a moment, as a worker across a connection does, not within the call."""
+
+    def __init__(self, index: int, num_blocks: int, watched: Request):
+        super().__init__(index, num_blocks)
+        self.watched = watched
+        self.seen: list[tuple[int, int]] = []
+
+    async def execute(self, plan):
+        self.seen.append((len(self.watched.output_ids), self.watched.events.qsize()))
+        await asyncio.sleep(0.002)
+        return await super().execute(plan)
+
+
+def test_in_the_loop_the_next_plan_goes_out_before_the_last_steps_tokens_reach_their_streams():
+    request = make_request(1, prompt_len=5, max_tokens=6)
+
+    async def go():
+        worker = StreamWatchingWorker(0, 64, request)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        batcher.submit(request)
+        try:
+            for _ in range(500):                  # the stream is read only at the end
+                if request.finished_at is not None:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)             # the last chunk goes out once the loop is idle
+            return worker, await asyncio.wait_for(drain(request), 5)
+        finally:
+            loop.cancel()
+
+    worker, (tokens, _, final) = asyncio.run(go())
+    # Each plan after the first token found that token taken but not yet streamed: the stream
+    # handlers wake only once the plan is on its way (ContinuousBatcher.execute).
+    decoding = [(taken, streamed) for taken, streamed in worker.seen if taken]
+    assert decoding and all(streamed == taken - 1 for taken, streamed in decoding)
+    # ... and nothing is lost or reordered for it, the last token and its final chunk included.
+    assert tokens == expected_output(request) and final.finish_reason
+
+
 def test_queued_chunks_are_coalesced_without_losing_anything():
     async def scenario():
         queue: asyncio.Queue = asyncio.Queue()
