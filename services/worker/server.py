@@ -68,6 +68,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                       buckets=TOKEN_BUCKETS + (5.0, 10.0), registry=self.registry)
         self.step_tokens = Counter("qos_worker_tokens_total", "Tokens computed (prefill + decode)",
                                    registry=self.registry)
+        self.plan_wait = Histogram("qos_worker_plan_wait_seconds",
+                                   "Between two steps with work: from sending an answer to receiving the next plan "
+                                   "(the scheduler's turn, transport included)",
+                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+                                   registry=self.registry)
         self.registry.register(StateCollector(self._state_metrics))
         self.tracer = setup_tracing("worker")
         self.tracing = tracing_configured()
@@ -145,11 +150,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                                    "(one Execute stream at a time)")
             self.stream_open = True
             loop = asyncio.get_running_loop()
+            answered_at = None       # when the last step with work was answered
             try:
                 async for plan in request_iterator:
+                    if answered_at is not None and plan.scheduled_seq_ids:
+                        self.plan_wait.observe(time.perf_counter() - answered_at)
                     result = await loop.run_in_executor(self.executor, self._run_plan, plan)
                     result.draining = self.drain.draining
                     yield result
+                    answered_at = time.perf_counter() if plan.scheduled_seq_ids else None
                     if result.draining and not self.table:
                         # The scheduler has been told and we hold nothing: the drain is done.
                         log.info("draining: no sequence left; ending the execute stream")

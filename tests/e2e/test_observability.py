@@ -71,6 +71,10 @@ def test_worker_exposes_step_metrics(loaded_cluster):
     samples = scrape(worker.host, worker.metrics_port)
     assert samples[("qos_worker_step_seconds_count", ())] > 0
     assert samples[("qos_worker_active_sequences", ())] == 0
+    # The wait for the next plan, between steps with work (the first after idle is no wait).
+    waits = samples[("qos_worker_plan_wait_seconds_count", ())]
+    assert 0 < waits < samples[("qos_worker_step_seconds_count", ())]
+    assert samples[("qos_worker_plan_wait_seconds_sum", ())] > 0
 
 
 def test_stats_command_shows_the_cluster_per_priority(loaded_cluster):
