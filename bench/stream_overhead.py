@@ -29,7 +29,6 @@ from bench.harness import machine, make_parser, model_or_bench, write_json  # no
 from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
-from services.common.step import SamplingParams  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 
 
@@ -38,18 +37,17 @@ def prompt(i: int) -> str:
 
 
 def engine_alone(model: str, streams: int, tokens: int) -> float:
-    """Tokens per second of BatchRunner over the same prompts, one thread."""
-    from services.engine.batch_runner import BatchRunner, GenerationRequest
+    """Tokens per second of bench/engine_throughput.py's BatchRunner run (greedy, exactly `tokens`
+    each, the same step budget as the scheduler's default) over the same prompts, one thread."""
+    from bench.engine_throughput import Request, run_engine
     from services.engine.engine import Engine, EngineConfig
     tokenizer = TextTokenizer.from_model_dir(model)
     engine = Engine(EngineConfig(model_dir=model, num_threads=1, kv_cache_bytes=512 * 2**20))
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    batch = [GenerationRequest(tokenizer.encode_chat([{"role": "user", "content": prompt(i)}]), params)
+    batch = [Request(tokenizer.encode_chat([{"role": "user", "content": prompt(i)}]), tokens)
              for i in range(streams)]
-    BatchRunner(engine, max_running=streams).run(batch[:2])          # warm-up
-    started = time.perf_counter()
-    results = BatchRunner(engine, max_running=streams).run(batch)
-    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - started)
+    run_engine(engine, batch[:2], max_running=2)                      # warm-up
+    seconds, _ = run_engine(engine, batch, max_running=streams)
+    return streams * tokens / seconds
 
 
 def worker_metrics(port: int) -> dict[str, float]:
