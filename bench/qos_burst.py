@@ -58,7 +58,7 @@ import grpc  # noqa: E402
 
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
-from bench.qos_report import Sample, plot, print_table, summarise, write_outcomes  # noqa: E402
+from bench.qos_report import Sample, plot, print_table, summarise, ttft_parts, write_outcomes  # noqa: E402
 from bench.qos_workloads import (STEADY_SHARES, TRACES, burst_workload, saturation_workload,  # noqa: E402
                                  steady_workload, trace_workload)
 from services.cluster import LocalCluster  # noqa: E402
@@ -120,13 +120,13 @@ def idle_probe_jobs(jobs: list[Job]) -> list[Job]:
             for i, j in enumerate(picks)]
 
 
-async def idle_high_ttft(front: Front, jobs: list[Job]) -> float:
-    """P50 TTFT of the idle probes (NaN without High jobs, or if none succeeded)."""
+async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
+    """The idle probes' P50 TTFT, and the P50 of each of its parts (qos_report.ttft_parts); NaN
+    without High jobs or if none succeeded (the parts are NaN over HTTP too)."""
     probes = idle_probe_jobs(jobs)
-    if not probes:
-        return float("nan")
-    outcomes, _ = await run_clients(front, probes)
-    return quantile([o.ttft_ms for o in outcomes if o.ok], 0.5)
+    outcomes = [o for o in (await run_clients(front, probes))[0] if o.ok] if probes else []
+    return {"idle_high_p50_ttft_ms": quantile([o.ttft_ms for o in outcomes], 0.5),
+            "idle_high_p50_ttft_parts_ms": ttft_parts(outcomes, 0.5)}
 
 
 # QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
@@ -173,7 +173,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
         log_dir.mkdir(parents=True, exist_ok=True)
     with LocalCluster(config, log_dir=log_dir, quiet=True) as cluster, \
             (during(cluster) if during else contextlib.nullcontext()):
-        idle_ms = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
+        idle = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
         before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:
             outcomes, samples, wall = asyncio.run(run_jobs(Front.of(args.front, cluster),
@@ -183,8 +183,8 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
     summary["preemptions"] = stats.preemptions - before.preemptions
-    summary["idle_high_p50_ttft_ms"] = idle_ms
-    summary["high_p99_ttft_over_idle"] = summary["high_p99_ttft_ms"] / idle_ms
+    summary.update(idle)
+    summary["high_p99_ttft_over_idle"] = summary["high_p99_ttft_ms"] / idle["idle_high_p50_ttft_ms"]
     # Work preemption threw away: tokens preempted sequences had computed (done again later),
     # over all tokens computed during the workload.
     computed = sum(c.served_tokens for c in stats.classes) - sum(c.served_tokens for c in before.classes)

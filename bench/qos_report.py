@@ -36,6 +36,14 @@ def write_outcomes(outcomes: list[Outcome], path: Path) -> Path:
     return path
 
 
+def ttft_parts(outcomes: list[Outcome], q: float) -> list[float]:
+    """The q-quantile of each part of these requests' TTFT (ms): waiting at the scheduler to be
+    scheduled, from then to the first token there, and the rest (router, client, the hops)."""
+    parts = [(o.server_queue_ms, o.server_ttft_ms - o.server_queue_ms, o.ttft_ms - o.server_ttft_ms)
+             for o in outcomes]
+    return [quantile([p[i] for p in parts], q) for i in range(3)]
+
+
 def summarise(outcomes: list[Outcome], low_kv_peak_blocks: int, total_blocks: int) -> dict:
     def of(priority):
         return [o for o in outcomes if o.priority == priority]
@@ -47,6 +55,10 @@ def summarise(outcomes: list[Outcome], low_kv_peak_blocks: int, total_blocks: in
         "high_p99_e2e_ms": quantile([o.e2e_ms for o in ok["high"]], 0.99),
         # Where High's time goes: the scheduler's own view, without the gRPC hops and client.
         "high_p99_server_ttft_ms": quantile([o.server_ttft_ms for o in ok["high"]], 0.99),
+        # Where a High request's first token goes, each part's P99 over the requests: waiting at
+        # the scheduler to be scheduled (the step in flight, the loop), from there to its first
+        # token (its own step), and outside the scheduler (router, client, the hops).
+        "high_p99_ttft_parts_ms": ttft_parts(ok["high"], 0.99),
         "high_p50_ttft_ms": quantile([o.ttft_ms for o in ok["high"]], 0.5),
         "high_success_rate": len(ok["high"]) / max(1, len(of("high"))),
         "medium_p99_ttft_ms": quantile([o.ttft_ms for o in ok["medium"]], 0.99),
@@ -63,7 +75,10 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
         ("high_p50_ttft_ms", "High P50 TTFT (ms)", "{:.0f}"),
         ("idle_high_p50_ttft_ms", "High P50 TTFT, idle (ms)", "{:.0f}"),
         ("high_p99_ttft_over_idle", "High P99 / idle P50", "{:.2f}"),
-        ("high_p99_server_ttft_ms", "High P99 TTFT at scheduler", "{:.0f}"), ("high_p99_e2e_ms", "High P99 e2e (ms)", "{:.0f}"),
+        ("high_p99_server_ttft_ms", "High P99 TTFT at scheduler", "{:.0f}"),
+        ("high_p99_ttft_parts_ms", "High P99 wait/step/rest", "{:.0f}/{:.0f}/{:.0f}"),
+        ("idle_high_p50_ttft_parts_ms", "idle P50 wait/step/rest", "{:.0f}/{:.0f}/{:.0f}"),
+        ("high_p99_e2e_ms", "High P99 e2e (ms)", "{:.0f}"),
         ("high_success_rate", "High success rate", "{:.1%}"), ("medium_p99_ttft_ms", "Medium P99 TTFT (ms)", "{:.0f}"),
         ("low_tok_s", "Low throughput (tok/s)", "{:.0f}"), ("low_kv_peak_frac", "Low KV peak (% blocks)", "{:.1%}"),
         ("rejected_high", "rejected High", "{}"), ("rejected_medium", "rejected Medium", "{}"),
@@ -84,8 +99,12 @@ def print_table(report: dict) -> None:
                 and key != "high_success_rate":
             # Big drops read better as "how many times lower" than as 0.00x.
             change = f"{a / b:,.0f}x lower" if a / b >= 10 else f"{b / a:.2f}x"
-        print(f"{label:<26}{fmt.format(a):>12}{fmt.format(b):>12}{change:>14}"
-              + "".join(f"{fmt.format(report[name][key]):>14}" for name in extra))
+        print(f"{label:<26}{cell(fmt, a):>12}{cell(fmt, b):>12}{change:>14}"
+              + "".join(f"{cell(fmt, report[name][key]):>14}" for name in extra))
+
+
+def cell(fmt: str, value) -> str:
+    return fmt.format(*value) if isinstance(value, list) else fmt.format(value)
 
 
 def plot(report: dict, runs: dict[str, tuple[list[Outcome], list[Sample]]], directory: Path) -> list[Path]:
