@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Iterable
+from itertools import repeat
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -61,9 +62,12 @@ class KVBlockPool:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > len(self._free):
             return None
-        taken = [self._free.pop() for _ in range(num_blocks)]
-        for block in taken:
-            self._owner_of[block] = owner
+        if not num_blocks:
+            return []
+        free = self._free
+        taken = free[:-num_blocks - 1:-1]       # popped from the end, in that order
+        del free[-num_blocks:]
+        self._owner_of.update(zip(taken, repeat(owner)))
         self._held[owner] += num_blocks
         return taken
 

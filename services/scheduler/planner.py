@@ -21,7 +21,6 @@ from typing import Protocol
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 from services.common.priority import HIGH
-from services.common.proto.qos.v1 import worker_pb2
 from services.common.wire import engine_sampling
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
@@ -147,7 +146,7 @@ class StepPlanner:
                 if not ready:
                     continue
             if ready:
-                if boundary and not self._grant_blocks(worker, builder, ready):
+                if boundary and not self._grant_blocks(worker, builder, ready, lane):
                     taken += self._schedule_each(worker, builder, ready, lane)   # short of room
                     continue
                 taken += builder.add_decodes(ready, lane, self.policy.lane_is_class)
@@ -194,14 +193,14 @@ class StepPlanner:
             self.policy.charge(lane, taken)
         return taken
 
-    def _grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request]) -> bool:
-        """A block each for decodes whose next token starts one, all at once, when the pool and
-        every class's cap have room for all of them (the common case); else False, nothing taken:
-        then each goes through _schedule, which preempts or yields as the policy allows."""
+    def _grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request], lane: int) -> bool:
+        """A block each for decodes whose next token starts one (all of `lane`), all at once, when
+        the pool and every class's cap have room for all of them (the common case); else False,
+        nothing taken: then each goes through _schedule, which preempts or yields as the policy allows."""
         pool = worker.pool
         if len(decodes) > pool.num_free:
             return False
-        by_class = Counter(map(_PRIORITY, decodes))
+        by_class = {lane: len(decodes)} if self.policy.lane_is_class else Counter(map(_PRIORITY, decodes))
         for priority, count in by_class.items():
             if pool.held(priority) + count > self.room.cap(pool, priority):
                 return False
@@ -311,10 +310,10 @@ class StepPlanner:
             request.add_blocks(blocks, pool.block_size)
             request.new_blocks.extend(blocks)
         if not request.announced:
-            builder.plan.new_sequences.append(worker_pb2.NewSequence(
+            builder.plan.new_sequences.add(     # built in place (append would copy it in)
                 seq_id=request.seq_id, prompt_token_ids=request.all_ids,
                 sampling=engine_sampling(request.sampling), num_generated=len(request.output_ids),
-                traceparent=request.traceparent, lora=request.lora))
+                traceparent=request.traceparent, lora=request.lora)
             request.announced = True
         builder.add(request, num_tokens)
         return num_tokens

@@ -147,7 +147,10 @@ class StepBuilder:
         else:
             self.served.update(map(_PRIORITY, requests))
             self.sequences_by_priority.update(map(_PRIORITY, requests))
-        self.uncharged.setdefault(lane, Counter()).update(map(_TENANT, requests))
+        uncharged = self.uncharged.get(lane)
+        if uncharged is None:
+            uncharged = self.uncharged[lane] = Counter()
+        uncharged.update(map(_TENANT, requests))
         return len(requests)
 
     def note_served(self, request: Request, tokens: int, lane: int) -> None:
