@@ -91,7 +91,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # A thread per class: the intake admits one request of each class at a time, and a High
+        # prompt is not tokenized after a long Low one (the tokenizer releases the GIL as it works).
+        self.tokenizer_thread = ThreadPoolExecutor(len(ORDER), thread_name_prefix="tokenizer")
         self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.

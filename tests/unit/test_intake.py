@@ -103,3 +103,56 @@ def test_a_high_request_arriving_during_a_backlog_overtakes_it():
     run(scenario())
     assert order.index("high") <= 2, order
     assert [name for name in order if name != "high"] == [f"low{i}" for i in range(20)]
+
+
+def test_a_high_request_is_admitted_while_a_low_admission_is_still_in_progress():
+    """A Low admission that takes long (the scheduler tokenizing a 4,000-token prompt in its
+    thread) does not hold a High one back; the next Low waits for it (one per class at a time)."""
+    started, finished = [], []
+
+    async def scenario():
+        low_tokenized = asyncio.Event()
+
+        async def admit(name):
+            started.append(name)
+            if name == "low1":
+                await low_tokenized.wait()
+            finished.append(name)
+            return name
+
+        intake = PriorityIntake(admit)
+        task = asyncio.create_task(intake.run())
+        lows = [asyncio.ensure_future(intake.admit(name, LOW)) for name in ("low1", "low2")]
+        while not started:
+            await asyncio.sleep(0)
+        assert await intake.admit("high", HIGH) == "high"      # low1 is still being admitted
+        assert started == ["low1", "high"] and finished == ["high"]
+        low_tokenized.set()
+        assert await asyncio.gather(*lows) == ["low1", "low2"]
+        task.cancel()
+
+    run(scenario())
+    assert finished == ["high", "low1", "low2"]
+
+
+def test_admissions_in_progress_end_with_the_intake():
+    cancelled = []
+
+    async def scenario():
+        async def admit(name):
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                cancelled.append(name)
+                raise
+
+        intake = PriorityIntake(admit)
+        task = asyncio.create_task(intake.run())
+        waiter = asyncio.ensure_future(intake.admit("low", LOW))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):    # its caller is not left waiting
+            await asyncio.wait_for(waiter, 2)
+
+    run(scenario())
+    assert cancelled == ["low"]
