@@ -98,20 +98,31 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
     for _ in range(running + queued):
         batcher.submit(workload.request())
 
+    streamed: list[Request] = []       # the last step's scheduled requests: chunks to read
+
+    def read_and_top_up() -> None:
+        """What happens in a server while the worker computes (untimed): the Submit handlers read
+        the last step's chunks off their queues, and new requests arrive (the pool is kept as
+        full as it started)."""
+        for request in streamed:
+            events = request.events
+            while not events.empty():
+                events.get_nowait()
+        for _ in range(running + queued - len(batcher.policy) - len(batcher.running[0])):
+            batcher.submit(workload.request())
+
     async def step() -> tuple[float, float]:
+        # In the order of the server's loop (ContinuousBatcher.run): the next plan right after the
+        # last step's postprocessing, then the handlers, while the worker computes.
         started = time.perf_counter()
         builders = batcher.plan_step()
         planned = time.perf_counter()
+        read_and_top_up()
+        streamed[:] = [r for builder in builders.values() for r in builder.scheduled_requests]
         answering = worker.answer_seconds
+        executing = time.perf_counter()
         await batcher.execute(builders)
-        postprocessed = time.perf_counter() - planned - (worker.answer_seconds - answering)
-        for builder in builders.values():           # the streams' readers (Submit handlers), untimed
-            for request in builder.scheduled_requests:
-                events = request.events
-                while not events.empty():
-                    events.get_nowait()
-        for _ in range(running + queued - len(batcher.policy) - len(batcher.running[0])):
-            batcher.submit(workload.request())     # keep the pool as full as it started
+        postprocessed = time.perf_counter() - executing - (worker.answer_seconds - answering)
         return planned - started, postprocessed
 
     async def run() -> tuple[list[tuple[float, float]], int, int]:
