@@ -13,7 +13,8 @@ Workload `burst` (default; counts scale with --scale):
 Low and Medium flood in at uniform random times within the first --flood-seconds (1 s: 800
 requests a second; 0: all at the same instant); High arrives as a Poisson stream (--high-rate
 per second) during the flood. Output lengths are fixed (ignore_eos). Each priority is sent by its
-own client process (bench/loadgen.py), at a lower CPU priority than the services under test.
+own client process (bench/loadgen.py); Low's and Medium's at a lower CPU priority than the
+services under test (High's few requests at theirs: a niced client read its chunks late).
 The FCFS run is priority-blind end to end (FCFS scheduler policy, FIFO admission at the router).
 
 Workload `steady` (--workload steady): first the cluster's capacity for the mix (High 0.3,
@@ -25,7 +26,10 @@ of that capacity, for each policy.
 Before every workload, 12 High requests of the workload's own prompt lengths (one output token
 each, 0.75 s apart) measure High's idle TTFT on the same cluster; the report gives High's P99
 TTFT under load over that idle P50 (high_p99_ttft_over_idle), and recompute_share, the tokens
-preempted sequences had computed (to be computed again) over all tokens computed.
+preempted sequences had computed (to be computed again) over all tokens computed. High's TTFT is
+also split per request into wait (arrival at the scheduler to its first step), step (then to its
+first token leaving the scheduler) and rest (client, router, hops): each part's P99 under load
+(high_p99_ttft_parts_ms) beside its P50 over the idle probes (idle_high_p50_ttft_parts_ms).
 
 Trace replay (`--trace azure-code` or `azure-conv`, from bench/traces/, Azure 2023, CC-BY 4.0):
 the first --trace-requests rows after --trace-skip, arrival gaps divided by --time-scale, input
