@@ -19,11 +19,12 @@ running), fewer steps each; the cost per step should grow with running sequences
     python bench/scheduler_overhead.py [--json PATH] [--steps N] [--running N] [--queued N]
                                        [--tenants N] [--no-curves]
 
-Also timed, beside the plan: postprocessing, what the scheduler does with the step's answer
-before it can plan the next one (every sampled token into its stream's chunk: detokenizing with a
-stand-in decoder, stop strings, the chunk, the request's queue; requests finishing), the
-simulated worker's own time left out. At 256 running it is the larger part of a step's
-scheduling.
+Also timed, beside the plan, the rest of a step's scheduling, in two parts as the server's loop
+runs them: postprocessing, what the scheduler does with the step's answer before it can plan the
+next one (each sampled token recorded on its request; requests the engine ended, out; the
+simulated worker's own time left out), and streaming, what it does after sending that plan, while
+the worker computes (each token's text with a stand-in decoder, stop strings, its chunk onto the
+request's queue). Until 2026-12-01 both happened before the next plan.
 
 Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run.
 Target (issue 20): plan p99 <= 1,000 us, <= 600 us where python_loop_ns <= 80.
@@ -111,21 +112,25 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
         for _ in range(running + queued - len(batcher.policy) - len(batcher.running[0])):
             batcher.submit(workload.request())
 
-    async def step() -> tuple[float, float]:
+    async def step() -> tuple[float, float, float]:
         # In the order of the server's loop (ContinuousBatcher.run): the next plan right after the
-        # last step's postprocessing, then the handlers, while the worker computes.
+        # last step's postprocessing; then the last step's tokens made into text and chunks
+        # (release_streams), and the handlers, while the worker computes.
         started = time.perf_counter()
         builders = batcher.plan_step()
         planned = time.perf_counter()
+        batcher.release_streams()
+        streamed_s = time.perf_counter() - planned
         read_and_top_up()
         streamed[:] = [r for builder in builders.values() for r in builder.scheduled_requests]
         answering = worker.answer_seconds
         executing = time.perf_counter()
         await batcher.execute(builders)
         postprocessed = time.perf_counter() - executing - (worker.answer_seconds - answering)
-        return planned - started, postprocessed
+        return planned - started, postprocessed, streamed_s
 
-    async def run() -> tuple[list[tuple[float, float]], int, int]:
+    batcher.hold_streams = True         # as run() does: text and chunks after the next plan
+    async def run() -> tuple[list[tuple[float, float, float]], int, int]:
         # Warm up: every slot taken and the first wave of prompts prefilled.
         while len(batcher.running[0]) < running or any(r.pending > 1 for r in batcher.running[0]):
             await step()
@@ -134,11 +139,13 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
         return times, sum(batcher.planner.admitted.values()) - admitted, batcher.preemptions - preempted
 
     times, admitted, preempted = asyncio.run(run())
-    plan_us = [plan * 1e6 for plan, _ in times]
-    post_us = [post * 1e6 for _, post in times]
+    plan_us = [plan * 1e6 for plan, _, _ in times]
+    post_us = [post * 1e6 for _, post, _ in times]
+    stream_us = [stream * 1e6 for _, _, stream in times]
     return {"running": running, "queued": queued, "steps": steps,
             "p50_us": quantile(plan_us, 0.5), "p99_us": quantile(plan_us, 0.99),
             "postprocess_p50_us": quantile(post_us, 0.5), "postprocess_p99_us": quantile(post_us, 0.99),
+            "streaming_p50_us": quantile(stream_us, 0.5), "streaming_p99_us": quantile(stream_us, 0.99),
             "admitted_per_step": admitted / steps, "preempted_per_step": preempted / steps}
 
 
@@ -167,17 +174,22 @@ def main() -> None:
           f"at this python_loop_ns); per step {head['admitted_per_step']:.2f} admitted, "
           f"{head['preempted_per_step']:.2f} preempted")
     print(f"postprocess: p50 {head['postprocess_p50_us']:.0f} us, p99 {head['postprocess_p99_us']:.0f} us a step "
-          f"(the step's sampled tokens into their streams; no target)")
+          f"(the step's sampled tokens recorded, before the next plan; no target)")
+    print(f"streaming: p50 {head['streaming_p50_us']:.0f} us, p99 {head['streaming_p99_us']:.0f} us a step "
+          f"(their text and chunks, after the next plan is sent, while the worker computes)")
     print(calibration_line(loop_ns))
     if curves:
         print(f"\n{'running':>8} {'queued':>8} {'p50 us':>8} {'p99 us':>8} {'p50 us/running':>15} "
-              f"{'postprocess p50 us':>19}")
+              f"{'postprocess p50 us':>19} {'streaming p50 us':>17}")
         for c in curves:
             print(f"{c['running']:>8} {c['queued']:>8} {c['p50_us']:>8.0f} {c['p99_us']:>8.0f} "
-                  f"{c['p50_us'] / c['running']:>15.2f} {c['postprocess_p50_us']:>19.0f}")
+                  f"{c['p50_us'] / c['running']:>15.2f} {c['postprocess_p50_us']:>19.0f} "
+                  f"{c['streaming_p50_us']:>17.0f}")
     write_json(args.json, {"plan_p50_us": head["p50_us"], "plan_p99_us": head["p99_us"],
                            "postprocess_p50_us": head["postprocess_p50_us"],
                            "postprocess_p99_us": head["postprocess_p99_us"],
+                           "streaming_p50_us": head["streaming_p50_us"],
+                           "streaming_p99_us": head["streaming_p99_us"],
                            "policy": args.policy, "running": head["running"], "queued": head["queued"],
                            "tenants": args.tenants, "steps": args.steps,
                            "admitted_per_step": head["admitted_per_step"],

@@ -65,8 +65,10 @@ class SimWorker:
                     finish_reason=common_pb2.FINISH_REASON_LENGTH if state[2] == 0 else 0))
         return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)
 
-    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    async def execute(self, plan: worker_pb2.StepPlan, sent=None) -> worker_pb2.StepResult:
         """The batcher's own execute() path (WorkerLink's interface): answered at once."""
+        if sent is not None:
+            sent.set_result(None)
         return self.answer(plan)
 
     async def close(self) -> None:

@@ -11,11 +11,12 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import FinishReason
 from services.common.wire import finish_reason
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import token_chunk
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.2
 STEP_TIMEOUT_SECONDS = 120.0     # a worker that takes longer to answer one step counts as gone
 ORPHAN_GRACE_SECONDS = 10.0      # with no worker to serve, how long requests wait for one to (re)join
+PLAN_WRITE_WAIT_SECONDS = 0.05   # the most the loop waits for plans to be written before streaming
+
+
+class SampledText(NamedTuple):
+    """A token postprocess recorded, whose text and chunk are still to be made (_stream)."""
+    token_id: int
+    engine_finish: FinishReason | None     # the engine ended the sequence with it
+    at: float                              # when its step's answer came (perf_counter)
 
 
 class ContinuousBatcher:
@@ -63,9 +72,11 @@ class ContinuousBatcher:
         # Steps kept short while High is around (policy's high_step_ms; None: off).
         self.step_clock = StepClock(policy.high_step_ms) if policy.high_step_ms > 0 else None
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
-        # In run(): the stream events of the last worker to answer a step, held back until the
-        # next step's plans are on their way (see execute()); None while nothing is held.
-        self._hold_streams = False
+        # In run() (or a caller that does as run() does, bench/scheduler_overhead.py): the last
+        # worker to answer a step has its tokens' text, chunks and failures held back until the
+        # next step's plans are on their way (execute() releases them; release_streams()).
+        # `_held` is None while nothing is held.
+        self.hold_streams = False
         self._held: list[tuple[Request, object]] | None = None
         self._answers_pending = 0
 
@@ -107,17 +118,17 @@ class ContinuousBatcher:
     # --- the loop ---------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        self._hold_streams = True
+        self.hold_streams = True
         while True:
             try:
                 stepped = await self.step()
             except Exception:        # a bug in one step must not stop every stream of the pool
                 log.exception("pool %s: a step failed; the loop goes on", self.pool_name)
-                self._release_held()
+                self.release_streams()
                 await asyncio.sleep(0.1)
                 continue
             if not stepped:
-                self._release_held()
+                self.release_streams()
                 # Nothing to compute or release: sleep until a request arrives or is cancelled
                 # (or briefly, to notice workers that reconnect and to send heartbeats).
                 self.wakeup.clear()
@@ -141,16 +152,25 @@ class ContinuousBatcher:
         In run(), the tokens of the step's last worker to answer reach their streams only once the
         next step's plans are sent: every client stream's handler then wakes up, and each costs
         the event loop a message (~0.1-0.2 ms); run first, they held the next plan back while the
-        workers waited idle. Sent first, they run while the workers compute. (Tokens of a worker
-        that answers while others still compute go out at once: nothing is waiting to be planned.)"""
+        workers waited idle. Sent first, they run while the workers compute. Before the plans,
+        postprocess only records each token (what planning needs); its text (detokenizing, stop
+        strings) and chunk are made after, with the release (~15 us a token). (Tokens of a
+        worker that answers while others still compute go out at once: nothing is waiting to be
+        planned.)"""
         if any(b.has_work for b in plans.values()):     # heartbeats alone are no step
             self.steps += 1
         started = time.perf_counter()
         self._answers_pending = len(plans)
-        steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b)) for i, b in plans.items()]
+        loop = asyncio.get_running_loop()
+        sent = {i: loop.create_future() for i in plans}
+        steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
+                 for i, b in plans.items()]
         if self._held is not None:
-            await asyncio.sleep(0)     # each plan goes out first: its task runs up to awaiting the answer
-            self._release_held()
+            # Every plan written first (or its step over): streaming a step's tokens takes ~1 ms
+            # per 64, and meanwhile nothing else runs, the plans' writes included. Not for long: a
+            # worker whose stream takes no more must not hold up every other stream of the pool.
+            await asyncio.wait(sent.values(), timeout=PLAN_WRITE_WAIT_SECONDS)
+            self.release_streams()
         await asyncio.gather(*steps)
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
@@ -205,12 +225,12 @@ class ContinuousBatcher:
     def is_member(self, link: Worker) -> bool:
         return link.index in self.planner.running
 
-    async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder) -> None:
+    async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder, sent: asyncio.Future) -> None:
         try:
-            # asyncio.timeout, not wait_for: no task in between, so the plan is sent as soon as
-            # this task first runs (execute() counts on it)
+            # asyncio.timeout, not wait_for: no task in between, so the plan is on its way as soon
+            # as this task first runs
             async with asyncio.timeout(self.step_timeout_s):
-                result = await link.execute(builder.plan)
+                result = await link.execute(builder.plan, sent)
         except WorkerGone as exc:
             failure = str(exc)
         except asyncio.TimeoutError:
@@ -221,6 +241,9 @@ class ContinuousBatcher:
             failure = f"worker {link.address} failed: {exc!r}"
         else:
             failure = None
+        finally:
+            if not sent.done():       # the step ended before its plan was written (a failure)
+                sent.set_result(None)
         self._answers_pending -= 1
         if not self.is_member(link):
             # It left the pool while this step ran (membership.leave): its sequences were moved
@@ -229,22 +252,29 @@ class ContinuousBatcher:
         if failure is not None:
             self.fail_worker(link, failure)
             return
-        if self._hold_streams and self._answers_pending == 0 and self._held is None:
+        if self.hold_streams and self._answers_pending == 0 and self._held is None:
             self._held = []            # the last answer of the step: its tokens wait for the next plans
         self.postprocess(link, builder, result)
 
     def _emit(self, request: Request, event) -> None:
-        """A chunk or a failure for the request's stream: now, or after the next plans (execute()),
-        in order either way."""
+        """A sampled token (its chunk to build) or a failure for the request's stream: now, or
+        after the next plans (execute()), in order either way."""
         if self._held is not None:
             self._held.append((request, event))
         else:
+            self._deliver(request, event)
+
+    def _deliver(self, request: Request, event) -> None:
+        if isinstance(event, SampledText):
+            self._stream(request, event)
+        else:
             request.events.put_nowait(event)
 
-    def _release_held(self) -> None:
+    def release_streams(self) -> None:
+        """What was held, into the streams, in order: each token's text and chunk, failures."""
         held, self._held = self._held, None
         for request, event in held or ():
-            request.events.put_nowait(event)
+            self._deliver(request, event)
 
     def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult) -> None:
         """A worker's answer to its plan: sampled tokens into the streams, finished requests out."""
@@ -267,17 +297,36 @@ class ContinuousBatcher:
             request = by_seq.get(token.seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
                 continue
-            chunk = token_chunk(request, token.token_id, finish_reason(token.finish_reason),
-                                self.pool_name, now)
-            self.output_tokens[request.priority] += 1
-            if request.first_token_at == now:
+            # What the next plan needs: the token counted, the first token's time, a sequence
+            # the engine ended (end of sequence, max_tokens) out of the running list. Its text
+            # and chunk come in _stream, after the next plans are sent in run().
+            request.add_output(token.token_id)
+            if request.first_token_at is None:
+                request.first_token_at = now
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
-            self._emit(request, chunk)
-            if chunk.finish_reason:
-                self.finished += 1
-                self._finish(request)
-                if self.on_finished is not None:
-                    self.on_finished(request, now)
+            self.output_tokens[request.priority] += 1
+            engine_finish = finish_reason(token.finish_reason)
+            if engine_finish is not None:
+                self._completed(request, now)
+            self._emit(request, SampledText(token.token_id, engine_finish, now))
+
+    def _completed(self, request: Request, now: float) -> None:
+        self.finished += 1
+        self._finish(request)
+        if self.on_finished is not None:
+            self.on_finished(request, now)
+
+    def _stream(self, request: Request, token: SampledText) -> None:
+        """A token recorded by postprocess, into its stream: text (detokenized), stop strings,
+        the chunk. A stop string ends the request here; in run() the plan sent meanwhile may
+        have scheduled one more token of it, which the worker drops at the next step (released
+        like a cancelled sequence) and postprocess ignores."""
+        if request.cancelled:
+            return
+        chunk = token_chunk(request, token.token_id, token.engine_finish, self.pool_name, token.at)
+        request.events.put_nowait(chunk)
+        if chunk.finish_reason and token.engine_finish is None and request.phase is not Phase.FINISHED:
+            self._completed(request, token.at)
 
     def _finish(self, request: Request, failure: ServiceError | None = None) -> None:
         request.finished_at = request.finished_at or time.perf_counter()

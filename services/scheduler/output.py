@@ -1,8 +1,9 @@
 """From sampled tokens to what a client stream carries: detokenize, stop strings, chunks, the last
 chunk's usage and timings, and merging chunks that queued up behind a slow stream.
 
-Pure Python: the batcher calls `token_chunk` for every sampled token and puts the chunk on the
-request's event queue; the Submit handler sends `coalesce`d events.
+Pure Python: the batcher records every sampled token on its request before planning the next step,
+then calls `token_chunk` for it and puts the chunk on the request's event queue (in its loop, once
+the next step's plans are sent); the Submit handler sends `coalesce`d events.
 """
 from __future__ import annotations
 
@@ -27,11 +28,9 @@ def usage(request: Request) -> common_pb2.Usage:
 
 def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | None, pool: str,
                 now: float) -> common_pb2.GenerateChunk:
-    """Record a sampled token and build its chunk. The chunk ends the request (finish_reason set,
-    with usage and timings) when the engine finished the sequence or a stop string matched."""
-    request.add_output(token_id)
-    if request.first_token_at is None:
-        request.first_token_at = now
+    """The chunk of a sampled token the request has recorded already (`add_output`, the last of
+    its output so far). It ends the request (finish_reason set, with usage and timings) when the
+    engine finished the sequence or a stop string matched."""
     detok = request.detokenizer
     text = detok.add(token_id)
     reason = FinishReason.STOP if detok.stopped else engine_finish

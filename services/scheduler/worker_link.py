@@ -53,7 +53,7 @@ class WorkerLink:
             self._results = self._call.__aiter__()
             # A refused stream (another scheduler holds it, or the worker began to drain) shows
             # here, before any request is placed on it.
-            self._plans.put_nowait(worker_pb2.StepPlan(step_id=0))
+            self._plans.put_nowait((worker_pb2.StepPlan(step_id=0), None))
             hello = await asyncio.wait_for(self._results.__anext__(), timeout=5.0)
             if hello.draining:
                 raise WorkerGone(f"worker {self.address} is draining")
@@ -101,17 +101,23 @@ class WorkerLink:
     @staticmethod
     async def _plan_iterator(queue: asyncio.Queue):
         while True:
-            plan = await queue.get()
-            if plan is None:
+            item = await queue.get()
+            if item is None:
                 return
+            plan, sent = item
             yield plan
+            # gRPC asks for the next plan only once it has written this one.
+            if sent is not None and not sent.done():
+                sent.set_result(None)
 
-    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    async def execute(self, plan: worker_pb2.StepPlan,
+                      sent: asyncio.Future | None = None) -> worker_pb2.StepResult:
         """Send one plan and wait for its result; raises WorkerGone when the stream breaks
-        (the link is then marked down and every block it held is gone)."""
+        (the link is then marked down and every block it held is gone). `sent` is set once gRPC
+        has written the plan (the scheduler's loop waits for that before it streams tokens)."""
         if not self.is_connected:
             raise WorkerGone(f"worker {self.address} is not connected")
-        self._plans.put_nowait(plan)
+        self._plans.put_nowait((plan, sent))
         try:
             result = await self._results.__anext__()
         except asyncio.CancelledError:

@@ -3,6 +3,7 @@ go: configured, registered, found by DNS), which are connected, which drain, whe
 answered, and since when the pool has had no worker to serve with. Pure Python."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Iterator, Protocol
 
@@ -29,7 +30,8 @@ class Worker(Protocol):
     @property
     def is_connected(self) -> bool: ...
 
-    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult: ...
+    async def execute(self, plan: worker_pb2.StepPlan, sent: asyncio.Future | None = None) -> worker_pb2.StepResult:
+        """Run the plan; set `sent` once the plan is on its way (it may be set at once)."""
 
     async def close(self) -> None: ...
 

@@ -61,7 +61,9 @@ class SimulatedWorker:
         self.table = SequenceTable()
         self.fail_next = False
 
-    async def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    async def execute(self, plan: worker_pb2.StepPlan, sent=None) -> worker_pb2.StepResult:
+        if sent is not None and not sent.done():     # on its way at once
+            sent.set_result(None)
         if self.fail_next or self.pool is None:
             self.pool = None
             raise WorkerGone(f"worker {self.address} failed: killed")
@@ -226,6 +228,15 @@ def test_the_first_chunk_tells_prompt_size_and_ttft_the_last_everything_and_the_
     assert last.timings.ttft_ms == first.timings.ttft_ms
 
 
+class CountingDetokenizer(IncrementalDetokenizer):
+    """Counts the tokens it is given."""
+    added = 0
+
+    def add(self, token_id: int) -> str:
+        self.added += 1
+        return super().add(token_id)
+
+
 class StreamWatchingWorker(SimulatedWorker):
     """Notes, as each plan arrives, how many of the watched request's tokens the scheduler has
     taken and how many have reached its stream (nobody reads the stream meanwhile). It answers
@@ -235,21 +246,32 @@ class StreamWatchingWorker(SimulatedWorker):
         super().__init__(index, num_blocks)
         self.watched = watched
         self.seen: list[tuple[int, int]] = []
+        self.detokenized: list[int] = []       # tokens its detokenizer had taken, at each plan
 
-    async def execute(self, plan):
+    async def execute(self, plan, sent=None):
         self.seen.append((len(self.watched.output_ids), self.watched.events.qsize()))
+        self.detokenized.append(getattr(self.watched.detokenizer, "added", -1))
+        if sent is not None:
+            sent.set_result(None)
         await asyncio.sleep(0.002)
         return await super().execute(plan)
 
 
+def looping(worker: SimulatedWorker, request: Request) -> tuple[ContinuousBatcher, asyncio.Task]:
+    """A batcher over `worker` running its loop (FCFS, 8 running, 16-token steps), `request` in."""
+    batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
+    loop = asyncio.create_task(batcher.run())
+    batcher.submit(request)
+    return batcher, loop
+
+
 def test_in_the_loop_the_next_plan_goes_out_before_the_last_steps_tokens_reach_their_streams():
     request = make_request(1, prompt_len=5, max_tokens=6)
+    request.detokenizer = CountingDetokenizer(LetterDecoder(), request.prompt_ids)
 
     async def go():
         worker = StreamWatchingWorker(0, 64, request)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
-        loop = asyncio.create_task(batcher.run())
-        batcher.submit(request)
+        batcher, loop = looping(worker, request)
         try:
             for _ in range(500):                  # the stream is read only at the end
                 if request.finished_at is not None:
@@ -261,12 +283,46 @@ def test_in_the_loop_the_next_plan_goes_out_before_the_last_steps_tokens_reach_t
             loop.cancel()
 
     worker, (tokens, _, final) = asyncio.run(go())
-    # Each plan after the first token found that token taken but not yet streamed: the stream
-    # handlers wake only once the plan is on its way (ContinuousBatcher.execute).
+    # Each plan after the first token found that token taken but not yet streamed, not even
+    # detokenized: its text and chunk are made, and the stream handlers wake, only once the plan
+    # is on its way (ContinuousBatcher.execute).
     decoding = [(taken, streamed) for taken, streamed in worker.seen if taken]
     assert decoding and all(streamed == taken - 1 for taken, streamed in decoding)
+    assert all(detokenized == taken - 1 for (taken, _), detokenized in zip(worker.seen, worker.detokenized) if taken)
     # ... and nothing is lost or reordered for it, the last token and its final chunk included.
     assert tokens == expected_output(request) and final.finish_reason
+
+
+def test_a_stop_string_found_after_the_next_plan_went_out_costs_one_dropped_token():
+    """In the loop a token's text is made after the next plan is sent, so the plan that follows
+    the stop string's last token schedules the request once more: that token is computed, never
+    streamed nor counted, and the next step releases the sequence on the worker."""
+    probe = make_request(1, prompt_len=6, max_tokens=12)
+    text = LetterDecoder().decode(expected_output(probe))
+    stop = text[5:7]                       # ends with the 7th token
+    request = make_request(1, prompt_len=6, max_tokens=12, stop=[stop])
+
+    async def go():
+        worker = StreamWatchingWorker(0, 64, request)
+        batcher, loop = looping(worker, request)
+        try:
+            result = await asyncio.wait_for(drain(request), 5)
+            for _ in range(200):                   # the release goes out with the next step
+                if not worker.table.sequences:
+                    break
+                await asyncio.sleep(0.01)
+            return worker, batcher, result
+        finally:
+            loop.cancel()
+
+    worker, batcher, (tokens, streamed, last) = asyncio.run(go())
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert streamed == text[:text.index(stop)] and tokens == expected_output(probe)[:7]
+    assert last.usage.completion_tokens == 7 and request.output_ids == tokens
+    scheduled = [plan for plan in worker.plans if request.seq_id in plan.scheduled_seq_ids]
+    assert len(scheduled) == 1 + 7                 # the prompt, 6 decodes, and the one dropped
+    assert any(request.seq_id in plan.released_seq_ids for plan in worker.plans)
+    assert not worker.table.sequences and worker.pool.num_used == 0 and batcher.finished == 1
 
 
 def test_queued_chunks_are_coalesced_without_losing_anything():
@@ -343,8 +399,10 @@ class HeldWorker(SimulatedWorker):
         self.release.set()
         self.in_step = asyncio.Event()
 
-    async def execute(self, plan):
+    async def execute(self, plan, sent=None):
         self.in_step.set()
+        if sent is not None:
+            sent.set_result(None)
         await self.release.wait()
         return await super().execute(plan)
 
@@ -373,3 +431,43 @@ def test_a_worker_that_leaves_while_its_step_runs_stops_nothing():
 
     requests, results, loop = asyncio.run(go())
     assert all(tokens == expected_output(r) for r, (tokens, _, _) in zip(requests, results))
+
+
+class UnwrittenWorker(SimulatedWorker):
+    """A worker whose stream takes the plans but never reports one written (flow control, a
+    stalled connection); from the second step on it answers only when the test lets it."""
+
+    def __init__(self, index: int, num_blocks: int):
+        super().__init__(index, num_blocks)
+        self.release = asyncio.Event()
+        self.in_second_step = asyncio.Event()
+        self.calls = 0
+
+    async def execute(self, plan, sent=None):
+        self.calls += 1
+        if self.calls >= 2:
+            self.in_second_step.set()
+            await self.release.wait()
+        return await super().execute(plan)
+
+
+def test_a_plan_never_written_does_not_hold_up_the_streams():
+    """The loop waits for the plans to be written before it streams the last step's tokens, but
+    not for long: while the worker's plan sits unwritten, the token of the step before still
+    reaches its stream."""
+    async def go():
+        stuck = UnwrittenWorker(0, 64)
+        request = make_request(1, prompt_len=4, max_tokens=6)
+        _, loop = looping(stuck, request)
+        try:
+            await asyncio.wait_for(stuck.in_second_step.wait(), 5)
+            first = await asyncio.wait_for(request.events.get(), 5)   # the prompt step's token
+            in_flight = not stuck.release.is_set()
+            stuck.release.set()
+            return request, first, in_flight, await asyncio.wait_for(drain(request), 5)
+        finally:
+            loop.cancel()
+
+    request, first, in_flight, (tokens, _, last) = asyncio.run(go())
+    assert in_flight and list(first.token_ids) == expected_output(request)[:1]
+    assert list(first.token_ids) + tokens == expected_output(request) and last.finish_reason
