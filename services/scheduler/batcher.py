@@ -293,22 +293,29 @@ class ContinuousBatcher:
                 request.advance(num_tokens)
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
+        held = self._held          # (it stays the same list through this loop: nothing here fails)
+        output_tokens = self.output_tokens
         for token in result.tokens:
             request = by_seq.get(token.seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
                 continue
             # What the next plan needs: the token counted, the first token's time, a sequence
             # the engine ended (end of sequence, max_tokens) out of the running list. Its text
-            # and chunk come in _stream, after the next plans are sent in run().
-            request.add_output(token.token_id)
+            # and chunk come in _stream, after the next plans are sent in run(). (This runs
+            # between a step's answer and the next plan: a few hundred tokens a step, kept lean.)
+            token_id = token.token_id
+            request.add_output(token_id)
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
-            self.output_tokens[request.priority] += 1
+            output_tokens[request.priority] += 1
             engine_finish = finish_reason(token.finish_reason)
             if engine_finish is not None:
                 self._completed(request, now)
-            self._emit(request, SampledText(token.token_id, engine_finish, now))
+            if held is not None:
+                held.append((request, SampledText(token_id, engine_finish, now)))
+            else:
+                self._stream(request, SampledText(token_id, engine_finish, now))
 
     def _completed(self, request: Request, now: float) -> None:
         self.finished += 1
