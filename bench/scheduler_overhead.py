@@ -130,6 +130,7 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
         return planned - started, postprocessed, streamed_s
 
     batcher.hold_streams = True         # as run() does: text and chunks after the next plan
+
     async def run() -> tuple[list[tuple[float, float, float]], int, int]:
         # Warm up: every slot taken and the first wave of prompts prefilled.
         while len(batcher.running[0]) < running or any(r.pending > 1 for r in batcher.running[0]):

@@ -293,7 +293,6 @@ class ContinuousBatcher:
                 request.advance(num_tokens)
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
-        held = self._held          # (it stays the same list through this loop: nothing here fails)
         output_tokens = self.output_tokens
         for token in result.tokens:
             request = by_seq.get(token.seq_id)
@@ -312,10 +311,7 @@ class ContinuousBatcher:
             engine_finish = finish_reason(token.finish_reason)
             if engine_finish is not None:
                 self._completed(request, now)
-            if held is not None:
-                held.append((request, SampledText(token_id, engine_finish, now)))
-            else:
-                self._stream(request, SampledText(token_id, engine_finish, now))
+            self._emit(request, SampledText(token_id, engine_finish, now))
 
     def _completed(self, request: Request, now: float) -> None:
         self.finished += 1
