@@ -135,11 +135,11 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 
 # QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
 # qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
-# --high-step-ms while High is around), each its own cluster and column.
+# --high-step-ms while High is around; qos-nocutin: no cut-ins), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
-            "short": {}}
+            "short": {}, "nocutin": {"high_cut_in": False}}
 
 
 def cluster_config(name: str, model: str, args):
@@ -187,6 +187,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
     summary["preemptions"] = stats.preemptions - before.preemptions
+    summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)
     summary["high_p99_ttft_over_idle"] = summary["high_p99_ttft_ms"] / idle["idle_high_p50_ttft_ms"]
     # Work preemption threw away: tokens preempted sequences had computed (done again later),

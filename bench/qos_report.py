@@ -83,7 +83,7 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
         ("low_tok_s", "Low throughput (tok/s)", "{:.0f}"), ("low_kv_peak_frac", "Low KV peak (% blocks)", "{:.1%}"),
         ("rejected_high", "rejected High", "{}"), ("rejected_medium", "rejected Medium", "{}"),
         ("rejected_low", "rejected Low", "{}"), ("preemptions", "preemptions", "{}"),
-        ("recompute_share", "recomputed / computed", "{:.1%}"), ("wall_s", "wall time (s)", "{:.0f}")]
+        ("cut_ins", "cut-in steps", "{}"), ("recompute_share", "recomputed / computed", "{:.1%}"), ("wall_s", "wall time (s)", "{:.0f}")]
 
 
 def print_table(report: dict) -> None:

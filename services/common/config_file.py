@@ -64,6 +64,8 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
         raise ConfigError(f"{where}.kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {s.kv_cap_mode!r}")
     if not (isinstance(s.high_step_ms, (int, float)) and s.high_step_ms >= 0):
         raise ConfigError(f"{where}.high_step_ms must be a number >= 0 (0: off), got {s.high_step_ms!r}")
+    if not isinstance(s.high_cut_in, bool):
+        raise ConfigError(f"{where}.high_cut_in must be true or false, got {s.high_cut_in!r}")
     if s.high_first_token not in FIRST_TOKEN_MODES:
         raise ConfigError(f"{where}.high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                           f"got {s.high_first_token!r}")

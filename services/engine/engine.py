@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -164,11 +165,15 @@ class Engine:
             offset += len(seq.token_ids)
         return self.adapters.batch(rows) if rows else None
 
-    def step(self, batch: StepBatch) -> StepOutput:
-        """Compute every entry's tokens; sample one token for each entry with `sample` set."""
+    def step(self, batch: StepBatch, between_layers: Callable[[], None] | None = None) -> StepOutput:
+        """Compute every entry's tokens; sample one token for each entry with `sample` set.
+
+        `between_layers`: called between two layers of the model (LlamaDecoder.forward); it may
+        run another step (the worker's cut-ins), one that touches none of this step's
+        sequences or cache blocks and, while this one uses a LoRA adapter, uses none."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
-        hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered))
+        hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), between_layers)
         last_rows, sampled = [], []
         offset = 0
         for seq in ordered:

@@ -7,6 +7,7 @@ call over their gathered KV slots, prefill chunks get one call each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -153,17 +154,19 @@ class LlamaDecoder:
         return weight * x32.to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, layout: AttentionLayout,
-                cache: PagedKVCache, lora: LoraBatch | None = None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, layout: AttentionLayout, cache: PagedKVCache,
+                lora: LoraBatch | None = None, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """Run the decoder over the step's tokens; returns final-norm hidden states [T, hidden].
-        `lora`: rows of the batch whose projections add an adapter's update."""
+        `lora`: rows of the batch whose projections add an adapter's update. `between_layers` is
+        called after every layer but the last: another step may run there (a cut-in), since all
+        this step's state is local and the cache slots it writes are its own."""
         c = self.config
         num_tokens, qk_width = token_ids.shape[0], self._qk_width
         cos, sin = self.rotary.lookup(layout.positions)
         # One pair of gather buffers per attention group, reused by every layer.
         buffers = [cache.new_gather_buffers(g.num_seqs * g.num_blocks) for g in layout.cached]
         x = self.embed[token_ids]
-        for index, layer in enumerate(self.layers):
+        for index, layer in self._layers(between_layers):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             if lora is not None:
@@ -184,6 +187,13 @@ class LlamaDecoder:
             mixed = F.silu(gate).mul_(up)
             x = x + lora.apply(index, "down", mixed, layer.down(mixed))
         return self._norm(x, self.final_norm)
+
+    def _layers(self, between_layers: Callable[[], None] | None):
+        """The layers with their index, calling `between_layers` before each but the first."""
+        for index, layer in enumerate(self.layers):
+            if index and between_layers is not None:
+                between_layers()
+            yield index, layer
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -79,6 +79,11 @@ class ContinuousBatcher:
         self.hold_streams = False
         self._held: list[tuple[Request, object]] | None = None
         self._answers_pending = 0
+        # Cut-ins (policy.cut_in): the workers computing a step (by index), and the cut-in steps
+        # sent to run inside those steps, not answered yet.
+        self._computing: set[int] = set()
+        self._cut_ins: set[asyncio.Task] = set()
+        self.cut_in_steps = 0
 
     @property
     def links(self) -> list[Worker]:
@@ -104,8 +109,11 @@ class ContinuousBatcher:
 
     def submit(self, request: Request) -> None:
         self.policy.add(request)
-        if self.step_clock is not None and request.priority == HIGH:
-            self.step_clock.high_arrived(time.perf_counter())
+        if request.priority == HIGH:
+            if self.step_clock is not None:
+                self.step_clock.high_arrived(time.perf_counter())
+            if self._computing and self.policy.cut_in:
+                self._cut_in()
         self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
@@ -163,6 +171,7 @@ class ContinuousBatcher:
         self._answers_pending = len(plans)
         loop = asyncio.get_running_loop()
         sent = {i: loop.create_future() for i in plans}
+        self._computing.update(i for i, b in plans.items() if b.has_work)
         steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
                  for i, b in plans.items()]
         if self._held is not None:
@@ -172,6 +181,8 @@ class ContinuousBatcher:
             await asyncio.wait(sent.values(), timeout=PLAN_WRITE_WAIT_SECONDS)
             self.release_streams()
         await asyncio.gather(*steps)
+        while self._cut_ins:        # the next plans need their answers (they admitted requests)
+            await asyncio.gather(*self._cut_ins)
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
             elapsed = time.perf_counter() - started
@@ -220,12 +231,38 @@ class ContinuousBatcher:
                 self.kv_peak[priority] = max(self.kv_peak[priority], held)
         return builders
 
+    # --- cut-ins ------------------------------------------------------------------------------------
+
+    def _cut_in(self) -> None:
+        """High requests that can start at once go to a worker computing a step, to run inside it
+        (planner.plan_cut_in; services/worker/cut_ins.py): their first token then waits for at
+        most one layer of that step rather than all of it."""
+        loop = asyncio.get_running_loop()
+        for index in list(self._computing):
+            if index not in self.planner.running:       # it left the pool
+                continue
+            link = self.workers[index]
+            if not self.workers.admits(link):
+                continue
+            builder = self.planner.plan_cut_in(link, self.steps)
+            if builder is None:
+                continue
+            self.steps += 1
+            self.cut_in_steps += 1
+            task = asyncio.ensure_future(self._execute_and_postprocess(link, builder, loop.create_future(),
+                                                                       cut_in=True))
+            self._cut_ins.add(task)
+            task.add_done_callback(self._cut_ins.discard)
+
     # --- execute and postprocess ------------------------------------------------------------------
 
     def is_member(self, link: Worker) -> bool:
         return link.index in self.planner.running
 
-    async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder, sent: asyncio.Future) -> None:
+    async def _execute_and_postprocess(self, link: Worker, builder: StepBuilder, sent: asyncio.Future,
+                                       cut_in: bool = False) -> None:
+        """`cut_in`: a step run inside the worker's step in flight; its tokens go to their
+        streams at once (the loop plans nothing until the step in flight is answered too)."""
         try:
             # asyncio.timeout, not wait_for: no task in between, so the plan is on its way as soon
             # as this task first runs
@@ -244,7 +281,9 @@ class ContinuousBatcher:
         finally:
             if not sent.done():       # the step ended before its plan was written (a failure)
                 sent.set_result(None)
-        self._answers_pending -= 1
+        if not cut_in:
+            self._computing.discard(link.index)
+            self._answers_pending -= 1
         if not self.is_member(link):
             # It left the pool while this step ran (membership.leave): its sequences were moved
             # back to the queue then, so whatever it answered is nobody's any more.
@@ -252,9 +291,9 @@ class ContinuousBatcher:
         if failure is not None:
             self.fail_worker(link, failure)
             return
-        if self.hold_streams and self._answers_pending == 0 and self._held is None:
+        if self.hold_streams and self._answers_pending == 0 and self._held is None and not cut_in:
             self._held = []            # the last answer of the step: its tokens wait for the next plans
-        self.postprocess(link, builder, result)
+        self.postprocess(link, builder, result, at_once=cut_in)
 
     def _emit(self, request: Request, event) -> None:
         """A sampled token (its chunk to build) or a failure for the request's stream: now, or
@@ -276,8 +315,10 @@ class ContinuousBatcher:
         for request, event in held or ():
             self._deliver(request, event)
 
-    def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult) -> None:
-        """A worker's answer to its plan: sampled tokens into the streams, finished requests out."""
+    def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult,
+                    at_once: bool = False) -> None:
+        """A worker's answer to its plan: sampled tokens into the streams (`at_once`: not held
+        for the next plans), finished requests out."""
         self.workers.answered(link, result.draining, time.perf_counter())
         if result.error:
             # The worker refused the plan: a bug on our side. Fail what it carried, keep serving.
@@ -294,6 +335,7 @@ class ContinuousBatcher:
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         output_tokens = self.output_tokens
+        emit = self._deliver if at_once else self._emit
         for token in result.tokens:
             request = by_seq.get(token.seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
@@ -311,7 +353,7 @@ class ContinuousBatcher:
             engine_finish = finish_reason(token.finish_reason)
             if engine_finish is not None:
                 self._completed(request, now)
-            self._emit(request, SampledText(token_id, engine_finish, now))
+            emit(request, SampledText(token_id, engine_finish, now))
 
     def _completed(self, request: Request, now: float) -> None:
         self.finished += 1

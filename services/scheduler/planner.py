@@ -116,6 +116,38 @@ class StepPlanner:
         self.to_release[worker.index] = []
         return builder
 
+    def plan_cut_in(self, worker: Worker, step_id: int) -> StepBuilder | None:
+        """A step for the worker to run inside the one it is computing (StepPlan.cut_in), or None
+        when there is nothing to cut in with: the first-token lane's queued requests whose whole
+        prompt fits the step and whose blocks and running slot are free now (no preemption: every
+        sequence on the worker may be in the step in flight; no LoRA: it must not move adapters
+        under that step). Only new sequences: nothing the step in flight touches."""
+        lane = self.policy.first_token_lane()
+        queue = self.policy.queue(lane) if lane is not None else None
+        if not queue:
+            return None
+        pool, running = worker.pool, self.running[worker.index]
+        builder = StepBuilder(step_id, self.max_step_tokens, [])
+        builder.plan.cut_in = True
+        builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
+        taken = 0
+        while (head := queue.peek()) is not None and not head.lora and len(running) < self.max_running:
+            need = blocks_for_tokens(head.num_tokens + 1, pool.block_size)
+            if head.num_tokens > builder.budget or need > pool.num_free \
+                    or pool.held(head.priority) + need > self.room.cap(pool, head.priority):
+                break
+            self._admit(worker, builder, head)
+            tokens = self._schedule(worker, builder, head)
+            builder.note_served(head, tokens, lane)
+            taken += tokens
+        if not taken:
+            return None
+        self.policy.charge(lane, taken)
+        builder.charge_tenants(self.policy, lane)
+        self.served_tokens.update(builder.served)
+        builder.finish([])
+        return builder
+
     def _serve(self, worker: Worker, builder: StepBuilder, work: LaneWork, lane: int,
                allowance: float, active: set[int]) -> int:
         """The lane's turn: its running sequences, then admissions, until it used its allowance

@@ -41,6 +41,10 @@ class QoSSettings:
     # > 0: while High requests are in the pool, each step is planned to take at most this many ms
     # (the pool's measured step time); the other classes' work beyond it waits (step_clock.py).
     high_step_ms: float = 0.0
+    # A High request that can start at once (blocks and a running slot free, prompt within one
+    # step) while a worker computes a step: its first step runs inside that one, between two of
+    # its layers (a cut-in: services/worker/cut_ins.py), instead of after it.
+    high_cut_in: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
@@ -135,6 +139,7 @@ class SchedulingPolicy(ABC):
     first_token_exclusive = False     # ... and the other lanes only decode in that step
     first_token_alone = False         # ... or that step carries first-token work alone (when it fits)
     high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
+    cut_in = False                    # first-token lane admissions may run inside the step in flight
 
     def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
         """Lanes with work at the start of a step at `now` (seconds, any clock): for virtual-time
@@ -311,6 +316,10 @@ class QoSPolicy(SchedulingPolicy):
     @property
     def high_step_ms(self) -> float:
         return self.settings.high_step_ms
+
+    @property
+    def cut_in(self) -> bool:
+        return self.settings.high_cut_in and self.settings.high_first_token != "wfq"
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]

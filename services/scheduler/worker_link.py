@@ -33,6 +33,8 @@ class WorkerLink:
         self._plans: asyncio.Queue | None = None
         self._results = None
         self._call = None
+        self._answers: dict[int, asyncio.Future] = {}     # step_id -> its plan's answer, to come
+        self._reader: asyncio.Task | None = None
         self.connected = asyncio.Event()
 
     @property
@@ -67,6 +69,7 @@ class WorkerLink:
         self.info = info
         self.adapters = frozenset(a.name for a in info.adapters)
         self.pool = KVBlockPool(info.num_blocks, info.block_size)
+        self._reader = asyncio.create_task(self._read_answers(self._results))
         self.connected.set()
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
                  self.info.model, self.info.device, self.info.num_blocks, self.info.block_size)
@@ -112,34 +115,57 @@ class WorkerLink:
 
     async def execute(self, plan: worker_pb2.StepPlan,
                       sent: asyncio.Future | None = None) -> worker_pb2.StepResult:
-        """Send one plan and wait for its result; raises WorkerGone when the stream breaks
-        (the link is then marked down and every block it held is gone). `sent` is set once gRPC
-        has written the plan (the scheduler's loop waits for that before it streams tokens)."""
+        """Send one plan and wait for its answer; raises WorkerGone when the stream breaks (the
+        link is then marked down and every block it held is gone). `sent` is set once gRPC has
+        written the plan (the scheduler's loop waits for that before it streams tokens). Plans may
+        overlap (a cut-in while a step computes): answers are matched to plans by step_id."""
         if not self.is_connected:
             raise WorkerGone(f"worker {self.address} is not connected")
+        answer = asyncio.get_running_loop().create_future()
+        self._answers[plan.step_id] = answer
         self._plans.put_nowait((plan, sent))
         try:
-            result = await self._results.__anext__()
+            return await answer
+        finally:
+            self._answers.pop(plan.step_id, None)
+
+    async def _read_answers(self, results) -> None:
+        """Every answer to the plan it is for, until the stream ends or breaks: then the link is
+        closed and every plan still unanswered fails with WorkerGone."""
+        try:
+            async for result in results:
+                answer = self._answers.get(result.step_id)
+                if answer is None:
+                    failure = f"worker {self.address} answered step {result.step_id}, which it was not sent"
+                    break
+                if not answer.done():
+                    answer.set_result(result)
+            else:
+                failure = f"worker {self.address} failed: stream ended"
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise                    # we are being cancelled ourselves (the scheduler stops)
-            # close() cancelled the call under us (the worker left the pool mid-step): for the
-            # loop waiting on this step, that is a worker gone, not a reason to stop.
-            raise WorkerGone(f"worker {self.address}: its stream was closed mid-step") from None
-        except (grpc.aio.AioRpcError, StopAsyncIteration) as exc:
-            detail = f"{exc.code().name} {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) \
-                else "stream ended"
+            # close() cancelled the call (the worker left the pool mid-step, or we stop): for a
+            # loop waiting on a step, that is a worker gone.
+            failure = f"worker {self.address}: its stream was closed mid-step"
+        except grpc.aio.AioRpcError as exc:
+            failure = f"worker {self.address} failed: {exc.code().name} {exc.details()}"
+        self._fail_answers(failure)
+        if self._reader is asyncio.current_task():
+            self._reader = None
             await self.close()
-            raise WorkerGone(f"worker {self.address} failed: {detail}") from exc
-        if result.step_id != plan.step_id:
-            await self.close()
-            raise WorkerGone(f"worker {self.address} answered step {result.step_id} "
-                                    f"to plan {plan.step_id}")
-        return result
+
+    def _fail_answers(self, failure: str) -> None:
+        answers, self._answers = self._answers, {}
+        for answer in answers.values():
+            if not answer.done():
+                answer.set_exception(WorkerGone(failure))
 
     async def close(self) -> None:
         self.connected.clear()
         self.pool = None
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            reader.cancel()
+        self._fail_answers(f"worker {self.address}: its stream was closed mid-step")
         if self._plans is not None:
             self._plans.put_nowait(None)
             self._plans = None

@@ -30,6 +30,7 @@ from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, work
 from services.common.wire import sampled_token_proto
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.engine.lora import AdapterError
+from services.worker.cut_ins import CutIns
 from services.worker.sequences import PlanError, SequenceTable
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.drain = drain
         self.table = SequenceTable()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.cut_ins = CutIns()
         self.busy = BusyTracker()
         self.stream_open = False
         self.registry = CollectorRegistry()
@@ -144,30 +146,80 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadAdapterReply()
 
     async def Execute(self, request_iterator, context):
+        """Plans in, answers out, in order, except cut-ins (StepPlan.cut_in): those that arrive while
+        a step computes run inside it (services/worker/cut_ins.py) and are answered first."""
         with self.drain.track():       # refused while draining; counted in flight otherwise
             if self.stream_open:
                 raise ServiceError(ErrorKind.CONFLICT, "this worker already serves a scheduler "
                                    "(one Execute stream at a time)")
             self.stream_open = True
             loop = asyncio.get_running_loop()
-            answered_at = None       # when the last step with work was answered
+            plans: asyncio.Queue = asyncio.Queue()
+            answers: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.ensure_future(self._read_plans(request_iterator, plans))
+            runner = asyncio.ensure_future(self._run_plans(plans, answers, loop))
             try:
-                async for plan in request_iterator:
-                    if answered_at is not None and plan.scheduled_seq_ids:
-                        self.plan_wait.observe(time.perf_counter() - answered_at)
-                    result = await loop.run_in_executor(self.executor, self._run_plan, plan)
+                while (result := await answers.get()) is not None:
                     result.draining = self.drain.draining
                     yield result
-                    answered_at = time.perf_counter() if plan.scheduled_seq_ids else None
                     if result.draining and not self.table:
                         # The scheduler has been told and we hold nothing: the drain is done.
                         log.info("draining: no sequence left; ending the execute stream")
                         return
             finally:
+                reader.cancel()
+                runner.cancel()
                 # The scheduler went away (or we did): its sequences and block tables mean nothing now.
                 self.table.clear()
                 self.stream_open = False
                 log.info("execute stream closed; dropped all sequence state")
+
+    async def _read_plans(self, request_iterator, plans: asyncio.Queue) -> None:
+        """The scheduler's plans into `plans` (None at the end), but a cut-in the step in flight
+        takes goes to it: read while the engine computes, so that one can."""
+        try:
+            async for plan in request_iterator:
+                if not (plan.cut_in and self.cut_ins.offer(plan)):
+                    plans.put_nowait(plan)
+        finally:
+            plans.put_nowait(None)
+
+    async def _run_plans(self, plans: asyncio.Queue, answers: asyncio.Queue, loop) -> None:
+        """Each plan on the engine thread in turn, its answer into `answers` (None at the end);
+        the answers of cut-ins run inside a step go there from the engine thread, first."""
+        def post(result: worker_pb2.StepResult) -> None:    # from the engine thread
+            loop.call_soon_threadsafe(answers.put_nowait, result)
+        answered_at = None       # when the last step with work was answered
+        try:
+            while (plan := await plans.get()) is not None:
+                if answered_at is not None and plan.scheduled_seq_ids:
+                    self.plan_wait.observe(time.perf_counter() - answered_at)
+                answers.put_nowait(await loop.run_in_executor(self.executor, self._run_plan, plan, post))
+                answered_at = time.perf_counter() if plan.scheduled_seq_ids else None
+        finally:
+            answers.put_nowait(None)
+
+    def _run_plan(self, plan: worker_pb2.StepPlan, post=None) -> worker_pb2.StepResult:
+        """Compute the plan (engine thread); with `post`, the cut-ins offered meanwhile run
+        between its layers, or right after it, each answer handed to `post`."""
+        if post is None:
+            return self._compute(plan)
+        try:
+            return self._compute(plan, lambda: self._run_cut_ins(self.cut_ins.take, post))
+        finally:
+            self._run_cut_ins(self.cut_ins.close, post)    # arrived too late to nest: right after
+
+    def _run_cut_ins(self, take, post) -> None:
+        """Run the cut-ins `take()` hands over, and those that arrive meanwhile."""
+        while plans := take():
+            for plan in plans:
+                try:
+                    self.cut_ins.check(plan)
+                except PlanError as exc:
+                    log.error("cut-in step %d refused: %s", plan.step_id, exc)
+                    post(worker_pb2.StepResult(step_id=plan.step_id, error=str(exc)))
+                    continue
+                post(self._compute(plan, nested=True))
 
     def _start_step_span(self, plan: worker_pb2.StepPlan, batch):
         """One span per step, child of the first request it serves, linked to every request."""
@@ -186,14 +238,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         "qos.step.prefill_tokens": sum(len(w.token_ids) for w in batch.sequences
                                                        if len(w.token_ids) > 1)})
 
-    def _run_plan(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+    def _compute(self, plan: worker_pb2.StepPlan, between_layers=None, nested: bool = False) -> worker_pb2.StepResult:
+        """One plan on the engine: `between_layers` hosts cut-ins (Engine.step); a `nested` step
+        (a cut-in) runs inside another, whose busy time already covers it."""
         started = time.perf_counter()
         span = None
         try:
             batch = self.table.apply(plan)
             if self.tracing and batch.sequences:
                 span = self._start_step_span(plan, batch)
-            output = self.engine.step(batch) if batch.sequences else None
+            if between_layers is not None:
+                self.cut_ins.host(batch)
+            output = self.engine.step(batch, between_layers) if batch.sequences else None
         except (PlanError, InvalidStepError) as exc:
             log.error("step %d refused: %s", plan.step_id, exc)
             if span is not None:
@@ -204,7 +260,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.table.commit(batch, tokens)
         finished = time.perf_counter()
         if batch.sequences:     # plans that only drop sequences, and heartbeats, are not steps
-            self.busy.add(started, finished)
+            if not nested:
+                self.busy.add(started, finished)
             self.step_seconds.observe(finished - started)
             self.step_tokens.inc(batch.num_tokens)
         if span is not None:

@@ -471,3 +471,62 @@ def test_a_plan_never_written_does_not_hold_up_the_streams():
     request, first, in_flight, (tokens, _, last) = asyncio.run(go())
     assert in_flight and list(first.token_ids) == expected_output(request)[:1]
     assert list(first.token_ids) + tokens == expected_output(request) and last.finish_reason
+
+
+class LongStepWorker(SimulatedWorker):
+    """Computes each ordinary step at once but answers it only when `release` is set (a long step
+    in flight); cut-ins run and are answered meanwhile, as a real worker runs them between the
+    layers of the step in flight."""
+
+    def __init__(self, index: int, num_blocks: int):
+        super().__init__(index, num_blocks)
+        self.computing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def execute(self, plan, sent=None):
+        result = await super().execute(plan, sent)
+        if plan.scheduled_seq_ids and not plan.cut_in:
+            self.computing.set()
+            await self.release.wait()
+        return result
+
+
+def make_classed_request(seq_id: int, priority: int, prompt_len: int, max_tokens: int) -> Request:
+    request = make_request(seq_id, prompt_len, max_tokens)
+    request.priority = priority
+    return request
+
+
+@pytest.mark.parametrize("cut_in", [True, False])
+def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(cut_in):
+    from services.common.priority import HIGH, LOW
+    from services.scheduler.policy import QoSSettings
+
+    async def main():
+        worker = LongStepWorker(0, 256)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings(high_cut_in=cut_in)),
+                                    max_running=8, max_step_tokens=16)
+        low = make_classed_request(1, LOW, prompt_len=40, max_tokens=4)
+        batcher.submit(low)
+        loop = asyncio.create_task(batcher.run())
+        try:
+            await asyncio.wait_for(worker.computing.wait(), 5)     # Low's first chunk in flight
+            high = make_classed_request(2, HIGH, prompt_len=10, max_tokens=3)
+            batcher.submit(high)
+            first = asyncio.ensure_future(high.events.get())
+            await asyncio.sleep(0.05)
+            cut_ins = [p for p in worker.plans if p.cut_in]
+            if not cut_in:
+                assert not cut_ins and not first.done()              # it waits for the step in flight
+            else:
+                assert [list(p.scheduled_seq_ids) for p in cut_ins] == [[2]]
+                assert first.done() and first.result().token_ids == expected_output(high)[:1]
+                assert batcher.cut_in_steps == 1
+            worker.release.set()
+            rest = await asyncio.wait_for(asyncio.gather(drain(low), drain(high)), 5)
+        finally:
+            loop.cancel()
+        tokens = list(first.result().token_ids) + rest[1][0]
+        assert rest[0][0] == expected_output(low) and tokens == expected_output(high)
+
+    asyncio.run(main())

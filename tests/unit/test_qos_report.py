@@ -31,7 +31,7 @@ def test_ttft_parts_are_nan_without_the_schedulers_timings():
 def test_the_table_prints_the_parts_side_by_side(capsys):
     def column(outcomes):
         summary = summarise(outcomes, low_kv_peak_blocks=0, total_blocks=100)
-        summary.update(wall_s=1.0, preemptions=0, recompute_share=0.0, idle_high_p50_ttft_ms=25.0,
+        summary.update(wall_s=1.0, preemptions=0, cut_ins=0, recompute_share=0.0, idle_high_p50_ttft_ms=25.0,
                        idle_high_p50_ttft_parts_ms=[5.0, 15.0, 5.0],
                        high_p99_ttft_over_idle=summary["high_p99_ttft_ms"] / 25.0)
         return summary

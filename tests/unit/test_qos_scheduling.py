@@ -26,11 +26,13 @@ class Harness:
     """A batcher over simulated workers, advanced one step at a time."""
 
     def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1,
-                 tenant_fairness=True, high_first_token="exclusive", kv_cap_mode="strict", high_step_ms=0.0):
+                 tenant_fairness=True, high_first_token="exclusive", kv_cap_mode="strict", high_step_ms=0.0,
+                 high_cut_in=True):
         self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
         self.policy = create_policy(policy, QoSSettings(tenant_fairness=tenant_fairness,
                                                         high_first_token=high_first_token,
-                                                        kv_cap_mode=kv_cap_mode, high_step_ms=high_step_ms))
+                                                        kv_cap_mode=kv_cap_mode, high_step_ms=high_step_ms,
+                                                        high_cut_in=high_cut_in))
         self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
         self.next_id = 1
         self.requests: list[Request] = []
@@ -499,3 +501,49 @@ def test_high_goes_to_a_worker_with_a_free_slot_rather_than_preempting():
     high = h.submit(HIGH, prompt_len=20, max_tokens=3)
     h.step()
     assert high.output_ids and all(r.preemptions == 0 for r in lows)
+
+
+def test_a_cut_in_starts_only_high_requests_that_fit_now_without_preempting():
+    """planner.plan_cut_in: a step run inside the worker's step in flight (services/worker/
+    cut_ins.py) may only start new High sequences: whole prompts within one step, on blocks and
+    slots free now (every running sequence may be in that step: none is preempted), no LoRA."""
+    h = Harness(num_blocks=40, max_step_tokens=64)
+    worker, planner = h.workers[0], h.batcher.planner
+    low = h.submit(LOW, prompt_len=44, max_tokens=4)
+    h.step()
+    long_high = h.submit(HIGH, prompt_len=65, max_tokens=3)       # more than one step's 64 tokens
+    assert planner.plan_cut_in(worker, 99) is None and long_high.phase is Phase.WAITING
+    h.policy.remove(long_high)
+    h.requests.remove(long_high)
+    lora_high = h.submit(HIGH, prompt_len=8, max_tokens=3)
+    lora_high.lora = "adapter"
+    assert planner.plan_cut_in(worker, 99) is None
+    h.policy.remove(lora_high)
+    h.requests.remove(lora_high)
+
+    highs = [h.submit(HIGH, prompt_len=20, max_tokens=3) for _ in range(2)]
+    medium = h.submit(MEDIUM, prompt_len=8, max_tokens=3)
+    builder = planner.plan_cut_in(worker, 99)
+    plan = builder.plan
+    assert plan.cut_in and plan.step_id == 99 and not plan.released_seq_ids
+    assert list(plan.scheduled_seq_ids) == [r.seq_id for r in highs] and list(plan.scheduled_num_tokens) == [20, 20]
+    assert [n.seq_id for n in plan.new_sequences] == [r.seq_id for r in highs]
+    assert set(plan.granted_seq_ids) == {r.seq_id for r in highs}
+    assert medium.phase is Phase.WAITING and low.phase is Phase.RUNNING
+
+    # No room left without preempting Low: no cut-in (the next ordinary step preempts as usual).
+    pool = worker.pool
+    taken = pool.allocate(MEDIUM, pool.num_free)
+    third = h.submit(HIGH, prompt_len=8, max_tokens=3)
+    assert planner.plan_cut_in(worker, 100) is None
+    assert third.phase is Phase.WAITING and low.phase is Phase.RUNNING and h.batcher.preemptions == 0
+    pool.free(MEDIUM, taken)
+
+
+def test_cut_ins_are_for_qos_with_a_first_token_lane_and_can_be_turned_off():
+    assert Harness().policy.cut_in
+    fcfs = Harness(policy="fcfs")
+    fcfs.submit(HIGH, prompt_len=8, max_tokens=3)
+    assert not fcfs.policy.cut_in and fcfs.batcher.planner.plan_cut_in(fcfs.workers[0], 1) is None
+    assert not Harness(high_cut_in=False).policy.cut_in
+    assert not Harness(high_first_token="wfq").policy.cut_in     # no first-token lane to cut in for

@@ -99,7 +99,7 @@ class WeightChange(_message.Message):
     def __init__(self, at_unix_s: _Optional[float] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., old_weight: _Optional[float] = ..., new_weight: _Optional[float] = ..., utilization: _Optional[float] = ..., free_kv: _Optional[float] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining", "failovers", "members", "desired_workers", "min_workers", "max_workers", "scale_reason", "adapters", "step_seconds", "worker_steps", "step_tokens", "max_step_tokens", "max_running", "step_kv_tokens", "finished")
+    __slots__ = ("pool", "model", "device", "workers", "max_context", "kv_blocks_total", "kv_blocks_used", "block_size", "classes", "steps", "policy", "preemptions", "utilization", "weight_changes", "ttft_p90_ms", "draining", "workers_draining", "failovers", "members", "desired_workers", "min_workers", "max_workers", "scale_reason", "adapters", "step_seconds", "worker_steps", "step_tokens", "max_step_tokens", "max_running", "step_kv_tokens", "finished", "cut_ins")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class PoolStats(_message.Message):
     MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
     STEP_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CUT_INS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     model: str
     device: str
@@ -162,7 +163,8 @@ class PoolStats(_message.Message):
     max_running: int
     step_kv_tokens: int
     finished: int
-    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., scale_reason: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ..., worker_steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., step_kv_tokens: _Optional[int] = ..., finished: _Optional[int] = ...) -> None: ...
+    cut_ins: int
+    def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., scale_reason: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ..., worker_steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., step_kv_tokens: _Optional[int] = ..., finished: _Optional[int] = ..., cut_ins: _Optional[int] = ...) -> None: ...
 
 class WorkerState(_message.Message):
     __slots__ = ("address", "connected", "draining", "running", "kv_blocks_total", "kv_blocks_used", "admitted")

@@ -130,7 +130,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids")
+    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class StepPlan(_message.Message):
     GRANTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GRANTED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CUT_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -145,7 +146,8 @@ class StepPlan(_message.Message):
     granted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     granted_block_ids: _containers.RepeatedScalarFieldContainer[int]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cut_in: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "finish_reason")

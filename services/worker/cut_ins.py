@@ -1,0 +1,77 @@
+"""Cut-ins: plans the worker runs inside the step in flight, between two of its layers.
+
+A High request that arrives while a long step computes (a 128-token chunk of a 4,000-token Low
+prompt, say) would wait for the rest of that step before its own could start. The scheduler
+sends such a request's first step as a cut-in (StepPlan.cut_in: new sequences only, nothing the
+step in flight touches), and the engine thread runs it at the next layer boundary of the step in
+flight, then goes on with that step: the wait is at most one layer's time instead of a step's.
+
+The event loop offers cut-ins (`offer`) as they arrive; the engine thread opens the step it is
+about to compute to them (`host`), takes what arrived at each layer boundary (`take`) and, when
+the step is over, closes it (`close`), taking what arrived too late to nest: those run right
+after the step. A cut-in offered while no step is open is refused and queues like any plan.
+"""
+from __future__ import annotations
+
+import threading
+
+from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import StepBatch
+from services.worker.sequences import PlanError
+
+
+class CutIns:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._host: StepBatch | None = None
+        self._waiting: list[worker_pb2.StepPlan] = []
+
+    def host(self, batch: StepBatch) -> None:
+        """The engine thread computes `batch` next; cut-ins may run inside it (not while it uses a
+        LoRA adapter: a cut-in must not move adapters on the device under it)."""
+        if batch.sequences and not any(s.lora for s in batch.sequences):
+            with self._lock:
+                self._host = batch
+
+    def offer(self, plan: worker_pb2.StepPlan) -> bool:
+        """A cut-in plan from the scheduler (event loop): True when the open step will run it."""
+        if any(new.lora for new in plan.new_sequences):
+            return False
+        with self._lock:
+            if self._host is None:
+                return False
+            self._waiting.append(plan)
+            return True
+
+    def take(self) -> list[worker_pb2.StepPlan]:
+        """Cut-ins offered since the last call (engine thread, at a layer boundary)."""
+        if not self._waiting:              # the common case, without the lock
+            return []
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def close(self) -> list[worker_pb2.StepPlan]:
+        """The open step is over: no more cut-ins; returns those it did not run."""
+        with self._lock:
+            self._host = None
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def check(self, plan: worker_pb2.StepPlan) -> None:
+        """Raises PlanError when the cut-in touches a sequence of the open step or a block one of
+        them holds (running it there would corrupt that step)."""
+        host = self._host
+        if host is None:
+            return
+        busy = {work.seq_id for work in host.sequences}
+        touched = (busy.intersection(plan.scheduled_seq_ids) or busy.intersection(plan.granted_seq_ids)
+                   or busy.intersection(plan.released_seq_ids)
+                   or busy.intersection(new.seq_id for new in plan.new_sequences))
+        if touched:
+            raise PlanError(f"cut-in step {plan.step_id} touches sequence {min(touched)} of the step in flight")
+        held = {block for work in host.sequences for block in work.block_table}
+        shared = held.intersection(plan.granted_block_ids)
+        if shared:
+            raise PlanError(f"cut-in step {plan.step_id} grants block {min(shared)}, held by a sequence "
+                            "of the step in flight")

@@ -1,0 +1,102 @@
+"""Cut-ins (services/worker/cut_ins.py): a step run inside another, between two of its layers,
+gives both steps what they would have computed one after the other, and the worker runs a cut-in
+that arrives mid-step there (answered first) or refuses one that touches the step in flight."""
+from __future__ import annotations
+
+from services.common.drain import Drain
+from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import SamplingParams, SequenceWork, StepBatch
+from services.common.wire import engine_sampling
+from services.worker.server import WorkerService
+from tests.tiny_models import make_engine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = list(range(5, 100))          # the step in flight: a 95-token prompt and a decode
+SHORT = list(range(200, 212))       # the cut-in: a 12-token prompt
+
+
+def host_batch(blocks_a: list[int]) -> StepBatch:
+    return StepBatch([SequenceWork(1, LONG, 0, blocks_a, GREEDY)])
+
+
+def cut_in_batch(blocks_b: list[int]) -> StepBatch:
+    return StepBatch([SequenceWork(2, SHORT, 0, blocks_b, GREEDY)])
+
+
+def test_a_step_run_between_the_layers_of_another_changes_neither(tiny_model_dir):
+    blocks_a, blocks_b = list(range(0, 8)), list(range(8, 10))
+    one_after_other = make_engine(tiny_model_dir)
+    expected_a = one_after_other.step(host_batch(blocks_a)).tokens
+    expected_b = one_after_other.step(cut_in_batch(blocks_b)).tokens
+
+    nested = make_engine(tiny_model_dir)
+    inner: list = []
+    def between_layers():
+        if not inner:                      # after the first layer only
+            inner.append(nested.step(cut_in_batch(blocks_b)).tokens)
+    outer = nested.step(host_batch(blocks_a), between_layers).tokens
+    assert inner == [expected_b] and outer == expected_a
+    # The caches hold the same K/V: the next decode of each sequence agrees too.
+    for engine in (one_after_other, nested):
+        engine.next_tokens = [engine.step(StepBatch([
+            SequenceWork(1, [expected_a[0].token_id], len(LONG), blocks_a, GREEDY, 1),
+            SequenceWork(2, [expected_b[0].token_id], len(SHORT), blocks_b, GREEDY, 1)])).tokens]
+    assert nested.next_tokens == one_after_other.next_tokens
+
+
+def announce(seq_id: int, prompt: list[int]) -> worker_pb2.NewSequence:
+    return worker_pb2.NewSequence(seq_id=seq_id, prompt_token_ids=prompt, sampling=engine_sampling(GREEDY))
+
+
+def plan(step_id: int, seq_id: int, prompt: list[int], blocks: list[int], cut_in: bool = False):
+    return worker_pb2.StepPlan(step_id=step_id, new_sequences=[announce(seq_id, prompt)],
+                               scheduled_seq_ids=[seq_id], scheduled_num_tokens=[len(prompt)],
+                               granted_seq_ids=[seq_id] * len(blocks), granted_block_ids=blocks, cut_in=cut_in)
+
+
+def worker_with_cut_in_mid_step(tiny_model_dir, cut_in: worker_pb2.StepPlan):
+    """A worker service whose next step gets `cut_in` offered as soon as it starts computing,
+    and the depth of every engine step it runs."""
+    service = WorkerService(make_engine(tiny_model_dir), Drain("test worker", 1.0))
+    host, step, depths = service.cut_ins.host, service.engine.step, []
+    depth = [0]
+    def hosting(batch):
+        host(batch)
+        assert service.cut_ins.offer(cut_in)
+    def counted_step(batch, between_layers=None):
+        depth[0] += 1
+        depths.append(depth[0])
+        try:
+            return step(batch, between_layers)
+        finally:
+            depth[0] -= 1
+    service.cut_ins.host, service.engine.step = hosting, counted_step
+    return service, depths
+
+
+def test_the_worker_runs_a_cut_in_inside_the_step_in_flight_and_answers_it_first(tiny_model_dir):
+    reference = make_engine(tiny_model_dir)
+    expected_long = reference.step(host_batch(list(range(8)))).tokens[0].token_id
+    expected_short = reference.step(cut_in_batch([8, 9])).tokens[0].token_id
+
+    service, depths = worker_with_cut_in_mid_step(tiny_model_dir, plan(2, 2, SHORT, [8, 9], cut_in=True))
+    answers: list[worker_pb2.StepResult] = []
+    answers.append(service._run_plan(plan(1, 1, LONG, list(range(8))), answers.append))
+    assert [a.step_id for a in answers] == [2, 1]          # the cut-in's answer first
+    assert depths == [1, 2]                                # ... computed inside the other step
+    assert [a.tokens[0].token_id for a in answers] == [expected_short, expected_long]
+    assert not any(a.error for a in answers)
+    assert set(service.table.sequences) == {1, 2}
+
+
+def test_a_cut_in_that_touches_the_step_in_flight_is_refused_and_the_step_goes_on(tiny_model_dir):
+    reference = make_engine(tiny_model_dir)
+    expected_long = reference.step(host_batch(list(range(8)))).tokens[0].token_id
+    # Block 3 belongs to sequence 1, which the step in flight is writing.
+    service, depths = worker_with_cut_in_mid_step(tiny_model_dir, plan(2, 2, SHORT, [3, 9], cut_in=True))
+    answers: list[worker_pb2.StepResult] = []
+    answers.append(service._run_plan(plan(1, 1, LONG, list(range(8))), answers.append))
+    assert [a.step_id for a in answers] == [2, 1] and depths == [1]
+    assert "grants block 3, held by a sequence of the step in flight" in answers[0].error
+    assert answers[1].tokens[0].token_id == expected_long and not answers[1].error
+    assert set(service.table.sequences) == {1}
