@@ -99,7 +99,7 @@ class SchedulerConfig(ServiceConfig):
     # cost in the other classes' throughput. 0: off
     high_step_ms: float = 0.0
     # qos: a High request that can start at once while a worker computes a step has its first
-    # step run inside that one, between two of its layers (a cut-in), rather than after it
+    # step run inside that one, at a pause in its forward pass (a cut-in), rather than after it
     high_cut_in: bool = True
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a

@@ -165,15 +165,16 @@ class Engine:
             offset += len(seq.token_ids)
         return self.adapters.batch(rows) if rows else None
 
-    def step(self, batch: StepBatch, between_layers: Callable[[], None] | None = None) -> StepOutput:
+    def step(self, batch: StepBatch, pause: Callable[[], None] | None = None) -> StepOutput:
         """Compute every entry's tokens; sample one token for each entry with `sample` set.
 
-        `between_layers`: called between two layers of the model (LlamaDecoder.forward); it may
-        run another step (the worker's cut-ins), one that touches none of this step's
-        sequences or cache blocks and, while this one uses a LoRA adapter, uses none."""
+        `pause`: called at points inside the forward pass (between layers, after each attention
+        call: LlamaDecoder.forward); it may run another step there (the worker's cut-ins), one
+        that touches none of this step's sequences or cache blocks and, while this one uses a
+        LoRA adapter, uses none."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
-        hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), between_layers)
+        hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), pause)
         last_rows, sampled = [], []
         offset = 0
         for seq in ordered:

@@ -155,18 +155,19 @@ class LlamaDecoder:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, layout: AttentionLayout, cache: PagedKVCache,
-                lora: LoraBatch | None = None, between_layers: Callable[[], None] | None = None) -> torch.Tensor:
+                lora: LoraBatch | None = None, pause: Callable[[], None] | None = None) -> torch.Tensor:
         """Run the decoder over the step's tokens; returns final-norm hidden states [T, hidden].
-        `lora`: rows of the batch whose projections add an adapter's update. `between_layers` is
-        called after every layer but the last: another step may run there (a cut-in), since all
-        this step's state is local and the cache slots it writes are its own."""
+        `lora`: rows of the batch whose projections add an adapter's update. `pause` is called
+        between layers and after each attention call inside a layer (a long prompt chunk's
+        attention over its cached context is most of a layer): another step may run there (a
+        cut-in), since all this step's state is local and the cache slots it writes are its own."""
         c = self.config
         num_tokens, qk_width = token_ids.shape[0], self._qk_width
         cos, sin = self.rotary.lookup(layout.positions)
         # One pair of gather buffers per attention group, reused by every layer.
         buffers = [cache.new_gather_buffers(g.num_seqs * g.num_blocks) for g in layout.cached]
         x = self.embed[token_ids]
-        for index, layer in self._layers(between_layers):
+        for index, layer in self._layers(pause):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)
             if lora is not None:
@@ -175,7 +176,7 @@ class LlamaDecoder:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, qk_width:].view(num_tokens, c.num_kv_heads, c.head_dim)
             cache.write(index, layout.slots, k, v)
-            attended = self._attention(q, k, v, layout, cache, index, buffers)
+            attended = self._attention(q, k, v, layout, cache, index, buffers, pause)
             if lora is None:
                 x = x + layer.out(attended)
                 gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
@@ -188,11 +189,11 @@ class LlamaDecoder:
             x = x + lora.apply(index, "down", mixed, layer.down(mixed))
         return self._norm(x, self.final_norm)
 
-    def _layers(self, between_layers: Callable[[], None] | None):
-        """The layers with their index, calling `between_layers` before each but the first."""
+    def _layers(self, pause: Callable[[], None] | None):
+        """The layers with their index, calling `pause` before each but the first."""
         for index, layer in enumerate(self.layers):
-            if index and between_layers is not None:
-                between_layers()
+            if index and pause is not None:
+                pause()
             yield index, layer
 
     @torch.inference_mode()
@@ -200,7 +201,7 @@ class LlamaDecoder:
         return self.lm_head(hidden).float()
 
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
-                   buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                   buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None) -> torch.Tensor:
         c = self.config
         width = c.num_heads * c.head_dim
         outputs = []
@@ -229,10 +230,14 @@ class LlamaDecoder:
             out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values,
                                                  attn_mask=group.mask, enable_gqa=True)
             outputs.append(out.transpose(1, 2).reshape(group.num_queries, width))
+            if pause is not None:
+                pause()
         for start, length in layout.fresh:
             end = start + length
             out = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1).unsqueeze(0), k[start:end].transpose(0, 1).unsqueeze(0),
                 v[start:end].transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
             outputs.append(out[0].transpose(0, 1).reshape(length, width))
+            if pause is not None:
+                pause()
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)

@@ -1,13 +1,14 @@
-"""Cut-ins: plans the worker runs inside the step in flight, between two of its layers.
+"""Cut-ins: plans the worker runs inside the step in flight, at a pause in its forward pass.
 
 A High request that arrives while a long step computes (a 128-token chunk of a 4,000-token Low
 prompt, say) would wait for the rest of that step before its own could start. The scheduler
 sends such a request's first step as a cut-in (StepPlan.cut_in: new sequences only, nothing the
-step in flight touches), and the engine thread runs it at the next layer boundary of the step in
-flight, then goes on with that step: the wait is at most one layer's time instead of a step's.
+step in flight touches), and the engine thread runs it at the next pause of the step in flight
+(between two layers, or after an attention call inside one: Engine.step's `pause`), then goes on
+with that step: the wait is a fraction of a layer's time instead of a step's.
 
 The event loop offers cut-ins (`offer`) as they arrive; the engine thread opens the step it is
-about to compute to them (`host`), takes what arrived at each layer boundary (`take`) and, when
+about to compute to them (`host`), takes what arrived at each pause (`take`) and, when
 the step is over, closes it (`close`), taking what arrived too late to nest: those run right
 after the step. A cut-in offered while no step is open is refused and queues like any plan.
 """
@@ -44,7 +45,7 @@ class CutIns:
             return True
 
     def take(self) -> list[worker_pb2.StepPlan]:
-        """Cut-ins offered since the last call (engine thread, at a layer boundary)."""
+        """Cut-ins offered since the last call (engine thread, at a pause of the open step)."""
         if not self._waiting:              # the common case, without the lock
             return []
         with self._lock:

@@ -238,8 +238,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         "qos.step.prefill_tokens": sum(len(w.token_ids) for w in batch.sequences
                                                        if len(w.token_ids) > 1)})
 
-    def _compute(self, plan: worker_pb2.StepPlan, between_layers=None, nested: bool = False) -> worker_pb2.StepResult:
-        """One plan on the engine: `between_layers` hosts cut-ins (Engine.step); a `nested` step
+    def _compute(self, plan: worker_pb2.StepPlan, pause=None, nested: bool = False) -> worker_pb2.StepResult:
+        """One plan on the engine: `pause` hosts cut-ins (Engine.step); a `nested` step
         (a cut-in) runs inside another, whose busy time already covers it."""
         started = time.perf_counter()
         span = None
@@ -247,9 +247,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             batch = self.table.apply(plan)
             if self.tracing and batch.sequences:
                 span = self._start_step_span(plan, batch)
-            if between_layers is not None:
+            if pause is not None:
                 self.cut_ins.host(batch)
-            output = self.engine.step(batch, between_layers) if batch.sequences else None
+            output = self.engine.step(batch, pause) if batch.sequences else None
         except (PlanError, InvalidStepError) as exc:
             log.error("step %d refused: %s", plan.step_id, exc)
             if span is not None:

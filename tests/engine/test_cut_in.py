@@ -1,4 +1,4 @@
-"""Cut-ins (services/worker/cut_ins.py): a step run inside another, between two of its layers,
+"""Cut-ins (services/worker/cut_ins.py): a step run inside another, at a pause in its forward pass,
 gives both steps what they would have computed one after the other, and the worker runs a cut-in
 that arrives mid-step there (answered first) or refuses one that touches the step in flight."""
 from __future__ import annotations
@@ -31,10 +31,10 @@ def test_a_step_run_between_the_layers_of_another_changes_neither(tiny_model_dir
 
     nested = make_engine(tiny_model_dir)
     inner: list = []
-    def between_layers():
+    def pause():
         if not inner:                      # after the first layer only
             inner.append(nested.step(cut_in_batch(blocks_b)).tokens)
-    outer = nested.step(host_batch(blocks_a), between_layers).tokens
+    outer = nested.step(host_batch(blocks_a), pause).tokens
     assert inner == [expected_b] and outer == expected_a
     # The caches hold the same K/V: the next decode of each sequence agrees too.
     for engine in (one_after_other, nested):
@@ -63,11 +63,11 @@ def worker_with_cut_in_mid_step(tiny_model_dir, cut_in: worker_pb2.StepPlan):
     def hosting(batch):
         host(batch)
         assert service.cut_ins.offer(cut_in)
-    def counted_step(batch, between_layers=None):
+    def counted_step(batch, pause=None):
         depth[0] += 1
         depths.append(depth[0])
         try:
-            return step(batch, between_layers)
+            return step(batch, pause)
         finally:
             depth[0] -= 1
     service.cut_ins.host, service.engine.step = hosting, counted_step
