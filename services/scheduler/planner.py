@@ -57,6 +57,9 @@ class StepPlanner:
         self.running_per_lane: Counter = Counter()    # all workers together
         self.running_by_class: dict[int, Counter] = {}   # per worker: running sequences per priority
         self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
+        # Workers that ran a cut-in during their last step: the next plan gives the first-token
+        # lane the turn the cut-in took from it (plan_cut_in).
+        self.after_cut_in: set[int] = set()
         self.room = Room(policy, self.running, self.running_by_class, self.preempt)
 
     def lanes_running(self) -> set[int]:
@@ -74,6 +77,7 @@ class StepPlanner:
         self.running.pop(index, None)
         self.running_by_class.pop(index, None)
         self.to_release.pop(index, None)
+        self.after_cut_in.discard(index)
 
     def plan(self, worker: Worker, step_id: int, admits: bool = True, cost: StepCost | None = None,
              measure: bool = False) -> StepBuilder:
@@ -87,7 +91,10 @@ class StepPlanner:
                         self.left_out.pop(worker.index, None))
         active = {lane for lane in policy.lanes if work.has_running(lane) or policy.queue(lane)}
         first = policy.first_token_lane()
-        if first is not None and first in active and (policy.queue(first) or work.first_token_pending(first)):
+        after_cut_in = worker.index in self.after_cut_in
+        self.after_cut_in.discard(worker.index)
+        if first is not None and first in active and (
+                after_cut_in or policy.queue(first) or work.first_token_pending(first)):
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
@@ -142,6 +149,10 @@ class StepPlanner:
             taken += tokens
         if not taken:
             return None
+        # The step after it is planned as the first-token step would have been had these requests
+        # waited for it: the lane first and, in exclusive mode, the others only decoding. That
+        # step gives the new streams their second token soon, as without cut-ins.
+        self.after_cut_in.add(worker.index)
         self.policy.charge(lane, taken)
         builder.charge_tenants(self.policy, lane)
         self.served_tokens.update(builder.served)

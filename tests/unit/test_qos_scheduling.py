@@ -547,3 +547,26 @@ def test_cut_ins_are_for_qos_with_a_first_token_lane_and_can_be_turned_off():
     assert not fcfs.policy.cut_in and fcfs.batcher.planner.plan_cut_in(fcfs.workers[0], 1) is None
     assert not Harness(high_cut_in=False).policy.cut_in
     assert not Harness(high_first_token="wfq").policy.cut_in     # no first-token lane to cut in for
+
+
+def test_the_step_after_a_cut_in_is_planned_as_its_first_token_step_would_have_been():
+    """The cut-in served High's first token; the next step still gives High the first turn and
+    (exclusive mode) lets the others only decode, so the new stream's second token comes soon."""
+    h = Harness(max_step_tokens=64)
+    worker = h.workers[0]
+    low = h.submit(LOW, prompt_len=300, max_tokens=4)
+    medium = h.submit(MEDIUM, prompt_len=10, max_tokens=50)
+    for _ in range(2):
+        h.step()
+    assert medium.output_ids and low.computed < 300          # Medium decodes, Low is mid-prompt
+    high = h.submit(HIGH, prompt_len=12, max_tokens=5)
+    builder = h.batcher.planner.plan_cut_in(worker, 1000)
+    h.batcher.postprocess(worker, builder, asyncio.run(worker.execute(builder.plan)))
+    assert len(high.output_ids) == 1
+
+    def scheduled():
+        plan = h.step()[worker.index].plan
+        return dict(zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens))
+    after = scheduled()
+    assert after[high.seq_id] == 1 and after[medium.seq_id] == 1 and low.seq_id not in after
+    assert scheduled()[low.seq_id] > 1                       # then the fair-queueing order again
