@@ -166,6 +166,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         # The scheduler has been told and we hold nothing: the drain is done.
                         log.info("draining: no sequence left; ending the execute stream")
                         return
+                await runner         # over: a step that raised ends the stream with its error
             finally:
                 reader.cancel()
                 runner.cancel()
@@ -199,11 +200,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             answers.put_nowait(None)
 
-    def _run_plan(self, plan: worker_pb2.StepPlan, post=None) -> worker_pb2.StepResult:
-        """Compute the plan (engine thread); with `post`, the cut-ins offered meanwhile run
-        between its layers, or right after it, each answer handed to `post`."""
-        if post is None:
-            return self._compute(plan)
+    def _run_plan(self, plan: worker_pb2.StepPlan, post) -> worker_pb2.StepResult:
+        """Compute the plan (engine thread); the cut-ins offered meanwhile run at its pauses, or
+        right after it, each answer handed to `post`."""
         try:
             return self._compute(plan, lambda: self._run_cut_ins(self.cut_ins.take, post))
         finally:

@@ -530,3 +530,45 @@ def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(
         assert rest[0][0] == expected_output(low) and tokens == expected_output(high)
 
     asyncio.run(main())
+
+
+def test_high_requests_arriving_during_a_cut_in_go_together_in_the_next():
+    """One cut-in at a time per worker: those that arrive meanwhile share one prefill."""
+    from services.common.priority import HIGH, LOW
+    from services.scheduler.policy import QoSSettings
+
+    class SlowCutIns(LongStepWorker):
+        def __init__(self, index, num_blocks):
+            super().__init__(index, num_blocks)
+            self.cut_in_release = asyncio.Event()
+
+        async def execute(self, plan, sent=None):
+            if plan.cut_in:
+                await self.cut_in_release.wait()
+            return await super().execute(plan, sent)
+
+    async def main():
+        worker = SlowCutIns(0, 256)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings()), max_running=8,
+                                    max_step_tokens=32)
+        batcher.submit(make_classed_request(1, LOW, prompt_len=80, max_tokens=2))
+        loop = asyncio.create_task(batcher.run())
+        try:
+            await asyncio.wait_for(worker.computing.wait(), 5)
+            highs = [make_classed_request(seq_id, HIGH, prompt_len=8, max_tokens=2) for seq_id in (2, 3, 4)]
+            batcher.submit(highs[0])
+            await asyncio.sleep(0.01)
+            batcher.submit(highs[1])
+            batcher.submit(highs[2])
+            await asyncio.sleep(0.01)
+            assert batcher.cut_in_steps == 1                 # the first still computing
+            worker.cut_in_release.set()
+            await asyncio.sleep(0.05)
+            cut_ins = [list(p.scheduled_seq_ids) for p in worker.plans if p.cut_in]
+            assert cut_ins == [[2], [3, 4]]
+            worker.release.set()
+            await asyncio.wait_for(asyncio.gather(*(drain(r) for r in highs)), 5)
+        finally:
+            loop.cancel()
+
+    asyncio.run(main())
