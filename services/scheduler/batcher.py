@@ -79,11 +79,11 @@ class ContinuousBatcher:
         self.hold_streams = False
         self._held: list[tuple[Request, object]] | None = None
         self._answers_pending = 0
-        # Cut-ins (policy.cut_in): the workers computing a step (by index), and the cut-in step
-        # sent to run inside each one's step, not answered yet (one at a time per worker: High
-        # requests arriving meanwhile go together in the next, one prefill instead of several).
+        # Cut-ins (policy.cut_in): the workers computing a step (by index), and the cut-in steps
+        # sent to run inside those steps, not answered yet. Each High request goes at once; the
+        # worker runs those that reach it together as one step (one prefill).
         self._computing: set[int] = set()
-        self._cut_ins: dict[int, asyncio.Task] = {}
+        self._cut_ins: set[asyncio.Task] = set()
         self.cut_in_steps = 0
 
     @property
@@ -183,7 +183,7 @@ class ContinuousBatcher:
             self.release_streams()
         await asyncio.gather(*steps)
         while self._cut_ins:        # the next plans need their answers (they admitted requests)
-            await asyncio.gather(*self._cut_ins.values())
+            await asyncio.gather(*self._cut_ins)
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
             elapsed = time.perf_counter() - started
@@ -240,7 +240,7 @@ class ContinuousBatcher:
         step's next pause (part of a layer) rather than for all of it."""
         loop = asyncio.get_running_loop()
         for index in list(self._computing):
-            if index in self._cut_ins or index not in self.planner.running:    # busy, or left the pool
+            if index not in self.planner.running:       # it left the pool
                 continue
             link = self.workers[index]
             if not self.workers.admits(link):
@@ -250,15 +250,10 @@ class ContinuousBatcher:
                 continue
             self.steps += 1
             self.cut_in_steps += 1
-            self._cut_ins[index] = asyncio.ensure_future(self._run_cut_in(link, builder, loop.create_future()))
-
-    async def _run_cut_in(self, link: Worker, builder: StepBuilder, sent: asyncio.Future) -> None:
-        try:
-            await self._execute_and_postprocess(link, builder, sent, cut_in=True)
-        finally:
-            del self._cut_ins[link.index]
-        if link.index in self._computing:        # its step goes on: High requests that came meanwhile
-            self._cut_in()
+            task = asyncio.ensure_future(self._execute_and_postprocess(link, builder, loop.create_future(),
+                                                                       cut_in=True))
+            self._cut_ins.add(task)
+            task.add_done_callback(self._cut_ins.discard)
 
     # --- execute and postprocess ------------------------------------------------------------------
 

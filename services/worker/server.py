@@ -28,6 +28,7 @@ from services.common.tracing import (setup_tracing, shutdown_tracing, span_conte
                                      tracing_configured)
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.wire import sampled_token_proto
+from services.common.step import StepBatch
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.engine.lora import AdapterError
 from services.worker.cut_ins import CutIns
@@ -204,21 +205,24 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """Compute the plan (engine thread); the cut-ins offered meanwhile run at its pauses, or
         right after it, each answer handed to `post`."""
         try:
-            return self._compute(plan, lambda: self._run_cut_ins(self.cut_ins.take, post))
+            return self._compute([plan], lambda: self._run_cut_ins(self.cut_ins.take, post))[0]
         finally:
             self._run_cut_ins(self.cut_ins.close, post)    # arrived too late to nest: right after
 
     def _run_cut_ins(self, take, post) -> None:
-        """Run the cut-ins `take()` hands over, and those that arrive meanwhile."""
+        """Run the cut-ins `take()` hands over, those that came together as one step, and those
+        that arrive meanwhile."""
         while plans := take():
+            fitting = []
             for plan in plans:
                 try:
                     self.cut_ins.check(plan)
+                    fitting.append(plan)
                 except PlanError as exc:
                     log.error("cut-in step %d refused: %s", plan.step_id, exc)
                     post(worker_pb2.StepResult(step_id=plan.step_id, error=str(exc)))
-                    continue
-                post(self._compute(plan, nested=True))
+            for answer in self._compute(fitting, nested=True) if fitting else ():
+                post(answer)
 
     def _start_step_span(self, plan: worker_pb2.StepPlan, batch):
         """One span per step, child of the first request it serves, linked to every request."""
@@ -237,24 +241,35 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         "qos.step.prefill_tokens": sum(len(w.token_ids) for w in batch.sequences
                                                        if len(w.token_ids) > 1)})
 
-    def _compute(self, plan: worker_pb2.StepPlan, pause=None, nested: bool = False) -> worker_pb2.StepResult:
-        """One plan on the engine: `pause` hosts cut-ins (Engine.step); a `nested` step
-        (a cut-in) runs inside another, whose busy time already covers it."""
+    def _compute(self, plans: list[worker_pb2.StepPlan], pause=None, nested: bool = False) -> list[worker_pb2.StepResult]:
+        """Plans on the engine as one step, an answer each: one plan, or cut-ins that arrived
+        together (one prefill for all of them). `pause` hosts cut-ins (Engine.step); a `nested`
+        step (cut-ins) runs inside another, whose busy time already covers it. A plan that does
+        not fit the sequence table is refused alone; a step the engine refuses, every plan in it."""
         started = time.perf_counter()
+        answers: dict[int, worker_pb2.StepResult] = {}
+        applied = []
+        for plan in plans:
+            try:
+                applied.append((plan, self.table.apply(plan)))
+            except PlanError as exc:
+                log.error("step %d refused: %s", plan.step_id, exc)
+                answers[plan.step_id] = worker_pb2.StepResult(step_id=plan.step_id, error=str(exc))
+        batch = StepBatch([work for _, part in applied for work in part.sequences])
         span = None
         try:
-            batch = self.table.apply(plan)
             if self.tracing and batch.sequences:
-                span = self._start_step_span(plan, batch)
+                span = self._start_step_span(applied[0][0], batch)
             if pause is not None:
                 self.cut_ins.host(batch)
             output = self.engine.step(batch, pause) if batch.sequences else None
-        except (PlanError, InvalidStepError) as exc:
-            log.error("step %d refused: %s", plan.step_id, exc)
+        except InvalidStepError as exc:
+            log.error("step %s refused: %s", ", ".join(str(p.step_id) for p, _ in applied), exc)
             if span is not None:
                 span.set_status(Status(StatusCode.ERROR, str(exc)))
                 span.end()
-            return worker_pb2.StepResult(step_id=plan.step_id, error=str(exc))
+            answers.update((p.step_id, worker_pb2.StepResult(step_id=p.step_id, error=str(exc))) for p, _ in applied)
+            return [answers[p.step_id] for p in plans]
         tokens = output.tokens if output else []
         self.table.commit(batch, tokens)
         finished = time.perf_counter()
@@ -266,11 +281,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         if span is not None:
             span.set_attribute("qos.step.sampled", len(tokens))
             span.end()
-        return worker_pb2.StepResult(
-            step_id=plan.step_id,
-            tokens=[sampled_token_proto(t) for t in tokens],
-            forward_ms=(finished - started) * 1000,
-            device=self._device_stats(finished))
+        device = self._device_stats(finished)
+        by_seq = {token.seq_id: token for token in tokens} if len(applied) > 1 else None
+        for plan, part in applied:
+            mine = tokens if by_seq is None else [by_seq[w.seq_id] for w in part.sequences if w.seq_id in by_seq]
+            answers[plan.step_id] = worker_pb2.StepResult(
+                step_id=plan.step_id, tokens=[sampled_token_proto(t) for t in mine],
+                forward_ms=(finished - started) * 1000, device=device)
+        return [answers[p.step_id] for p in plans]
 
     def _device_stats(self, now: float) -> worker_pb2.DeviceStats:
         kv_bytes = self.engine.kv_spec.total_bytes

@@ -54,15 +54,15 @@ def plan(step_id: int, seq_id: int, prompt: list[int], blocks: list[int], cut_in
                                granted_seq_ids=[seq_id] * len(blocks), granted_block_ids=blocks, cut_in=cut_in)
 
 
-def worker_with_cut_in_mid_step(tiny_model_dir, cut_in: worker_pb2.StepPlan):
-    """A worker service whose next step gets `cut_in` offered as soon as it starts computing,
+def worker_with_cut_in_mid_step(tiny_model_dir, *cut_ins: worker_pb2.StepPlan):
+    """A worker service whose next step gets `cut_ins` offered as soon as it starts computing,
     and the depth of every engine step it runs."""
     service = WorkerService(make_engine(tiny_model_dir), Drain("test worker", 1.0))
     host, step, depths = service.cut_ins.host, service.engine.step, []
     depth = [0]
     def hosting(batch):
         host(batch)
-        assert service.cut_ins.offer(cut_in)
+        assert all(service.cut_ins.offer(cut_in) for cut_in in cut_ins)
     def counted_step(batch, pause=None):
         depth[0] += 1
         depths.append(depth[0])
@@ -100,3 +100,17 @@ def test_a_cut_in_that_touches_the_step_in_flight_is_refused_and_the_step_goes_o
     assert "grants block 3, held by a sequence of the step in flight" in answers[0].error
     assert answers[1].tokens[0].token_id == expected_long and not answers[1].error
     assert set(service.table.sequences) == {1}
+
+
+def test_cut_ins_that_arrive_together_run_as_one_step_with_an_answer_each(tiny_model_dir):
+    other = list(range(300, 307))
+    reference = make_engine(tiny_model_dir)
+    expected = [reference.step(StepBatch([SequenceWork(seq_id, prompt, 0, blocks, GREEDY)])).tokens[0].token_id
+                for seq_id, prompt, blocks in ((2, SHORT, [8, 9]), (3, other, [10]))]
+    service, depths = worker_with_cut_in_mid_step(tiny_model_dir, plan(2, 2, SHORT, [8, 9], cut_in=True),
+                                                  plan(3, 3, other, [10], cut_in=True))
+    answers: list[worker_pb2.StepResult] = []
+    answers.append(service._run_plan(plan(1, 1, LONG, list(range(8))), answers.append))
+    assert [a.step_id for a in answers] == [2, 3, 1] and depths == [1, 2]     # one nested step
+    assert [[t.seq_id for t in a.tokens] for a in answers] == [[2], [3], [1]]
+    assert [a.tokens[0].token_id for a in answers[:2]] == expected
