@@ -172,7 +172,8 @@ class ContinuousBatcher:
         self._answers_pending = len(plans)
         loop = asyncio.get_running_loop()
         sent = {i: loop.create_future() for i in plans}
-        self._computing.update(i for i, b in plans.items() if b.has_work)
+        # Cut-ins go into these steps, not into one that serves first tokens itself.
+        self._computing.update(i for i, b in plans.items() if b.has_work and not b.first_tokens)
         steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
                  for i, b in plans.items()]
         if self._held is not None:

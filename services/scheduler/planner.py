@@ -93,8 +93,9 @@ class StepPlanner:
         first = policy.first_token_lane()
         after_cut_in = worker.index in self.after_cut_in
         self.after_cut_in.discard(worker.index)
-        if first is not None and first in active and (
-                after_cut_in or policy.queue(first) or work.first_token_pending(first)):
+        builder.first_tokens = first is not None and first in active and bool(
+            policy.queue(first) or work.first_token_pending(first))
+        if builder.first_tokens or (first is not None and first in active and after_cut_in):
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,

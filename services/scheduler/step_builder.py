@@ -50,6 +50,9 @@ class StepBuilder:
         self.victim_floor: int | None = None
         # A lane served ahead for a first token, in exclusive mode: the other lanes only decode.
         self.decodes_only_after: int | None = None
+        # Planned while requests of the first-token lane waited for their first token: such a
+        # step takes no cut-in (it would hold back the very first tokens cut-ins are for).
+        self.first_tokens = False
         self.victims: VictimOrder | None = None     # running sequences in preemption order (room.py)
         self.slot_cursor = 0          # victims before it are preempted or scheduled already
         self.served: Counter = Counter()              # tokens scheduled per priority

@@ -531,3 +531,31 @@ def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(
 
     asyncio.run(main())
 
+
+
+def test_a_step_that_serves_first_tokens_takes_no_cut_in():
+    """A High request arriving while a step computes another High request's first token waits
+    for that step: cut into it, it would hold back the first token it carries."""
+    from services.common.priority import HIGH
+    from services.scheduler.policy import QoSSettings
+
+    async def main():
+        worker = LongStepWorker(0, 256)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings()), max_running=8,
+                                    max_step_tokens=16)
+        first = make_classed_request(1, HIGH, prompt_len=10, max_tokens=2)
+        batcher.submit(first)
+        loop = asyncio.create_task(batcher.run())
+        try:
+            await asyncio.wait_for(worker.computing.wait(), 5)       # its first-token step in flight
+            second = make_classed_request(2, HIGH, prompt_len=10, max_tokens=2)
+            batcher.submit(second)
+            await asyncio.sleep(0.05)
+            assert batcher.cut_in_steps == 0 and not [p for p in worker.plans if p.cut_in]
+            worker.release.set()
+            results = await asyncio.wait_for(asyncio.gather(drain(first), drain(second)), 5)
+        finally:
+            loop.cancel()
+        assert [r[0] for r in results] == [expected_output(first), expected_output(second)]
+
+    asyncio.run(main())
