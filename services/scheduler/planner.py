@@ -144,7 +144,8 @@ class StepPlanner:
             if head.num_tokens > builder.budget or need > pool.num_free \
                     or pool.held(head.priority) + need > self.room.cap(pool, head.priority):
                 break
-            self._admit(worker, builder, head)
+            if not self._admit(worker, builder, head):      # room was checked: not expected
+                break
             tokens = self._schedule(worker, builder, head)
             builder.note_served(head, tokens, lane)
             taken += tokens
