@@ -93,9 +93,9 @@ class StepPlanner:
         first = policy.first_token_lane()
         after_cut_in = worker.index in self.after_cut_in
         self.after_cut_in.discard(worker.index)
-        builder.first_tokens = first is not None and first in active and bool(
-            policy.queue(first) or work.first_token_pending(first))
-        if builder.first_tokens or (first is not None and first in active and after_cut_in):
+        first_turn = first is not None and first in active
+        builder.first_tokens = first_turn and bool(policy.queue(first) or work.first_token_pending(first))
+        if builder.first_tokens or (first_turn and after_cut_in):
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
             # the tokens back later), and in "exclusive" mode the others only decode this step,
@@ -140,9 +140,8 @@ class StepPlanner:
         builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
         taken = 0
         while (head := queue.peek()) is not None and not head.lora and len(running) < self.max_running:
-            need = blocks_for_tokens(head.num_tokens + 1, pool.block_size)
-            if head.num_tokens > builder.budget or need > pool.num_free \
-                    or pool.held(head.priority) + need > self.room.cap(pool, head.priority):
+            if head.num_tokens > builder.budget or \
+                    blocks_for_tokens(head.num_tokens + 1, pool.block_size) > self.room.free_for(pool, head.priority):
                 break
             if not self._admit(worker, builder, head):      # room was checked: not expected
                 break
@@ -247,7 +246,7 @@ class StepPlanner:
             return False
         by_class = {lane: len(decodes)} if self.policy.lane_is_class else Counter(map(_PRIORITY, decodes))
         for priority, count in by_class.items():
-            if pool.held(priority) + count > self.room.cap(pool, priority):
+            if count > self.room.free_for(pool, priority):
                 return False
         block_size = pool.block_size
         for priority, count in by_class.items():
@@ -342,7 +341,7 @@ class StepPlanner:
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0 and not self.room.make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
-            room = min(pool.num_free, self.room.cap(pool, request.priority) - pool.held(request.priority))
+            room = self.room.free_for(pool, request.priority)
             num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
                              pending, builder.budget)
             if num_tokens <= 0:

@@ -42,8 +42,8 @@ class QoSSettings:
     # (the pool's measured step time); the other classes' work beyond it waits (step_clock.py).
     high_step_ms: float = 0.0
     # A High request that can start at once (blocks and a running slot free, prompt within one
-    # step) while a worker computes a step: its first step runs inside that one, between two of
-    # its layers (a cut-in: services/worker/cut_ins.py), instead of after it.
+    # step) while a worker computes a step: its first step runs inside that one, at a pause in
+    # its forward pass (a cut-in: services/worker/cut_ins.py), instead of after it.
     high_cut_in: bool = True
 
     def __post_init__(self) -> None:

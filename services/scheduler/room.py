@@ -124,6 +124,11 @@ class Room:
             return pool.num_blocks        # elastic, and no other class waits: borrow freely
         return self.class_cap(pool, priority)
 
+    def free_for(self, pool: KVBlockPool, priority: int) -> int:
+        """Blocks the class may take now without preempting anyone: the pool's free ones, within
+        its cap (below zero while it holds more than its cap)."""
+        return min(pool.num_free, self.cap(pool, priority) - pool.held(priority))
+
     def borrowing(self, pool: KVBlockPool, victim: Request, requester: Request) -> bool:
         """Elastic caps: `victim`'s class holds more than its cap, and a higher class asks."""
         return (self.policy.elastic_caps and victim.priority > requester.priority
