@@ -135,11 +135,12 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 
 # QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
 # qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
-# --high-step-ms while High is around; qos-nocutin: no cut-ins), each its own cluster and column.
+# --high-step-ms while High is around; qos-nocutin: no cut-ins; qos-pertoken: every class streams
+# a chunk per token, not Medium 4 and Low 16 a chunk), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
-            "short": {}, "nocutin": {"high_cut_in": False}}
+            "short": {}, "nocutin": {"high_cut_in": False}, "pertoken": {"stream_intervals": [1, 1, 1]}}
 
 
 def cluster_config(name: str, model: str, args):

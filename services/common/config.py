@@ -101,6 +101,12 @@ class SchedulerConfig(ServiceConfig):
     # qos: a High request that can start at once while a worker computes a step has its first
     # step run inside that one, at a pause in its forward pass (a cut-in), rather than after it
     high_cut_in: bool = True
+    # Tokens per stream chunk after the first, per class (High, Medium, Low): a stream's tokens are
+    # held until it has this many (a request's x-stream-interval overrides it), and never longer
+    # than stream_max_hold_ms. The first token's chunk and the last go at once. Fewer messages
+    # through scheduler, router and client: CPU for the steps and for High's requests.
+    stream_intervals: list = field(default_factory=lambda: [1, 4, 16])
+    stream_max_hold_ms: float = 500.0
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

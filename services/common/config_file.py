@@ -13,6 +13,7 @@ from services.common.config import (DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_
                                     BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
                                     SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
                                     default_slas)
+from services.common.priority import MAX_STREAM_INTERVAL
 
 
 def _section(cls, raw: dict, where: str):
@@ -69,6 +70,12 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
     if s.high_first_token not in FIRST_TOKEN_MODES:
         raise ConfigError(f"{where}.high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                           f"got {s.high_first_token!r}")
+    if len(s.stream_intervals) != 3 or not all(isinstance(n, int) and not isinstance(n, bool)
+                                               and 1 <= n <= MAX_STREAM_INTERVAL for n in s.stream_intervals):
+        raise ConfigError(f"{where}.stream_intervals must be 3 whole numbers of tokens >= 1 (high, medium, low), "
+                          f"got {s.stream_intervals}")
+    if not (isinstance(s.stream_max_hold_ms, (int, float)) and 0 <= s.stream_max_hold_ms <= 60_000):
+        raise ConfigError(f"{where}.stream_max_hold_ms must be a number of ms in 0..60000, got {s.stream_max_hold_ms!r}")
     if s.retry_after_ms < 1:
         raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
     if s.workers_from not in ("config", "dns", "join"):

@@ -15,6 +15,10 @@ PRIORITY_HEADER = "x-priority"
 TENANT_HEADER = "x-tenant"
 SLO_HEADER = "x-slo-ms"
 LORA_HEADER = "x-lora"
+STREAM_INTERVAL_HEADER = "x-stream-interval"
+# Stream intervals go as a uint32; a request that is not streamed asks for the largest, and then
+# gets its first token's chunk, one every max hold (the scheduler's stream_max_hold_ms) and the last.
+MAX_STREAM_INTERVAL = 2**31 - 1
 
 
 class Priority(IntEnum):
@@ -53,13 +57,25 @@ def priority_name(priority: int) -> str:
 
 def parse_slo_ms(value: str | None) -> int:
     """`x-slo-ms` metadata -> milliseconds (0 = none). Raises ValueError naming the value."""
+    return _positive_whole(value, SLO_HEADER, "milliseconds", 2**32 - 1)
+
+
+def parse_stream_interval(value: str | None) -> int:
+    """`x-stream-interval` metadata -> tokens per chunk after the first (0 = the pool's setting
+    for the request's class). Raises ValueError naming the value."""
+    return _positive_whole(value, STREAM_INTERVAL_HEADER, "tokens", MAX_STREAM_INTERVAL)
+
+
+def _positive_whole(value: str | None, header: str, unit: str, largest: int) -> int:
     if value is None:
         return 0
     digits = value.strip()
     # Plain ASCII digits only: int() would also take "+5", "5_0" and other scripts' digits.
     if not (digits.isascii() and digits.isdigit()):
-        raise ValueError(f"invalid x-slo-ms {value!r}: a whole number of milliseconds")
-    slo = int(digits)
-    if slo <= 0:
-        raise ValueError(f"invalid x-slo-ms {value!r}: must be > 0")
-    return slo
+        raise ValueError(f"invalid {header} {value!r}: a whole number of {unit}")
+    number = int(digits)
+    if number <= 0:
+        raise ValueError(f"invalid {header} {value!r}: must be > 0")
+    if number > largest:
+        raise ValueError(f"invalid {header} {value!r}: must be at most {largest}")
+    return number

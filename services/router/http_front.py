@@ -18,6 +18,7 @@ import json
 import contextlib
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
@@ -31,7 +32,7 @@ from starlette.routing import Route
 
 from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError
-from services.common.priority import PRIORITY_HEADER
+from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
 from services.common.tracing import extract_metadata
 from services.router import adapter_admin
 from services.router.http_generation import GenerationResponse, error_response
@@ -44,7 +45,7 @@ CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name,
     ("index.html", "text/html; charset=utf-8"), ("console.js", "text/javascript; charset=utf-8"),
     ("console.css", "text/css; charset=utf-8"))}
 
-HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "authorization")
+HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "x-stream-interval", "authorization")
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,10 @@ class HttpFront:
             if PRIORITY_HEADER not in headers and request.tier is not None:
                 headers[PRIORITY_HEADER] = request.tier.label      # the header wins over the body
             head, caller = self.router.let_in(headers)
+            if not request.stream and not head.stream_interval:
+                # The answer goes out whole: tokens come from the scheduler in as few chunks as
+                # it may send (the first, one per max hold, the last), not one message per token.
+                head = replace(head, stream_interval=MAX_STREAM_INTERVAL)
         except ServiceError as error:
             self.router.totals.refused_early(error)
             return error_response(error, request)

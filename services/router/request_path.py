@@ -161,7 +161,8 @@ class RequestPath:
         submit = scheduler_pb2.SubmitRequest(
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
-            lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight)
+            lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
+            stream_interval=head.stream_interval)
         call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))
         spec = self.pools.specs[pool.name]
         finished = False

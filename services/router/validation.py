@@ -1,7 +1,7 @@
 """Checks on a Generate request that need no tokenizer, each failing with a ServiceError of kind
 INVALID whose message and `field` name what is wrong. Pure Python.
 
-    parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora -> RequestHead
+    parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora, x-stream-interval -> RequestHead
     decode_request(raw, context)    the body, parsed with its bytes twin -> GenerateRequest
 """
 from __future__ import annotations
@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from services.common.errors import invalid
-from services.common.priority import (LORA_HEADER, PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER,
-                                      Priority, parse_priority, parse_slo_ms)
+from services.common.priority import (LORA_HEADER, PRIORITY_HEADER, SLO_HEADER, STREAM_INTERVAL_HEADER,
+                                      TENANT_HEADER, Priority, parse_priority, parse_slo_ms,
+                                      parse_stream_interval)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -29,6 +30,7 @@ class RequestHead:
     lora: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     tenant_weight: float = 1.0       # the tenant's share inside its class (from its record)
+    stream_interval: int = 0         # tokens per chunk after the first; 0: the pool's setting
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
@@ -41,8 +43,12 @@ def parse_head(metadata: Mapping[str, str]) -> RequestHead:
         slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
     except ValueError as exc:
         raise invalid(str(exc), field=SLO_HEADER) from None
+    try:
+        stream_interval = parse_stream_interval(metadata.get(STREAM_INTERVAL_HEADER))
+    except ValueError as exc:
+        raise invalid(str(exc), field=STREAM_INTERVAL_HEADER) from None
     return RequestHead(priority, metadata.get(TENANT_HEADER, ""), slo_ms,
-                       metadata.get(LORA_HEADER) or None)
+                       metadata.get(LORA_HEADER) or None, stream_interval=stream_interval)
 
 
 def _text(value: bytes, field: str) -> str:

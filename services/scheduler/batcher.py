@@ -19,7 +19,7 @@ from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason
 from services.common.wire import finish_reason
 from services.scheduler.monitor import ResourceMonitor
-from services.scheduler.output import token_chunk
+from services.scheduler.output import HeldChunks, token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.2
 STEP_TIMEOUT_SECONDS = 120.0     # a worker that takes longer to answer one step counts as gone
 ORPHAN_GRACE_SECONDS = 10.0      # with no worker to serve, how long requests wait for one to (re)join
+STREAM_MAX_HOLD_SECONDS = 0.5    # longest a chunk waits for the rest of its stream interval
 PLAN_WRITE_WAIT_SECONDS = 0.05   # the most the loop waits for plans to be written before streaming
 
 
@@ -45,7 +46,8 @@ class ContinuousBatcher:
     def __init__(self, pool_name: str, links: list[Worker], policy: SchedulingPolicy,
                  max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None,
                  orphan_grace_s: float = ORPHAN_GRACE_SECONDS,
-                 step_timeout_s: float = STEP_TIMEOUT_SECONDS):
+                 step_timeout_s: float = STEP_TIMEOUT_SECONDS,
+                 stream_max_hold_s: float = STREAM_MAX_HOLD_SECONDS):
         self.pool_name = pool_name
         self.workers = WorkerSet(links)
         self.policy = policy
@@ -56,6 +58,8 @@ class ContinuousBatcher:
         self.orphan_grace_s = orphan_grace_s
         self.step_timeout_s = step_timeout_s
         self.cancelled: set[Request] = set()
+        # Chunks of streams that send several tokens a chunk (Request.stream_interval).
+        self.held_chunks = HeldChunks(stream_max_hold_s)
         self.wakeup = asyncio.Event()
         self.steps = 0
         self.output_tokens: Counter = Counter()
@@ -119,6 +123,7 @@ class ContinuousBatcher:
 
     def cancel(self, request: Request) -> None:
         """The client went away: free everything at the start of the next step."""
+        self.held_chunks.take(request)      # nobody reads them now
         if request.phase is not Phase.FINISHED:
             request.cancelled = True
             self.cancelled.add(request)
@@ -308,14 +313,21 @@ class ContinuousBatcher:
     def _deliver(self, request: Request, event) -> None:
         if isinstance(event, SampledText):
             self._stream(request, event)
-        else:
-            request.events.put_nowait(event)
+            return
+        if self.held_chunks:            # a failure: the tokens held for the stream go first
+            held = self.held_chunks.take(request)
+            if held is not None:
+                request.events.put_nowait(held)
+        request.events.put_nowait(event)
 
     def release_streams(self) -> None:
-        """What was held, into the streams, in order: each token's text and chunk, failures."""
+        """What was held, into the streams, in order: each token's text and chunk, failures;
+        then the chunks of slow streams held for their interval as long as they may be."""
         held, self._held = self._held, None
         for request, event in held or ():
             self._deliver(request, event)
+        for request, chunk in self.held_chunks.due(time.perf_counter()):
+            request.events.put_nowait(chunk)
 
     def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult,
                     at_once: bool = False) -> None:
@@ -371,8 +383,12 @@ class ContinuousBatcher:
         if request.cancelled:
             return
         chunk = token_chunk(request, token.token_id, token.engine_finish, self.pool_name, token.at)
-        request.events.put_nowait(chunk)
-        if chunk.finish_reason and token.engine_finish is None and request.phase is not Phase.FINISHED:
+        stopped = chunk.finish_reason and token.engine_finish is None
+        if request.stream_interval > 1:
+            chunk = self.held_chunks.add(request, chunk, token.at)
+        if chunk is not None:
+            request.events.put_nowait(chunk)
+        if stopped and request.phase is not Phase.FINISHED:
             self._completed(request, token.at)
 
     def _finish(self, request: Request, failure: ServiceError | None = None) -> None:

@@ -3,7 +3,8 @@ chunk's usage and timings, and merging chunks that queued up behind a slow strea
 
 Pure Python: the batcher records every sampled token on its request before planning the next step,
 then calls `token_chunk` for it and puts the chunk on the request's event queue (in its loop, once
-the next step's plans are sent); the Submit handler sends `coalesce`d events.
+the next step's plans are sent), or holds it in `HeldChunks` while the stream sends several tokens
+a chunk (its stream interval); the Submit handler sends `coalesce`d events.
 """
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
     engine finished the sequence or a stop string matched."""
     detok = request.detokenizer
     text = detok.add(token_id)
+    request.chunked += 1
     reason = FinishReason.STOP if detok.stopped else engine_finish
     chunk = common_pb2.GenerateChunk(request_id=request.request_id, text=text,
                                      token_ids=[token_id], pool=pool)
     if reason is None:
-        if len(request.output_ids) == request.resumed + 1:
+        if request.chunked == 1:
             # The first chunk tells the prompt's size (the router bills a request that ends early)
             # and the queueing and TTFT so far. Later chunks repeat neither: they would say the
             # same on every token (a message each, built and sent per token) until the last.
@@ -65,10 +67,65 @@ def coalesce(event, queue: asyncio.Queue):
         following = queue.get_nowait()
         if isinstance(following, ServiceError):
             return merged, following
-        merged.text += following.text
-        merged.token_ids.extend(following.token_ids)
-        if following.finish_reason:
-            merged.finish_reason = following.finish_reason
-            merged.usage.CopyFrom(following.usage)
-            merged.timings.CopyFrom(following.timings)
+        merge(merged, following)
     return merged, None
+
+
+def merge(chunk: common_pb2.GenerateChunk, following: common_pb2.GenerateChunk) -> None:
+    """`following`'s tokens and text appended to `chunk`; its end (reason, usage, timings) if it
+    is the last."""
+    chunk.text += following.text
+    chunk.token_ids.extend(following.token_ids)
+    if following.finish_reason:
+        chunk.finish_reason = following.finish_reason
+        chunk.usage.CopyFrom(following.usage)
+        chunk.timings.CopyFrom(following.timings)
+
+
+class HeldChunks:
+    """Chunks held back from streams that send several tokens a chunk (a request's
+    `stream_interval`): a batch job's client reads its tokens in tens, and every chunk it is not
+    sent is a message fewer for the scheduler, the router and the client to handle, CPU the
+    running steps and the real-time class's requests get instead. The first token's chunk always
+    goes at once (it carries the time to first token) and so does the last; a chunk is never held
+    longer than `max_hold_s` (`due`), so a stream that is slow or preempted still shows progress."""
+
+    def __init__(self, max_hold_s: float):
+        self.max_hold_s = max_hold_s
+        self._held: dict[Request, tuple[common_pb2.GenerateChunk, float]] = {}   # chunk, held since
+        self._next_check = 0.0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, request: Request, chunk: common_pb2.GenerateChunk,
+            now: float) -> common_pb2.GenerateChunk | None:
+        """The chunk to send now (the held one with `chunk` merged in, or `chunk`), or None while
+        it is held: fewer tokens than the request's interval, not the first nor the last."""
+        held = self._held.pop(request, None)
+        since = now
+        if held is not None:
+            merge(held[0], chunk)
+            chunk, since = held
+        if (chunk.finish_reason or chunk.HasField("timings") or len(chunk.token_ids) >= request.stream_interval
+                or now - since >= self.max_hold_s):
+            return chunk
+        self._held[request] = (chunk, since)
+        return None
+
+    def take(self, request: Request) -> common_pb2.GenerateChunk | None:
+        """The request's held chunk, no longer held (its stream fails or is cancelled)."""
+        held = self._held.pop(request, None)
+        return held[0] if held is not None else None
+
+    def due(self, now: float) -> list[tuple[Request, common_pb2.GenerateChunk]]:
+        """Chunks held `max_hold_s` or longer, no longer held: the streams whose request got no
+        token since (waiting after a preemption, or a slow step). Looks at most four times per
+        `max_hold_s`, so a loop may call it every step."""
+        if not self._held or now < self._next_check:
+            return []
+        self._next_check = now + self.max_hold_s / 4
+        due = [(request, chunk) for request, (chunk, since) in self._held.items() if now - since >= self.max_hold_s]
+        for request, _ in due:
+            del self._held[request]
+        return due

@@ -58,8 +58,10 @@ class Request:
     # (perf_counter time, why, worker address) each time its worker failed or left mid-sequence
     failovers: list[tuple[float, str, str]] = field(default_factory=list)
     resumed: int = 0                 # output tokens another pool streamed before this one took over
+    chunked: int = 0                 # output tokens made into chunks here (output.token_chunk)
     tenant_weight: float = 1.0       # the tenant's share inside its class
     slo_ms: float | None = None
+    stream_interval: int = 1         # tokens per chunk after the first (output.HeldChunks)
     first_scheduled_at: float | None = None
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

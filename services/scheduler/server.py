@@ -75,7 +75,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher = ContinuousBatcher(pool_name, [], self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor,
                                          orphan_grace_s=config.orphan_grace_s,
-                                         step_timeout_s=config.step_timeout_s)
+                                         step_timeout_s=config.step_timeout_s,
+                                         stream_max_hold_s=config.stream_max_hold_ms / 1000)
+        self.stream_intervals = dict(zip(ORDER, config.stream_intervals))
         self.membership = Membership(self.batcher, dns_interval_s=config.workers_dns_interval_s)
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
                                    self.batcher.estimated_wait_ms, config.max_queue,
@@ -145,7 +147,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
-            slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora)
+            slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
+            stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1))
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids))
         return request

@@ -169,6 +169,8 @@ grpc_cases = st.one_of(
       .map(lambda p: ("meta", ("x-priority", p))),
     ASCII.filter(lambda v: not v.strip().isdigit() or int(v) <= 0).map(lambda v: ("meta", ("x-slo-ms", v))),
     st.sampled_from(["+5", "5_0", "1e3", "-1", "0", " "]).map(lambda v: ("meta", ("x-slo-ms", v))),
+    st.sampled_from(["+5", "1e3", "-1", "0", "many", str(2**31)]).map(lambda v: ("meta", ("x-stream-interval", v))),
+    st.just(("meta", ("x-slo-ms", str(2**32)))),
 )
 
 

@@ -73,7 +73,8 @@ def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():
 @pytest.fixture(scope="module")
 def tight_cluster():
     # 32 MiB = 45 blocks: Low may hold 13 (208 tokens); at most 2 requests wait per class.
-    with small_cluster(kv_cache_mb=32, max_queue=2, retry_after_ms=750) as cluster:
+    # Chunks held for their stream interval as long as it takes (test_stream_intervals_...).
+    with small_cluster(kv_cache_mb=32, max_queue=2, retry_after_ms=750, stream_max_hold_ms=60_000) as cluster:
         yield cluster
 
 
@@ -172,3 +173,27 @@ def test_router_stats_show_the_pool_weights_and_counts(tight_cluster):
     by_priority = {p.priority: p for p in stats.priorities}
     assert by_priority[LOW].requests >= 14
     assert by_priority[LOW].failed >= 1
+
+
+def test_stream_intervals_by_class_and_by_request(tight_cluster):
+    """Low streams send 16 tokens a chunk after the first (the pool's default), High one, and
+    x-stream-interval sets it for a request. Chunks only grow when a stream falls behind (the
+    Submit handler merges queued ones), so every chunk between the first and the last carries
+    at least the interval."""
+    request = chat_request("Count to fifty.", sampling_params(max_tokens=40, temperature=0.0, ignore_eos=True))
+
+    async def sizes(client, metadata):
+        return [len(c.token_ids) async for c in client.stub.Generate(request, metadata=metadata)]
+
+    async def go():
+        async with RouterClient(tight_cluster.router_address) as client:
+            return [await sizes(client, m) for m in (
+                [("x-priority", "low")], [("x-priority", "high"), ("x-stream-interval", "8")],
+                [("x-priority", "low"), ("x-stream-interval", "1")])]
+
+    low, high_by_eight, low_by_one = run(go())
+    assert sum(low) == sum(high_by_eight) == sum(low_by_one) == 40
+    assert low[0] == high_by_eight[0] == 1                      # the first token goes alone
+    assert all(n >= 16 for n in low[1:-1]) and len(low) <= 1 + 3     # 39 tokens in chunks of >= 16
+    assert all(n >= 8 for n in high_by_eight[1:-1]) and len(high_by_eight) <= 1 + 5
+    assert len(low_by_one) > 4                                  # per token, unless it fell behind

@@ -559,3 +559,88 @@ def test_a_step_that_serves_first_tokens_takes_no_cut_in():
         assert [r[0] for r in results] == [expected_output(first), expected_output(second)]
 
     asyncio.run(main())
+
+
+# --- stream intervals: several tokens a chunk (output.HeldChunks) ---------------------------------
+
+async def chunk_sizes(request: Request) -> tuple[list[int], list[int], object]:
+    """Tokens per event of the stream as the batcher put them (no coalescing), all its tokens,
+    and the last event (the final chunk or a failure)."""
+    sizes, tokens = [], []
+    while True:
+        event = await request.events.get()
+        if isinstance(event, ServiceError):
+            return sizes, tokens, event
+        sizes.append(len(event.token_ids))
+        tokens.extend(event.token_ids)
+        if event.finish_reason:
+            return sizes, tokens, event
+
+
+def test_a_stream_with_an_interval_sends_its_first_token_alone_then_that_many_a_chunk():
+    request = make_request(1, prompt_len=6, max_tokens=11)
+    request.stream_interval = 4
+    plain = make_request(2, prompt_len=6, max_tokens=5)
+
+    async def go():
+        batcher = ContinuousBatcher("sim", [SimulatedWorker(0, 64)], create_policy("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        for r in (request, plain):
+            batcher.submit(r)
+        try:
+            return await asyncio.wait_for(asyncio.gather(chunk_sizes(request), chunk_sizes(plain)), 10), batcher
+        finally:
+            loop.cancel()
+
+    ((sizes, tokens, last), (plain_sizes, _, _)), batcher = asyncio.run(go())
+    assert sizes == [1, 4, 4, 2]                       # the first alone (its TTFT), the last at once
+    assert tokens == expected_output(request) and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 11
+    assert plain_sizes == [1] * 5                      # interval 1: a chunk per token, as before
+    assert not batcher.held_chunks
+
+
+def test_tokens_held_for_an_interval_reach_the_client_before_a_failure():
+    """The only worker dies and none comes back: the request is handed back with UNAVAILABLE,
+    and every token the scheduler had taken reaches the stream first (the router resumes the
+    request elsewhere after exactly the tokens its client has)."""
+    request = make_request(1, prompt_len=6, max_tokens=40)
+    request.stream_interval = 1000
+
+    async def go():
+        worker = SimulatedWorker(0, 64)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16, orphan_grace_s=0.05)
+        loop = asyncio.create_task(batcher.run())
+        batcher.submit(request)
+        while len(request.output_ids) < 6:
+            await asyncio.sleep(0.001)
+        worker.fail_next = True
+        try:
+            return await asyncio.wait_for(chunk_sizes(request), 10), batcher
+        finally:
+            loop.cancel()
+
+    (sizes, tokens, last), batcher = asyncio.run(go())
+    assert isinstance(last, ServiceError) and last.kind is ErrorKind.UNAVAILABLE
+    assert sizes[0] == 1 and len(sizes) == 2          # the first token, then all the held ones
+    assert tokens == request.output_ids == expected_output(request)[:len(tokens)]
+    assert len(tokens) >= 6 and not batcher.held_chunks
+
+
+def test_a_cancelled_stream_leaves_nothing_held():
+    async def go():
+        worker = SimulatedWorker(0, 64)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
+        loop = asyncio.create_task(batcher.run())
+        request = make_request(1, prompt_len=6, max_tokens=1000)
+        request.stream_interval = 1000
+        batcher.submit(request)
+        while len(request.output_ids) < 4:
+            await asyncio.sleep(0.001)
+        held = len(batcher.held_chunks)
+        batcher.cancel(request)
+        loop.cancel()
+        return held, batcher
+
+    held, batcher = asyncio.run(go())
+    assert held == 1 and not batcher.held_chunks

@@ -117,6 +117,10 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"max_queue": 1.5}, "pool.scheduler.max_queue must be int, got 1.5"),
     ({"drain_seconds": 7200}, "pool.scheduler.drain_seconds must be in 0..3600"),
     ({"workers": 2}, "unknown key pool.scheduler.workers"),
+    ({"stream_intervals": [1, 4]}, "pool.scheduler.stream_intervals must be 3 whole numbers of tokens >= 1"),
+    ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
+    ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
+    ({"stream_max_hold_ms": -1}, "pool.scheduler.stream_max_hold_ms must be a number of ms in 0..60000"),
 ])
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):

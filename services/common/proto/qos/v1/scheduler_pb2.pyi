@@ -23,7 +23,7 @@ class RegisterReply(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight")
+    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class SubmitRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     priority: _common_pb2.Priority
     tenant: str
@@ -44,7 +45,8 @@ class SubmitRequest(_message.Message):
     lora: str
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant_weight: float
-    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class PoolStatsRequest(_message.Message):
     __slots__ = ("interval_ms",)
