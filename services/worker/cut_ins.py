@@ -26,6 +26,8 @@ class CutIns:
         self._lock = threading.Lock()
         self._host: StepBatch | None = None
         self._waiting: list[worker_pb2.StepPlan] = []
+        # The open step's sequence ids and blocks, built at its first check (engine thread).
+        self._busy: tuple[set[int], set[int]] | None = None
 
     def host(self, batch: StepBatch) -> None:
         """The engine thread computes `batch` next; cut-ins may run inside it (not while it uses a
@@ -33,6 +35,7 @@ class CutIns:
         if batch.sequences and not any(s.lora for s in batch.sequences):
             with self._lock:
                 self._host = batch
+                self._busy = None
 
     def offer(self, plan: worker_pb2.StepPlan) -> bool:
         """A cut-in plan from the scheduler (event loop): True when the open step will run it."""
@@ -61,17 +64,19 @@ class CutIns:
 
     def check(self, plan: worker_pb2.StepPlan) -> None:
         """Raises PlanError when the cut-in touches a sequence of the open step or a block one of
-        them holds (running it there would corrupt that step)."""
+        them holds (running it there would corrupt that step). Engine thread."""
         host = self._host
         if host is None:
             return
-        busy = {work.seq_id for work in host.sequences}
+        if self._busy is None:     # once per open step, not per cut-in: thousands of blocks at long contexts
+            self._busy = ({work.seq_id for work in host.sequences},
+                          {block for work in host.sequences for block in work.block_table})
+        busy, held = self._busy
         touched = (busy.intersection(plan.scheduled_seq_ids) or busy.intersection(plan.granted_seq_ids)
                    or busy.intersection(plan.released_seq_ids)
                    or busy.intersection(new.seq_id for new in plan.new_sequences))
         if touched:
             raise PlanError(f"cut-in step {plan.step_id} touches sequence {min(touched)} of the step in flight")
-        held = {block for work in host.sequences for block in work.block_table}
         shared = held.intersection(plan.granted_block_ids)
         if shared:
             raise PlanError(f"cut-in step {plan.step_id} grants block {min(shared)}, held by a sequence "
