@@ -30,7 +30,7 @@ def test_killed_worker_fails_streams_fast_and_recovery_follows():
             try:
                 async for chunk in call:
                     tokens += len(chunk.token_ids)
-                    if tokens == 3:
+                    if tokens >= 3:       # several tokens a chunk after the first (Medium: 4)
                         started.set()
             except grpc.aio.AioRpcError as exc:
                 return exc.code(), exc.details(), time.monotonic()
