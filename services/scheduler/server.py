@@ -18,6 +18,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as MetricCounter
 
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
@@ -88,6 +89,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.advisor = advisor or ScaleAdvisor(AutoscaleConfig(), n, n)
         self.registry = CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority",))
+        self.stream_chunks = MetricCounter(
+            "qos_stream_chunks_total", "Messages sent on request streams (with a stream interval a chunk "
+            "carries several tokens)", ("priority",), registry=self.registry)
         self.registry.register(StateCollector(lambda: state_metrics(self.batcher)))
         self.registry.register(StateCollector(lambda: scale_metrics(pool_name, self.batcher, self.advisor)))
         self.batcher.on_finished = self._record_finished
@@ -196,6 +200,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _stream(self, request: Request, span):
         outcome = "cancelled"
+        chunks = self.stream_chunks.labels(priority_name(request.priority))
         try:
             failure_next = None
             while True:
@@ -205,6 +210,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     outcome = "failed"
                     span.set_status(Status(StatusCode.ERROR, event.message))
                     raise event
+                chunks.inc()
                 yield event
                 if event.finish_reason:
                     outcome = "completed"

@@ -22,7 +22,8 @@ SENT = {"high": 3, "medium": 2, "low": 4}
 @pytest.fixture(scope="module")
 def loaded_cluster():
     config = single_pool(router=RouterConfig(port=0, http_port=0, metrics_port=0),
-                         scheduler=SchedulerConfig(port=0, metrics_port=0),
+                         # Chunks held for their stream interval however long it takes: exact counts.
+                         scheduler=SchedulerConfig(port=0, metrics_port=0, stream_max_hold_ms=60_000),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, metrics_port=0)])
     with LocalCluster(config, quiet=True) as cluster:
         async def load():
@@ -64,6 +65,13 @@ def test_router_and_scheduler_histograms_count_every_request(loaded_cluster):
     assert by_priority(scheduler, "qos_tokens_served_total")["low"] > 0
     assert by_priority(scheduler, "qos_weight") == {"high": 5, "medium": 3, "low": 2}
     assert by_priority(scheduler, "qos_queue_depth") == {"high": 0, "medium": 0, "low": 0}
+    # 6 tokens each: High a message per token, Medium the first then 4 + 1, Low the first then 5
+    # (fewer where the Submit handler merged chunks that queued up).
+    assert by_priority(router, "qos_output_tokens_total") == {p: 6 * n for p, n in SENT.items()}
+    chunks = by_priority(scheduler, "qos_stream_chunks_total")
+    assert SENT["high"] <= chunks["high"] <= 6 * SENT["high"]
+    assert SENT["medium"] <= chunks["medium"] <= 3 * SENT["medium"]
+    assert SENT["low"] <= chunks["low"] <= 2 * SENT["low"]
 
 
 def test_worker_exposes_step_metrics(loaded_cluster):
