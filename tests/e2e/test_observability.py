@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import subprocess
 import sys
 import urllib.request
@@ -94,3 +96,38 @@ def test_stats_command_shows_the_cluster_per_priority(loaded_cluster):
         row = lines[priority]
         assert row[1] == str(count)          # requests
     assert "weight" in out.stdout and "pool cpu" in out.stdout
+
+
+def test_an_answer_not_streamed_costs_two_messages_and_x_stream_interval_sets_a_streams(loaded_cluster):
+    """Over HTTP: `"stream": false` asks the scheduler for the first chunk and the last only (this
+    cluster holds chunks without a time limit), where a High stream sends one per token; the
+    X-Stream-Interval header sets a streamed request's interval."""
+    config = loaded_cluster.config
+    scheduler = config.pools[0].scheduler
+
+    def high_chunks() -> float:
+        return by_priority(scrape(scheduler.host, scheduler.metrics_port), "qos_stream_chunks_total")["high"]
+
+    def post(stream: bool, headers: dict) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(config.router.host, config.router.http_port, timeout=60)
+        try:
+            conn.request("GET", "/v1/models")
+            model = json.loads(conn.getresponse().read())["data"][0]["id"]
+            body = {"model": model, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 12,
+                    "ignore_eos": True, "stream": stream}
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                         headers={"content-type": "application/json", "x-priority": "high", **headers})
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    before = high_chunks()
+    status, body = post(False, {})
+    whole = high_chunks()
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 12
+    assert 1 <= whole - before <= 2                     # per token it would be 12
+    status, body = post(True, {"x-stream-interval": "4"})
+    deltas = [line for line in body.decode().splitlines() if line.startswith("data: {")]
+    assert status == 200 and deltas
+    assert 1 <= high_chunks() - whole <= 1 + 3          # the first, then 4, 4 and the last 3
