@@ -7,9 +7,10 @@ environment, as transformers does. The scheduler tokenizes with this; so do benc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -30,11 +31,17 @@ class ChatTemplate:
     source: str
     bos_token: str | None
     eos_token: str | None
+    # Compiled at the first render and kept: compiling takes ~4 ms of Python, rendering ~0.03 ms,
+    # and every chat request renders. (Compiled per call, it held the scheduler's GIL for ~4 ms a
+    # request, in the tokenizer threads, while the event loop waited for it.)
+    _compiled: Template | None = field(default=None, init=False, repr=False, compare=False)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        return env.from_string(self.source).render(
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._compiled = env.from_string(self.source)
+        return self._compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
