@@ -47,15 +47,25 @@ def resolve_model(model: str, progress: bool = True) -> str:
 
 
 def resolve_ports(config: ClusterConfig) -> ClusterConfig:
+    """Port 0 -> a free port, a different one for each: a port freed a moment ago may be handed
+    out again by the next bind(0)."""
     config = dataclasses.replace(config)
     sections = [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]
+    taken = {s.port for s in sections} | {s.metrics_port for s in sections} | {config.router.http_port}
+
+    def fresh(host: str) -> int:
+        while (port := free_port(host)) in taken:
+            pass
+        taken.add(port)
+        return port
+
     for section in sections:
         if section.port == 0:
-            section.port = free_port(section.host)
+            section.port = fresh(section.host)
         if section.metrics_port == 0:
-            section.metrics_port = free_port(section.host)
+            section.metrics_port = fresh(section.host)
     if config.router.http_port == 0:
-        config.router.http_port = free_port(config.router.host)
+        config.router.http_port = fresh(config.router.host)
     return config
 
 

@@ -39,9 +39,14 @@ def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
     """The channel's options, and a server that accepts those keepalive pings on a stream that
     carries no data. gRPC servers by default accept such pings only every 5 minutes and hang up
     with GOAWAY "too_many_pings" after a few: a request waiting minutes for its first token (a
-    Low one in a long queue) failed with UNAVAILABLE "Too many pings" after ~140 s."""
+    Low one in a long queue) failed with UNAVAILABLE "Too many pings" after ~140 s.
+
+    And no SO_REUSEPORT (gRPC's default on Linux): with it, a second server started on a port in
+    use binds as well and the kernel splits new connections between the two, so calls meant for
+    a scheduler reach a worker and fail with "Method not found" (seen once in CI, two services of
+    one test cluster given the same free port). Without it, the second fails to start, saying so."""
     return channel_options(keepalive_ms) + [
-        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2)]
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2), ("grpc.so_reuseport", 0)]
 
 
 CHANNEL_OPTIONS = channel_options()

@@ -52,3 +52,29 @@ def test_a_server_with_default_ping_policy_hangs_up_on_the_same_stream():
     """The control: the options our servers had before (the channel's alone) lose the stream."""
     result = asyncio.run(wait_for_first_message(channel_options(KEEPALIVE_MS) + EAGER_PINGS))
     assert result == "UNAVAILABLE: Too many pings"
+
+
+async def bind_twice(options) -> tuple[int, int]:
+    """The port a first server got, and what a second server asking for the same one got (0 or
+    an error: it could not bind)."""
+    first, second = grpc.aio.server(options=options), grpc.aio.server(options=options)
+    port = first.add_insecure_port("127.0.0.1:0")
+    await first.start()
+    try:
+        try:
+            again = second.add_insecure_port(f"127.0.0.1:{port}")
+        except RuntimeError:
+            again = 0
+        return port, again
+    finally:
+        await first.stop(0)
+        await second.stop(0)
+
+
+def test_a_second_server_cannot_take_a_port_in_use():
+    """With gRPC's default SO_REUSEPORT both would listen and split the connections between them
+    (a scheduler's calls reaching a worker: "Method not found")."""
+    port, again = asyncio.run(bind_twice(server_options()))
+    assert port > 0 and again == 0
+    port, again = asyncio.run(bind_twice(channel_options()))        # the control: gRPC's default
+    assert again == port
