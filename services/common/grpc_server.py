@@ -43,8 +43,8 @@ def server_options(keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
 
     And no SO_REUSEPORT (gRPC's default on Linux): with it, a second server started on a port in
     use binds as well and the kernel splits new connections between the two, so calls meant for
-    a scheduler reach a worker and fail with "Method not found" (seen once in CI, two services of
-    one test cluster given the same free port). Without it, the second fails to start, saying so."""
+    a scheduler reach a worker and fail with "Method not found" (seen once in CI; most likely two
+    services of one test cluster given the same free port). Without it, the second fails to start."""
     return channel_options(keepalive_ms) + [
         ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2), ("grpc.so_reuseport", 0)]
 
