@@ -35,20 +35,17 @@ class RequestHead:
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
     """gRPC metadata (or HTTP headers, lower-cased) -> RequestHead."""
+    return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority), metadata.get(TENANT_HEADER, ""),
+                       _header(metadata, SLO_HEADER, parse_slo_ms), metadata.get(LORA_HEADER) or None,
+                       stream_interval=_header(metadata, STREAM_INTERVAL_HEADER, parse_stream_interval))
+
+
+def _header(metadata: Mapping[str, str], header: str, parse):
+    """`parse` of the header's value; its ValueError as INVALID naming the header."""
     try:
-        priority = parse_priority(metadata.get(PRIORITY_HEADER))
+        return parse(metadata.get(header))
     except ValueError as exc:
-        raise invalid(str(exc), field=PRIORITY_HEADER) from None
-    try:
-        slo_ms = parse_slo_ms(metadata.get(SLO_HEADER))
-    except ValueError as exc:
-        raise invalid(str(exc), field=SLO_HEADER) from None
-    try:
-        stream_interval = parse_stream_interval(metadata.get(STREAM_INTERVAL_HEADER))
-    except ValueError as exc:
-        raise invalid(str(exc), field=STREAM_INTERVAL_HEADER) from None
-    return RequestHead(priority, metadata.get(TENANT_HEADER, ""), slo_ms,
-                       metadata.get(LORA_HEADER) or None, stream_interval=stream_interval)
+        raise invalid(str(exc), field=header) from None
 
 
 def _text(value: bytes, field: str) -> str:

@@ -629,12 +629,9 @@ def test_tokens_held_for_an_interval_reach_the_client_before_a_failure():
 
 def test_a_cancelled_stream_leaves_nothing_held():
     async def go():
-        worker = SimulatedWorker(0, 64)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("fcfs"), 8, 16)
-        loop = asyncio.create_task(batcher.run())
         request = make_request(1, prompt_len=6, max_tokens=1000)
         request.stream_interval = 1000
-        batcher.submit(request)
+        batcher, loop = looping(SimulatedWorker(0, 64), request)
         while len(request.output_ids) < 4:
             await asyncio.sleep(0.001)
         held = len(batcher.held_chunks)
