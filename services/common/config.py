@@ -107,6 +107,10 @@ class SchedulerConfig(ServiceConfig):
     # through scheduler, router and client: CPU for the steps and for High's requests.
     stream_intervals: list = field(default_factory=lambda: [1, 4, 16])
     stream_max_hold_ms: float = 500.0
+    # Added to the process's nice value for the thread that tokenizes each class's prompts (High,
+    # Medium, Low; Linux): under a burst, long Low prompts are tokenized on the CPU time a shared
+    # machine's engine, event loops and High's prompts leave. 0: the process's priority.
+    tokenizer_nice: list = field(default_factory=lambda: [0, 5, 10])
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

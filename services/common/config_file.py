@@ -76,6 +76,10 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
                           f"got {s.stream_intervals}")
     if not (isinstance(s.stream_max_hold_ms, (int, float)) and 0 <= s.stream_max_hold_ms <= 60_000):
         raise ConfigError(f"{where}.stream_max_hold_ms must be a number of ms in 0..60000, got {s.stream_max_hold_ms!r}")
+    if len(s.tokenizer_nice) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 19
+                                             for n in s.tokenizer_nice):
+        raise ConfigError(f"{where}.tokenizer_nice must be 3 whole numbers in 0..19 (high, medium, low), "
+                          f"got {s.tokenizer_nice}")
     if s.retry_after_ms < 1:
         raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
     if s.workers_from not in ("config", "dns", "join"):

@@ -11,7 +11,6 @@ import itertools
 import logging
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -39,6 +38,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Request
 from services.scheduler.autoscale import ScaleAdvisor
+from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
 from services.scheduler.membership import Membership
 
@@ -97,9 +97,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        # A thread per class: the intake admits one request of each class at a time, and a High
-        # prompt is not tokenized after a long Low one (the tokenizer releases the GIL as it works).
-        self.tokenizer_thread = ThreadPoolExecutor(len(ORDER), thread_name_prefix="tokenizer")
+        # A thread per class, Medium's and Low's at a lower CPU priority (tokenizer_threads.py).
+        self.tokenizer_threads = TokenizerThreads(config.tokenizer_nice)
         self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
@@ -126,11 +125,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                          self.advisor.reason)
 
     async def stop(self) -> None:
-        """After the drain: the loop, the links and the tokenizer thread go."""
+        """After the drain: the loop, the links and the tokenizer threads go."""
         for task in self.tasks:
             task.cancel()
         await self.membership.stop()
-        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.tokenizer_threads.shutdown()
 
     # --- intake ---------------------------------------------------------------------------------
 
@@ -143,7 +142,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
         prompt_ids = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_thread, self._tokenize, submit)
+            self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         self._limits())
         request = Request(

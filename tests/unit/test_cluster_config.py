@@ -121,6 +121,9 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_max_hold_ms": -1}, "pool.scheduler.stream_max_hold_ms must be a number of ms in 0..60000"),
+    ({"tokenizer_nice": [0, 5]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
+    ({"tokenizer_nice": [0, 5, 20]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
+    ({"tokenizer_nice": [-5, 0, 0]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
 ])
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):
