@@ -169,12 +169,14 @@ class Engine:
         """Compute every entry's tokens; sample one token for each entry with `sample` set.
 
         `pause`: called at points inside the forward pass (between layers, after each attention
-        call: LlamaDecoder.forward); it may run another step there (the worker's cut-ins), one
-        that touches none of this step's sequences or cache blocks and, while this one uses a
-        LoRA adapter, uses none."""
+        call or piece of one: LlamaDecoder.forward), after it and between the output head's
+        pieces; it may run another step there (the worker's cut-ins), one that touches none of
+        this step's sequences or cache blocks and, while this one uses a LoRA adapter, uses none."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
         hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), pause)
+        if pause is not None:
+            pause()
         last_rows, sampled = [], []
         offset = 0
         for seq in ordered:
@@ -184,7 +186,7 @@ class Engine:
                 sampled.append(seq)
         tokens: list[SampledToken] = []
         if sampled:
-            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)])
+            logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)], pause)
             ids = sample(logits, [s.sampling for s in sampled], [s.num_generated for s in sampled],
                          self.generator)
             tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid)) for s, tid in zip(sampled, ids)]

@@ -20,6 +20,14 @@ from services.engine.paged_attention import DecodeKernel
 from services.engine.rope import RotaryTable, apply_rotary
 
 
+# A step that can host cut-ins (a `pause` is given) pauses at least this often: a cut-in waits for
+# the next pause. Under a QoS burst on the bench model the longest stretches without one were a
+# 512-token prompt chunk's attention over ~4,000 cached tokens (11-21 ms in one call) and the
+# output head (5-12 ms: its 50 MB weight is read once per step), so both are split then.
+ATTENTION_PIECE_SCORES = 1 << 19     # query rows x keys of one attention call, ~3-4 ms on one core
+LOGITS_PIECE_BYTES = 16 << 20        # output-head weight per matmul on CPU (pieces of the vocabulary)
+
+
 @dataclass(slots=True)
 class ContextAttention:
     """Attention for consecutive tokens of the step's flat batch whose keys come from the cache.
@@ -120,7 +128,13 @@ class LlamaDecoder:
             lm_head = self.embed
         if lm_head is None:
             raise UnsupportedModelError("checkpoint is missing tensor 'lm_head.weight'")
-        self.lm_head = Linear(lm_head, prepack=self.prepack)
+        # In pieces of the vocabulary on CPU, so that a pause can come between them (logits());
+        # the pieces read the weight once in all, as one matmul would.
+        rows = config.vocab_size
+        if device.type == "cpu":
+            rows = max(1, LOGITS_PIECE_BYTES // (config.hidden_size * lm_head.element_size()))
+        self.lm_head = [Linear(lm_head[start:start + rows], prepack=self.prepack)
+                        for start in range(0, config.vocab_size, rows)]
         reader.check_consumed()
         self.rotary = RotaryTable(config, device, dtype)
         c = config
@@ -197,8 +211,14 @@ class LlamaDecoder:
             yield index, layer
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor, pause: Callable[[], None] | None = None) -> torch.Tensor:
+        """[rows, vocab] float32; `pause` is called between the output head's pieces."""
+        pieces = []
+        for index, head in enumerate(self.lm_head):
+            if index and pause is not None:
+                pause()
+            pieces.append(head(hidden))
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).float()
 
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
                    buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None) -> torch.Tensor:
@@ -226,12 +246,16 @@ class LlamaDecoder:
                 out = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask)
                 outputs.append(out.reshape(group.num_queries, width))
                 continue
-            query = q[group.start:end].view(group.num_seqs, per_seq, c.num_heads, c.head_dim)
-            out = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values,
-                                                 attn_mask=group.mask, enable_gqa=True)
-            outputs.append(out.transpose(1, 2).reshape(group.num_queries, width))
-            if pause is not None:
-                pause()
+            # A prompt chunk over its cached context; with pauses, its queries in pieces.
+            query = q[group.start:end].view(group.num_seqs, per_seq, c.num_heads, c.head_dim).transpose(1, 2)
+            piece = per_seq if pause is None else max(1, ATTENTION_PIECE_SCORES // keys.shape[2])
+            for first in range(0, per_seq, piece):
+                out = F.scaled_dot_product_attention(query[:, :, first:first + piece], keys, values,
+                                                     attn_mask=group.mask[:, :, first:first + piece],
+                                                     enable_gqa=True)
+                outputs.append(out.transpose(1, 2).reshape(-1, width))
+                if pause is not None:
+                    pause()
         for start, length in layout.fresh:
             end = start + length
             out = F.scaled_dot_product_attention(

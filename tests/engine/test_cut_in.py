@@ -3,6 +3,8 @@ gives both steps what they would have computed one after the other, and the work
 that arrives mid-step there (answered first) or refuses one that touches the step in flight."""
 from __future__ import annotations
 
+import torch
+
 from services.common.drain import Drain
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import SamplingParams, SequenceWork, StepBatch
@@ -114,3 +116,36 @@ def test_cut_ins_that_arrive_together_run_as_one_step_with_an_answer_each(tiny_m
     assert [a.step_id for a in answers] == [2, 3, 1] and depths == [1, 2]     # one nested step
     assert [[t.seq_id for t in a.tokens] for a in answers] == [[2], [3], [1]]
     assert [a.tokens[0].token_id for a in answers[:2]] == expected
+
+
+def test_a_long_chunks_attention_and_the_output_head_come_in_pieces_with_pauses(tiny_model_dir, monkeypatch):
+    """The longest stretches without a pause (a cut-in's wait) are split when a step hosts cut-ins,
+    with the same results: a prompt chunk's attention over its cached context, by query rows, and
+    the output head, by pieces of the vocabulary."""
+    from services.engine import model as model_module
+    whole = make_engine(tiny_model_dir)                          # the output head in one piece
+    monkeypatch.setattr(model_module, "LOGITS_PIECE_BYTES", 128 * 64 * 4)   # 4 pieces of 128 tokens
+    pieces = make_engine(tiny_model_dir)
+    assert len(pieces.model.lm_head) == 4 and len(whole.model.lm_head) == 1
+    # 40 queries over 5 blocks (80 keys): 10 queries per attention call.
+    monkeypatch.setattr(model_module, "ATTENTION_PIECE_SCORES", 10 * 80)
+    blocks = list(range(5))
+    first = StepBatch([SequenceWork(1, LONG[:40], 0, blocks, GREEDY, sample=False)])
+    chunk = StepBatch([SequenceWork(1, LONG[40:80], 40, blocks, GREEDY)])
+    logits = {}
+    for name, engine in (("whole", whole), ("pieces", pieces)):
+        compute = engine.model.logits
+        def capture(hidden, pause=None, name=name, compute=compute):
+            logits[name] = compute(hidden, pause)
+            return logits[name]
+        engine.model.logits = capture
+        engine.step(first)
+    whole_tokens = whole.step(chunk).tokens
+    pauses = []
+    pieces_tokens = pieces.step(chunk, lambda: pauses.append(1)).tokens
+    layers = len(pieces.model.layers)
+    # between layers, after each of the 4 attention pieces of each layer, after the forward pass,
+    # and between the 4 pieces of the output head
+    assert len(pauses) == (layers - 1) + layers * 4 + 1 + 3
+    assert pieces_tokens == whole_tokens
+    assert torch.allclose(logits["pieces"], logits["whole"], atol=1e-5, rtol=0)
