@@ -97,8 +97,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        # A thread per class, Medium's and Low's at a lower CPU priority (tokenizer_threads.py).
-        self.tokenizer_threads = TokenizerThreads(config.tokenizer_nice)
+        # A thread per class, Medium's and Low's at a lower CPU priority (tokenizer_threads.py);
+        # the FCFS baseline is priority-blind, so there every class's at the process's.
+        self.tokenizer_threads = TokenizerThreads(
+            config.tokenizer_nice if self.policy.admits_by_priority else [0] * len(ORDER))
         self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.

@@ -45,3 +45,17 @@ def test_the_nice_value_stops_at_the_lowest_priority():
         assert run_in(threads, MEDIUM)[1] == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
         threads.shutdown()
+
+
+@pytest.mark.parametrize("policy, low_increment", [("qos", 10), ("fcfs", 0)])
+def test_the_fcfs_baseline_tokenizes_every_class_at_the_same_priority(policy, low_increment):
+    from services.common.config import SchedulerConfig
+    from services.engine.default_model import default_model_dir
+    from services.scheduler.server import SchedulerService
+    service = SchedulerService(SchedulerConfig(policy=policy, tokenizer_nice=[0, 5, 10]), "cpu",
+                               str(default_model_dir()), [])
+    try:
+        assert run_in(service.tokenizer_threads, LOW)[1] == min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, 0)
+                                                                + low_increment)
+    finally:
+        service.tokenizer_threads.shutdown()
