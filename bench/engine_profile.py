@@ -37,7 +37,8 @@ def layer_and_head_params(model) -> tuple[int, int]:
     row), read off the loaded model's linear layers."""
     layers = sum(linear.in_features * linear.out_features for layer in model.layers
                  for linear in (layer.qkv, layer.out, layer.gate_up, layer.down))
-    return layers, model.lm_head.in_features * model.lm_head.out_features
+    # The output head is kept in pieces of the vocabulary (model.py: LOGITS_PIECE_BYTES).
+    return layers, sum(piece.in_features * piece.out_features for piece in model.lm_head)
 
 
 def main() -> None:

@@ -533,6 +533,58 @@ def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(
 
 
 
+class SlowCutInWorker(LongStepWorker):
+    """A LongStepWorker whose cut-ins, too, are answered only when the test lets them
+    (`cut_in_release`): cut-ins still computing after the step they were sent into was answered."""
+
+    def __init__(self, index: int, num_blocks: int):
+        super().__init__(index, num_blocks)
+        self.cut_in_release = asyncio.Event()
+
+    async def execute(self, plan, sent=None):
+        result = await super().execute(plan, sent)
+        if plan.cut_in:
+            await self.cut_in_release.wait()
+        return result
+
+
+def test_a_high_request_arriving_while_cut_ins_finish_cuts_in_too_once_per_step():
+    """The step in flight was answered, but a cut-in sent into it still computes: the next plan
+    waits for that cut-in. A High request arriving then goes as a cut-in of its own (the worker
+    runs it right after, alone) rather than waiting for the next plan with every running decode;
+    one such round per step, so High arrivals cannot hold the next plan back for long."""
+    from services.common.priority import HIGH, LOW
+    from services.scheduler.policy import QoSSettings
+
+    async def main():
+        worker = SlowCutInWorker(0, 256)
+        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings()), max_running=8,
+                                    max_step_tokens=16)
+        low = make_classed_request(1, LOW, prompt_len=40, max_tokens=4)
+        batcher.submit(low)
+        loop = asyncio.create_task(batcher.run())
+        try:
+            await asyncio.wait_for(worker.computing.wait(), 5)     # Low's first chunk in flight
+            highs = [make_classed_request(seq_id, HIGH, prompt_len=10, max_tokens=3) for seq_id in (2, 3, 4)]
+            batcher.submit(highs[0])                                # cuts into Low's step
+            await asyncio.sleep(0.05)
+            worker.release.set()                                    # Low's step answered ...
+            await asyncio.sleep(0.05)                               # ... the cut-in still computing
+            batcher.submit(highs[1])
+            batcher.submit(highs[2])
+            await asyncio.sleep(0.05)
+            cut_ins = [list(p.scheduled_seq_ids) for p in worker.plans if p.cut_in]
+            steps_before = sum(1 for p in worker.plans if not p.cut_in)
+            worker.cut_in_release.set()
+            results = await asyncio.wait_for(asyncio.gather(drain(low), *(drain(h) for h in highs)), 5)
+        finally:
+            loop.cancel()
+        assert cut_ins == [[2], [3]] and steps_before == 1
+        assert [r[0] for r in results] == [expected_output(r) for r in [low] + highs]
+
+    asyncio.run(main())
+
+
 def test_a_step_that_serves_first_tokens_takes_no_cut_in():
     """A High request arriving while a step computes another High request's first token waits
     for that step: cut into it, it would hold back the first token it carries."""
