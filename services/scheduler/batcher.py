@@ -91,9 +91,9 @@ class ContinuousBatcher:
         self._computing: set[int] = set()
         self._cut_ins: set[asyncio.Task] = set()
         self._cutting_in: Counter = Counter()
-        # Workers given a cut-in after their step was answered (one such round per step: each
-        # one postpones the next plan, which waits for every cut-in's answer).
-        self._trailing: set[int] = set()
+        # Tokens of the cut-ins each worker was given after its step was answered (at most a
+        # step's budget between two steps: each postpones the next plan, which waits for them).
+        self._trailing: Counter = Counter()
         self.cut_in_steps = 0
 
     @property
@@ -185,7 +185,8 @@ class ContinuousBatcher:
         sent = {i: loop.create_future() for i in plans}
         # Cut-ins go into these steps, not into one that serves first tokens itself.
         self._computing.update(i for i, b in plans.items() if b.has_work and not b.first_tokens)
-        self._trailing.difference_update(plans)
+        for index in plans:
+            self._trailing.pop(index, None)
         steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
                  for i, b in plans.items()]
         if self._held is not None:
@@ -255,16 +256,17 @@ class ContinuousBatcher:
         # Also a worker whose step was answered while cut-ins sent into it still compute: the next
         # plan waits for those (execute), and a High request would wait with it, then share a
         # first-token step with every running decode (~2.5x a cut-in's time, measured under the
-        # burst); sent now, it runs right after them, alone. Once per step, so that a stream of
-        # High arrivals cannot hold the next plan back for long.
-        trailing = {i for i, n in self._cutting_in.items() if n} - self._computing - self._trailing
+        # burst); sent now, it runs right after them, alone. Up to a step's token budget of such
+        # cut-ins between two steps, so that High arrivals cannot hold the next plan back for long.
+        trailing = {i for i, n in self._cutting_in.items() if n} - self._computing
         for index in list(self._computing | trailing):
             if index not in self.planner.running:       # it left the pool
                 continue
             link = self.workers[index]
             if not self.workers.admits(link):
                 continue
-            builder = self.planner.plan_cut_in(link, self.steps)
+            budget = self.planner.max_step_tokens - self._trailing[index] if index in trailing else None
+            builder = self.planner.plan_cut_in(link, self.steps, budget) if budget is None or budget > 0 else None
             if builder is None:
                 continue
             self.steps += 1
@@ -274,7 +276,7 @@ class ContinuousBatcher:
             self._cut_ins.add(task)
             self._cutting_in[index] += 1
             if index in trailing:
-                self._trailing.add(index)
+                self._trailing[index] += builder.num_tokens
             task.add_done_callback(partial(self._cut_in_answered, index))
 
     def _cut_in_answered(self, index: int, task: asyncio.Task) -> None:

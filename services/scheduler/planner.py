@@ -124,18 +124,18 @@ class StepPlanner:
         self.to_release[worker.index] = []
         return builder
 
-    def plan_cut_in(self, worker: Worker, step_id: int) -> StepBuilder | None:
+    def plan_cut_in(self, worker: Worker, step_id: int, budget: int | None = None) -> StepBuilder | None:
         """A step for the worker to run inside the one it is computing (StepPlan.cut_in), or None
         when there is nothing to cut in with: the first-token lane's queued requests whose whole
-        prompt fits the step and whose blocks and running slot are free now (no preemption: every
-        sequence on the worker may be in the step in flight; no LoRA: it must not move adapters
-        under that step). Only new sequences: nothing the step in flight touches."""
+        prompt fits the step (or `budget` tokens) and whose blocks and running slot are free now (no
+        preemption: every sequence on the worker may be in the step in flight; no LoRA: it must not
+        move adapters under that step). Only new sequences: nothing the step in flight touches."""
         lane = self.policy.first_token_lane()
         queue = self.policy.queue(lane) if lane is not None else None
         if not queue:
             return None
         pool, running = worker.pool, self.running[worker.index]
-        builder = StepBuilder(step_id, self.max_step_tokens, [])
+        builder = StepBuilder(step_id, self.max_step_tokens if budget is None else budget, [])
         builder.plan.cut_in = True
         builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
         taken = 0

@@ -203,7 +203,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     def _run_plan(self, plan: worker_pb2.StepPlan, post) -> worker_pb2.StepResult:
         """Compute the plan (engine thread); the cut-ins offered meanwhile run at its pauses, or
-        right after it, each answer handed to `post`."""
+        right after it, each answer handed to `post`. A cut-in that came when no step was open runs
+        as a step of its own, which nothing cuts into: it computes first tokens, and a later
+        cut-in nested inside it would delay them (it runs right after instead, in arrival order)."""
+        if plan.cut_in:
+            return self._compute([plan])[0]
         try:
             return self._compute([plan], lambda: self._run_cut_ins(self.cut_ins.take, post))[0]
         finally:

@@ -104,6 +104,22 @@ def test_a_cut_in_that_touches_the_step_in_flight_is_refused_and_the_step_goes_o
     assert set(service.table.sequences) == {1}
 
 
+def test_a_cut_in_run_as_a_step_of_its_own_takes_no_other_cut_in(tiny_model_dir):
+    """A cut-in that came while no step was open runs as the worker's step; a later cut-in is
+    not nested inside it (that would delay the first token it computes) but queues behind it."""
+    service = WorkerService(make_engine(tiny_model_dir), Drain("test worker", 1.0))
+    step, offered, depths = service.engine.step, [], []
+    def offering_step(batch, pause=None):
+        depths.append(len(depths) + 1)
+        offered.append(service.cut_ins.offer(plan(3, 3, list(range(300, 307)), [10], cut_in=True)))
+        return step(batch, pause)
+    service.engine.step = offering_step
+    answers: list[worker_pb2.StepResult] = []
+    answers.append(service._run_plan(plan(2, 2, SHORT, [8, 9], cut_in=True), answers.append))
+    assert offered == [False] and depths == [1]
+    assert [a.step_id for a in answers] == [2] and not answers[0].error
+
+
 def test_cut_ins_that_arrive_together_run_as_one_step_with_an_answer_each(tiny_model_dir):
     other = list(range(300, 307))
     reference = make_engine(tiny_model_dir)

@@ -548,11 +548,12 @@ class SlowCutInWorker(LongStepWorker):
         return result
 
 
-def test_a_high_request_arriving_while_cut_ins_finish_cuts_in_too_once_per_step():
+def test_a_high_request_arriving_while_cut_ins_finish_cuts_in_too_up_to_a_step_budget():
     """The step in flight was answered, but a cut-in sent into it still computes: the next plan
     waits for that cut-in. A High request arriving then goes as a cut-in of its own (the worker
     runs it right after, alone) rather than waiting for the next plan with every running decode;
-    one such round per step, so High arrivals cannot hold the next plan back for long."""
+    up to one step's token budget of such cut-ins (16 here: one 10-token prompt) between two
+    steps, so High arrivals cannot hold the next plan back for long."""
     from services.common.priority import HIGH, LOW
     from services.scheduler.policy import QoSSettings
 
