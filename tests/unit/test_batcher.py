@@ -497,18 +497,24 @@ def make_classed_request(seq_id: int, priority: int, prompt_len: int, max_tokens
     return request
 
 
+def qos_loop_with(worker, first: Request, **settings) -> tuple[ContinuousBatcher, asyncio.Task]:
+    """A QoS batcher on `worker` (8 running, 16-token steps) with `first` submitted and its loop
+    started (inside the running event loop)."""
+    from services.scheduler.policy import QoSSettings
+    batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings(**settings)), max_running=8,
+                                max_step_tokens=16)
+    batcher.submit(first)
+    return batcher, asyncio.create_task(batcher.run())
+
+
 @pytest.mark.parametrize("cut_in", [True, False])
 def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(cut_in):
     from services.common.priority import HIGH, LOW
-    from services.scheduler.policy import QoSSettings
 
     async def main():
         worker = LongStepWorker(0, 256)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings(high_cut_in=cut_in)),
-                                    max_running=8, max_step_tokens=16)
         low = make_classed_request(1, LOW, prompt_len=40, max_tokens=4)
-        batcher.submit(low)
-        loop = asyncio.create_task(batcher.run())
+        batcher, loop = qos_loop_with(worker, low, high_cut_in=cut_in)
         try:
             await asyncio.wait_for(worker.computing.wait(), 5)     # Low's first chunk in flight
             high = make_classed_request(2, HIGH, prompt_len=10, max_tokens=3)
@@ -555,15 +561,11 @@ def test_a_high_request_arriving_while_cut_ins_finish_cuts_in_too_up_to_a_step_b
     up to one step's token budget of such cut-ins (16 here: one 10-token prompt) between two
     steps, so High arrivals cannot hold the next plan back for long."""
     from services.common.priority import HIGH, LOW
-    from services.scheduler.policy import QoSSettings
 
     async def main():
         worker = SlowCutInWorker(0, 256)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings()), max_running=8,
-                                    max_step_tokens=16)
         low = make_classed_request(1, LOW, prompt_len=40, max_tokens=4)
-        batcher.submit(low)
-        loop = asyncio.create_task(batcher.run())
+        batcher, loop = qos_loop_with(worker, low)
         try:
             await asyncio.wait_for(worker.computing.wait(), 5)     # Low's first chunk in flight
             highs = [make_classed_request(seq_id, HIGH, prompt_len=10, max_tokens=3) for seq_id in (2, 3, 4)]
@@ -590,15 +592,11 @@ def test_a_step_that_serves_first_tokens_takes_no_cut_in():
     """A High request arriving while a step computes another High request's first token waits
     for that step: cut into it, it would hold back the first token it carries."""
     from services.common.priority import HIGH
-    from services.scheduler.policy import QoSSettings
 
     async def main():
         worker = LongStepWorker(0, 256)
-        batcher = ContinuousBatcher("sim", [worker], create_policy("qos", QoSSettings()), max_running=8,
-                                    max_step_tokens=16)
         first = make_classed_request(1, HIGH, prompt_len=10, max_tokens=2)
-        batcher.submit(first)
-        loop = asyncio.create_task(batcher.run())
+        batcher, loop = qos_loop_with(worker, first)
         try:
             await asyncio.wait_for(worker.computing.wait(), 5)       # its first-token step in flight
             second = make_classed_request(2, HIGH, prompt_len=10, max_tokens=2)
