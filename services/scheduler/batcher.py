@@ -445,6 +445,7 @@ class ContinuousBatcher:
         self.fail_worker(link, reason, why="left")
         self.workers.remove(link)
         self.planner.remove_worker(link.index)
+        self._trailing.pop(link.index, None)
 
     def fail_worker(self, link: Worker, reason: str, why: str = "worker_failed") -> None:
         """The worker is gone: its blocks leave our books and every sequence it held goes back to
