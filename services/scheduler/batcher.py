@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from functools import partial
 from typing import Callable, NamedTuple
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
@@ -85,12 +84,11 @@ class ContinuousBatcher:
         self._held: list[tuple[Request, object]] | None = None
         self._answers_pending = 0
         # Cut-ins (policy.cut_in): the workers computing a step (by index), and the cut-in steps
-        # sent to run inside those steps, not answered yet, with how many each worker has. Each
-        # High request goes at once; the worker runs those that reach it together as one step (one
+        # sent to run inside those steps, not answered yet, each with its worker's index. Each High
+        # request goes at once; the worker runs those that reach it together as one step (one
         # prefill).
         self._computing: set[int] = set()
-        self._cut_ins: set[asyncio.Task] = set()
-        self._cutting_in: Counter = Counter()
+        self._cut_ins: dict[asyncio.Task, int] = {}
         # Tokens of the cut-ins each worker was given after its step was answered (at most a
         # step's budget between two steps: each postpones the next plan, which waits for them).
         self._trailing: Counter = Counter()
@@ -258,30 +256,29 @@ class ContinuousBatcher:
         # first-token step with every running decode (~2.5x a cut-in's time, measured under the
         # burst); sent now, it runs right after them, alone. Up to a step's token budget of such
         # cut-ins between two steps, so that High arrivals cannot hold the next plan back for long.
-        trailing = {i for i, n in self._cutting_in.items() if n} - self._computing
+        trailing = set(self._cut_ins.values()) - self._computing
         for index in list(self._computing | trailing):
             if index not in self.planner.running:       # it left the pool
                 continue
             link = self.workers[index]
             if not self.workers.admits(link):
                 continue
-            budget = self.planner.max_step_tokens - self._trailing[index] if index in trailing else None
-            builder = self.planner.plan_cut_in(link, self.steps, budget) if budget is None or budget > 0 else None
+            budget = None
+            if index in trailing:
+                budget = self.planner.max_step_tokens - self._trailing[index]
+                if budget <= 0:
+                    continue
+            builder = self.planner.plan_cut_in(link, self.steps, budget)
             if builder is None:
                 continue
             self.steps += 1
             self.cut_in_steps += 1
             task = asyncio.ensure_future(self._execute_and_postprocess(link, builder, loop.create_future(),
                                                                        cut_in=True))
-            self._cut_ins.add(task)
-            self._cutting_in[index] += 1
+            self._cut_ins[task] = index
             if index in trailing:
                 self._trailing[index] += builder.num_tokens
-            task.add_done_callback(partial(self._cut_in_answered, index))
-
-    def _cut_in_answered(self, index: int, task: asyncio.Task) -> None:
-        self._cut_ins.discard(task)
-        self._cutting_in[index] -= 1
+            task.add_done_callback(self._cut_ins.pop)
 
     # --- execute and postprocess ------------------------------------------------------------------
 
