@@ -18,6 +18,7 @@ from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason
 from services.common.wire import finish_reason
+from services.scheduler.announcement import prompt_announcement
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import HeldChunks, token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
@@ -117,6 +118,7 @@ class ContinuousBatcher:
     # --- called by the Submit handler -----------------------------------------------------------
 
     def submit(self, request: Request) -> None:
+        prompt_announcement(request)        # its prompt made into protobuf here, not in a step's plan
         self.policy.add(request)
         if request.priority == HIGH:
             if self.step_clock is not None:

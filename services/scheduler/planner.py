@@ -21,7 +21,7 @@ from typing import Protocol
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
 from services.common.priority import HIGH
-from services.common.wire import engine_sampling
+from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
@@ -354,10 +354,7 @@ class StepPlanner:
             request.add_blocks(blocks, pool.block_size)
             request.new_blocks.extend(blocks)
         if not request.announced:
-            builder.plan.new_sequences.add(     # built in place (append would copy it in)
-                seq_id=request.seq_id, prompt_token_ids=request.all_ids,
-                sampling=engine_sampling(request.sampling), num_generated=len(request.output_ids),
-                traceparent=request.traceparent, lora=request.lora)
+            announce(builder.plan, request)
             request.announced = True
         builder.add(request, num_tokens)
         return num_tokens

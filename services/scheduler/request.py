@@ -7,9 +7,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from services.common.step import SamplingParams
 from services.scheduler.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from services.common.proto.qos.v1.worker_pb2 import NewSequence
 
 
 class Phase(Enum):
@@ -65,6 +69,8 @@ class Request:
     first_scheduled_at: float | None = None
     first_token_at: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # What a worker is told of it on admission, prompt part, converted once (announcement.py)
+    prompt_announcement: NewSequence | None = None
 
     def __post_init__(self) -> None:
         # One str object per tenant, shared by all its requests: a plan counts tokens by tenant
