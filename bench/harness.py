@@ -123,5 +123,33 @@ def python_loop_ns(iterations: int = LOOP_ITERATIONS, repeats: int = LOOP_REPEAT
     return best / iterations
 
 
+class FixedTask:
+    """Calibration for tail figures: one fixed pure-Python task (a pass over 256 small objects,
+    eight times: a few hundred microseconds, about a step plan's size), timed between a
+    benchmark's own timed steps. The same work every time, so its p99 over its p50 is what this
+    machine adds to a tail by itself in this run (other tenants, caches, interrupts): on this
+    project's 2-core machine ~1.5 on 2026-12-01. An overhead benchmark prints it beside its own
+    p99/p50, which is the task's share plus the variation of the work it measures."""
+
+    def __init__(self) -> None:
+        self._objects = [{"a": i, "b": 2 * i} for i in range(256)]
+        self.samples_us: list[float] = []
+
+    def run(self) -> None:
+        objects, total = self._objects, 0
+        started = time.perf_counter_ns()
+        for _ in range(8):
+            for item in objects:
+                total += item["a"] + item["b"]
+        self.samples_us.append((time.perf_counter_ns() - started) / 1000)
+
+    def p50_us(self) -> float:
+        return quantile(self.samples_us, 0.5)
+
+    def tail_ratio(self) -> float:
+        """p99 / p50 of the task's times."""
+        return quantile(self.samples_us, 0.99) / self.p50_us()
+
+
 def calibration_line(loop_ns: float) -> str:
     return f"calibration: {loop_ns:.1f} ns per pure-Python loop iteration on this machine (python_loop_ns)"
