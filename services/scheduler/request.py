@@ -112,10 +112,6 @@ class Request:
         self.num_tokens = len(self.prompt_ids) + len(token_ids)
         self.pending = self.num_tokens - self.computed
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def wall_ns(self, moment: float) -> int:
         """A perf_counter moment as wall-clock nanoseconds (span timestamps)."""
         return self.arrival_ns + int((moment - self.arrival) * 1e9)

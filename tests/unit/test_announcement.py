@@ -51,3 +51,12 @@ def test_each_announcement_after_a_preemption_carries_the_output_so_far_once():
         ([5, 6, 7, 40, 41], 2)
     assert (list(third.new_sequences[0].prompt_token_ids), third.new_sequences[0].num_generated) == \
         ([5, 6, 7, 40, 41, 42], 3)
+
+
+def test_a_request_resumed_from_another_pool_announces_what_that_pool_streamed():
+    request = make_request([5, 6, 7])
+    request.set_output([50, 51])          # services/scheduler/server.py resume()
+    plan = worker_pb2.StepPlan(step_id=1)
+    announce(plan, request)
+    (new,) = plan.new_sequences
+    assert (list(new.prompt_token_ids), new.num_generated) == ([5, 6, 7, 50, 51], 2)
