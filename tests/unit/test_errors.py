@@ -96,6 +96,37 @@ def test_the_interceptor_maps_a_raised_error_and_the_caller_gets_it_back_exactly
             (kind, "sampling.top_p", 300, "queue_full")
 
 
+def test_the_interceptor_keeps_each_served_methods_wrapper_but_not_unknown_names():
+    """The wrapped handler is made once per method (it was made on every call); a later call of
+    the same method still gets its error mapped, and a made-up method name is neither served
+    nor remembered (a client cannot grow the interceptor's table)."""
+    error = ServiceError(ErrorKind.EXHAUSTED, "full", retry_after_ms=250, reason="queue_full")
+
+    async def calls():
+        interceptor = ServiceErrorInterceptor()
+        server = grpc.aio.server(interceptors=[interceptor])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Echo", {
+            "Unary": grpc.unary_unary_rpc_method_handler(Echo(error).unary)}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        codes = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for method in ("/test.Echo/Unary", "/test.Echo/Unary", "/test.Echo/Nope", "/test.Echo/Nope"):
+                    try:
+                        await channel.unary_unary(method)(b"x", timeout=5)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append((exc.code(), error_from_rpc(exc, "peer").retry_after_ms))
+        finally:
+            await server.stop(0)
+        return codes, set(interceptor._wrapped)
+
+    codes, kept = asyncio.run(calls())
+    assert codes[:2] == [(grpc.StatusCode.RESOURCE_EXHAUSTED, 250)] * 2
+    assert [code for code, _ in codes[2:]] == [grpc.StatusCode.UNIMPLEMENTED] * 2
+    assert kept == {"/test.Echo/Unary"}
+
+
 def test_a_status_no_service_of_ours_sent_names_the_peer():
     async def unreachable():
         async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:
