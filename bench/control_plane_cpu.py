@@ -31,7 +31,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,9 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import calibration_line, machine, make_parser, model_or_bench, python_loop_ns, write_json  # noqa: E402
+from bench.harness import (calibration_line, machine, make_parser, model_or_bench, python_loop_ns,  # noqa: E402
+                           write_json)
 from services.common.grpc_server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
-from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,  # noqa: E402
+                                          scheduler_pb2_grpc)
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. " * 5)[:200]
 
