@@ -67,6 +67,10 @@ class RouterConfig(ServiceConfig):
     # A request whose pool fails mid-way (its scheduler died, or it has no worker left) moves to
     # another pool that serves the model, with the tokens already streamed: at most this often.
     migration_limit: int = 3
+    # Medium or Low requests of one class in flight to one pool at once; more wait in the router
+    # and go on as those finish (services/router/forward_window.py). High and requests with an
+    # SLO are never held. 0: forward everything at once.
+    forward_window: int = 64
     # TLS on the router's gRPC and HTTP fronts (PEM files); both empty: plaintext.
     tls_cert: str = ""
     tls_key: str = ""

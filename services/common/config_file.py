@@ -246,6 +246,8 @@ def parse_config(raw: dict) -> ClusterConfig:
                           f"got {router.http_port}")
     if not 0 <= router.migration_limit <= 100:
         raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
+    if not 0 <= router.forward_window <= 1_000_000:
+        raise ConfigError(f"router.forward_window must be in 0..1000000 (0 = no window), got {router.forward_window}")
     if router.http_max_body_bytes < 1024:
         raise ConfigError(f"router.http_max_body_bytes must be >= 1024, got {router.http_max_body_bytes}")
     if bool(router.tls_cert) != bool(router.tls_key):

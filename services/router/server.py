@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 class RouterService:
     def __init__(self, config: ClusterConfig, model_name: str, store: Store, drain: Drain | None = None):
         router, auth, billing = config.router, config.auth, config.billing
-        self.pools = PoolDirectory(config.pools, model_name, router.routing)
+        # The priority-blind FCFS baseline (admission "fifo") forwards everything at once.
+        self.pools = PoolDirectory(config.pools, model_name, router.routing,
+                                   router.forward_window if router.admission == "priority" else 0)
         registry = CollectorRegistry()
         alerts_url = f"http://{router.http_address}/v1/alerts" if router.http_address else ""
         self.sla = SlaMonitor(config.sla, config.alerts, registry, external_url=alerts_url)
