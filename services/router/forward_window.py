@@ -29,6 +29,8 @@ import collections
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from prometheus_client.core import GaugeMetricFamily
+
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import priority_name
 
@@ -62,6 +64,19 @@ class ForwardWindows:
         """(in flight, held) for one class of one pool."""
         window = self._windows.get((pool, priority))
         return (window.in_flight, len(window.waiting)) if window else (0, 0)
+
+    def collect(self):
+        """Prometheus collector (registered in the router's registry): per pool and class, the
+        requests in flight through the window and those held in the router."""
+        held = GaugeMetricFamily("qos_router_held_requests", "Medium/Low requests waiting in the "
+                                 "router for their class's forward window", labels=("pool", "priority"))
+        in_flight = GaugeMetricFamily("qos_router_window_in_flight", "Medium/Low requests in flight "
+                                      "to their pool through the forward window", labels=("pool", "priority"))
+        for (pool, priority), window in sorted(list(self._windows.items())):   # a scrape thread: copy first
+            held.add_metric((pool, priority_name(priority)), len(window.waiting))
+            in_flight.add_metric((pool, priority_name(priority)), window.in_flight)
+        yield held
+        yield in_flight
 
     @asynccontextmanager
     async def turn(self, pool: str, priority: int, exempt: bool = False):

@@ -48,6 +48,7 @@ class RouterService:
         alerts_url = f"http://{router.http_address}/v1/alerts" if router.http_address else ""
         self.sla = SlaMonitor(config.sla, config.alerts, registry, external_url=alerts_url)
         self.totals = RouterTotals(list(self.pools.handles), self.sla, registry)
+        registry.register(self.pools.windows)      # qos_router_held_requests, ..._window_in_flight
         self.tracer = setup_tracing("router")
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
         self.ledger = LedgerWriter(store, billing.flush_seconds)

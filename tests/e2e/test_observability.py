@@ -74,6 +74,10 @@ def test_router_and_scheduler_histograms_count_every_request(loaded_cluster):
     assert SENT["high"] <= chunks["high"] <= 6 * SENT["high"]
     assert SENT["medium"] <= chunks["medium"] <= 3 * SENT["medium"]
     assert SENT["low"] <= chunks["low"] <= 2 * SENT["low"]
+    # The forward window's gauges, per class that went through it (High never does): all done.
+    pool = config.pools[0].name
+    for name in ("qos_router_held_requests", "qos_router_window_in_flight"):
+        assert by_priority(router, name, pool=pool) == {"medium": 0, "low": 0}, name
 
 
 def test_worker_exposes_step_metrics(loaded_cluster):

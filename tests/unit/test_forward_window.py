@@ -130,3 +130,20 @@ def test_size_zero_holds_nothing():
             r.done.set()
         await asyncio.gather(*(r.task for r in requests))
     asyncio.run(scenario())
+
+
+def test_the_collector_reports_held_and_in_flight_per_pool_and_class():
+    async def scenario():
+        w, log = windows(1), []
+        requests = [Request(w, log, f"low{i}") for i in range(3)] + [Request(w, log, "medium", MEDIUM)]
+        await settle()
+        samples = {(m.name, s.labels["pool"], s.labels["priority"]): s.value
+                   for m in w.collect() for s in m.samples}
+        for r in requests:
+            r.done.set()
+        await asyncio.gather(*(r.task for r in requests))
+        return samples
+    samples = asyncio.run(scenario())
+    assert samples[("qos_router_held_requests", "cpu", "low")] == 2
+    assert samples[("qos_router_window_in_flight", "cpu", "low")] == 1
+    assert samples[("qos_router_held_requests", "cpu", "medium")] == 0
