@@ -87,36 +87,41 @@ def test_a_class_whose_in_flight_and_held_reach_the_pools_queue_limit_is_refused
     asyncio.run(scenario())
 
 
+async def three_in_a_window_of_one() -> tuple[ForwardWindows, list, list[Request]]:
+    w, log = windows(1), []
+    requests = [Request(w, log, name) for name in ("first", "second", "third")]
+    await settle()
+    return w, log, requests
+
+
+async def finish_last(w: ForwardWindows, last: Request) -> None:
+    last.done.set()
+    await last.task
+    assert w.counts("cpu", LOW) == (0, 0)
+
+
 def test_a_request_cancelled_while_held_or_in_flight_frees_its_place():
     async def scenario():
-        w, log = windows(1), []
-        first, second, third = (Request(w, log, name) for name in ("first", "second", "third"))
-        await settle()
+        w, log, (first, second, third) = await three_in_a_window_of_one()
         second.task.cancel()                       # its client went away while it waited
         await settle()
         assert w.counts("cpu", LOW) == (1, 1)
         first.task.cancel()                        # ... and one in flight
         await settle()
         assert log == ["first", "third"] and w.counts("cpu", LOW) == (1, 0)
-        third.done.set()
-        await third.task
-        assert w.counts("cpu", LOW) == (0, 0)
+        await finish_last(w, third)
     asyncio.run(scenario())
 
 
 def test_a_slot_handed_to_a_request_cancelled_before_it_ran_goes_on_to_the_next():
     async def scenario():
-        w, log = windows(1), []
-        first, second, third = (Request(w, log, name) for name in ("first", "second", "third"))
-        await settle()
+        w, log, (first, second, third) = await three_in_a_window_of_one()
         first.done.set()
         await asyncio.sleep(0)                     # first's slot is handed to second ...
         second.task.cancel()                       # ... which is cancelled before it resumes
         await settle()
         assert log == ["first", "third"] and w.counts("cpu", LOW) == (1, 0)
-        third.done.set()
-        await third.task
-        assert w.counts("cpu", LOW) == (0, 0)
+        await finish_last(w, third)
     asyncio.run(scenario())
 
 
