@@ -1,5 +1,6 @@
 """How many Medium and Low requests the router lets into each pool at once; the rest wait in
-the router, in arrival order per class, and go on as those ahead of them finish.
+the router and go on as those ahead of them finish: tenants by turns, by weight (fair queueing
+over forwards, as the scheduler shares a class between tenants), each tenant's in arrival order.
 
 Why: a scheduler queues what it cannot run yet, so forwarding a flood at once buys nothing for
 the flood, and costs High its first token. Each forwarded request costs a gRPC call from router
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -36,10 +38,48 @@ from services.common.priority import priority_name
 
 
 @dataclass(slots=True)
+class Held:
+    """A request waiting in the router for its turn."""
+    arrival: int
+    weight: float                     # its tenant's weight inside the class
+    ticket: asyncio.Future            # resolved when a slot is handed to it
+
+
+@dataclass(slots=True)
 class ClassWindow:
-    """One pool's window for one class: requests forwarded and not finished, and those waiting."""
+    """One pool's window for one class: requests forwarded and not finished, those waiting (per
+    tenant, in arrival order), and the tenants' places in a fair queue of forwards."""
     in_flight: int = 0
-    waiting: collections.deque = field(default_factory=collections.deque)   # futures, arrival order
+    waiting: dict[str, collections.deque] = field(default_factory=dict)
+    held: int = 0
+    # Weighted fair queueing over forwards: each forward moves its tenant's tag on by 1 / weight;
+    # a tenant that was away starts at the clock (the last forward's start), so idleness earns no credit.
+    finish: dict[str, float] = field(default_factory=dict)
+    clock: float = 0.0
+
+    def charge(self, tenant: str, weight: float) -> None:
+        """A request of `tenant` goes on to the scheduler."""
+        start = max(self.finish.get(tenant, 0.0), self.clock)
+        self.clock = start
+        self.finish[tenant] = start + 1.0 / weight
+        for other in [t for t, tag in self.finish.items() if tag <= self.clock and t not in self.waiting]:
+            del self.finish[other]               # caught up and not waiting: nothing to remember
+
+    def next_tenant(self) -> str | None:
+        """The tenant whose oldest waiting request goes next: the smallest tag after this forward
+        (the scheduler shares a class between tenants by weight; a tenant's flood must not hold
+        another's request back in the router), then the earliest arrival."""
+        best, best_key = None, None
+        for tenant, queue in list(self.waiting.items()):
+            while queue and queue[0].ticket.done():      # its client went away
+                queue.popleft()
+            if not queue:
+                del self.waiting[tenant]
+                continue
+            key = (max(self.finish.get(tenant, 0.0), self.clock) + 1.0 / queue[0].weight, queue[0].arrival)
+            if best_key is None or key < best_key:
+                best, best_key = tenant, key
+        return best
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,15 +95,16 @@ class ForwardWindows:
         self.size = size
         self.limits = limits
         self._windows: dict[tuple[str, int], ClassWindow] = collections.defaultdict(ClassWindow)
+        self._arrivals = itertools.count()
 
     def held(self, pool: str) -> int:
         """Requests waiting in the router for this pool, all classes."""
-        return sum(len(w.waiting) for (name, _), w in self._windows.items() if name == pool)
+        return sum(w.held for (name, _), w in self._windows.items() if name == pool)
 
     def counts(self, pool: str, priority: int) -> tuple[int, int]:
         """(in flight, held) for one class of one pool."""
         window = self._windows.get((pool, priority))
-        return (window.in_flight, len(window.waiting)) if window else (0, 0)
+        return (window.in_flight, window.held) if window else (0, 0)
 
     def collect(self):
         """Prometheus collector (registered in the router's registry): per pool and class, the
@@ -73,33 +114,37 @@ class ForwardWindows:
         in_flight = GaugeMetricFamily("qos_router_window_in_flight", "Medium/Low requests in flight "
                                       "to their pool through the forward window", labels=("pool", "priority"))
         for (pool, priority), window in sorted(list(self._windows.items())):   # a scrape thread: copy first
-            held.add_metric((pool, priority_name(priority)), len(window.waiting))
+            held.add_metric((pool, priority_name(priority)), window.held)
             in_flight.add_metric((pool, priority_name(priority)), window.in_flight)
         yield held
         yield in_flight
 
     @asynccontextmanager
-    async def turn(self, pool: str, priority: int, exempt: bool = False):
+    async def turn(self, pool: str, priority: int, exempt: bool = False, tenant: str = "", weight: float = 1.0):
         """Hold until this request may go to `pool`, and count it in flight until the block ends
-        (finished, failed, or its client went away). `exempt` requests pass at once, uncounted."""
+        (finished, failed, or its client went away). `exempt` requests pass at once, uncounted.
+        Among those waiting, tenants take turns by weight (ClassWindow.next_tenant)."""
         if exempt or self.size <= 0:
             yield
             return
         window = self._windows[pool, priority]
         if window.in_flight >= self.size:
             self._check_room(pool, priority, window)
-            ticket = asyncio.get_running_loop().create_future()
-            window.waiting.append(ticket)
+            held = Held(next(self._arrivals), weight if weight > 0 else 1.0,
+                        asyncio.get_running_loop().create_future())
+            window.waiting.setdefault(tenant, collections.deque()).append(held)
+            window.held += 1
             try:
-                await ticket                     # resolved by _release, with the slot handed over
+                await held.ticket                # resolved by _release, with the slot handed over
             except BaseException:
-                if ticket.done() and not ticket.cancelled():
+                if held.ticket.done() and not held.ticket.cancelled():
                     self._release(window)        # the slot was handed over as it was cancelled
-                elif ticket in window.waiting:  # a release may have skipped it already
-                    window.waiting.remove(ticket)
+                else:
+                    window.held -= 1             # still queued: next_tenant drops it
                 raise
         else:
             window.in_flight += 1
+            window.charge(tenant, weight if weight > 0 else 1.0)
         try:
             yield
         finally:
@@ -107,7 +152,7 @@ class ForwardWindows:
 
     def _check_room(self, pool: str, priority: int, window: ClassWindow) -> None:
         limit = self.limits.get(pool)
-        if limit is not None and window.in_flight + len(window.waiting) >= limit.max_queue:
+        if limit is not None and window.in_flight + window.held >= limit.max_queue:
             raise ServiceError(
                 ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full "
                 f"({limit.max_queue} waiting); retry after {limit.retry_after_ms} ms",
@@ -116,9 +161,14 @@ class ForwardWindows:
     @staticmethod
     def _release(window: ClassWindow) -> None:
         """A request left: its slot goes to the next one waiting (in_flight stays), else it frees."""
-        while window.waiting:
-            ticket = window.waiting.popleft()
-            if not ticket.done():
-                ticket.set_result(None)
-                return
-        window.in_flight -= 1
+        following = window.next_tenant()
+        if following is None:
+            window.in_flight -= 1
+            return
+        queue = window.waiting[following]
+        held = queue.popleft()
+        if not queue:
+            del window.waiting[following]
+        window.held -= 1
+        window.charge(following, held.weight)
+        held.ticket.set_result(None)

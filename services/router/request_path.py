@@ -86,7 +86,8 @@ class RequestPath:
                 exempt = head.priority == common_pb2.PRIORITY_HIGH or bool(head.slo_ms)
                 while True:
                     try:
-                        async with self.pools.windows.turn(pool.name, head.priority, exempt):
+                        async with self.pools.windows.turn(pool.name, head.priority, exempt,
+                                                           head.tenant, head.tenant_weight):
                             async for chunk in self.relay(head, body, pool, tally, span, streamed):
                                 streamed.extend(chunk.token_ids)
                                 yield chunk
