@@ -69,8 +69,9 @@ class RouterConfig(ServiceConfig):
     migration_limit: int = 3
     # Medium or Low requests of one class in flight to one pool at once; more wait in the router
     # and go on as those finish (services/router/forward_window.py). High and requests with an
-    # SLO are never held. 0: forward everything at once.
-    forward_window: int = 64
+    # SLO are never held. 0 (the default): forward everything at once. Off by default: in two
+    # alternating full-scale burst pairs it did not lower High's tail (docs/performance.md).
+    forward_window: int = 0
     # TLS on the router's gRPC and HTTP fronts (PEM files); both empty: plaintext.
     tls_cert: str = ""
     tls_key: str = ""

@@ -7,9 +7,13 @@ the flood, and costs High its first token. Each forwarded request costs a gRPC c
 to scheduler and the scheduler's intake (~0.25 ms and ~1 ms of CPU, bench/control_plane_cpu.py),
 all of it in the flood's first second, when the router's and scheduler's event loops are what a
 High request waits on. With the QoS benchmark's full-scale flood (800 requests in 1 s, 2 cores)
-High's P99 time to first token was 279-367 ms with everything forwarded at once and 45 ms with
-64 of each class in flight (docs/performance.md). Held requests cost the router a parked
+High's P99 time to first token was 279-367 ms in runs with everything forwarded at once and
+45-81 ms in the first runs with 64 of each class in flight (docs/performance.md). Held requests cost the router a parked
 coroutine each.
+
+Off by default (`router.forward_window = 0`): the comparison above was across runs; in two
+alternating pairs on the final code (window / none: 61.5 / 46.9 ms, 174.5 / 155.7 ms) it did not
+lower High's tail, so the effect is not established.
 
 What stays as it was:
 - High is never held; neither is a request with an SLO (x-slo-ms): the scheduler judges that

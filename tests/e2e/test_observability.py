@@ -23,7 +23,7 @@ SENT = {"high": 3, "medium": 2, "low": 4}
 
 @pytest.fixture(scope="module")
 def loaded_cluster():
-    config = single_pool(router=RouterConfig(port=0, http_port=0, metrics_port=0),
+    config = single_pool(router=RouterConfig(port=0, http_port=0, metrics_port=0, forward_window=64),
                          # Chunks held for their stream interval however long it takes: exact counts.
                          scheduler=SchedulerConfig(port=0, metrics_port=0, stream_max_hold_ms=60_000),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, metrics_port=0)])
