@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import priority_name
+from services.scheduler.admission import check_queue    # pure: the same rule and message as the scheduler's
 
 
 @dataclass(slots=True)
@@ -131,11 +131,11 @@ class ForwardWindows:
         if exempt or self.size <= 0:
             yield
             return
+        weight = weight if weight > 0 else 1.0
         window = self._windows[pool, priority]
         if window.in_flight >= self.size:
             self._check_room(pool, priority, window)
-            held = Held(next(self._arrivals), weight if weight > 0 else 1.0,
-                        asyncio.get_running_loop().create_future())
+            held = Held(next(self._arrivals), weight, asyncio.get_running_loop().create_future())
             window.waiting.setdefault(tenant, collections.deque()).append(held)
             window.held += 1
             try:
@@ -148,19 +148,17 @@ class ForwardWindows:
                 raise
         else:
             window.in_flight += 1
-            window.charge(tenant, weight if weight > 0 else 1.0)
+            window.charge(tenant, weight)
         try:
             yield
         finally:
             self._release(window)
 
     def _check_room(self, pool: str, priority: int, window: ClassWindow) -> None:
+        """The scheduler's own queue rule (admission.check_queue), over those in flight and held."""
         limit = self.limits.get(pool)
-        if limit is not None and window.in_flight + window.held >= limit.max_queue:
-            raise ServiceError(
-                ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full "
-                f"({limit.max_queue} waiting); retry after {limit.retry_after_ms} ms",
-                retry_after_ms=limit.retry_after_ms, reason="queue_full")
+        if limit is not None:
+            check_queue(priority, window.in_flight + window.held, limit.max_queue, limit.retry_after_ms, pool)
 
     @staticmethod
     def _release(window: ClassWindow) -> None:
