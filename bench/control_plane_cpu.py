@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import grpc  # noqa: E402
 
 from bench.harness import (calibration_line, machine, make_parser, model_or_bench, python_loop_ns,  # noqa: E402
                            write_json)
+from services.cluster import LocalCluster, free_port  # noqa: E402
 from services.common.grpc_server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,  # noqa: E402
                                           scheduler_pb2_grpc)
@@ -64,12 +64,6 @@ class Costs:
     def fit(cls, one_chunk_s: float, many_chunks_s: float, requests: int, chunks: int) -> "Costs":
         per_chunk = max(0.0, many_chunks_s - one_chunk_s) / (requests * chunks)
         return cls(one_chunk_s / requests * 1000, per_chunk * 1000)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the bare relay --------------------------------------------------------------------------
@@ -173,7 +167,6 @@ async def _wait_for(address: str, timeout_s: float = 30.0) -> None:
 
 
 def measure_cluster(model: str, requests: int, chunks: int, rounds: int) -> dict[str, Costs]:
-    from services.cluster import LocalCluster
     from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
     config = single_pool(router=RouterConfig(port=0, http_port=-1), scheduler=SchedulerConfig(port=0),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=256)], model=model)
