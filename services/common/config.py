@@ -116,6 +116,12 @@ class SchedulerConfig(ServiceConfig):
     # Medium, Low; Linux): under a burst, long Low prompts are tokenized on the CPU time a shared
     # machine's engine, event loops and High's prompts leave. 0: the process's priority.
     tokenizer_nice: list = field(default_factory=lambda: [0, 5, 10])
+    # Per class (High, Medium, Low): prompts of up to this many characters (prompt and messages'
+    # contents) are tokenized on the event loop itself, longer ones in the class's tokenizer thread.
+    # The hop to a thread and back costs more CPU than encoding a short prompt, and while the loop
+    # is busy it waits for the GIL on both sides: High's first token should not (tokenizer_threads.py).
+    # 0: always the thread. The FCFS baseline uses Medium's for every class.
+    tokenize_inline_chars: list = field(default_factory=lambda: [8192, 512, 512])
     # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
     # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
     # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker

@@ -80,6 +80,10 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
                                              for n in s.tokenizer_nice):
         raise ConfigError(f"{where}.tokenizer_nice must be 3 whole numbers in 0..19 (high, medium, low), "
                           f"got {s.tokenizer_nice}")
+    if len(s.tokenize_inline_chars) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                    for n in s.tokenize_inline_chars):
+        raise ConfigError(f"{where}.tokenize_inline_chars must be 3 whole numbers of characters >= 0 (high, medium, "
+                          f"low; 0: always the tokenizer thread), got {s.tokenize_inline_chars}")
     if s.retry_after_ms < 1:
         raise ConfigError(f"{where}.retry_after_ms must be >= 1, got {s.retry_after_ms}")
     if s.workers_from not in ("config", "dns", "join"):

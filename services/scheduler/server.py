@@ -25,7 +25,7 @@ from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
-from services.common.priority import ORDER, Priority, priority_name
+from services.common.priority import DEFAULT_PRIORITY, ORDER, Priority, priority_name
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
@@ -38,7 +38,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Request
 from services.scheduler.autoscale import ScaleAdvisor
-from services.scheduler.tokenizer_threads import TokenizerThreads
+from services.scheduler.tokenizer_threads import TokenizerThreads, submit_chars
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
 from services.scheduler.membership import Membership
 
@@ -97,10 +97,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        # A thread per class, Medium's and Low's at a lower CPU priority (tokenizer_threads.py);
-        # the FCFS baseline is priority-blind, so there every class's at the process's.
+        # A thread per class, Medium's and Low's at a lower CPU priority, short prompts on the loop
+        # (tokenizer_threads.py); the FCFS baseline is priority-blind, so there every class's
+        # thread at the process's priority, and Medium's inline length for all.
+        by_priority = self.policy.admits_by_priority
         self.tokenizer_threads = TokenizerThreads(
-            config.tokenizer_nice if self.policy.admits_by_priority else [0] * len(ORDER))
+            config.tokenizer_nice if by_priority else [0] * len(ORDER),
+            config.tokenize_inline_chars if by_priority
+            else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
         self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
@@ -136,15 +140,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- intake ---------------------------------------------------------------------------------
 
     async def admit(self, submit: scheduler_pb2.SubmitRequest) -> Request:
-        """Tokenize in the tokenizer thread (the event loop keeps taking in calls and streaming
-        meanwhile), then check the request (services/scheduler/admission.py) and build it."""
+        """Tokenize (a long prompt in its class's tokenizer thread: the event loop keeps taking in
+        calls and streaming meanwhile; a short one here, config tokenize_inline_chars), then check
+        the request (services/scheduler/admission.py) and build it."""
         self._limits()         # no worker yet: refuse before tokenizing
         if submit.lora and submit.lora not in self.adapters():
             held = ", ".join(sorted(self.adapters())) or "none"
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
+        threads = self.tokenizer_threads
+        if threads.inline(submit.priority, submit_chars(submit)):
+            prompt_ids = self._tokenize(submit)
+        else:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                threads.executor(submit.priority), self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         self._limits())
         request = Request(

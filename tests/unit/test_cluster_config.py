@@ -124,6 +124,9 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"tokenizer_nice": [0, 5]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
     ({"tokenizer_nice": [0, 5, 20]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
     ({"tokenizer_nice": [-5, 0, 0]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
+    ({"tokenize_inline_chars": [512, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
+    ({"tokenize_inline_chars": [512, -1, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
+    ({"tokenize_inline_chars": [512, 1.5, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
 ])
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):
