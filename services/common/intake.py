@@ -14,12 +14,18 @@ A class has one admission in progress at a time, and a lower class's does not ho
 back: a High request waits for no Low or Medium admission (tokenizing a long prompt), at most for
 one High one. With `by_priority=False` requests are admitted one at a time in arrival order: the
 priority-blind FCFS baseline.
+
+The top class (`express_rank`, High) skips the queue when none of its requests waits or is being
+admitted: its handler admits it at once. It would be next anyway; through the queue it also waited
+for the admitting task's turns of the event loop (three, each as long as a burst makes a turn),
+and while a flood is taken in those are what its first token waits for.
 """
 from __future__ import annotations
 
 import asyncio
 import heapq
 import itertools
+from collections import Counter
 from typing import Awaitable, Callable, Generic, TypeVar
 
 Submit = TypeVar("Submit")
@@ -32,14 +38,18 @@ ADMISSION_PAUSE_S = 0.001
 
 class PriorityIntake(Generic[Submit, Admitted]):
     def __init__(self, admit: Callable[[Submit], Awaitable[Admitted]], by_priority: bool = True,
-                 pause_s: float = ADMISSION_PAUSE_S):
+                 pause_s: float = ADMISSION_PAUSE_S, express_rank: int | None = None):
         self._pause_s = pause_s
+        # Admitted in its own handler when none of its class waits or is being admitted (the
+        # highest class: it would be next anyway); never in the priority-blind FCFS baseline.
+        self._express_rank = express_rank if by_priority else None
         self._admit = admit                      # may raise; the exception reaches the caller
         self._by_priority = by_priority
         self._heap: list[tuple[int, int, Submit, asyncio.Future]] = []
         self._arrivals = itertools.count()
         self._pending = asyncio.Event()
         self._busy: set[int] = set()             # classes (ranks) with an admission in progress
+        self._queued: Counter[int] = Counter()   # requests in the heap, per class (rank)
 
     def __len__(self) -> int:
         """Requests waiting to be admitted."""
@@ -47,9 +57,17 @@ class PriorityIntake(Generic[Submit, Admitted]):
 
     async def admit(self, submit: Submit, priority: int) -> Admitted:
         """Wait for this request's turn and admit it (lower `priority` numbers go first)."""
-        future = asyncio.get_running_loop().create_future()
         rank = priority if self._by_priority else 0
+        if rank == self._express_rank and rank not in self._busy and not self._queued[rank]:
+            self._busy.add(rank)
+            try:
+                return await self._admit(submit)
+            finally:
+                self._busy.discard(rank)
+                self._pending.set()      # the next of its class may go
+        future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (rank, next(self._arrivals), submit, future))
+        self._queued[rank] += 1
         self._pending.set()
         # If the caller is cancelled while waiting, the future is cancelled with it and skipped.
         return await future
@@ -67,6 +85,7 @@ class PriorityIntake(Generic[Submit, Admitted]):
                 self._pending.clear()
                 while self._heap and self._heap[0][0] not in self._busy:
                     rank, _, submit, future = heapq.heappop(self._heap)
+                    self._queued[rank] -= 1
                     if future.done():            # its client went away while it waited
                         continue
                     self._busy.add(rank)

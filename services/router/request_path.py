@@ -50,8 +50,10 @@ class RequestPath:
         self.totals = totals
         self.tracer = tracer
         self.model_name = model_name
-        # Requests go on to validation and their pool in priority order (services/common/intake.py).
-        self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority")
+        # Requests go on to validation and their pool in priority order (services/common/intake.py);
+        # High at once when no other High request is ahead of it.
+        self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority",
+                                         express_rank=common_pb2.PRIORITY_HIGH)
 
     async def serve(self, head: RequestHead, read_body: ReadBody, caller: Caller,
                     estimated_tokens: int, parent: Context | None = None,

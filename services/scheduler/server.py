@@ -25,7 +25,7 @@ from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
-from services.common.priority import DEFAULT_PRIORITY, ORDER, Priority, priority_name
+from services.common.priority import DEFAULT_PRIORITY, HIGH, ORDER, Priority, priority_name
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
@@ -105,7 +105,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config.tokenizer_nice if by_priority else [0] * len(ORDER),
             config.tokenize_inline_chars if by_priority
             else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
-        self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority)
+        self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
         self.runtime_adapters: dict[str, str] = {}

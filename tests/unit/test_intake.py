@@ -156,3 +156,70 @@ def test_admissions_in_progress_end_with_the_intake():
 
     run(scenario())
     assert cancelled == ["low"]
+
+
+def test_a_high_request_with_none_of_its_class_ahead_is_admitted_in_its_own_handler():
+    """express_rank: High skips the queue (and the admitting task's turns of the event loop) when
+    no High request waits or is being admitted; Low's backlog does not wait for it to be served."""
+    order = []
+
+    async def scenario():
+        intake = PriorityIntake(admitting(order.append), express_rank=HIGH)
+        low = asyncio.ensure_future(intake.admit("low", LOW))
+        await asyncio.sleep(0)
+        # No admitting task is running: only the express path can admit it.
+        await asyncio.wait_for(intake.admit("high", HIGH), 1)
+        assert order == ["high"] and len(intake) == 1
+        task = asyncio.create_task(intake.run())
+        await low
+        task.cancel()
+
+    run(scenario())
+    assert order == ["high", "low"]
+
+
+def test_a_high_request_behind_another_being_admitted_waits_its_turn():
+    """One admission per class at a time holds for the express path too: the second High request
+    queues while the first is admitted (tokenized), then the admitting task takes it."""
+    started, finished = [], []
+
+    async def scenario():
+        first_tokenized = asyncio.Event()
+
+        async def admit(name):
+            started.append(name)
+            if name == "high1":
+                await first_tokenized.wait()
+            finished.append(name)
+            return name
+
+        intake = PriorityIntake(admit, express_rank=HIGH)
+        task = asyncio.create_task(intake.run())
+        first = asyncio.ensure_future(intake.admit("high1", HIGH))
+        while not started:
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(intake.admit("high2", HIGH))
+        await asyncio.sleep(0.01)
+        assert started == ["high1"] and len(intake) == 1
+        first_tokenized.set()
+        assert await asyncio.gather(first, second) == ["high1", "high2"]
+        task.cancel()
+
+    run(scenario())
+    assert finished == ["high1", "high2"]
+
+
+def test_the_fcfs_intake_has_no_express_class():
+    order = []
+
+    async def scenario():
+        intake = PriorityIntake(admitting(order.append), by_priority=False, express_rank=HIGH)
+        high = asyncio.ensure_future(intake.admit("high", HIGH))
+        await asyncio.sleep(0.01)
+        assert order == [] and len(intake) == 1     # queued like every other request
+        task = asyncio.create_task(intake.run())
+        await high
+        task.cancel()
+
+    run(scenario())
+    assert order == ["high"]
