@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from services.common.drain import Drain
+from services.common.gc_pauses import freeze_startup_heap
 from services.common.grpc_errors import ServiceErrorInterceptor
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
             await ready.wait()
         for service in ["", *services]:
             await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        # What exists now lives as long as the process: out of the collector's scans (gc_pauses.py).
+        freeze_startup_heap(name)
 
     serving_task = asyncio.create_task(report_serving())
 

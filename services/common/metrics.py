@@ -13,6 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from services.common.gc_pauses import watch_gc
+
 log = logging.getLogger(__name__)
 
 # Seconds; dense below 1 s where the High SLO (200 ms) lives.
@@ -61,6 +63,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, serv
     """Expose `registry` on http://host:port/metrics; None or a negative port disables it."""
     if port is None or port < 0:
         return None
+    watch_gc(registry)          # each collection's pause (services/common/gc_pauses.py)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     bound = server.server_address[1]
     log.info("%s metrics on http://%s:%d/metrics", service, host, bound)

@@ -91,6 +91,23 @@ def test_worker_exposes_step_metrics(loaded_cluster):
     assert samples[("qos_worker_plan_wait_seconds_sum", ())] > 0
 
 
+def test_every_service_froze_its_startup_heap_and_times_its_collections(loaded_cluster):
+    """services/common/gc_pauses.py: once serving, each process's startup objects are out of the
+    collector's scans, and every collection since its metrics started is counted by generation."""
+    config = loaded_cluster.config
+    scheduler, worker = config.pools[0].scheduler, config.pools[0].workers[0]
+    young = {}
+    for name, service in (("router", config.router), ("scheduler", scheduler), ("worker", worker)):
+        samples = scrape(service.host, service.metrics_port)
+        assert samples[("qos_gc_frozen_objects", ())] > 10_000, name
+        young[name] = samples[("qos_gc_pause_seconds_count", (("generation", "0"),))]
+        # Every collection lands in a bucket: the +Inf one counts them all.
+        assert samples[("qos_gc_pause_seconds_bucket", (("generation", "0"), ("le", "+Inf")))] == young[name]
+        assert (samples[("qos_gc_pause_seconds_sum", (("generation", "0"),))] > 0) == (young[name] > 0), name
+    # The router allocates for every request and chunk it relays: its young generation filled.
+    assert young["router"] > 0, young
+
+
 def test_stats_command_shows_the_cluster_per_priority(loaded_cluster):
     out = subprocess.run([sys.executable, "-m", "services.cli", "stats", "--router",
                           loaded_cluster.router_address], capture_output=True, text=True, timeout=30)
