@@ -1,6 +1,7 @@
 """Conversions between the in-process dataclasses (services/common/step.py) and their protobuf
 messages, each written once: a client's SamplingParams -> ours (scheduler intake), ours ->
-EngineSampling (scheduler -> worker) and back (worker), and sampled tokens on the worker hop.
+EngineSampling (scheduler -> worker) and back (worker), and sampled tokens on the worker hop;
+and what a request message gives to tokenize (router estimates, scheduler intake).
 """
 from __future__ import annotations
 
@@ -11,6 +12,13 @@ from services.common.step import FinishReason, SampledToken, SamplingParams
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_K = 0
 DEFAULT_TOP_P = 1.0
+
+
+def prompt_chars(request) -> int:
+    """Characters of a request's prompt and messages' contents (a GenerateRequest or a
+    SubmitRequest): the router's token estimates start from it, the scheduler's choice of where
+    to tokenize too."""
+    return len(request.prompt) + sum(len(m.content) for m in request.messages)
 
 
 def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:

@@ -34,9 +34,10 @@ from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
 from services.common.tracing import extract_metadata
+from services.common.wire import prompt_chars
 from services.router import adapter_admin
 from services.router.http_generation import GenerationResponse, error_response
-from services.router.limits import estimate_tokens, prompt_chars
+from services.router.limits import estimate_tokens
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
 

@@ -22,16 +22,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.errors import ErrorKind, ServiceError
+from services.common.wire import prompt_chars
 from services.store.store import Tenant
 
 WINDOW_S = 60.0
 CHARS_PER_TOKEN = 4           # prompt tokens are estimated from the text's length until usage is known
 DEFAULT_MAX_TOKENS = 256      # what the scheduler gives a request that names no max_tokens
-
-
-def prompt_chars(request) -> int:
-    """Characters of a GenerateRequest's prompt and messages (what the estimates start from)."""
-    return len(request.prompt) + sum(len(m.content) for m in request.messages)
 
 
 def estimated_prompt_tokens(request) -> int:

@@ -22,6 +22,7 @@ from services.common.grpc_server import run_server
 from services.common.metrics import serve_metrics
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
+from services.common.wire import prompt_chars
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.console_feed import ConsoleFeed
@@ -30,7 +31,7 @@ from services.router.sla_monitor import SlaMonitor
 from services.router.tally import RouterTotals
 from services.router.accounts import Accounts
 from services.router.ledger import LedgerWriter
-from services.router.limits import estimate_tokens, prompt_chars
+from services.router.limits import estimate_tokens
 from services.router.tenancy import Caller, TenantBook
 from services.router.validation import RequestHead, decode_request, parse_head
 from services.store.store import Store

@@ -30,6 +30,7 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing, traceparent
+from services.common.wire import prompt_chars
 from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -38,7 +39,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.request import Request
 from services.scheduler.autoscale import ScaleAdvisor
-from services.scheduler.tokenizer_threads import TokenizerThreads, submit_chars
+from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
 from services.scheduler.membership import Membership
 
@@ -105,7 +106,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config.tokenizer_nice if by_priority else [0] * len(ORDER),
             config.tokenize_inline_chars if by_priority
             else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
-        self.admissions = PriorityIntake(self.admit, self.policy.admits_by_priority, express_rank=HIGH)
+        self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
         self.runtime_adapters: dict[str, str] = {}
@@ -149,7 +150,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
         threads = self.tokenizer_threads
-        if threads.inline(submit.priority, submit_chars(submit)):
+        if threads.inline(submit.priority, prompt_chars(submit)):
             prompt_ids = self._tokenize(submit)
         else:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(

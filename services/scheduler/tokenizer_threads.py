@@ -50,11 +50,6 @@ def lower_this_thread(increment: int) -> int | None:
     return nice
 
 
-def submit_chars(submit) -> int:
-    """Characters a SubmitRequest gives to tokenize: its prompt and its messages' contents."""
-    return len(submit.prompt) + sum(len(m.content) for m in submit.messages)
-
-
 class TokenizerThreads:
     """`executor(priority)`: that class's single tokenizer thread. One per class keeps a High
     prompt from queueing behind a Low one, as the intake admits one request per class at a time."""
