@@ -63,8 +63,7 @@ class PriorityIntake(Generic[Submit, Admitted]):
             try:
                 return await self._admit(submit)
             finally:
-                self._busy.discard(rank)
-                self._pending.set()      # the next of its class may go
+                self._admission_over(rank)
         future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (rank, next(self._arrivals), submit, future))
         self._queued[rank] += 1
@@ -112,5 +111,9 @@ class PriorityIntake(Generic[Submit, Admitted]):
             if not future.done():
                 future.set_result(admitted)
         finally:
-            self._busy.discard(rank)
-            self._pending.set()      # the next of its class may go
+            self._admission_over(rank)
+
+    def _admission_over(self, rank: int) -> None:
+        """An admission of class `rank` ended (either way): the next of its class may go."""
+        self._busy.discard(rank)
+        self._pending.set()
