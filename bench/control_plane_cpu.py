@@ -40,6 +40,7 @@ import grpc  # noqa: E402
 from bench.harness import (calibration_line, machine, make_parser, model_or_bench, python_loop_ns,  # noqa: E402
                            write_json)
 from services.cluster import LocalCluster, free_port  # noqa: E402
+from services.common.config import SCHEDULER_LINKS  # noqa: E402
 from services.common.grpc_server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
 from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,  # noqa: E402
                                           scheduler_pb2_grpc)
@@ -166,9 +167,11 @@ async def _wait_for(address: str, timeout_s: float = 30.0) -> None:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
 
 
-def measure_cluster(model: str, requests: int, chunks: int, rounds: int) -> dict[str, Costs]:
+def measure_cluster(model: str, requests: int, chunks: int, rounds: int,
+                    scheduler_link: str = "stream") -> dict[str, Costs]:
     from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
-    config = single_pool(router=RouterConfig(port=0, http_port=-1), scheduler=SchedulerConfig(port=0),
+    config = single_pool(router=RouterConfig(port=0, http_port=-1, scheduler_link=scheduler_link),
+                         scheduler=SchedulerConfig(port=0),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=256)], model=model)
     with LocalCluster(config, quiet=True) as cluster:
         pids = {"router": cluster.processes["router"].pid,
@@ -176,13 +179,17 @@ def measure_cluster(model: str, requests: int, chunks: int, rounds: int) -> dict
         return measure(cluster.router_address, pids, requests, chunks, rounds)
 
 
-def table(cluster: dict[str, Costs], bare: dict[str, Costs]) -> str:
-    lines = ["| process | figure | cluster | bare gRPC relay | cluster / bare |", "|---|---|---|---|---|"]
+def table(link: dict[str, Costs], calls: dict[str, Costs], bare: dict[str, Costs]) -> str:
+    lines = ["| process | figure | cluster, link | cluster, a call each | link / calls | bare gRPC relay | "
+             "link / bare |", "|---|---|---|---|---|---|---|"]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}x" if b > 0 else "-"
     for name in ("router", "scheduler"):
         for label, attr in (("ms CPU per request", "per_request_ms"), ("ms CPU per chunk", "per_chunk_ms")):
-            ours, base = getattr(cluster[name], attr), getattr(bare[name], attr)
-            ratio = f"{ours / base:.2f}x" if base > 0 else "-"
-            lines.append(f"| {name} | {label} | {ours:.3f} | {base:.3f} | {ratio} |")
+            ours, old, base = (getattr(c[name], attr) for c in (link, calls, bare))
+            lines.append(f"| {name} | {label} | {ours:.3f} | {old:.3f} | {ratio(ours, old)} | {base:.3f} | "
+                         f"{ratio(ours, base)} |")
     return "\n".join(lines)
 
 
@@ -203,14 +210,17 @@ def main() -> None:
     print(f"bare gRPC relay: {args.requests} concurrent requests, 1 and {1 + args.chunks} chunks, "
           f"{args.rounds} rounds ...", flush=True)
     bare = measure_bare(args.requests, args.chunks, args.rounds, args.chunk_gap_ms / 1000)
-    print("cluster (router, scheduler, one worker on the bench model) ...", flush=True)
-    cluster = measure_cluster(model_or_bench(args.model), args.requests, args.chunks, args.rounds)
-    print(table(cluster, bare))
+    clusters = {}
+    for link in SCHEDULER_LINKS:
+        print(f"cluster (router, scheduler, one worker on the bench model), router.scheduler_link = {link} ...",
+              flush=True)
+        clusters[link] = measure_cluster(model_or_bench(args.model), args.requests, args.chunks, args.rounds, link)
+    print(table(clusters["stream"], clusters["calls"], bare))
     write_json(args.json, {
         "python_loop_ns": loop_ns, "requests": args.requests, "chunks": args.chunks, "rounds": args.rounds,
         **{f"{side}_{name}_{attr}": getattr(costs[name], attr)
-           for side, costs in (("cluster", cluster), ("bare", bare)) for name in costs
-           for attr in ("per_request_ms", "per_chunk_ms")}})
+           for side, costs in (("cluster", clusters["stream"]), ("cluster_calls", clusters["calls"]), ("bare", bare))
+           for name in costs for attr in ("per_request_ms", "per_chunk_ms")}})
 
 
 if __name__ == "__main__":

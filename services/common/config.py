@@ -32,6 +32,7 @@ DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
 FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive", "alone")   # SchedulerConfig.high_first_token
 ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
+SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
 
@@ -72,6 +73,10 @@ class RouterConfig(ServiceConfig):
     # SLO are never held. 0 (the default): forward everything at once. Off by default: in two
     # alternating full-scale burst pairs it did not lower High's tail (docs/performance.md).
     forward_window: int = 0
+    # How requests reach a pool's scheduler: "stream", all of them over one long-lived SubmitLink
+    # stream (services/router/scheduler_link.py; about half the control plane's CPU per request),
+    # or "calls", a Submit call each (what a scheduler without SubmitLink gets either way).
+    scheduler_link: str = "stream"
     # TLS on the router's gRPC and HTTP fronts (PEM files); both empty: plaintext.
     tls_cert: str = ""
     tls_key: str = ""

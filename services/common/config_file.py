@@ -9,8 +9,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from services.common.config import (DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES,
-                                    ROUTING_MODES, AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig,
-                                    BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
+                                    ROUTING_MODES, SCHEDULER_LINKS, AdapterConfig, AlertsConfig, AuthConfig,
+                                    AutoscaleConfig, BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
                                     SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
                                     default_slas)
 from services.common.priority import MAX_STREAM_INTERVAL
@@ -250,6 +250,9 @@ def parse_config(raw: dict) -> ClusterConfig:
                           f"got {router.http_port}")
     if not 0 <= router.migration_limit <= 100:
         raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
+    if router.scheduler_link not in SCHEDULER_LINKS:
+        raise ConfigError(f"router.scheduler_link must be one of {', '.join(SCHEDULER_LINKS)}, "
+                          f"got {router.scheduler_link!r}")
     if not 0 <= router.forward_window <= 1_000_000:
         raise ConfigError(f"router.forward_window must be in 0..1000000 (0 = no window), got {router.forward_window}")
     if router.http_max_body_bytes < 1024:

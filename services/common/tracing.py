@@ -18,6 +18,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger(__name__)
 
 _W3C = TraceContextTextMapPropagator()
+TRACEPARENT = "traceparent"      # the W3C header (and gRPC metadata key) carrying a span's context
 
 
 def tracing_configured() -> bool:
@@ -65,12 +66,12 @@ def traceparent(context: Context | None = None) -> str:
     """The W3C traceparent of the current (or given) span, '' when not recording."""
     carrier: dict[str, str] = {}
     _W3C.inject(carrier, context=context)
-    return carrier.get("traceparent", "")
+    return carrier.get(TRACEPARENT, "")
 
 
 def span_context_from(traceparent_value: str) -> trace.SpanContext | None:
     if not traceparent_value:
         return None
-    ctx = _W3C.extract({"traceparent": traceparent_value})
+    ctx = _W3C.extract({TRACEPARENT: traceparent_value})
     span_context = trace.get_current_span(ctx).get_span_context()
     return span_context if span_context.is_valid else None

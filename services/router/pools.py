@@ -1,5 +1,5 @@
-"""The pools as the router sees them: one scheduler stub each, and a cache of their stats kept
-fresh by one WatchPoolStats stream per pool. The request path reads only this cache (no RPC on
+"""The pools as the router sees them: one scheduler stub and link each, and a cache of their stats
+kept fresh by one WatchPoolStats stream per pool. The request path reads only this cache (no RPC on
 the routing decision)."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.router.forward_window import ForwardWindows, PoolQueueLimit
 from services.router.latency_model import PoolReport
 from services.router.routing import PoolLoad, PoolRouter, PoolSpec
+from services.router.scheduler_link import SchedulerLink
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +24,13 @@ STATS_INTERVAL_MS = 200
 
 
 class PoolHandle:
-    """One pool: its scheduler stub and its latest stats."""
+    """One pool: its scheduler stub, the link requests go on, and its latest stats."""
 
     def __init__(self, config: PoolConfig):
         self.config = config
         self.channel = grpc.aio.insecure_channel(config.scheduler.address, options=CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.link = SchedulerLink(self.scheduler, self.peer)     # requests over one stream
         self.stats: scheduler_pb2.PoolStats | None = None
 
     @property
@@ -88,6 +90,7 @@ class PoolDirectory:
         for task in self.tasks:
             task.cancel()
         for handle in self.handles.values():
+            handle.link.close()
             await handle.channel.close()
 
     def max_context(self) -> int | None:

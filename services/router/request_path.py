@@ -22,11 +22,12 @@ from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
-from services.common.tracing import inject_metadata
+from services.common.tracing import inject_metadata, traceparent
 from services.router.accounts import Accounts
 from services.router.limits import estimated_prompt_tokens
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
+from services.router.scheduler_link import LinkUnsupported
 from services.router.tally import RouterTotals, Tally
 from services.router.tenancy import Caller
 from services.router.validation import RequestHead
@@ -43,8 +44,9 @@ async def _go_ahead(_request) -> None:
 class RequestPath:
     def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
                  model_name: str, accounts: Accounts, admission: str = "priority",
-                 migration_limit: int = 3):
+                 migration_limit: int = 3, scheduler_link: str = "stream"):
         self.pools = pools
+        self.scheduler_link = scheduler_link      # "stream": the pool's link; "calls": a Submit call each
         self.accounts = accounts
         self.migration_limit = migration_limit
         self.totals = totals
@@ -162,32 +164,45 @@ class RequestPath:
     async def relay(self, head: RequestHead, body: router_pb2.GenerateRequest, pool: PoolHandle,
                     tally: Tally, span, streamed: list[int] = ()) -> AsyncIterator[common_pb2.GenerateChunk]:
         """Submit to the pool's scheduler and stream its chunks back, the cost on the last one;
-        after a migration, the pool continues after the `streamed` tokens. A consumer that stops
-        early (the client went away) cancels the scheduler's call."""
+        after a migration, the pool continues after the `streamed` tokens. On the pool's link
+        (services/router/scheduler_link.py) unless the router is set to a Submit call per request
+        or the scheduler has no link. A consumer that stops early (the client went away) cancels
+        the request at the scheduler."""
         submit = scheduler_pb2.SubmitRequest(
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
             stream_interval=head.stream_interval)
-        call = pool.scheduler.Submit(submit, metadata=inject_metadata(trace.set_span_in_context(span)))
+        context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
-        finished = False
-        try:
-            async for chunk in call:
-                tally.on_chunk(chunk)
-                if chunk.finish_reason:
+        on_link = self.scheduler_link == "stream" and not pool.link.unsupported
+        while True:
+            call = pool.link.submit(submit, traceparent(context)) if on_link else \
+                pool.scheduler.Submit(submit, metadata=inject_metadata(context))
+            finished = False
+            try:
+                async for chunk in call:
+                    tally.on_chunk(chunk)
+                    if chunk.finish_reason:
+                        finished = True
+                        chunk.cost_units = self.accounts.amount(
+                            spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens)
+                        tally.on_done(chunk)
+                    yield chunk
+                if not finished:    # the call ended with OK but no last chunk: never leave a client hanging
                     finished = True
-                    chunk.cost_units = self.accounts.amount(
-                        spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens)
-                    tally.on_done(chunk)
-                yield chunk
-            if not finished:    # the call ended with OK but no last chunk: never leave a client hanging
+                    raise unavailable(f"{pool.peer}: the stream ended without its last chunk", reason="truncated")
+                return
+            except LinkUnsupported:
                 finished = True
-                raise unavailable(f"{pool.peer}: the stream ended without its last chunk", reason="truncated")
-        except grpc.aio.AioRpcError as exc:
-            finished = True
-            raise error_from_rpc(exc, pool.peer) from None
-        finally:
-            if not finished:
-                tally.on_cancel()
-                call.cancel()
+                on_link = False     # nothing was sent for it: the same request as a Submit call
+            except grpc.aio.AioRpcError as exc:
+                finished = True
+                raise error_from_rpc(exc, pool.peer) from None
+            except ServiceError:    # the link's errors come as the scheduler raised them
+                finished = True
+                raise
+            finally:
+                if not finished:
+                    tally.on_cancel()
+                    call.cancel()

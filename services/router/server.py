@@ -55,7 +55,7 @@ class RouterService:
         self.ledger = LedgerWriter(store, billing.flush_seconds)
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
-                                router.admission, router.migration_limit)
+                                router.admission, router.migration_limit, router.scheduler_link)
         self.drain = drain or Drain("router")
         self.console = ConsoleFeed(self)
         self.tasks: list[asyncio.Task] = []

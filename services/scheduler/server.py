@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
@@ -29,11 +30,12 @@ from services.common.priority import DEFAULT_PRIORITY, HIGH, ORDER, Priority, pr
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
-from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing, traceparent
+from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
 from services.common.wire import prompt_chars
 from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
@@ -187,11 +189,25 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- RPCs -----------------------------------------------------------------------------------
 
     async def Submit(self, submit: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
+        async for chunk in self.serve(submit, extract_metadata(context.invocation_metadata())):
+            yield chunk
+
+    async def SubmitLink(self, requests, context: grpc.aio.ServicerContext):
+        """Many requests over one stream (services/scheduler/link_session.py), each served by `serve`."""
+        async for reply in LinkSession(self._serve_linked).replies(requests):
+            yield reply
+
+    def _serve_linked(self, submit: scheduler_pb2.SubmitRequest, traceparent: str):
+        return self.serve(submit, extract_metadata(((TRACEPARENT, traceparent),) if traceparent else ()))
+
+    async def serve(self, submit: scheduler_pb2.SubmitRequest, parent: Context):
+        """One request, whichever call it came on: its chunks; a ServiceError when refused or failed.
+        `parent`: the trace context the router sent."""
         if self.drain.draining:
             self.metrics.rejections.labels(priority_name(submit.priority), "draining").inc()
         with self.drain.track():      # refused while draining, else counted until it ends
             span = self.tracer.start_span(
-                "scheduler.submit", context=extract_metadata(context.invocation_metadata()),
+                "scheduler.submit", context=parent,
                 kind=SpanKind.SERVER, attributes={
                     "qos.request_id": submit.request_id, "qos.priority": priority_name(submit.priority),
                     "qos.tenant": submit.tenant, "qos.pool": self.pool_name})

@@ -89,6 +89,7 @@ def test_bad_top_level_and_pool_keys_are_named(raw, message):
 @pytest.mark.parametrize("router, message", [
     ({"routing": "random"}, "router.routing must be one of cost, primary, slo-cost, got 'random'"),
     ({"admission": "lifo"}, "router.admission must be priority or fifo, got 'lifo'"),
+    ({"scheduler_link": "pigeon"}, "router.scheduler_link must be one of stream, calls, got 'pigeon'"),
     ({"port": 70000}, "router.port must be in 0..65535, got 70000"),
     ({"port": "50051"}, "router.port must be int, got '50051'"),
     ({"port": True}, "router.port must be int, got True"),

@@ -48,6 +48,57 @@ class SubmitRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
+class LinkRequest(_message.Message):
+    __slots__ = ("submits", "cancels")
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    submits: _containers.RepeatedCompositeFieldContainer[LinkSubmit]
+    cancels: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, submits: _Optional[_Iterable[_Union[LinkSubmit, _Mapping]]] = ..., cancels: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LinkSubmit(_message.Message):
+    __slots__ = ("key", "submit", "traceparent")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    submit: SubmitRequest
+    traceparent: str
+    def __init__(self, key: _Optional[int] = ..., submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
+class LinkReply(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[LinkEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[LinkEvent, _Mapping]]] = ...) -> None: ...
+
+class LinkEvent(_message.Message):
+    __slots__ = ("key", "chunk", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    chunk: _common_pb2.GenerateChunk
+    error: LinkError
+    def __init__(self, key: _Optional[int] = ..., chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ..., error: _Optional[_Union[LinkError, _Mapping]] = ...) -> None: ...
+
+class LinkError(_message.Message):
+    __slots__ = ("status", "message", "trailers")
+    class TrailersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    message: str
+    trailers: _containers.ScalarMap[str, str]
+    def __init__(self, status: _Optional[str] = ..., message: _Optional[str] = ..., trailers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class PoolStatsRequest(_message.Message):
     __slots__ = ("interval_ms",)
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]

@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=qos_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_common__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.SubmitLink = channel.stream_stream(
+                '/qos.v1.Scheduler/SubmitLink',
+                request_serializer=qos_dot_v1_dot_scheduler__pb2.LinkRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.LinkReply.FromString,
+                _registered_method=True)
         self.GetPoolStats = channel.unary_unary(
                 '/qos.v1.Scheduler/GetPoolStats',
                 request_serializer=qos_dot_v1_dot_scheduler__pb2.PoolStatsRequest.SerializeToString,
@@ -77,6 +82,19 @@ class SchedulerServicer:
         context window) and its capacity (RESOURCE_EXHAUSTED, with `retry-after-ms` trailing metadata).
         A worker failure mid-stream ends it with UNAVAILABLE; so does a Submit while the scheduler
         drains (SIGTERM), with `retry-after-ms`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitLink(self, request_iterator, context):
+        """Many requests over one long-lived stream: the router's link to the pool. Each request is
+        served exactly as by Submit (admission, errors, chunks), but without a call of its own: the
+        router sends submissions and cancellations, several to a message, and gets back every
+        request's chunks and errors, a step's worth for all its streams in one message. A call costs
+        both sides about as much CPU as all of a short request's chunks (bench/control_plane_cpu.py).
+        When the stream breaks, every request on it is lost to the router, which moves them as it
+        would failed Submit calls; when the router ends or cancels it, they are cancelled here.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -126,6 +144,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=qos_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=qos_dot_v1_dot_common__pb2.GenerateChunk.SerializeToString,
+            ),
+            'SubmitLink': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitLink,
+                    request_deserializer=qos_dot_v1_dot_scheduler__pb2.LinkRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.LinkReply.SerializeToString,
             ),
             'GetPoolStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPoolStats,
@@ -180,6 +203,33 @@ class Scheduler:
             '/qos.v1.Scheduler/Submit',
             qos_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             qos_dot_v1_dot_common__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitLink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/qos.v1.Scheduler/SubmitLink',
+            qos_dot_v1_dot_scheduler__pb2.LinkRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.LinkReply.FromString,
             options,
             channel_credentials,
             insecure,

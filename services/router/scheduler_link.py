@@ -1,0 +1,177 @@
+"""The router's link to one pool's scheduler: every request to that pool over one long-lived
+SubmitLink stream, instead of a Submit call each.
+
+A gRPC call costs both ends about as much CPU as all of a short request's chunks, and a burst of
+800 requests a second made those calls most of what the router and the scheduler did in that
+second (docs/performance.md). On the link a request is one entry in a message, submissions
+gathered per turn of the event loop, and the scheduler sends each step's chunks for all the
+link's requests in one message. Each request still gets its own chunks and errors, exactly as
+its Submit call would have given them (the same ServiceErrors, retry-after included).
+
+When the stream breaks (the scheduler died or restarted) every request on it fails with the
+error its call would have (UNAVAILABLE, naming the scheduler), and the router moves them as
+before; the next request opens a new stream. A scheduler that does not know SubmitLink (an older
+version, during a rolling upgrade) answers UNIMPLEMENTED: the link then says so once
+(LinkUnsupported) and the router uses Submit calls for that pool from then on.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.errors import ErrorKind, ServiceError, kind_of_transport_status, unavailable
+from services.common.grpc_errors import error_from_rpc
+from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class LinkUnsupported(Exception):
+    """The scheduler has no SubmitLink: nothing was sent for the request; use a Submit call."""
+
+
+def error_from_link(error: scheduler_pb2.LinkError) -> ServiceError:
+    """A LinkError as the ServiceError the scheduler raised (as error_from_rpc reads a status)."""
+    sent = ServiceError.from_trailers(error.message, dict(error.trailers))
+    if sent is not None:
+        return sent
+    return ServiceError(kind_of_transport_status(error.status), error.message)
+
+
+class LinkCall:
+    """One request on the link: iterate for its chunks (ServiceError when it fails); cancel() when
+    the consumer stops before its last chunk."""
+    __slots__ = ("key", "_stream", "_events", "ended")
+
+    def __init__(self, key: int, stream: _LinkStream):
+        self.key = key
+        self._stream = stream
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.ended = False
+
+    def deliver(self, event: common_pb2.GenerateChunk | Exception) -> None:
+        self._events.put_nowait(event)
+
+    async def __aiter__(self) -> AsyncIterator[common_pb2.GenerateChunk]:
+        while True:
+            event = await self._events.get()
+            if isinstance(event, Exception):
+                self.ended = True
+                raise event
+            yield event
+            if event.finish_reason:
+                self.ended = True
+                return
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self._stream.cancel(self.key)
+
+
+class _LinkStream:
+    """One SubmitLink call and the requests on it."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str):
+        self.peer = peer
+        self.calls: dict[int, LinkCall] = {}
+        self.broken = False
+        self.unsupported = False
+        self._keys = itertools.count(1)
+        self._outgoing = scheduler_pb2.LinkRequest()    # gathered until the writer's next turn
+        self._wake = asyncio.Event()
+        self._call = stub.SubmitLink(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest, traceparent: str) -> LinkCall:
+        call = LinkCall(next(self._keys), self)
+        self.calls[call.key] = call
+        self._outgoing.submits.add(key=call.key, submit=submit, traceparent=traceparent)
+        self._wake.set()
+        return call
+
+    def cancel(self, key: int) -> None:
+        if self.calls.pop(key, None) is not None and not self.broken:
+            self._outgoing.cancels.append(key)
+            self._wake.set()
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    async def _requests(self) -> AsyncIterator[scheduler_pb2.LinkRequest]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._outgoing.submits or self._outgoing.cancels:
+                message, self._outgoing = self._outgoing, scheduler_pb2.LinkRequest()
+                yield message
+
+    async def _read(self) -> None:
+        error: Exception = unavailable(f"{self.peer}: the link stream ended", reason="truncated")
+        try:
+            async for reply in self._call:
+                calls = self.calls
+                for event in reply.events:
+                    call = calls.get(event.key)
+                    if call is None:            # cancelled meanwhile
+                        continue
+                    if event.HasField("error"):
+                        del calls[event.key]
+                        call.deliver(error_from_link(event.error))
+                        continue
+                    chunk = event.chunk
+                    if chunk.finish_reason:
+                        del calls[event.key]
+                    call.deliver(chunk)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.unsupported = True
+                log.warning("%s has no SubmitLink (an older scheduler?): a Submit call per request to it "
+                            "from now on", self.peer)
+                error = LinkUnsupported(f"{self.peer}: no SubmitLink ({exc.details()})")
+            else:
+                error = error_from_rpc(exc, self.peer)
+        except asyncio.CancelledError:
+            error = ServiceError(ErrorKind.CANCELLED, f"{self.peer}: the router closed its link")
+            raise
+        finally:
+            self.broken = True
+            calls, self.calls = self.calls, {}
+            for call in calls.values():
+                call.deliver(error)
+
+
+class SchedulerLink:
+    """The pool's current link stream, opened when a request needs it (again, after a break)."""
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str):
+        self._stub = stub
+        self._peer = peer
+        self._stream: _LinkStream | None = None
+
+    @property
+    def unsupported(self) -> bool:
+        """The scheduler answered UNIMPLEMENTED: Submit calls for this pool from now on."""
+        return self._stream is not None and self._stream.unsupported
+
+    @property
+    def requests(self) -> int:
+        """Requests on the link now."""
+        return len(self._stream.calls) if self._stream is not None else 0
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest, traceparent: str) -> LinkCall:
+        """Send the request on the link; raises LinkUnsupported where the scheduler has none."""
+        stream = self._stream
+        if self.unsupported:
+            raise LinkUnsupported(self._peer)
+        if stream is None or stream.broken:
+            stream = self._stream = _LinkStream(self._stub, self._peer)
+        return stream.submit(submit, traceparent)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
