@@ -9,9 +9,12 @@ in. How much of the router's CPU is gRPC's own (each call and each message costs
 whatever the service does with it) and how much is ours decides what can make it cheaper.
 
 The cluster: router, scheduler and one worker (the random-weight bench model, 1 thread) as in
-`qos-serve demo`. Each batch is --requests concurrent Medium requests with a 200-character prompt
-and T output tokens, streamed one token a chunk (x-stream-interval: 1); T = 1 gives the cost of a
-request with one chunk, T = 1 + --chunks the cost of --chunks more chunks.
+`qos-serve demo`, measured twice in the run: with the router's requests to the scheduler on the
+pool's link (one SubmitLink stream for all, the default) and with a Submit call each
+(`router.scheduler_link = "calls"`, how it was until 2026-12-02). Each batch is --requests
+concurrent Medium requests with a 200-character prompt and T output tokens, streamed one token a
+chunk (x-stream-interval: 1); T = 1 gives the cost of a request with one chunk, T = 1 + --chunks
+the cost of --chunks more chunks.
 
 The baseline: the same Router.Generate -> Scheduler.Submit relay with nothing else in it, as
 two processes of this script (a "scheduler" that answers every call with K chunks, one every
@@ -20,8 +23,8 @@ same protos, messages and server options, driven the same way.
 
     python bench/control_plane_cpu.py [--requests 200] [--chunks 16] [--rounds 3] [--json PATH]
 
-Prints, per process, ms of CPU per request and per chunk for the cluster and the bare relay and
-their ratio, with python_loop_ns (calibration). Linux only (/proc).
+Prints, per process, ms of CPU per request and per chunk for both clusters and the bare relay and
+their ratios, with python_loop_ns (calibration). Linux only (/proc).
 """
 from __future__ import annotations
 

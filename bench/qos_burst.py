@@ -141,17 +141,20 @@ VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
             "short": {}, "nocutin": {"high_cut_in": False}, "pertoken": {"stream_intervals": [1, 1, 1]}}
+# ... and of the router: "calls", a Submit call per request instead of the pool's link.
+ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
 
 
 def cluster_config(name: str, model: str, args):
     policy, _, variant = name.partition("-")
-    if variant and (policy != "qos" or variant not in VARIANTS):
-        raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-" + ", qos-".join(VARIANTS))
+    if variant and (policy != "qos" or variant not in VARIANTS.keys() | ROUTER_VARIANTS.keys()):
+        raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-" + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS]))
     settings = {"high_first_token": args.high_first_token, "kv_cap_mode": args.kv_cap_mode,
                 "high_step_ms": args.high_step_ms if variant == "short" else 0.0, **VARIANTS.get(variant, {})}
     return single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
-        model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority"),
+        model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
+                                         **ROUTER_VARIANTS.get(variant, {})),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
@@ -215,7 +218,8 @@ def parse_args():
                         help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive, qos-alone, qos-short (one column each)")
+                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-pertoken, qos-calls "
+                             "(one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--high-step-ms", type=float, default=30.0,
