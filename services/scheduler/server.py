@@ -189,16 +189,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- RPCs -----------------------------------------------------------------------------------
 
     async def Submit(self, submit: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
-        async for chunk in self.serve(submit, extract_metadata(context.invocation_metadata())):
-            yield chunk
+        stream = self.serve(submit, extract_metadata(context.invocation_metadata()))
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            # A call cancelled while its chunk is being written closes this generator, not `serve`
+            # (suspended at its yield): closed here, not whenever it is collected.
+            await stream.aclose()
 
     async def SubmitLink(self, requests, context: grpc.aio.ServicerContext):
         """Many requests over one stream (services/scheduler/link_session.py), each served by `serve`."""
         async for reply in LinkSession(self._serve_linked).replies(requests):
             yield reply
 
-    def _serve_linked(self, submit: scheduler_pb2.SubmitRequest, traceparent: str):
-        return self.serve(submit, extract_metadata(((TRACEPARENT, traceparent),) if traceparent else ()))
+    def _serve_linked(self, submit: scheduler_pb2.SubmitRequest, parent_traceparent: str):
+        return self.serve(submit, extract_metadata(((TRACEPARENT, parent_traceparent),) if parent_traceparent else ()))
 
     async def serve(self, submit: scheduler_pb2.SubmitRequest, parent: Context):
         """One request, whichever call it came on: its chunks; a ServiceError when refused or failed.
