@@ -1,9 +1,9 @@
 """The router's link to one pool's scheduler: every request to that pool over one long-lived
 SubmitLink stream, instead of a Submit call each.
 
-A gRPC call costs both ends about as much CPU as all of a short request's chunks, and a burst of
-800 requests a second made those calls most of what the router and the scheduler did in that
-second (docs/performance.md). On the link a request is one entry in a message, submissions
+A gRPC call per request cost the router and the scheduler 0.3-0.6 ms more CPU a request each, and
+more a chunk, than an entry on one stream (bench/control_plane_cpu.py); in a burst of 800
+requests a second those calls were much of what the two did in that second (docs/performance.md). On the link a request is one entry in a message, submissions
 gathered per turn of the event loop, and the scheduler sends each step's chunks for all the
 link's requests in one message. Each request still gets its own chunks and errors, exactly as
 its Submit call would have given them (the same ServiceErrors, retry-after included).
