@@ -36,12 +36,17 @@ def error_from_rpc(exc: grpc.aio.AioRpcError, peer: str) -> ServiceError:
     A status one of our services sent comes back as the error it raised (kind, message, field,
     retry-after), to be relayed as is. Any other status means the call itself failed (the peer
     could not be reached, the connection broke): its message then names the peer."""
-    details = exc.details() or exc.code().name
-    sent = ServiceError.from_trailers(details, dict(exc.trailing_metadata() or ()))
+    return error_from_status(exc.code().name, exc.details() or exc.code().name,
+                             dict(exc.trailing_metadata() or ()), peer)
+
+
+def error_from_status(status: str, details: str, trailers: dict[str, str], peer: str) -> ServiceError:
+    """error_from_rpc's reading of a status (a grpc.StatusCode name), its message and trailing
+    metadata, wherever they came from: a call's end, or a request's error on a SubmitLink stream."""
+    sent = ServiceError.from_trailers(details, trailers)
     if sent is not None:
         return sent
-    return ServiceError(kind_of_transport_status(exc.code().name), f"{peer}: {details}",
-                        reason="unreachable")
+    return ServiceError(kind_of_transport_status(status), f"{peer}: {details}", reason="unreachable")
 
 
 def _wrap_unary(behavior):

@@ -3,10 +3,11 @@ SubmitLink stream, instead of a Submit call each.
 
 A gRPC call per request cost the router and the scheduler 0.3-0.6 ms more CPU a request each, and
 more a chunk, than an entry on one stream (bench/control_plane_cpu.py); in a burst of 800
-requests a second those calls were much of what the two did in that second (docs/performance.md). On the link a request is one entry in a message, submissions
-gathered per turn of the event loop, and the scheduler sends each step's chunks for all the
-link's requests in one message. Each request still gets its own chunks and errors, exactly as
-its Submit call would have given them (the same ServiceErrors, retry-after included).
+requests a second those calls were much of what the two did in that second (docs/performance.md).
+On the link a request is one entry in a message, submissions gathered per turn of the event loop,
+and the scheduler sends each step's chunks for all the link's requests in one message. Each request
+still gets its own chunks and errors, exactly as its Submit call would have given them (the same
+ServiceErrors, retry-after included).
 
 When the stream breaks (the scheduler died or restarted) every request on it fails with the
 error its call would have (UNAVAILABLE, naming the scheduler), and the router moves them as
@@ -23,8 +24,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.common.errors import ErrorKind, ServiceError, kind_of_transport_status, unavailable
-from services.common.grpc_errors import error_from_rpc
+from services.common.errors import ErrorKind, ServiceError, unavailable
+from services.common.grpc_errors import error_from_rpc, error_from_status
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,6 @@ log = logging.getLogger(__name__)
 
 class LinkUnsupported(Exception):
     """The scheduler has no SubmitLink: nothing was sent for the request; use a Submit call."""
-
-
-def error_from_link(error: scheduler_pb2.LinkError) -> ServiceError:
-    """A LinkError as the ServiceError the scheduler raised (as error_from_rpc reads a status)."""
-    sent = ServiceError.from_trailers(error.message, dict(error.trailers))
-    if sent is not None:
-        return sent
-    return ServiceError(kind_of_transport_status(error.status), error.message)
 
 
 class LinkCall:
@@ -121,7 +114,8 @@ class _LinkStream:
                         continue
                     if event.HasField("error"):
                         del calls[event.key]
-                        call.deliver(error_from_link(event.error))
+                        sent = event.error
+                        call.deliver(error_from_status(sent.status, sent.message, dict(sent.trailers), self.peer))
                         continue
                     chunk = event.chunk
                     if chunk.finish_reason:

@@ -41,7 +41,7 @@ class LinkSession:
     def __init__(self, serve: Serve):
         self._serve = serve
         self._tasks: dict[int, asyncio.Task] = {}
-        self._events: list[scheduler_pb2.LinkEvent] = []
+        self._replies: list[scheduler_pb2.LinkReply] = []     # filled as events come, sent by replies()
         self._wake = asyncio.Event()
         self._reading = True
 
@@ -55,13 +55,11 @@ class LinkSession:
         """The stream's replies, until the router has closed its side and every request ended."""
         reader = asyncio.create_task(self._read(requests))
         try:
-            while self._reading or self._tasks or self._events:
+            while self._reading or self._tasks or self._replies:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._events:
-                    batch = self._events[:MAX_EVENTS_PER_REPLY]
-                    del self._events[:MAX_EVENTS_PER_REPLY]
-                    yield scheduler_pb2.LinkReply(events=batch)
+                while self._replies:
+                    yield self._replies.pop(0)
             await reader        # its error, if reading failed
         finally:
             reader.cancel()
@@ -93,8 +91,7 @@ class LinkSession:
     async def _run(self, key: int, submit: scheduler_pb2.SubmitRequest, traceparent: str) -> None:
         try:
             async for chunk in self._serve(submit, traceparent):
-                self._events.append(scheduler_pb2.LinkEvent(key=key, chunk=chunk))
-                self._wake.set()
+                self._event(key).chunk.CopyFrom(chunk)
         except ServiceError as error:
             self._send_error(key, error)
         except asyncio.CancelledError:
@@ -109,5 +106,12 @@ class LinkSession:
         self._wake.set()
 
     def _send_error(self, key: int, error: ServiceError) -> None:
-        self._events.append(scheduler_pb2.LinkEvent(key=key, error=link_error(error)))
+        self._event(key).error.CopyFrom(link_error(error))
+
+    def _event(self, key: int) -> scheduler_pb2.LinkEvent:
+        """A new event of request `key`, in the reply being filled (copied into it once, not into an
+        event and again into the reply), for replies() to send."""
+        if not self._replies or len(self._replies[-1].events) >= MAX_EVENTS_PER_REPLY:
+            self._replies.append(scheduler_pb2.LinkReply())
         self._wake.set()
+        return self._replies[-1].events.add(key=key)
