@@ -23,8 +23,10 @@ Also timed, beside the plan, the rest of a step's scheduling, in two parts as th
 runs them: postprocessing, what the scheduler does with the step's answer before it can plan the
 next one (each sampled token recorded on its request; requests the engine ended, out; the
 simulated worker's own time left out), and streaming, what it does after sending that plan, while
-the worker computes (each token's text with a stand-in decoder, stop strings, its chunk onto the
-request's queue). Until 2026-12-01 both happened before the next plan.
+the worker computes (the plan's own bookkeeping: its decodes charged to their tenants' shares,
+the KV peaks; then each token's text with a stand-in decoder, stop strings, its chunk onto the
+request's queue). Until 2026-12-01 streaming happened before the next plan, and until
+2026-12-02 the tenants' shares were charged inside the plan.
 
 Beside the result: python_loop_ns, the calibration figure of bench/harness.py, from this run,
 and the tail of a fixed pure-Python task timed between the steps (harness.FixedTask): its
@@ -119,11 +121,13 @@ def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
 
     async def step() -> tuple[float, float, float]:
         # In the order of the server's loop (ContinuousBatcher.run): the next plan right after the
-        # last step's postprocessing; then the last step's tokens made into text and chunks
-        # (release_streams), and the handlers, while the worker computes.
+        # last step's postprocessing; then, while the worker computes, the plan's tenant shares
+        # (settle_plans), the last step's tokens made into text and chunks (release_streams), and
+        # the handlers.
         started = time.perf_counter()
         builders = batcher.plan_step()
         planned = time.perf_counter()
+        batcher.settle_plans()
         batcher.release_streams()
         streamed_s = time.perf_counter() - planned
         read_and_top_up()
@@ -185,7 +189,8 @@ def main() -> None:
     print(f"postprocess: p50 {head['postprocess_p50_us']:.0f} us, p99 {head['postprocess_p99_us']:.0f} us a step "
           f"(the step's sampled tokens recorded, before the next plan; no target)")
     print(f"streaming: p50 {head['streaming_p50_us']:.0f} us, p99 {head['streaming_p99_us']:.0f} us a step "
-          f"(their text and chunks, after the next plan is sent, while the worker computes)")
+          f"(the plan's tenant shares, then the tokens' text and chunks: after the plan is sent, while "
+          f"the worker computes)")
     print(f"jitter: plan p99/p50 {head['p99_us'] / head['p50_us']:.2f}; a fixed pure-Python task timed between the "
           f"steps (p50 {head['fixed_task_p50_us']:.0f} us), p99/p50 {head['fixed_task_p99_over_p50']:.2f}: what this "
           f"machine adds to a tail by itself now")

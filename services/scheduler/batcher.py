@@ -14,6 +14,7 @@ from collections import Counter, deque
 from typing import Callable, NamedTuple
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
+from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason
@@ -24,6 +25,7 @@ from services.scheduler.output import HeldChunks, token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
+from services.scheduler.step_builder import charge_decodes
 from services.scheduler.step_clock import StepClock
 from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
@@ -94,6 +96,10 @@ class ContinuousBatcher:
         # step's budget between two steps: each postpones the next plan, which waits for them).
         self._trailing: Counter = Counter()
         self.cut_in_steps = 0
+        # The decodes of the plans made last, by lane, not yet charged to their tenants (the
+        # plans' StepBuilder.decodes_by_lane; settle_plans). Not the plans: they go with their step.
+        self._unsettled: list[dict[int, list[list[Request]]]] = []
+        self._unsettled_pools: list[KVBlockPool | None] = []     # ... and their workers' block pools
 
     @property
     def links(self) -> list[Worker]:
@@ -189,11 +195,15 @@ class ContinuousBatcher:
             self._trailing.pop(index, None)
         steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
                  for i, b in plans.items()]
-        if self._held is not None:
-            # Every plan written first (or its step over): streaming a step's tokens takes ~1 ms
-            # per 64, and meanwhile nothing else runs, the plans' writes included. Not for long: a
-            # worker whose stream takes no more must not hold up every other stream of the pool.
+        # Every plan written first (or its step over), then what waits for that: the plans' own
+        # bookkeeping (settle_plans) and the streams held (streaming a step's tokens takes ~1 ms
+        # per 64, and meanwhile nothing else runs, the plans' writes included). Not for long: a
+        # worker whose stream takes no more must not hold up every other stream of the pool.
+        holding = self._held is not None
+        if holding or self._unsettled or self._unsettled_pools:
             await asyncio.wait(sent.values(), timeout=PLAN_WRITE_WAIT_SECONDS)
+        self.settle_plans()
+        if holding:
             self.release_streams()
         await asyncio.gather(*steps)
         while self._cut_ins:        # the next plans need their answers (they admitted requests)
@@ -216,6 +226,7 @@ class ContinuousBatcher:
 
     def plan_step(self) -> dict[int, StepBuilder]:
         """Plans for every connected worker with something to do (tested directly)."""
+        self.settle_plans()
         self._reap_cancelled()
         now = time.perf_counter()
         self._hand_back_orphans(now)
@@ -242,9 +253,22 @@ class ContinuousBatcher:
                 clock.planned(builder.time_cut)
             if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
-            for priority, held in link.pool.holdings().items():
-                self.kv_peak[priority] = max(self.kv_peak[priority], held)
+        self._unsettled.extend(b.decodes_by_lane for b in builders.values() if b.decodes_by_lane)
+        self._unsettled_pools.extend(self.workers[i].pool for i in builders)
         return builders
+
+    def settle_plans(self) -> None:
+        """The bookkeeping of the plans made last that their workers do not wait for: the tenants'
+        shares of their decodes (step_builder.charge_decodes) and the peak of each class's KV
+        blocks. Run once the plans are sent (execute()), else before the next plans."""
+        for decodes_by_lane in self._unsettled:
+            charge_decodes(self.policy, decodes_by_lane)
+        self._unsettled.clear()
+        for pool in self._unsettled_pools:
+            if pool is not None:
+                for priority, held in pool.holdings().items():
+                    self.kv_peak[priority] = max(self.kv_peak[priority], held)
+        self._unsettled_pools.clear()
 
     # --- cut-ins ------------------------------------------------------------------------------------
 

@@ -291,6 +291,8 @@ class StepPlanner:
             request = running_in_lane.popleft()
             if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room
                 return request
+        if len(self.running[worker.index]) >= self.max_running and not self.policy.lane_may_displace(lane):
+            return None         # a full worker, and no request of the lane may preempt to get in
         head = self.policy.queue(lane).peek()
         if head is None or not builder.may_admit(head):
             return None

@@ -66,6 +66,7 @@ class SchedulingPolicy(ABC):
     admits_by_priority = True     # new requests are tokenized and queued High first (intake.py)
 
     def __init__(self, tenant_fairness: bool = False) -> None:
+        self.tenant_fairness = tenant_fairness
         self._queues: dict[int, TenantQueue] = {lane: TenantQueue(tenant_fairness) for lane in self.lanes}
         # A request's lane follows from its class alone; a table, since planning looks it up for
         # every running sequence of every step.
@@ -162,6 +163,12 @@ class SchedulingPolicy(ABC):
         spares planning a walk over every running sequence)."""
         return True
 
+    def lane_may_displace(self, lane: int) -> bool:
+        """False when no request waiting in `lane` may preempt a running sequence to get a running
+        slot (admission_may_preempt is False for all of them): planning then does not look for
+        the lane's next request while the worker's slots are all taken."""
+        return True
+
     # True when a request may only ever preempt its own class or lower ones (never a higher
     # class): planning then looks for victims among those classes only (room.py).
     preempts_by_class = False
@@ -190,6 +197,9 @@ class FCFSPolicy(SchedulingPolicy):
         return self.ONLY_LANE, float("inf")
 
     def admission_may_preempt(self, requester: Request) -> bool:
+        return False
+
+    def lane_may_displace(self, lane: int) -> bool:
         return False
 
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
@@ -328,6 +338,9 @@ class QoSPolicy(SchedulingPolicy):
 
     def admission_may_preempt(self, requester: Request) -> bool:
         return requester.priority == HIGH
+
+    def lane_may_displace(self, lane: int) -> bool:
+        return lane == self.lane_by_priority[HIGH]        # a lane per class
 
     def may_preempt(self, requester: Request, victim: Request, admitting: bool) -> bool:
         if victim.priority > requester.priority:        # enum order: High=1 < Medium=2 < Low=3

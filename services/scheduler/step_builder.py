@@ -5,7 +5,7 @@ released, and the bookkeeping a step leaves behind (tokens served per class and 
 from __future__ import annotations
 
 from collections import Counter
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -57,8 +57,12 @@ class StepBuilder:
         self.slot_cursor = 0          # victims before it are preempted or scheduled already
         self.served: Counter = Counter()              # tokens scheduled per priority
         self.sequences_by_priority: Counter = Counter()   # sequences scheduled per priority
-        # Tokens scheduled per lane and tenant, not yet charged to the tenant's share.
+        # Tokens of prompt chunks (and other single items) scheduled per lane and tenant, not yet
+        # charged to the tenant's share: charged before the lane's next admission.
         self.uncharged: dict[int, Counter] = {}
+        # The decodes scheduled, as the slices add_decodes got, per lane: charged to their tenants
+        # once the plan is sent (charge_decodes()).
+        self.decodes_by_lane: dict[int, list[list[Request]]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -150,10 +154,11 @@ class StepBuilder:
         else:
             self.served.update(map(_PRIORITY, requests))
             self.sequences_by_priority.update(map(_PRIORITY, requests))
-        uncharged = self.uncharged.get(lane)
-        if uncharged is None:
-            uncharged = self.uncharged[lane] = Counter()
-        uncharged.update(map(_TENANT, requests))
+        slices = self.decodes_by_lane.get(lane)
+        if slices is None:
+            self.decodes_by_lane[lane] = [requests]
+        else:
+            slices.append(requests)
         return len(requests)
 
     def note_served(self, request: Request, tokens: int, lane: int) -> None:
@@ -162,9 +167,9 @@ class StepBuilder:
             self.uncharged.setdefault(lane, Counter())[request.tenant] += tokens
 
     def charge_tenants(self, policy, lane: int) -> None:
-        """Charge the lane's tenants for the tokens scheduled so far: once per tenant and step
-        rather than once per decode; before the lane admits (the order of its tenants must be
-        current then) and at the end of the plan."""
+        """Charge the lane's tenants for the prompt chunks scheduled so far, once per tenant:
+        before the lane admits (each admission's prompt moves its tenant back in the order before
+        the next one is chosen) and at the end of the plan."""
         tokens_by_tenant = self.uncharged.pop(lane, None)
         if tokens_by_tenant:
             policy.charge_tenants(lane, tokens_by_tenant)
@@ -189,3 +194,14 @@ class StepBuilder:
         self.plan.granted_seq_ids.extend(self.granted_seq_ids)
         self.plan.granted_block_ids.extend(self.granted_block_ids)
         return self.plan
+
+
+def charge_decodes(policy, decodes_by_lane: dict[int, list[list[Request]]]) -> None:
+    """Charge each lane's tenants for a plan's decodes (StepBuilder.decodes_by_lane), a token
+    each. Called once the plan is on its way (ContinuousBatcher.settle_plans): counting the
+    tenants of every decode took a fifth of a busy step's planning (256 running sequences), and
+    the worker would wait for it. So an admission sees its lane's shares as of the steps before,
+    not yet this step's decodes (a token per running sequence: the tenants' order lags a step)."""
+    if policy.tenant_fairness:
+        for lane, slices in decodes_by_lane.items():
+            policy.charge_tenants(lane, Counter(map(_TENANT, chain.from_iterable(slices))))

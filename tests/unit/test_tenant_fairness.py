@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.priority import LOW
-from services.scheduler.request import Request
+from services.scheduler.request import Phase, Request
 from tests.unit.test_qos_scheduling import Harness
 
 
@@ -56,3 +56,21 @@ def test_a_tenant_served_alone_owes_nothing_when_another_arrives():
     # twelve have been served what a got alone.
     ahead = admitted_before(h, a, others)
     assert ahead <= 5, ahead
+
+
+def test_decodes_count_against_their_tenant_like_prompts():
+    # a runs three sequences with short prompts, b one with a long prompt: by prompts alone b was
+    # served more (100 tokens against 30), but a's three decode three tokens a step to b's one, so
+    # by the time b's sequence ends (100 tokens later) a is ahead by far (330 against 200) and the
+    # freed slot goes to b's waiting request, though a's waited longer.
+    h = Harness(max_running=4, max_step_tokens=256)
+    for _ in range(3):
+        h.submit(LOW, prompt_len=10, max_tokens=300, tenant="a")
+    b_running = h.submit(LOW, prompt_len=100, max_tokens=100, tenant="b")
+    h.step()
+    a_next = h.submit(LOW, prompt_len=10, max_tokens=5, tenant="a")
+    b_next = h.submit(LOW, prompt_len=10, max_tokens=5, tenant="b")
+    while b_running.phase is not Phase.FINISHED:
+        h.step()
+    h.step()                                        # the freed slot is taken
+    assert b_next.output_ids and not a_next.output_ids
