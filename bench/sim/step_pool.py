@@ -15,8 +15,9 @@ from bench.sim.pool_base import PoolBase
 from bench.sim.workload import SimRequest
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import ORDER
-from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.common.step import SamplingParams
+from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import FinishReason, SampledToken, SamplingParams
+from services.common.wire import answer_tokens, sampled_tokens
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.policy import QoSSettings, create_policy
@@ -60,10 +61,8 @@ class SimWorker:
             if state[1] == state[0]:
                 state[0] += 1
                 state[2] -= 1
-                tokens.append(worker_pb2.SampledToken(
-                    seq_id=seq_id, token_id=TOKEN,
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if state[2] == 0 else 0))
-        return worker_pb2.StepResult(step_id=plan.step_id, tokens=tokens)
+                tokens.append(SampledToken(seq_id, TOKEN, FinishReason.LENGTH if state[2] == 0 else None))
+        return answer_tokens(worker_pb2.StepResult(step_id=plan.step_id), tokens, plan.packed_results)
 
     async def execute(self, plan: worker_pb2.StepPlan, sent=None) -> worker_pb2.StepResult:
         """The batcher's own execute() path (WorkerLink's interface): answered at once."""
@@ -100,7 +99,7 @@ class StepPool(PoolBase):
         for builder in self.plans.values():
             result = self.worker.answer(builder.plan)
             batcher.postprocess(self.worker, builder, result)
-            for token in result.tokens:
+            for token in sampled_tokens(result):
                 request = self.requests.get(token.seq_id)
                 if request is None:
                     continue

@@ -5,6 +5,8 @@ and what a request message gives to tokenize (router estimates, scheduler intake
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import FinishReason, SampledToken, SamplingParams
 
@@ -52,6 +54,31 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:
     return worker_pb2.SampledToken(seq_id=token.seq_id, token_id=token.token_id,
                                    finish_reason=token.finish_reason or 0)
+
+
+def answer_tokens(result: worker_pb2.StepResult, tokens: Sequence[SampledToken],
+                  packed: bool) -> worker_pb2.StepResult:
+    """A step's sampled tokens into its answer: as packed parallel lists when the plan asked for
+    them (StepPlan.packed_results), else as a message each (an older scheduler's `tokens`)."""
+    if not packed:
+        result.tokens.extend(map(sampled_token_proto, tokens))
+        return result
+    result.sampled_seq_ids.extend([t.seq_id for t in tokens])
+    result.sampled_token_ids.extend([t.token_id for t in tokens])
+    for token in tokens:
+        if token.finish_reason:
+            result.ended_seq_ids.append(token.seq_id)
+            result.ended_reasons.append(token.finish_reason)
+    return result
+
+
+def sampled_tokens(result: worker_pb2.StepResult) -> list[SampledToken]:
+    """An answer's sampled tokens, in either form (answer_tokens)."""
+    if result.tokens:
+        return [SampledToken(t.seq_id, t.token_id, finish_reason(t.finish_reason)) for t in result.tokens]
+    ended = dict(zip(result.ended_seq_ids, result.ended_reasons))
+    return [SampledToken(seq_id, token_id, finish_reason(ended.get(seq_id, 0)))
+            for seq_id, token_id in zip(result.sampled_seq_ids, result.sampled_token_ids)]
 
 
 def finish_reason(value: int) -> FinishReason | None:

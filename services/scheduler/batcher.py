@@ -395,24 +395,31 @@ class ContinuousBatcher:
         now = time.perf_counter()
         output_tokens = self.output_tokens
         emit = self._deliver if at_once else self._emit
-        for token in result.tokens:
-            request = by_seq.get(token.seq_id)
+        new_tuple = tuple.__new__
+        if result.tokens:       # a worker that answers a message per token (an older version)
+            ended = {t.seq_id: t.finish_reason for t in result.tokens if t.finish_reason}
+            sampled = [(t.seq_id, t.token_id) for t in result.tokens]
+        else:
+            ended = dict(zip(result.ended_seq_ids, result.ended_reasons))
+            sampled = zip(result.sampled_seq_ids, result.sampled_token_ids)
+        for seq_id, token_id in sampled:
+            request = by_seq.get(seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
                 continue
             # What the next plan needs: the token counted, the first token's time, a sequence
             # the engine ended (end of sequence, max_tokens) out of the running list. Its text
             # and chunk come in _stream, after the next plans are sent in run(). (This runs
             # between a step's answer and the next plan: a few hundred tokens a step, kept lean.)
-            token_id = token.token_id
             request.add_output(token_id)
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
             output_tokens[request.priority] += 1
-            engine_finish = finish_reason(token.finish_reason)
+            engine_finish = finish_reason(ended.get(seq_id, 0)) if ended else None
             if engine_finish is not None:
                 self._completed(request, now)
-            emit(request, SampledText(token_id, engine_finish, now))
+            # SampledText(token_id, engine_finish, now) without NamedTuple's Python-level __new__
+            emit(request, new_tuple(SampledText, (token_id, engine_finish, now)))
 
     def _completed(self, request: Request, now: float) -> None:
         self.finished += 1

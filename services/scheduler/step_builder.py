@@ -24,7 +24,8 @@ class StepBuilder:
 
     def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True,
                  cost: StepCost | None = None, exempt_lane: int | None = None):
-        self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released)
+        # packed_results: this scheduler reads the answer's tokens as packed lists (postprocess)
+        self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released, packed_results=True)
         self.budget = budget
         # A step kept short while High is around (step_clock.py): its time left, and the lane whose
         # work is never cut (High's). `time_cut`: other lanes' work was left out for time.

@@ -14,7 +14,7 @@ from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import SampledToken, FinishReason, SamplingParams
 from services.common.errors import ErrorKind, ServiceError, unavailable
-from services.common.wire import sampled_token_proto
+from services.common.wire import answer_tokens
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.worker_set import WorkerGone
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -45,6 +45,7 @@ class SimulatedWorker:
         self.max_loras = 1 << 30
         self.pool = KVBlockPool(num_blocks, BLOCK)
         self.table = SequenceTable()
+        self.answers_per_token = False      # True: a message per token, as an older worker answers
         self.plans: list[worker_pb2.StepPlan] = []
         self.fail_next = False
 
@@ -83,7 +84,8 @@ class SimulatedWorker:
                 reason = FinishReason.LENGTH if generated >= work.sampling.max_tokens else None
                 tokens.append(SampledToken(work.seq_id, token, reason))
         self.table.commit(batch, tokens)
-        return worker_pb2.StepResult(step_id=plan.step_id, tokens=[sampled_token_proto(t) for t in tokens])
+        return answer_tokens(worker_pb2.StepResult(step_id=plan.step_id), tokens,
+                             plan.packed_results and not self.answers_per_token)
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int, stop=()) -> Request:
@@ -106,10 +108,11 @@ async def drain(request: Request) -> tuple[list[int], str, object]:
 
 
 async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1, adapters=(),
-                max_loras=1 << 30):
+                max_loras=1 << 30, answers_per_token=False):
     links = [SimulatedWorker(i, num_blocks) for i in range(workers)]
     for link in links:
         link.adapters, link.max_loras = frozenset(adapters), max_loras
+        link.answers_per_token = answers_per_token
     batcher = ContinuousBatcher("sim", links, create_policy("fcfs"), max_running, max_step_tokens)
     loop = asyncio.create_task(batcher.run())
     for request in requests:
@@ -128,9 +131,12 @@ def expected_output(request: Request) -> list[int]:
     return tokens[len(request.prompt_ids):]
 
 
-def test_chunked_prefill_respects_the_step_budget_and_outputs_are_exact():
+@pytest.mark.parametrize("answers_per_token", [False, True], ids=["packed", "older-worker"])
+def test_chunked_prefill_respects_the_step_budget_and_outputs_are_exact(answers_per_token):
+    # Also the answers of an older worker, a message per token (StepResult.tokens), read the same.
     requests = [make_request(i, prompt_len=10 + 9 * i, max_tokens=5) for i in range(6)]
-    results, batcher, (worker,) = asyncio.run(serve(requests, max_step_tokens=16))
+    results, batcher, (worker,) = asyncio.run(serve(requests, max_step_tokens=16,
+                                                    answers_per_token=answers_per_token))
     for request, (tokens, _, last) in zip(requests, results):
         assert tokens == expected_output(request)
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -35,3 +35,15 @@ def test_grants_that_do_not_fit_are_refused_and_change_nothing(seq_ids, block_id
     with pytest.raises(PlanError, match=message):
         table.apply(worker_pb2.StepPlan(step_id=2, granted_seq_ids=seq_ids, granted_block_ids=block_ids))
     assert table.sequences[1].block_table == []
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "a-message-each"])
+def test_an_answer_carries_each_sampled_token_and_why_it_ended_in_either_form(packed):
+    from services.common.step import FinishReason, SampledToken
+    from services.common.wire import answer_tokens, sampled_tokens
+    tokens = [SampledToken(7, 101), SampledToken(3, 5, FinishReason.STOP), SampledToken(9, 0, FinishReason.LENGTH),
+              SampledToken(4, 2**31 - 1)]
+    answer = answer_tokens(worker_pb2.StepResult(step_id=1), tokens, packed)
+    wire = worker_pb2.StepResult.FromString(answer.SerializeToString())
+    assert bool(wire.tokens) is not packed and bool(wire.sampled_seq_ids) is packed   # the form asked for
+    assert sampled_tokens(wire) == tokens

@@ -130,7 +130,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in")
+    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class StepPlan(_message.Message):
     GRANTED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CUT_IN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RESULTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -147,7 +148,8 @@ class StepPlan(_message.Message):
     granted_block_ids: _containers.RepeatedScalarFieldContainer[int]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     cut_in: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ...) -> None: ...
+    packed_results: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ..., packed_results: _Optional[bool] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "finish_reason")
@@ -172,17 +174,25 @@ class DeviceStats(_message.Message):
     def __init__(self, memory_used_bytes: _Optional[int] = ..., memory_total_bytes: _Optional[int] = ..., utilization: _Optional[float] = ..., device_utilization: _Optional[float] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "tokens", "forward_ms", "device", "error", "draining")
+    __slots__ = ("step_id", "tokens", "forward_ms", "device", "error", "draining", "sampled_seq_ids", "sampled_token_ids", "ended_seq_ids", "ended_reasons")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_REASONS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     forward_ms: float
     device: DeviceStats
     error: str
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., device: _Optional[_Union[DeviceStats, _Mapping]] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    sampled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ended_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    ended_reasons: _containers.RepeatedScalarFieldContainer[_common_pb2.FinishReason]
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., device: _Optional[_Union[DeviceStats, _Mapping]] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ..., sampled_seq_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., ended_seq_ids: _Optional[_Iterable[int]] = ..., ended_reasons: _Optional[_Iterable[_Union[_common_pb2.FinishReason, str]]] = ...) -> None: ...
