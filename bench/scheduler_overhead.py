@@ -94,63 +94,85 @@ class TimedSimWorker(SimWorker):
             self.answer_seconds += time.perf_counter() - started
 
 
-def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
-            label: str) -> dict:
-    """Plan `steps` steps at steady state; returns p50/p99 in us of planning and of
-    postprocessing, and what the steps did."""
-    worker = TimedSimWorker(num_blocks=running * 64, address="instant")
-    batcher = ContinuousBatcher("bench", [worker], create_policy(policy),
-                                max_running=running, max_step_tokens=2 * running)
-    workload = Workload(tenants)
-    for _ in range(running + queued):
-        batcher.submit(workload.request())
+class OverheadRun:
+    """One pool of `running` sequences and `queued` waiting requests, stepped as the server's loop
+    steps it (ContinuousBatcher.run) with its worker's execution simulated: each step() returns
+    the seconds spent planning, postprocessing (the simulated worker's own time left out) and
+    streaming. Also used by bench/scheduler_ab.py, which steps two source trees' runs in turn."""
 
-    streamed: list[Request] = []       # the last step's scheduled requests: chunks to read
-    fixed_task = FixedTask()           # the machine's own tail, sampled between the steps
+    def __init__(self, policy: str, running: int, queued: int, tenants: int):
+        self.running, self.queued = running, queued
+        self.worker = TimedSimWorker(num_blocks=running * 64, address="instant")
+        self.batcher = ContinuousBatcher("bench", [self.worker], create_policy(policy),
+                                         max_running=running, max_step_tokens=2 * running)
+        self.workload = Workload(tenants)
+        for _ in range(running + queued):
+            self.batcher.submit(self.workload.request())
+        self.batcher.hold_streams = True        # as run() does: text and chunks after the next plan
+        self.streamed: list[Request] = []       # the last step's scheduled requests: chunks to read
+        self.fixed_task = FixedTask()           # the machine's own tail, sampled between the steps
 
-    def read_and_top_up() -> None:
+    def _read_and_top_up(self) -> None:
         """What happens in a server while the worker computes (untimed): the Submit handlers read
         the last step's chunks off their queues, and new requests arrive (the pool is kept as
         full as it started)."""
-        for request in streamed:
+        for request in self.streamed:
             events = request.events
             while not events.empty():
                 events.get_nowait()
-        for _ in range(running + queued - len(batcher.policy) - len(batcher.running[0])):
-            batcher.submit(workload.request())
+        batcher = self.batcher
+        for _ in range(self.running + self.queued - len(batcher.policy) - len(batcher.running[0])):
+            batcher.submit(self.workload.request())
 
-    async def step() -> tuple[float, float, float]:
-        # In the order of the server's loop (ContinuousBatcher.run): the next plan right after the
-        # last step's postprocessing; then, while the worker computes, the plan's tenant shares
-        # (settle_plans), the last step's tokens made into text and chunks (release_streams), and
-        # the handlers.
+    async def step(self) -> tuple[float, float, float]:
+        """In the order of the server's loop: the next plan right after the last step's
+        postprocessing; then, while the worker computes, the plan's tenant shares (settle_plans),
+        the last step's tokens made into text and chunks (release_streams), and the handlers."""
+        batcher, worker = self.batcher, self.worker
         started = time.perf_counter()
         builders = batcher.plan_step()
         planned = time.perf_counter()
         batcher.settle_plans()
         batcher.release_streams()
         streamed_s = time.perf_counter() - planned
-        read_and_top_up()
-        streamed[:] = [r for builder in builders.values() for r in builder.scheduled_requests]
+        self._read_and_top_up()
+        self.streamed = [r for builder in builders.values() for r in builder.scheduled_requests]
         answering = worker.answer_seconds
         executing = time.perf_counter()
         await batcher.execute(builders)
         postprocessed = time.perf_counter() - executing - (worker.answer_seconds - answering)
-        fixed_task.run()
         return planned - started, postprocessed, streamed_s
 
-    batcher.hold_streams = True         # as run() does: text and chunks after the next plan
+    async def warm_up(self) -> None:
+        """Every slot taken and the first wave of prompts prefilled."""
+        running = self.batcher.running[0]
+        while len(running) < self.running or any(r.pending > 1 for r in running):
+            await self.step()
+
+    def admitted_and_preempted(self) -> tuple[int, int]:
+        return sum(self.batcher.planner.admitted.values()), self.batcher.preemptions
+
+
+def measure(policy: str, running: int, queued: int, tenants: int, steps: int,
+            label: str) -> dict:
+    """Plan `steps` steps at steady state; returns p50/p99 in us of planning and of
+    postprocessing, and what the steps did."""
+    pool = OverheadRun(policy, running, queued, tenants)
+
+    async def step() -> tuple[float, float, float]:
+        times = await pool.step()
+        pool.fixed_task.run()
+        return times
 
     async def run() -> tuple[list[tuple[float, float, float]], int, int]:
-        # Warm up: every slot taken and the first wave of prompts prefilled.
-        while len(batcher.running[0]) < running or any(r.pending > 1 for r in batcher.running[0]):
-            await step()
-        admitted, preempted = sum(batcher.planner.admitted.values()), batcher.preemptions
-        fixed_task.samples_us.clear()       # from the timed steps only
+        await pool.warm_up()
+        admitted, preempted = pool.admitted_and_preempted()
         times = [await step() for _ in tqdm(range(steps), desc=label, file=sys.stderr, leave=False)]
-        return times, sum(batcher.planner.admitted.values()) - admitted, batcher.preemptions - preempted
+        admitted_after, preempted_after = pool.admitted_and_preempted()
+        return times, admitted_after - admitted, preempted_after - preempted
 
     times, admitted, preempted = asyncio.run(run())
+    fixed_task = pool.fixed_task
     plan_us = [plan * 1e6 for plan, _, _ in times]
     post_us = [post * 1e6 for _, post, _ in times]
     stream_us = [stream * 1e6 for _, _, stream in times]
