@@ -166,6 +166,9 @@ def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_block
         assert pool.held(LOW) <= cap_blocks(pool.num_blocks, 0.3)
         assert pool.held(MEDIUM) <= cap_blocks(pool.num_blocks, 0.7)
         assert step < 5000, "no progress"
+        for priority in (HIGH, MEDIUM, LOW):    # counted as requests come and go, not walked
+            assert h.policy.waiting(priority) == sum(1 for r in h.requests
+                                                     if r.phase is Phase.WAITING and r.priority == priority)
         for request in h.requests:      # the counts planning reads stay in step through preemptions
             assert request.num_tokens == len(request.prompt_ids) + len(request.output_ids)
             assert request.capacity == len(request.blocks) * BLOCK
