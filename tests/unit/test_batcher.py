@@ -698,3 +698,34 @@ def test_a_cancelled_stream_leaves_nothing_held():
 
     held, batcher = asyncio.run(go())
     assert held == 1 and not batcher.held_chunks
+
+
+def test_a_high_request_cuts_in_while_every_running_slot_is_taken():
+    """A cut-in cannot preempt (every sequence may be in the step in flight), so it takes one of a
+    few slots beyond max_running (an eighth, at least one): under a flood every slot is taken, and
+    High would wait for the step in flight. No other class gets in meanwhile."""
+    from services.common.priority import HIGH, LOW
+
+    async def main():
+        worker = LongStepWorker(0, 256)
+        lows = [make_classed_request(seq_id, LOW, prompt_len=2, max_tokens=6) for seq_id in range(1, 10)]
+        batcher, loop = qos_loop_with(worker, lows[0])
+        for low in lows[1:]:
+            batcher.submit(low)
+        try:
+            await asyncio.wait_for(worker.computing.wait(), 5)     # 8 Low running (the max), one waiting
+            assert len(batcher.running[0]) == 8
+            highs = [make_classed_request(seq_id, HIGH, prompt_len=4, max_tokens=3) for seq_id in (20, 21)]
+            for high in highs:
+                batcher.submit(high)
+            await asyncio.sleep(0.05)
+            cut_ins = [list(p.scheduled_seq_ids) for p in worker.plans if p.cut_in]
+            running = len(batcher.running[0])
+            worker.release.set()
+            results = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in lows + highs)), 5)
+        finally:
+            loop.cancel()
+        assert cut_ins == [[20]] and running == 9           # one slot beyond 8; the second High waits
+        assert [r[0] for r in results] == [expected_output(r) for r in lows + highs]
+
+    asyncio.run(main())
