@@ -92,7 +92,7 @@ class SchedulerConfig(ServiceConfig):
     policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
     weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
     kv_caps: list = field(default_factory=lambda: [1.0, 0.7, 0.3])    # share of each worker's KV
-    max_running: int = 64             # sequences holding KV blocks at once, per worker
+    max_running: int = 64             # sequences holding KV blocks at once, per worker (High cut-ins: +1/8)
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
