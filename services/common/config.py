@@ -92,7 +92,7 @@ class SchedulerConfig(ServiceConfig):
     policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
     weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
     kv_caps: list = field(default_factory=lambda: [1.0, 0.7, 0.3])    # share of each worker's KV
-    max_running: int = 64             # sequences holding KV blocks at once, per worker (High cut-ins: +1/8)
+    max_running: int = 64             # sequences holding KV blocks at once, per worker (and see high_cut_in_slots)
     max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
     max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
     retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
@@ -111,6 +111,10 @@ class SchedulerConfig(ServiceConfig):
     # qos: a High request that can start at once while a worker computes a step has its first
     # step run inside that one, at a pause in its forward pass (a cut-in), rather than after it
     high_cut_in: bool = True
+    # qos: running slots beyond max_running that High cut-ins may take, as a share of it (at least
+    # one while > 0): a cut-in cannot preempt, and under a flood every slot is taken. 0: cut-ins
+    # stay within max_running (for a worker whose memory or batch shapes allow no more)
+    high_cut_in_slots: float = 0.125
     # Tokens per stream chunk after the first, per class (High, Medium, Low): a stream's tokens are
     # held until it has this many (a request's x-stream-interval overrides it), and never longer
     # than stream_max_hold_ms. The first token's chunk and the last go at once. Fewer messages

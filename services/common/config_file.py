@@ -67,6 +67,10 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
         raise ConfigError(f"{where}.high_step_ms must be a number >= 0 (0: off), got {s.high_step_ms!r}")
     if not isinstance(s.high_cut_in, bool):
         raise ConfigError(f"{where}.high_cut_in must be true or false, got {s.high_cut_in!r}")
+    if not (isinstance(s.high_cut_in_slots, (int, float)) and not isinstance(s.high_cut_in_slots, bool)
+            and 0 <= s.high_cut_in_slots <= 1):
+        raise ConfigError(f"{where}.high_cut_in_slots must be a share of max_running in 0..1 (0: none beyond it), "
+                          f"got {s.high_cut_in_slots!r}")
     if s.high_first_token not in FIRST_TOKEN_MODES:
         raise ConfigError(f"{where}.high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
                           f"got {s.high_first_token!r}")

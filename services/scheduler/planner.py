@@ -47,13 +47,13 @@ class StepPlanner:
     def __init__(self, policy: SchedulingPolicy, max_running: int, max_step_tokens: int):
         self.policy = policy
         self.max_running = max_running
-        # Running slots beyond max_running that High cut-ins may take (an eighth, at least one). A
-        # cut-in cannot preempt (every running sequence may be in the step in flight), and under a
-        # flood every slot is taken: without these, a High request waited for the step in flight
-        # and then for a step of its own (scale-0.1 burst: 23-39 ms in the scheduler, against
-        # 9-19 ms for those that cut in). The worker goes back under max_running as sequences
-        # end: meanwhile only High is admitted, by preempting as before.
-        self.cut_in_slots = max(1, max_running // 8)
+        # Running slots beyond max_running that High cut-ins may take (policy's high_cut_in_slots,
+        # by default an eighth). A cut-in cannot preempt (every running sequence may be in the
+        # step in flight), and under a flood every slot is taken: without these, a High request
+        # waited for the step in flight and then for a step of its own (scale-0.1 burst: 23-39 ms
+        # in the scheduler, against 9-19 ms for those that cut in). The worker goes back under
+        # max_running as sequences end: meanwhile only High is admitted, by preempting as before.
+        self.cut_in_slots = policy.cut_in_slots(max_running)
         self.max_step_tokens = max_step_tokens
         self.running: dict[int, list[Request]] = {}
         self.to_release: dict[int, list[int]] = {}     # seq ids the worker must drop next step
