@@ -5,7 +5,7 @@ and what a request message gives to tokenize (router estimates, scheduler intake
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import FinishReason, SampledToken, SamplingParams
@@ -72,13 +72,20 @@ def answer_tokens(result: worker_pb2.StepResult, tokens: Sequence[SampledToken],
     return result
 
 
+def sampled_and_ended(result: worker_pb2.StepResult) -> tuple[Iterable[tuple[int, int]], dict[int, int]]:
+    """An answer's (seq_id, token_id) pairs, and the wire finish reason of each sequence they
+    ended, by seq_id: read from either form (answer_tokens)."""
+    if result.tokens:       # a message per token: an older worker's answer
+        return ([(t.seq_id, t.token_id) for t in result.tokens],
+                {t.seq_id: t.finish_reason for t in result.tokens if t.finish_reason})
+    return (zip(result.sampled_seq_ids, result.sampled_token_ids),
+            dict(zip(result.ended_seq_ids, result.ended_reasons)))
+
+
 def sampled_tokens(result: worker_pb2.StepResult) -> list[SampledToken]:
     """An answer's sampled tokens, in either form (answer_tokens)."""
-    if result.tokens:
-        return [SampledToken(t.seq_id, t.token_id, finish_reason(t.finish_reason)) for t in result.tokens]
-    ended = dict(zip(result.ended_seq_ids, result.ended_reasons))
-    return [SampledToken(seq_id, token_id, finish_reason(ended.get(seq_id, 0)))
-            for seq_id, token_id in zip(result.sampled_seq_ids, result.sampled_token_ids)]
+    sampled, ended = sampled_and_ended(result)
+    return [SampledToken(seq_id, token_id, finish_reason(ended.get(seq_id, 0))) for seq_id, token_id in sampled]
 
 
 def finish_reason(value: int) -> FinishReason | None:

@@ -18,7 +18,7 @@ from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason
-from services.common.wire import finish_reason
+from services.common.wire import finish_reason, sampled_and_ended
 from services.scheduler.announcement import prompt_announcement
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import HeldChunks, token_chunk
@@ -96,10 +96,10 @@ class ContinuousBatcher:
         # step's budget between two steps: each postpones the next plan, which waits for them).
         self._trailing: Counter = Counter()
         self.cut_in_steps = 0
-        # The decodes of the plans made last, by lane, not yet charged to their tenants (the
-        # plans' StepBuilder.decodes_by_lane; settle_plans). Not the plans: they go with their step.
-        self._unsettled: list[dict[int, list[list[Request]]]] = []
-        self._unsettled_pools: list[KVBlockPool | None] = []     # ... and their workers' block pools
+        # Of each plan made last, what settle_plans still has to do with: its decodes by lane, not
+        # yet charged to their tenants (StepBuilder.decodes_by_lane), and its worker's block pool.
+        # Not the plans: they go with their step.
+        self._unsettled: list[tuple[dict[int, list[list[Request]]], KVBlockPool | None]] = []
 
     @property
     def links(self) -> list[Worker]:
@@ -200,7 +200,7 @@ class ContinuousBatcher:
         # per 64, and meanwhile nothing else runs, the plans' writes included). Not for long: a
         # worker whose stream takes no more must not hold up every other stream of the pool.
         holding = self._held is not None
-        if holding or self._unsettled or self._unsettled_pools:
+        if holding or self._unsettled:
             await asyncio.wait(sent.values(), timeout=PLAN_WRITE_WAIT_SECONDS)
         self.settle_plans()
         if holding:
@@ -253,22 +253,19 @@ class ContinuousBatcher:
                 clock.planned(builder.time_cut)
             if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
-        self._unsettled.extend(b.decodes_by_lane for b in builders.values() if b.decodes_by_lane)
-        self._unsettled_pools.extend(self.workers[i].pool for i in builders)
+        self._unsettled.extend((b.decodes_by_lane, self.workers[i].pool) for i, b in builders.items())
         return builders
 
     def settle_plans(self) -> None:
         """The bookkeeping of the plans made last that their workers do not wait for: the tenants'
         shares of their decodes (step_builder.charge_decodes) and the peak of each class's KV
         blocks. Run once the plans are sent (execute()), else before the next plans."""
-        for decodes_by_lane in self._unsettled:
+        for decodes_by_lane, pool in self._unsettled:
             charge_decodes(self.policy, decodes_by_lane)
-        self._unsettled.clear()
-        for pool in self._unsettled_pools:
             if pool is not None:
                 for priority, held in pool.holdings().items():
                     self.kv_peak[priority] = max(self.kv_peak[priority], held)
-        self._unsettled_pools.clear()
+        self._unsettled.clear()
 
     # --- cut-ins ------------------------------------------------------------------------------------
 
@@ -396,12 +393,7 @@ class ContinuousBatcher:
         output_tokens = self.output_tokens
         emit = self._deliver if at_once else self._emit
         new_tuple = tuple.__new__
-        if result.tokens:       # a worker that answers a message per token (an older version)
-            ended = {t.seq_id: t.finish_reason for t in result.tokens if t.finish_reason}
-            sampled = [(t.seq_id, t.token_id) for t in result.tokens]
-        else:
-            ended = dict(zip(result.ended_seq_ids, result.ended_reasons))
-            sampled = zip(result.sampled_seq_ids, result.sampled_token_ids)
+        sampled, ended = sampled_and_ended(result)
         for seq_id, token_id in sampled:
             request = by_seq.get(seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:

@@ -59,7 +59,8 @@ class QoSSettings:
         if not self.high_step_ms >= 0:
             raise ValueError(f"high_step_ms must be >= 0 (0: off), got {self.high_step_ms!r}")
         if not 0 <= self.high_cut_in_slots <= 1:
-            raise ValueError(f"high_cut_in_slots must be a share of max_running in 0..1, got {self.high_cut_in_slots!r}")
+            raise ValueError(f"high_cut_in_slots must be a share of max_running in 0..1, "
+                             f"got {self.high_cut_in_slots!r}")
         for p in ORDER:
             if not self.weights.get(p, 0) > 0:
                 raise ValueError(f"weight of {priority_name(p)} must be > 0")
