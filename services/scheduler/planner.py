@@ -20,7 +20,7 @@ from operator import attrgetter
 from typing import Protocol
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
-from services.common.priority import HIGH
+from services.common.priority import HIGH, ORDER
 from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
@@ -62,7 +62,9 @@ class StepPlanner:
         self.preempted_by_priority: Counter = Counter()
         self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
-        self.running_by_class: dict[int, Counter] = {}   # per worker: running sequences per priority
+        # Per worker and priority, its running sequences in the order admitted: a preemption's
+        # victims come from one class, found without a pass over the whole worker (room.py).
+        self.running_by_class: dict[int, dict[int, list[Request]]] = {}
         self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
         # Workers that ran a cut-in during their last step: the next plan gives the first-token
         # lane the turn the cut-in took from it (plan_cut_in).
@@ -75,7 +77,7 @@ class StepPlanner:
 
     def add_worker(self, index: int) -> None:
         self.running.setdefault(index, [])
-        self.running_by_class.setdefault(index, Counter())
+        self.running_by_class.setdefault(index, {priority: [] for priority in ORDER})
         self.to_release.setdefault(index, [])
 
     def remove_worker(self, index: int) -> None:
@@ -336,7 +338,7 @@ class StepPlanner:
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
         self.running_per_lane[self.policy.lane_of(request)] += 1
-        self.running_by_class[worker.index][request.priority] += 1
+        self.running_by_class[worker.index][request.priority].append(request)
         self.admitted[worker.index] += 1
         return True
 
@@ -391,4 +393,4 @@ class StepPlanner:
         request.worker = None
         self.running[worker.index].remove(request)
         self.running_per_lane[self.policy.lane_of(request)] -= 1
-        self.running_by_class[worker.index][request.priority] -= 1
+        self.running_by_class[worker.index][request.priority].remove(request)

@@ -8,7 +8,8 @@ least work. Pure Python, tested through the planner (tests/unit/test_qos_schedul
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Iterable
+from itertools import filterfalse
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
@@ -27,12 +28,18 @@ _PRIORITY, _COMPUTED, _SEQ_ID = attrgetter("priority"), attrgetter("computed"), 
 def victim_order(running: list[Request]) -> list[Request]:
     """Preemption order: lowest class first; inside a class, the sequence that loses the least
     work (the fewest tokens in its KV cache, all of which are computed again when it resumes),
-    newest first among equals. Three stable sorts on C-level keys, least significant first: a
-    Python key function per sequence cost more than the sorts (this runs in most plans that
-    admit High while every slot is taken)."""
+    newest first among equals. Stable sorts on C-level keys, least significant first: a Python
+    key function per sequence cost more than the sorts (this runs in most plans that admit High
+    while every slot is taken)."""
+    order = _class_victim_order(running)
+    order.sort(key=_PRIORITY, reverse=True)
+    return order
+
+
+def _class_victim_order(running: Iterable[Request]) -> list[Request]:
+    """victim_order for sequences of one class: least work first, newest first among equals."""
     order = sorted(running, key=_SEQ_ID, reverse=True)
     order.sort(key=_COMPUTED)
-    order.sort(key=_PRIORITY, reverse=True)
     return order
 
 
@@ -43,8 +50,8 @@ class VictimOrder:
     planning, and callers skip those preempted or scheduled meanwhile. A class sorted later in the
     plan also holds sequences admitted since (scheduled, so skipped as well)."""
 
-    def __init__(self, running: list[Request]):
-        self._running = running
+    def __init__(self, running_by_class: dict[int, list[Request]]):
+        self._running_by_class = running_by_class
         self._unsorted = sorted(ORDER, reverse=True)      # lowest class (largest value) first
         self._order: list[Request] = []
 
@@ -55,8 +62,11 @@ class VictimOrder:
         unsorted = self._unsorted
         while unsorted and (unsorted[0] > priority or (inclusive and unsorted[0] == priority)):
             cls = unsorted.pop(0)
-            scheduled = builder.scheduled_set()
-            self._order += victim_order([r for r in self._running if r.priority == cls and r not in scheduled])
+            # The class's own list, filtered at C level: a pass over every running sequence of the
+            # worker cost a third of the victims' time, in the plans that preempt, which make the
+            # plans' tail (bench/scheduler_overhead.py).
+            of_class = self._running_by_class[cls]
+            self._order += _class_victim_order(filterfalse(builder.scheduled_set().__contains__, of_class))
         return self._order
 
 
@@ -64,10 +74,10 @@ class Room:
     """Blocks and slots for requests on the workers' running lists (shared with the planner)."""
 
     def __init__(self, policy: SchedulingPolicy, running: dict[int, list[Request]],
-                 running_by_class: dict[int, Counter], preempt: Callable[[Worker, Request], None]):
+                 running_by_class: dict[int, dict[int, list[Request]]], preempt: Callable[[Worker, Request], None]):
         self.policy = policy
         self.running = running
-        self.running_by_class = running_by_class       # per worker: running sequences per priority
+        self.running_by_class = running_by_class       # per worker and priority: its running sequences
         self._preempt = preempt
 
     def victims(self, worker: Worker, builder: StepBuilder, requester: Request,
@@ -75,7 +85,7 @@ class Room:
         """Candidates for preemption by `requester` in victim_order: under a policy that preempts
         by class, only its lower classes (and its own when not admitting); else every class."""
         if builder.victims is None:
-            builder.victims = VictimOrder(self.running[worker.index])
+            builder.victims = VictimOrder(self.running_by_class[worker.index])
         if not self.policy.preempts_by_class:
             return builder.victims.down_to(builder, min(ORDER))
         return builder.victims.down_to(builder, requester.priority, inclusive=not admitting)
@@ -109,7 +119,7 @@ class Room:
         """Some sequence of a class below `priority` runs on the worker and is not scheduled yet
         in this step (counted, not looked for)."""
         scheduled = builder.sequences_by_priority
-        return any(count > scheduled[lower] for lower, count in self.running_by_class[worker.index].items()
+        return any(len(running) > scheduled[lower] for lower, running in self.running_by_class[worker.index].items()
                    if lower > priority)
 
     def class_cap(self, pool: KVBlockPool, priority: int) -> int:
