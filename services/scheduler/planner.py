@@ -25,7 +25,7 @@ from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
-from services.scheduler.room import Room
+from services.scheduler.room import Room, add_running
 from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
 
@@ -62,8 +62,8 @@ class StepPlanner:
         self.preempted_by_priority: Counter = Counter()
         self.recomputed_tokens: Counter = Counter()   # per priority: work preemption threw away
         self.running_per_lane: Counter = Counter()    # all workers together
-        # Per worker and priority, its running sequences in the order admitted: a preemption's
-        # victims come from one class, found without a pass over the whole worker (room.py).
+        # Per worker and priority, its running sequences in seq_id order (room.add_running): a
+        # preemption's victims come from one class, found without a pass over the whole worker.
         self.running_by_class: dict[int, dict[int, list[Request]]] = {}
         self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
         # Workers that ran a cut-in during their last step: the next plan gives the first-token
@@ -338,7 +338,7 @@ class StepPlanner:
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
         self.running_per_lane[self.policy.lane_of(request)] += 1
-        self.running_by_class[worker.index][request.priority].append(request)
+        add_running(self.running_by_class[worker.index], request)
         self.admitted[worker.index] += 1
         return True
 

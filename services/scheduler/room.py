@@ -3,12 +3,12 @@ running slot, and the preemption of what the policy allows when there is not eno
 
 The planner (planner.py) asks while it fills a step; the preempting itself (blocks back to the
 pool, the request back at the front of its queue) is the planner's, which owns the running lists.
-Victims are taken in victim_order: the lowest class first, and in it the sequence that loses the
+Victims are taken in VictimOrder: the lowest class first, and in it the sequence that loses the
 least work. Pure Python, tested through the planner (tests/unit/test_qos_scheduling.py).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from bisect import insort
 from itertools import filterfalse
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
@@ -22,33 +22,24 @@ from services.scheduler.step_builder import StepBuilder
 if TYPE_CHECKING:
     from services.scheduler.planner import Worker
 
-_PRIORITY, _COMPUTED, _SEQ_ID = attrgetter("priority"), attrgetter("computed"), attrgetter("seq_id")
+_COMPUTED, _SEQ_ID = attrgetter("computed"), attrgetter("seq_id")
 
 
-def victim_order(running: list[Request]) -> list[Request]:
-    """Preemption order: lowest class first; inside a class, the sequence that loses the least
-    work (the fewest tokens in its KV cache, all of which are computed again when it resumes),
-    newest first among equals. Stable sorts on C-level keys, least significant first: a Python
-    key function per sequence cost more than the sorts (this runs in most plans that admit High
-    while every slot is taken)."""
-    order = _class_victim_order(running)
-    order.sort(key=_PRIORITY, reverse=True)
-    return order
-
-
-def _class_victim_order(running: Iterable[Request]) -> list[Request]:
-    """victim_order for sequences of one class: least work first, newest first among equals."""
-    order = sorted(running, key=_SEQ_ID, reverse=True)
-    order.sort(key=_COMPUTED)
-    return order
+def add_running(running_by_class: dict[int, list[Request]], request: Request) -> None:
+    """Put a sequence admitted to a worker on its class's list there, which is kept in seq_id
+    order: VictimOrder reads it newest first."""
+    insort(running_by_class[request.priority], request, key=_SEQ_ID)
 
 
 class VictimOrder:
-    """One worker's running sequences in victim_order, sorted a class at a time, lowest class
-    first, as far as a caller needs: an admitted High that displaces a Low, the common case, sorts
-    only the Low ones. Made once per plan (StepBuilder.victims): the order does not change while
-    planning, and callers skip those preempted or scheduled meanwhile. A class sorted later in the
-    plan also holds sequences admitted since (scheduled, so skipped as well)."""
+    """One worker's running sequences in preemption order: lowest class first; inside a class,
+    the sequence that loses the least work (the fewest tokens in its KV cache, all of which are
+    computed again when it resumes), newest first among equals.
+
+    Sorted a class at a time, as far as a caller needs: an admitted High that displaces a Low, the
+    common case, sorts only the Low ones. Made once per plan (StepBuilder.victims): the order does
+    not change while planning, and callers skip those preempted or scheduled meanwhile. A class
+    sorted later in the plan also holds sequences admitted since (scheduled, so skipped as well)."""
 
     def __init__(self, running_by_class: dict[int, list[Request]]):
         self._running_by_class = running_by_class
@@ -62,11 +53,13 @@ class VictimOrder:
         unsorted = self._unsorted
         while unsorted and (unsorted[0] > priority or (inclusive and unsorted[0] == priority)):
             cls = unsorted.pop(0)
-            # The class's own list, filtered at C level: a pass over every running sequence of the
-            # worker cost a third of the victims' time, in the plans that preempt, which make the
-            # plans' tail (bench/scheduler_overhead.py).
-            of_class = self._running_by_class[cls]
-            self._order += _class_victim_order(filterfalse(builder.scheduled_set().__contains__, of_class))
+            # The class's own list (add_running), newest first, filtered at C level, and one stable
+            # sort by the work each would lose, on a C-level key: this runs in the plans that
+            # preempt, which make the plans' tail (bench/scheduler_overhead.py); a pass over every
+            # running sequence of the worker, and a second sort for the ties, cost half of it.
+            newest_first = reversed(self._running_by_class[cls])
+            unscheduled = filterfalse(builder.scheduled_set().__contains__, newest_first)
+            self._order += sorted(unscheduled, key=_COMPUTED)
         return self._order
 
 

@@ -16,9 +16,10 @@ from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
 from services.common.priority import HIGH, LOW, MEDIUM
-from services.scheduler.room import victim_order
+from services.scheduler.room import VictimOrder, add_running
 from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Phase, Request
+from services.scheduler.step_builder import StepBuilder
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
 
 
@@ -276,13 +277,27 @@ def test_a_plan_that_preempts_leaves_no_reference_cycle_behind():
         gc.enable()
 
 
-@given(st.lists(st.tuples(st.sampled_from([HIGH, MEDIUM, LOW]), st.integers(0, 4)), max_size=40))
-def test_victim_order_is_lowest_class_then_least_work_then_newest(shapes):
+@given(st.lists(st.tuples(st.sampled_from([HIGH, MEDIUM, LOW]), st.integers(0, 4), st.booleans()), max_size=40),
+       st.randoms(use_true_random=False))
+def test_victim_order_is_lowest_class_then_least_work_then_newest(shapes, rng):
+    # Admitted in any order (a preempted request comes back after newer ones), as the planner
+    # keeps them (add_running); sequences scheduled in the step are never victims.
     requests = [Request(request_id=str(i), seq_id=i, priority=p, tenant="", prompt_ids=[1],
                         sampling=SamplingParams(), detokenizer=None, computed=c)
-                for i, (p, c) in enumerate(shapes)]
-    expected = sorted(requests, key=lambda r: (-r.priority, r.computed, -r.seq_id))
-    assert victim_order(requests[::-1]) == expected and victim_order(requests) == expected
+                for i, (p, c, _) in enumerate(shapes)]
+    running_by_class = {priority: [] for priority in (HIGH, MEDIUM, LOW)}
+    for request in rng.sample(requests, len(requests)):
+        add_running(running_by_class, request)
+    builder = StepBuilder(step_id=1, budget=100, released=[])
+    for request, (_, _, scheduled) in zip(requests, shapes):
+        if scheduled:
+            builder.add(request, 1)
+    expected = sorted((r for r, (_, _, scheduled) in zip(requests, shapes) if not scheduled),
+                      key=lambda r: (-r.priority, r.computed, -r.seq_id))
+    order = VictimOrder(running_by_class)
+    low_and_medium = order.down_to(builder, MEDIUM)
+    assert low_and_medium == [r for r in expected if r.priority != HIGH]
+    assert order.down_to(builder, HIGH) == expected
 
 
 def test_running_lanes_are_counted_as_sequences_come_and_go():
