@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from services.cluster import die_with_parent
+
 START_MARGIN_S = 0.2          # every client gets the start time this far ahead
 # Client processes stand in for clients on other machines: at a lower CPU priority, they take the
 # shared cores only when the services under test do not need them (without it, the flood's two
@@ -139,8 +141,11 @@ async def _send(front: Front, jobs: list[Job], start: float, done) -> list[Outco
         return list(await asyncio.gather(*(one(job) for job in jobs)))
 
 
-def _client_main(front: Front, jobs: list[dict], done, conn) -> None:
+def _client_main(front: Front, jobs: list[dict], done, conn, parent: int) -> None:
     """One client process: say ready, wait for the start time, send, return the outcomes."""
+    # A benchmark killed (not interrupted) runs no cleanup: without this its clients went on
+    # sending, and the cluster's services, told to drain, waited for their streams.
+    die_with_parent(parent)
     if not jobs or jobs[0]["priority"] not in UNNICED:    # a process sends one priority's jobs
         os.nice(CLIENT_NICE)
     try:
@@ -163,7 +168,7 @@ async def run_clients(front: Front, jobs: list[Job],
     for priority, tenant in sorted({(job.priority, job.tenant) for job in jobs}):
         ours, theirs = context.Pipe()
         group = [asdict(job) for job in jobs if (job.priority, job.tenant) == (priority, tenant)]
-        process = context.Process(target=_client_main, args=(front, group, done, theirs),
+        process = context.Process(target=_client_main, args=(front, group, done, theirs, os.getpid()),
                                   name=f"client-{priority}{'-' + tenant if tenant else ''}", daemon=True)
         process.start()
         clients.append((process, ours))

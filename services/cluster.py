@@ -79,13 +79,18 @@ def die_with_parent_if_asked() -> None:
     (seen as a service dying with SIGABRT at start-up, about one start in three in a test that
     runs a gRPC server in the launching process)."""
     parent = os.environ.pop(PARENT_PID_ENV, None)
-    if parent is None:
-        return
+    if parent is not None:
+        die_with_parent(int(parent))
+
+
+def die_with_parent(parent: int) -> None:
+    """Get SIGTERM when process `parent` (this one's parent) exits, however it exits, killed
+    included (Linux PR_SET_PDEATHSIG; elsewhere nothing)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         return
-    if os.getppid() != int(parent):    # the launcher died before prctl: nothing would signal us
+    if os.getppid() != parent:    # the parent died before prctl: nothing would signal us
         os.kill(os.getpid(), signal.SIGTERM)
 
 

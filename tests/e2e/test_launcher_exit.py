@@ -51,3 +51,46 @@ def test_services_exit_when_their_launcher_is_killed():
         assert not [pid for pid in pids if alive(pid)], "services outlived their launcher"
     finally:
         launcher.kill()
+
+
+BENCHMARK = """
+import asyncio, sys
+sys.path.insert(0, {root!r})
+from bench.loadgen import Front, Job, run_clients
+# Jobs due in ten minutes, to a port nothing listens on: the clients wait, as a flood's do.
+jobs = [Job(priority, "hi", 1, 1, at=600.0) for priority in ("high", "low")]
+asyncio.run(run_clients(Front("grpc", "127.0.0.1:9"), jobs))
+"""
+
+
+def sending_clients(pid: int) -> list[int]:
+    """The benchmark's client processes that are past start-up, in their sending loop (gRPC's
+    extension loaded): killed earlier, they would end anyway, on the pipe their parent closed."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    try:
+        return [child for child in children if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+                and "cygrpc" in Path(f"/proc/{child}/maps").read_text()]
+    except OSError:          # one ended meanwhile
+        return []
+
+
+def test_benchmark_clients_exit_when_the_benchmark_is_killed():
+    # A killed benchmark runs no cleanup; its client processes must not go on loading the
+    # cluster (and keeping its draining services waiting for their streams).
+    benchmark = subprocess.Popen([sys.executable, "-c", BENCHMARK.format(root=str(ROOT))])
+    try:
+        deadline = time.monotonic() + 60
+        while len(clients := sending_clients(benchmark.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(clients) == 2, f"expected a client process per priority, found {clients}"
+        time.sleep(1.0)         # the start time sent, the clients waiting for their jobs' time
+        benchmark.send_signal(signal.SIGKILL)
+        benchmark.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in clients) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in clients if alive(pid)], "clients outlived their benchmark"
+    finally:
+        benchmark.kill()
