@@ -158,6 +158,17 @@ def _client_main(front: Front, jobs: list[dict], done, conn, parent: int) -> Non
         raise
 
 
+def _receive(process, conn):
+    """The client's next message; a client that died without a word is named, with its exit code
+    (its pipe reads as ready at its end, and a bare EOFError said nothing of which or why)."""
+    try:
+        return conn.recv()
+    except EOFError:
+        process.join(timeout=5)
+        raise RuntimeError(f"{process.name} exited with {process.exitcode} without reporting "
+                           "(its traceback is above)") from None
+
+
 async def run_clients(front: Front, jobs: list[Job],
                       on_progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], float]:
     """Send `jobs` through the router's `front`, one client process per priority and tenant. Returns the
@@ -178,7 +189,7 @@ async def run_clients(front: Front, jobs: list[Job],
                 if not process.is_alive():
                     raise RuntimeError(f"{process.name} exited with {process.exitcode} before starting")
                 await asyncio.sleep(0.05)
-            conn.recv()
+            _receive(process, conn)
         start = time.time() + START_MARGIN_S
         for _, conn in clients:
             conn.send(start)
@@ -192,7 +203,7 @@ async def run_clients(front: Front, jobs: list[Job],
                 reported = done.value
             for process, conn in list(pending):
                 if conn.poll():
-                    result = conn.recv()
+                    result = _receive(process, conn)
                     if isinstance(result, Exception):
                         raise result
                     outcomes += [Outcome(**o) for o in result]
