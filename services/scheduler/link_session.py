@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import ErrorKind, ServiceError
@@ -41,7 +42,7 @@ class LinkSession:
     def __init__(self, serve: Serve):
         self._serve = serve
         self._tasks: dict[int, asyncio.Task] = {}
-        self._replies: list[scheduler_pb2.LinkReply] = []     # filled as events come, sent by replies()
+        self._replies: deque[scheduler_pb2.LinkReply] = deque()   # filled as events come, sent by replies()
         self._wake = asyncio.Event()
         self._reading = True
 
@@ -59,7 +60,7 @@ class LinkSession:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._replies:
-                    yield self._replies.pop(0)
+                    yield self._replies.popleft()
             await reader        # its error, if reading failed
         finally:
             reader.cancel()
