@@ -37,18 +37,23 @@ def alive(pid: int) -> bool:
         return False
 
 
+def outliving(parent: subprocess.Popen, children: list[int]) -> list[int]:
+    """SIGKILL `parent`; the children still alive 30 s later."""
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [pid for pid in children if alive(pid)]
+
+
 def test_services_exit_when_their_launcher_is_killed():
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER.format(root=str(ROOT))],
                                 stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(pid) for pid in launcher.stdout.readline().split()]
         assert len(pids) == 3 and all(alive(pid) for pid in pids)
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in pids if alive(pid)], "services outlived their launcher"
+        assert not outliving(launcher, pids), "services outlived their launcher"
     finally:
         launcher.kill()
 
@@ -86,11 +91,6 @@ def test_benchmark_clients_exit_when_the_benchmark_is_killed():
             time.sleep(0.2)
         assert len(clients) == 2, f"expected a client process per priority, found {clients}"
         time.sleep(1.0)         # the start time sent, the clients waiting for their jobs' time
-        benchmark.send_signal(signal.SIGKILL)
-        benchmark.wait(timeout=10)
-        deadline = time.monotonic() + 30
-        while any(alive(pid) for pid in clients) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in clients if alive(pid)], "clients outlived their benchmark"
+        assert not outliving(benchmark, clients), "clients outlived their benchmark"
     finally:
         benchmark.kill()
