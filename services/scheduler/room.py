@@ -75,7 +75,7 @@ class Room:
 
     def victims(self, worker: Worker, builder: StepBuilder, requester: Request,
                 admitting: bool) -> list[Request]:
-        """Candidates for preemption by `requester` in victim_order: under a policy that preempts
+        """Candidates for preemption by `requester`, in VictimOrder: under a policy that preempts
         by class, only its lower classes (and its own when not admitting); else every class."""
         if builder.victims is None:
             builder.victims = VictimOrder(self.running_by_class[worker.index])

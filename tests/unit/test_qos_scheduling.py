@@ -158,7 +158,8 @@ def test_caps_hold_at_every_step_and_every_request_ends_once(arrivals, num_block
         while pending and pending[0][0] <= step:
             _, priority, prompt_len, max_tokens = pending.pop(0)
             # The scheduler's intake refuses what could never fit the class cap.
-            if blocks_for_tokens(prompt_len + max_tokens, BLOCK) > cap_blocks(pool.num_blocks, h.policy.kv_cap(priority)):
+            cap = cap_blocks(pool.num_blocks, h.policy.kv_cap(priority))
+            if blocks_for_tokens(prompt_len + max_tokens, BLOCK) > cap:
                 rejected += 1
                 continue
             h.submit(priority, prompt_len, max_tokens)
