@@ -173,16 +173,20 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 runner.cancel()
                 # The scheduler went away (or we did): its sequences and block tables mean nothing now.
                 self.table.clear()
+                self.cut_ins.reset()
                 self.stream_open = False
                 log.info("execute stream closed; dropped all sequence state")
 
     async def _read_plans(self, request_iterator, plans: asyncio.Queue) -> None:
-        """The scheduler's plans into `plans` (None at the end), but a cut-in the step in flight
-        takes goes to it: read while the engine computes, so that one can."""
+        """The scheduler's plans into `plans` (None at the end), but a cut-in the step in flight (or
+        the one queued next) takes goes to it: read while the engine computes, so that one can."""
         try:
             async for plan in request_iterator:
-                if not (plan.cut_in and self.cut_ins.offer(plan)):
-                    plans.put_nowait(plan)
+                if not plan.cut_in:
+                    self.cut_ins.expect()
+                elif self.cut_ins.offer(plan):
+                    continue
+                plans.put_nowait(plan)
         finally:
             plans.put_nowait(None)
 
@@ -211,6 +215,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         try:
             return self._compute([plan], lambda: self._run_cut_ins(self.cut_ins.take, post))[0]
         finally:
+            self.cut_ins.step_over()
             self._run_cut_ins(self.cut_ins.close, post)    # arrived too late to nest: right after
 
     def _run_cut_ins(self, take, post) -> None:

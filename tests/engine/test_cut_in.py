@@ -3,6 +3,8 @@ gives both steps what they would have computed one after the other, and the work
 that arrives mid-step there (answered first) or refuses one that touches the step in flight."""
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from services.common.drain import Drain
@@ -165,3 +167,24 @@ def test_a_long_chunks_attention_and_the_output_head_come_in_pieces_with_pauses(
     assert len(pauses) == (layers - 1) + layers * 4 + 1 + 3
     assert pieces_tokens == whole_tokens
     assert torch.allclose(logits["pieces"], logits["whole"], atol=1e-5, rtol=0)
+
+
+def test_a_cut_in_that_comes_while_the_step_it_was_sent_into_is_still_queued_runs_inside_it(tiny_model_dir):
+    """The scheduler sent a step, then a cut-in into it; the worker read both before its engine
+    started that step. The cut-in still runs inside the step (answered first), not after all of it."""
+    service, depths = worker_with_cut_in_mid_step(tiny_model_dir)      # nothing offered by the test
+
+    async def scheduler():
+        yield plan(1, 1, LONG, list(range(8)))
+        yield plan(2, 2, SHORT, [8, 9], cut_in=True)
+
+    async def run() -> list[worker_pb2.StepResult]:
+        plans, answers = asyncio.Queue(), asyncio.Queue()
+        await service._read_plans(scheduler(), plans)     # both read before the engine starts
+        await service._run_plans(plans, answers, asyncio.get_running_loop())
+        return [answer for answer in iter(answers.get_nowait, None)]
+
+    answers = asyncio.run(run())
+    service.executor.shutdown()
+    assert [a.step_id for a in answers] == [2, 1] and not any(a.error for a in answers)
+    assert depths == [1, 2]                     # computed inside the other step, not after it
