@@ -216,8 +216,9 @@ def parse_args():
     parser.add_argument("--max-step-tokens", type=int, default=128,
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default="exclusive",
-                        help="qos: High's first-token work ahead of the fair order, also exclusive, or not")
+    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default=SchedulerConfig().high_first_token,
+                        help="qos: High's first-token work alone in its step, ahead of the fair order and the "
+                             "others only decoding (exclusive), ahead, or not (wfq)")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
                              "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-pertoken, qos-calls "

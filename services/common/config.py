@@ -99,8 +99,10 @@ class SchedulerConfig(ServiceConfig):
     tenant_fairness: bool = True      # qos: inside a class, tenants share by weight, not arrival
     # qos: a High request waiting for its first token goes ahead of the fair-queueing order
     # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), with nothing
-    # else in that step when its prompt fits ("alone"), or not ("wfq")
-    high_first_token: str = "exclusive"
+    # else in that step when its prompt fits ("alone", the default since 2026-12-02: a High
+    # request that cannot cut in then waits for a short step, not one carrying every decode), or
+    # not ("wfq")
+    high_first_token: str = "alone"
     # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
     # other class waits, and takes them back by preemption when a higher class needs them
     kv_cap_mode: str = "strict"

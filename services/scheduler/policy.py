@@ -33,8 +33,8 @@ class QoSSettings:
     # classes only decode that step, so it is short) or "alone" (that step carries only the work
     # of requests waiting for a first token, not even High's decodes: shortest). The tokens are
     # charged to High's virtual time either way, so the others get them back over the following
-    # steps.
-    high_first_token: str = "exclusive"
+    # steps. Default "alone" (SchedulerConfig.high_first_token says why).
+    high_first_token: str = "alone"
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
