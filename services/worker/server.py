@@ -250,7 +250,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                         "qos.step.prefill_tokens": sum(len(w.token_ids) for w in batch.sequences
                                                        if len(w.token_ids) > 1)})
 
-    def _compute(self, plans: list[worker_pb2.StepPlan], pause=None, nested: bool = False) -> list[worker_pb2.StepResult]:
+    def _compute(self, plans: list[worker_pb2.StepPlan], pause=None,
+                 nested: bool = False) -> list[worker_pb2.StepResult]:
         """Plans on the engine as one step, an answer each: one plan, or cut-ins that arrived
         together (one prefill for all of them). `pause` hosts cut-ins (Engine.step); a `nested`
         step (cut-ins) runs inside another, whose busy time already covers it. A plan that does
