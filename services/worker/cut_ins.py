@@ -14,9 +14,8 @@ after the step. A cut-in is also taken while a step is on its way (`expect`: the
 queued a plan that has not reached the engine yet): the scheduler sent it into that step, and
 refused it would have queued behind the whole step (under the full-scale burst, High cut-ins
 that reached the worker in that gap waited up to 18 ms to start, against a median of ~1 ms for
-those nested). A
-cut-in offered with no step open or on its way is refused and queues like any plan (it then
-runs as a step of its own, which nothing cuts into).
+those nested). A cut-in offered with no step open or on its way is refused and queues like any
+plan (it then runs as a step of its own, which nothing cuts into).
 """
 from __future__ import annotations
 
