@@ -53,6 +53,8 @@ class CutIns:
         """The engine thread is done with a plan `expect` announced (once per such plan, before
         closing its step): the cut-ins still waiting run right after it."""
         with self._lock:
+            # Never below 0: a plan run after reset() (the stream ended while the engine computed
+            # it) or run without being read from a stream (tests) was not announced.
             self._coming = max(0, self._coming - 1)
 
     def reset(self) -> None:
