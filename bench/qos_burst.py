@@ -223,9 +223,8 @@ def parse_args():
                              "others only decoding (exclusive), ahead, or not (wfq)")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-moreslots, qos-pertoken, "
-                             "qos-calls "
-                             "(one column each)")
+                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-moreslots, "
+                             "qos-pertoken, qos-calls (one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--high-step-ms", type=float, default=30.0,
