@@ -169,13 +169,16 @@ def _receive(process, conn):
                            "(its traceback is above)") from None
 
 
-async def run_clients(front: Front, jobs: list[Job],
-                      on_progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], float]:
+async def run_clients(front: Front, jobs: list[Job], on_progress: Callable[[int], None] | None = None,
+                      until_done: set[str] | None = None) -> tuple[list[Outcome], float]:
     """Send `jobs` through the router's `front`, one client process per priority and tenant. Returns the
-    outcomes and the common start time (time.time())."""
+    outcomes and the common start time (time.time()). With `until_done` (priorities), returns once
+    those priorities' clients have reported, with their outcomes only: the other clients are killed
+    (their requests cancelled mid-stream, as by a client that goes away)."""
     context = multiprocessing.get_context("spawn")   # no fork of a process holding gRPC channels
     done = context.Value("i", 0)
     clients = []
+    awaited = set()         # the client processes whose outcomes are returned
     for priority, tenant in sorted({(job.priority, job.tenant) for job in jobs}):
         ours, theirs = context.Pipe()
         group = [asdict(job) for job in jobs if (job.priority, job.tenant) == (priority, tenant)]
@@ -183,6 +186,8 @@ async def run_clients(front: Front, jobs: list[Job],
                                   name=f"client-{priority}{'-' + tenant if tenant else ''}", daemon=True)
         process.start()
         clients.append((process, ours))
+        if until_done is None or priority in until_done:
+            awaited.add(process)
     try:
         for process, conn in clients:
             while not conn.poll():
@@ -196,7 +201,7 @@ async def run_clients(front: Front, jobs: list[Job],
         outcomes: list[Outcome] = []
         pending = list(clients)
         reported = 0
-        while pending:
+        while any(process in awaited for process, _ in pending):
             await asyncio.sleep(0.1)
             if on_progress is not None and done.value > reported:
                 on_progress(done.value - reported)
@@ -206,7 +211,8 @@ async def run_clients(front: Front, jobs: list[Job],
                     result = _receive(process, conn)
                     if isinstance(result, Exception):
                         raise result
-                    outcomes += [Outcome(**o) for o in result]
+                    if process in awaited:
+                        outcomes += [Outcome(**o) for o in result]
                     pending.remove((process, conn))
                 elif not process.is_alive():
                     raise RuntimeError(f"{process.name} exited with {process.exitcode}")
@@ -215,6 +221,6 @@ async def run_clients(front: Front, jobs: list[Job],
         return outcomes, start
     finally:
         for process, _ in clients:
-            process.join(timeout=5)
+            process.join(timeout=5 if process in awaited else 0)
             if process.is_alive():
                 process.kill()

@@ -206,7 +206,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     return summary, outcomes, samples
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     parser = make_parser(__doc__, seed=True)
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
@@ -246,7 +246,7 @@ def parse_args():
     parser.add_argument("--length-scale", type=float, default=1.0, help="multiply token lengths by this")
     parser.add_argument("--high-prompt-min", type=int, default=0,
                         help="trace: make High prompts at least this many tokens (long real-time prompts)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def main() -> None:
