@@ -124,9 +124,11 @@ class SchedulerConfig(ServiceConfig):
     stream_intervals: list = field(default_factory=lambda: [1, 4, 16])
     stream_max_hold_ms: float = 500.0
     # Added to the process's nice value for the thread that tokenizes each class's prompts (High,
-    # Medium, Low; Linux): under a burst, long Low prompts are tokenized on the CPU time a shared
-    # machine's engine, event loops and High's prompts leave. 0: the process's priority.
-    tokenizer_nice: list = field(default_factory=lambda: [0, 5, 10])
+    # Medium, Low; Linux): under a burst, long Medium and Low prompts are tokenized on the CPU time
+    # a shared machine's engine, event loops and High's prompts leave (+15 and +19 since
+    # 2026-12-02: at +5 and +10 Medium's took a fifth of a core in the flood's first second; see
+    # docs/performance.md). 0: the process's priority.
+    tokenizer_nice: list = field(default_factory=lambda: [0, 15, 19])
     # Per class (High, Medium, Low): prompts of up to this many characters (prompt and messages'
     # contents) are tokenized on the event loop itself, longer ones in the class's tokenizer thread.
     # The hop to a thread and back costs more CPU than encoding a short prompt, and while the loop
