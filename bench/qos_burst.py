@@ -138,31 +138,39 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # --high-step-ms while High is around; qos-nocutin: no cut-ins; qos-inslots: cut-ins only within
 # max_running, none beyond it; qos-moreslots: twice the default's slots beyond it (a quarter of
 # it); qos-nice5: Medium's and Low's prompts tokenized at nice +5 and +10, the defaults until
-# 2026-12-02; qos-pertoken: every class streams a chunk per token, not Medium 4 and Low 16 a chunk), each
-# its own cluster and column.
+# 2026-12-02; qos-pertoken: every class streams a chunk per token, not Medium 4 and Low 16 a
+# chunk), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
             "short": {}, "nocutin": {"high_cut_in": False}, "inslots": {"high_cut_in_slots": 0.0},
             "moreslots": {"high_cut_in_slots": 0.25}, "nice5": {"tokenizer_nice": [0, 5, 10]},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
-# ... and of the router: "calls", a Submit call per request instead of the pool's link.
+# ... of the router: "calls", a Submit call per request instead of the pool's link.
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
+# ... and of the whole cluster: "unbound", no service bound to CPU cores (the default until
+# 2026-12-03: services/common/cpu_binding.py), the load generator's clients on any core too.
+CLUSTER_VARIANTS = {"unbound": {"cpu_binding": "off"}}
 
 
 def cluster_config(name: str, model: str, args):
     policy, _, variant = name.partition("-")
-    if variant and (policy != "qos" or variant not in VARIANTS.keys() | ROUTER_VARIANTS.keys()):
-        raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-" + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS]))
+    known = VARIANTS.keys() | ROUTER_VARIANTS.keys() | CLUSTER_VARIANTS.keys()
+    if variant and (policy != "qos" or variant not in known):
+        raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-"
+                         + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS, *CLUSTER_VARIANTS]))
     settings = {"high_first_token": args.high_first_token, "kv_cap_mode": args.kv_cap_mode,
                 "high_step_ms": args.high_step_ms if variant == "short" else 0.0, **VARIANTS.get(variant, {})}
-    return single_pool(
+    config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
                                          **ROUTER_VARIANTS.get(variant, {})),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
+    for key, value in CLUSTER_VARIANTS.get(variant, {}).items():
+        setattr(config, key, value)
+    return config
 
 
 def measure_capacity(model: str, tokenizer, max_context: int, args) -> float:
@@ -195,6 +203,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
+    summary["cpu_binding"] = cluster.cpu_binding     # which cores the services (and clients) ran on
     summary["preemptions"] = stats.preemptions - before.preemptions
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)

@@ -35,6 +35,7 @@ ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
+CPU_BINDINGS = ("auto", "off")                      # ClusterConfig.cpu_binding
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,9 @@ class ServiceConfig:
     metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
     # On SIGTERM: requests in flight get this long to finish (new ones are refused meanwhile).
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    # CPU cores this service runs on, every thread of it (services/common/cpu_binding.py); empty:
+    # wherever the kernel puts it. LocalCluster fills them in under cpu_binding = "auto".
+    cpu_cores: list = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -289,6 +293,10 @@ class ClusterConfig:
     billing: BillingConfig = field(default_factory=BillingConfig)
     sla: list[SlaConfig] = field(default_factory=default_slas)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
+    # "auto": a local cluster (`qos-serve up`, the benchmarks) gives each worker cores of its own
+    # and the router and schedulers the rest, where the machine has a core to spare for them
+    # (services/common/cpu_binding.py); "off": every service wherever the kernel puts it.
+    cpu_binding: str = "auto"
 
     def sla_ttft_ms(self, priority: str) -> float | None:
         """The class-wide TTFT objective for a class, if an SLA sets one (autoscaling uses High's)."""

@@ -8,7 +8,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES,
+from services.common.config import (CPU_BINDINGS, DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES,
                                     ROUTING_MODES, SCHEDULER_LINKS, AdapterConfig, AlertsConfig, AuthConfig,
                                     AutoscaleConfig, BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
                                     SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
@@ -48,6 +48,10 @@ def _check_service(s: ServiceConfig, where: str) -> None:
                           f"got {s.metrics_port!r}")
     if not 0 <= s.drain_seconds <= 3600:
         raise ConfigError(f"{where}.drain_seconds must be in 0..3600, got {s.drain_seconds}")
+    cores = s.cpu_cores
+    if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores) \
+            or len(set(cores)) != len(cores):
+        raise ConfigError(f"{where}.cpu_cores must be distinct CPU numbers (0, 1, ...; [] = unbound), got {cores!r}")
 
 
 def _check_scheduler(s: SchedulerConfig, where: str) -> None:
@@ -225,7 +229,7 @@ def _parse_alerts(raw: dict) -> tuple[list[SlaConfig], AlertsConfig]:
 
 def parse_config(raw: dict) -> ClusterConfig:
     known = {"model", "router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth",
-             "billing", "sla", "alerts"}
+             "billing", "sla", "alerts", "cpu_binding"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown key {unknown[0]}; known: {', '.join(sorted(known))}")
@@ -278,8 +282,11 @@ def parse_config(raw: dict) -> ClusterConfig:
     if not billing.flush_seconds > 0:
         raise ConfigError(f"billing.flush_seconds must be > 0, got {billing.flush_seconds}")
     slas, alerts = _parse_alerts(raw)
+    cpu_binding = raw.get("cpu_binding", "auto")
+    if cpu_binding not in CPU_BINDINGS:
+        raise ConfigError(f"cpu_binding must be one of {', '.join(CPU_BINDINGS)}, got {cpu_binding!r}")
     return ClusterConfig(model=str(raw.get("model", "default")), router=router, pools=pools,
-                         store=store, auth=auth, billing=billing, sla=slas, alerts=alerts)
+                         store=store, auth=auth, billing=billing, sla=slas, alerts=alerts, cpu_binding=cpu_binding)
 
 
 def load_config(path: str | Path | None) -> ClusterConfig:

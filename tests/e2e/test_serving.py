@@ -117,3 +117,21 @@ def test_stop_strings_end_the_text_before_them(cluster):
     full, cut, stop = run(go())
     assert stop and cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_the_worker_runs_on_cores_of_its_own_and_the_control_plane_on_the_rest(cluster):
+    """cpu_binding = "auto" (services/common/cpu_binding.py): every thread of the worker on the
+    cores LocalCluster gave it, the router and scheduler on the others."""
+    from pathlib import Path
+
+    from services.common.cpu_binding import bound_cores
+    if not cluster.client_cores:
+        pytest.skip(f"this machine leaves no core to bind: {cluster.cpu_binding}")
+    worker_cores = cluster.config.pools[0].workers[0].cpu_cores
+    worker = cluster.processes["cpu/worker-0"].pid
+    threads = [t.name for t in Path(f"/proc/{worker}/task").iterdir()]
+    assert len(threads) > 1       # torch's and gRPC's threads included, started after the binding
+    assert all(bound_cores(f"{worker}/task/{t}") == worker_cores for t in threads)
+    for name in ("router", "cpu/scheduler"):
+        assert bound_cores(cluster.processes[name].pid) == list(cluster.client_cores)
+    assert not set(worker_cores) & set(cluster.client_cores)
