@@ -84,6 +84,7 @@ class Outcome:
     e2e_ms: float = 0.0
     tokens: int = 0
     sent_at: float = 0.0          # seconds after the common start
+    send_lag_ms: float = 0.0      # how much later than its scheduled time the client sent it
     done_at: float = 0.0
     detail: str = ""              # the error message, for failures
     tenant: str = ""
@@ -138,6 +139,9 @@ async def _send(front: Front, jobs: list[Job], start: float, done) -> list[Outco
             sent_at = time.time() - start
             outcome = await send(job)
             outcome.sent_at, outcome.done_at, outcome.tenant = sent_at, time.time() - start, job.tenant
+            # A client process short of CPU sends late, and the service sees a gentler load than
+            # the workload says: the reports show how late (qos_report.summarise).
+            outcome.send_lag_ms = max(0.0, sent_at - job.at) * 1000
             with done.get_lock():
                 done.value += 1
             return outcome

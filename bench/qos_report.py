@@ -64,6 +64,10 @@ def summarise(outcomes: list[Outcome], low_kv_peak_blocks: int, total_blocks: in
         "medium_p99_ttft_ms": quantile([o.ttft_ms for o in ok["medium"]], 0.99),
         "low_tok_s": sum(o.tokens for o in ok["low"]) / low_done if low_done else 0.0,
         "low_kv_peak_frac": low_kv_peak_blocks / total_blocks if total_blocks else 0.0,
+        # How late the load generator sent the requests (P50, max over all of them): a burst sent
+        # late reaches the service gentler than the workload describes.
+        "send_lag_ms": [quantile([o.send_lag_ms for o in outcomes], 0.5), max((o.send_lag_ms for o in outcomes),
+                                                                            default=float("nan"))],
         **{f"rejected_{p}": sum(1 for o in of(p) if o.code == "RESOURCE_EXHAUSTED") for p in PRIORITIES},
         "failed_other": sum(1 for o in outcomes if not o.ok and o.code != "RESOURCE_EXHAUSTED"),
         "failed_codes": dict(Counter(f"{o.priority}:{o.code}" for o in outcomes
@@ -83,7 +87,8 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
         ("low_tok_s", "Low throughput (tok/s)", "{:.0f}"), ("low_kv_peak_frac", "Low KV peak (% blocks)", "{:.1%}"),
         ("rejected_high", "rejected High", "{}"), ("rejected_medium", "rejected Medium", "{}"),
         ("rejected_low", "rejected Low", "{}"), ("preemptions", "preemptions", "{}"),
-        ("cut_ins", "cut-in steps", "{}"), ("recompute_share", "recomputed / computed", "{:.1%}"), ("wall_s", "wall time (s)", "{:.0f}")]
+        ("cut_ins", "cut-in steps", "{}"), ("recompute_share", "recomputed / computed", "{:.1%}"),
+        ("wall_s", "wall time (s)", "{:.0f}"), ("send_lag_ms", "sent late, P50/max (ms)", "{:.0f}/{:.0f}")]
 
 
 def print_table(report: dict) -> None:
