@@ -68,6 +68,7 @@ from bench.qos_workloads import (STEADY_SHARES, TRACES, burst_workload, saturati
 from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, RouterConfig,  # noqa: E402
                                     SchedulerConfig, WorkerConfig, single_pool)
+from services.common.cpu_binding import apply_plan, available_cores, plan_cores, worker_threads  # noqa: E402
 from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
@@ -148,14 +149,15 @@ VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "
             "pertoken": {"stream_intervals": [1, 1, 1]}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link.
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
-# ... and of the whole cluster: "unbound", no service bound to CPU cores (the default until
-# 2026-12-03: services/common/cpu_binding.py), the load generator's clients on any core too.
-CLUSTER_VARIANTS = {"unbound": {"cpu_binding": "off"}}
+# ... and of the whole cluster: "bound", the workers on cores of their own and the router,
+# scheduler and the load generator's clients on the rest even where that leaves them one core,
+# which cpu_binding = "auto" does not (services/common/cpu_binding.py).
+CLUSTER_VARIANTS = ("bound",)
 
 
 def cluster_config(name: str, model: str, args):
     policy, _, variant = name.partition("-")
-    known = VARIANTS.keys() | ROUTER_VARIANTS.keys() | CLUSTER_VARIANTS.keys()
+    known = VARIANTS.keys() | ROUTER_VARIANTS.keys() | set(CLUSTER_VARIANTS)
     if variant and (policy != "qos" or variant not in known):
         raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-"
                          + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS, *CLUSTER_VARIANTS]))
@@ -168,8 +170,11 @@ def cluster_config(name: str, model: str, args):
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
-    for key, value in CLUSTER_VARIANTS.get(variant, {}).items():
-        setattr(config, key, value)
+    if variant == "bound":
+        plan = plan_cores(available_cores(), worker_threads(config), min_control=1)
+        if isinstance(plan, str):
+            raise SystemExit(f"qos-bound: {plan}")
+        apply_plan(config, plan)
     return config
 
 

@@ -2,20 +2,23 @@
 
 On a CPU worker the engine's step is what High's first token waits for (a cut-in computes in the
 step in flight), and on a machine the worker shares with its router, its scheduler and whatever
-else runs there, the kernel spreads every busy thread over every core. Measured 2026-12-03 on this
-project's 2-core machine (bench/flood_probe.py, the full-scale burst's flood, 4 runs each): the
-worker's engine thread got 0.64 of a core while 800 requests arrived, and the flood's High
-requests took 1.83x their idle TTFT at the median and 5.2x at the P90; with the worker bound to
-core 1 and everything else to core 0 (the benchmark's client processes too, as clients on other
-machines take none of the worker's) it got 0.84-0.89 of a core and they took 1.09-1.13x and
-1.7-2.0x (with the clients left free on both cores, 1.89x and 3.35x: the binding only helps where
-the worker's cores are left to it). vLLM's CPU backend does the same (its OpenMP threads bound to cores, others left to the
-API server); on Kubernetes the kubelet's static CPU manager gives a Guaranteed pod whole cores.
+else runs there, the kernel spreads every busy thread over every core: during a burst's flood on
+this project's 2-core machine the worker's engine thread got 0.6-0.7 of a core. vLLM's CPU backend
+binds its OpenMP threads to cores and leaves others to its API server; on Kubernetes the
+kubelet's static CPU manager gives a Guaranteed pod whole cores.
 
 Each service binds itself at start, before it starts any thread (threads inherit their creator's
 cores), from its section's `cpu_cores` (empty: unbound). `cpu_binding = "auto"` (the default)
-lets LocalCluster (`qos-serve up`, `make demo`, the benchmarks) fill those in when every service
-runs on this machine and a core is left over for the control plane: `plan_cores` below.
+lets a local cluster (`qos-serve up`, `make demo`, the benchmarks) fill those in when every
+service runs on this machine and the workers leave MIN_CONTROL_CORES to the control plane.
+
+What it did on 2 cores (2026-12-03; docs/performance.md, "Cores of their own"): the worker on core
+1, everything else (the benchmark's clients too) on core 0. The worker's engine thread got
+0.84-0.89 of a core in the flood, and bench/flood_probe.py's flood High requests took 1.38x their
+idle TTFT at the median against 2.01x unbound; but core 0 saturated, the load generator sent the
+flood late (median 185-361 ms against 67-115 ms) and the full-scale burst's High P99 was 3.1-3.3x
+idle against 4.05x unbound, with its High requests waiting up to 74 ms outside the scheduler. So
+"auto" leaves a 2-core machine unbound; `bench/qos_burst.py` variant `qos-bound` binds it as above.
 """
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ from pathlib import Path
 
 from services.common.config import ClusterConfig, ConfigError
 
+# "auto" binds only where the workers leave this many cores to the rest: with one, the router, the
+# scheduler and the clients on it saturated it during a burst's flood (2026-12-03, full scale: the
+# load generator sent its requests a median 270 ms late, and High's time outside the scheduler
+# reached 74 ms), which no longer shows a gain over leaving placement to the kernel.
+MIN_CONTROL_CORES = 2
+
 
 @dataclass(frozen=True, slots=True)
 class CorePlan:
@@ -33,16 +42,15 @@ class CorePlan:
     control: tuple[int, ...]               # the rest: router, scheduler (and a benchmark's clients)
 
 
-def plan_cores(available: Sequence[int], threads: Sequence[int]) -> CorePlan | str:
+def plan_cores(available: Sequence[int], threads: Sequence[int], min_control: int = MIN_CONTROL_CORES) -> CorePlan | str:
     """Each worker `threads[i]` cores of its own, from the highest down; the control plane the
     cores left (the lowest, where the kernel tends to run its own work too). Returns the reason
-    instead when no core would be left for the control plane: then nothing is bound, since a
-    control plane squeezed onto a worker's cores is slower than the kernel's own spreading."""
+    instead when fewer than `min_control` cores would be left: then nothing is bound."""
     cores = sorted(available)
     wanted = sum(threads)
-    if wanted >= len(cores):
-        return (f"the workers' {wanted} thread(s) leave no core of the {len(cores)} available for "
-                "the router and scheduler")
+    if len(cores) - wanted < max(1, min_control):
+        return (f"the workers' {wanted} thread(s) leave {max(0, len(cores) - wanted)} of the {len(cores)} "
+                f"cores for the router and scheduler, fewer than {max(1, min_control)}")
     workers, end = [], len(cores)
     for count in threads:
         workers.append(tuple(cores[end - count:end]))
@@ -50,29 +58,41 @@ def plan_cores(available: Sequence[int], threads: Sequence[int]) -> CorePlan | s
     return CorePlan(tuple(workers), tuple(cores[:end]))
 
 
-def bind_cluster(config: ClusterConfig, scalable: bool) -> tuple[tuple[int, ...], str]:
-    """LocalCluster's "auto" binding: sets every worker's, scheduler's and the router's
-    `cpu_cores` in `config` (all of them run on this machine). Returns (the control plane's
-    cores, where clients on this machine should run too; () when nothing was bound) and a line
-    saying what was done or why not. Nothing is bound when the config binds any service itself,
-    or with workers added at run time (`scalable`: they would have no cores of their own)."""
-    services = [config.router] + [s for p in config.pools for s in (p.scheduler, *p.workers)]
-    if config.cpu_binding == "off":
-        return (), "CPU binding off (cpu_binding = \"off\")"
-    if any(s.cpu_cores for s in services):
-        return (), "CPU cores as the config sets them (cpu_cores)"
-    if scalable:
-        return (), "CPU binding off: autoscaled workers would have no cores of their own"
+def apply_plan(config: ClusterConfig, plan: CorePlan) -> None:
+    """Set every worker's cpu_cores (in pool order), and the router's and schedulers' to the rest."""
     workers = [w for p in config.pools for w in p.workers]
-    plan = plan_cores(available_cores(), [max(1, w.threads) for w in workers])
-    if isinstance(plan, str):
-        return (), f"CPU binding off: {plan}"
     for worker, cores in zip(workers, plan.workers):
         worker.cpu_cores = list(cores)
     for service in [config.router] + [p.scheduler for p in config.pools]:
         service.cpu_cores = list(plan.control)
-    by_worker = "; ".join(f"{_cores(c)}" for c in plan.workers)
-    return plan.control, f"CPU cores: worker(s) {by_worker}; router and scheduler(s) {_cores(plan.control)}"
+
+
+def worker_threads(config: ClusterConfig) -> list[int]:
+    return [max(1, w.threads) for p in config.pools for w in p.workers]
+
+
+def bind_cluster(config: ClusterConfig, scalable: bool) -> tuple[tuple[int, ...], str]:
+    """A local cluster's binding (all its services run on this machine): under "auto", fills in
+    every service's `cpu_cores` in `config` where no service sets them itself, no workers are
+    added at run time (`scalable`: they would have no cores of their own) and the workers leave
+    MIN_CONTROL_CORES. Returns the cores clients on this machine should run on (those of no
+    worker, when some worker is bound; else ()) and a line saying what was done or why not."""
+    services = [config.router] + [s for p in config.pools for s in (p.scheduler, *p.workers)]
+    if any(s.cpu_cores for s in services):
+        line = "CPU cores as the config sets them (cpu_cores)"
+    elif config.cpu_binding == "off":
+        return (), "CPU binding off (cpu_binding = \"off\")"
+    elif scalable:
+        return (), "CPU binding off: autoscaled workers would have no cores of their own"
+    else:
+        plan = plan_cores(available_cores(), worker_threads(config))
+        if isinstance(plan, str):
+            return (), f"CPU binding off: {plan}"
+        apply_plan(config, plan)
+        line = (f"CPU cores: worker(s) {'; '.join(map(_cores, plan.workers))}; router and scheduler(s) "
+                f"{_cores(plan.control)}")
+    taken = {c for p in config.pools for w in p.workers for c in w.cpu_cores}
+    return (tuple(c for c in available_cores() if c not in taken) if taken else ()), line
 
 
 def available_cores() -> list[int]:
