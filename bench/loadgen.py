@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -51,6 +52,13 @@ class Front:
     address: str                  # host:port
     model: str = ""
     cores: tuple[int, ...] = ()
+    high_address: str = ""        # the router's High lane (services/router/high_lane.py), if any
+
+    def for_priority(self, priority: str) -> "Front":
+        """Where `priority`'s client sends: High to the lane where the router has one."""
+        if priority == "high" and self.high_address:
+            return dataclasses.replace(self, address=self.high_address)
+        return self
 
     @classmethod
     def of(cls, kind: str, cluster) -> "Front":
@@ -60,7 +68,7 @@ class Front:
         router, cores = cluster.config.router, tuple(cluster.client_cores)
         if kind == "http":
             return cls("http", f"{router.host}:{router.http_port}", Path(cluster.config.model).name, cores)
-        return cls("grpc", router.address, cores=cores)
+        return cls("grpc", router.address, cores=cores, high_address=router.high_address or "")
 
 
 @dataclass(slots=True)
@@ -158,6 +166,8 @@ def _client_main(front: Front, jobs: list[dict], done, conn, parent: int) -> Non
         os.sched_setaffinity(0, front.cores)
     if not jobs or jobs[0]["priority"] not in UNNICED:    # a process sends one priority's jobs
         os.nice(CLIENT_NICE)
+    if jobs:
+        front = front.for_priority(jobs[0]["priority"])
     try:
         conn.send("ready")
         start = conn.recv()

@@ -147,8 +147,10 @@ VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "
             "short": {}, "nocutin": {"high_cut_in": False}, "inslots": {"high_cut_in_slots": 0.0},
             "moreslots": {"high_cut_in_slots": 0.25}, "nice5": {"tokenizer_nice": [0, 5, 10]},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
-# ... of the router: "calls", a Submit call per request instead of the pool's link.
-ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
+# ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
+# High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
+# send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none).
+ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "nolane": {"high_port": -1}}
 # ... and of the whole cluster: "bound", the workers on cores of their own and the router,
 # scheduler and the load generator's clients on the rest even where that leaves them one core,
 # which cpu_binding = "auto" does not (services/common/cpu_binding.py).
@@ -166,7 +168,8 @@ def cluster_config(name: str, model: str, args):
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
-                                         **ROUTER_VARIANTS.get(variant, {})),
+                                         **{"high_port": -1 if policy == "fcfs" else 0,
+                                            **ROUTER_VARIANTS.get(variant, {})}),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
@@ -209,6 +212,8 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
     summary["cpu_binding"] = cluster.cpu_binding     # which cores the services (and clients) ran on
+    lane = Front.of(args.front, cluster).high_address
+    summary["high_sent_to"] = "the router's High lane" if lane else "the main port"
     summary["preemptions"] = stats.preemptions - before.preemptions
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)

@@ -27,7 +27,7 @@ import asyncio  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path
 
-from services.common.config import ConfigError  # noqa: E402
+from services.common.config import ConfigError, RouterConfig  # noqa: E402
 from services.common.config_file import load_config  # noqa: E402
 from services.common.grpc_server import setup_logging  # noqa: E402
 
@@ -147,12 +147,18 @@ def cmd_router(args) -> int:
     return 0
 
 
+def generate_address(router: RouterConfig, priority: str | None) -> str:
+    """Where `qos-serve generate` sends: High to the router's High lane where it has one
+    (services/router/high_lane.py), anything else to its main port."""
+    return router.high_address if priority == "high" and router.high_address else router.address
+
+
 def cmd_generate(args) -> int:
     import grpc
 
     from services.client import RouterClient, chat_request, sampling_params
     from services.common.proto.qos.v1 import router_pb2
-    address = args.router or load_config(args.config).router.address
+    address = args.router or generate_address(load_config(args.config).router, args.priority)
     sampling = sampling_params(max_tokens=args.max_tokens, temperature=args.temperature)
     request = (router_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling) if args.raw
                else chat_request(args.prompt, sampling))

@@ -68,6 +68,10 @@ class RouterConfig(ServiceConfig):
     admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
     # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
     http_port: int = 8000
+    # A gRPC port of its own for High (real-time) requests (services/router/high_lane.py), beside
+    # `port`: its calls are accepted apart from a flood's on the main port. 0 = a free port,
+    # -1 = off. It takes only High requests (no x-priority there means high).
+    high_port: int = -1
     http_max_body_bytes: int = 4 * 2**20    # larger request bodies get 413
     # A request whose pool fails mid-way (its scheduler died, or it has no worker left) moves to
     # another pool that serves the model, with the tokens already streamed: at most this often.
@@ -88,6 +92,10 @@ class RouterConfig(ServiceConfig):
     @property
     def http_address(self) -> str | None:
         return None if self.http_port < 0 else f"{self.host}:{self.http_port}"
+
+    @property
+    def high_address(self) -> str | None:
+        return None if self.high_port < 0 else f"{self.host}:{self.high_port}"
 
 
 @dataclass(slots=True)

@@ -256,6 +256,12 @@ def parse_config(raw: dict) -> ClusterConfig:
     if not -1 <= router.http_port <= 65535:
         raise ConfigError(f"router.http_port must be in 0..65535 (0 = a free port) or -1 (off), "
                           f"got {router.http_port}")
+    if not -1 <= router.high_port <= 65535:
+        raise ConfigError(f"router.high_port must be in 0..65535 (0 = a free port) or -1 (off), "
+                          f"got {router.high_port!r}")
+    if router.high_port > 0 and router.high_port in (router.port, router.http_port):
+        raise ConfigError(f"router.high_port {router.high_port} is the router's "
+                          f"{'gRPC' if router.high_port == router.port else 'HTTP'} port too: give it one of its own")
     if not 0 <= router.migration_limit <= 100:
         raise ConfigError(f"router.migration_limit must be in 0..100, got {router.migration_limit}")
     if router.scheduler_link not in SCHEDULER_LINKS:

@@ -42,7 +42,8 @@ class CorePlan:
     control: tuple[int, ...]               # the rest: router, scheduler (and a benchmark's clients)
 
 
-def plan_cores(available: Sequence[int], threads: Sequence[int], min_control: int = MIN_CONTROL_CORES) -> CorePlan | str:
+def plan_cores(available: Sequence[int], threads: Sequence[int],
+               min_control: int = MIN_CONTROL_CORES) -> CorePlan | str:
     """Each worker `threads[i]` cores of its own, from the highest down; the control plane the
     cores left (the lowest, where the kernel tends to run its own work too). Returns the reason
     instead when fewer than `min_control` cores would be left: then nothing is bound."""

@@ -60,6 +60,19 @@ WORKER_CHANNEL_OPTIONS = channel_options(WORKER_KEEPALIVE_MS)
 WORKER_SERVER_OPTIONS = server_options(WORKER_KEEPALIVE_MS)
 
 
+def add_port(server: grpc.aio.Server, name: str, address: str, tls: tuple[str, str] | None) -> int:
+    """Listen on `address`, with TLS where `tls` = (certificate chain, private key) PEM files;
+    the port bound. OSError naming the service when it cannot bind."""
+    if tls is None:
+        port = server.add_insecure_port(address)
+    else:
+        cert, key = (Path(p).expanduser().read_bytes() for p in tls)
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    if port == 0:
+        raise OSError(f"{name}: cannot bind {address}")
+    return port
+
+
 async def run_server(name: str, address: str, register: Callable[[grpc.aio.Server], list[str]],
                      drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
@@ -78,13 +91,7 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for service in ["", *services]:   # the stock servicer starts "" as SERVING; not yet
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if tls is None:
-        port = server.add_insecure_port(address)
-    else:       # (certificate chain, private key), PEM files
-        cert, key = (Path(p).expanduser().read_bytes() for p in tls)
-        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    if port == 0:
-        raise OSError(f"{name}: cannot bind {address}")
+    port = add_port(server, name, address, tls)
     await server.start()
     # Alive from now until the process stops, draining included: what a liveness probe asks
     # (`grpc: {service: liveness}` on Kubernetes), while readiness asks "" (NOT_SERVING on drain).

@@ -1,10 +1,12 @@
 """The command line's parsing: `bench` passes every flag on to the benchmark script; other
-commands refuse flags they do not know; service commands take --listen and the worker --device."""
+commands refuse flags they do not know; service commands take --listen and the worker --device;
+`generate` sends High to the router's High lane."""
 from __future__ import annotations
 
 import pytest
 
-from services.cli import parse_args
+from services.cli import generate_address, parse_args
+from services.common.config import RouterConfig
 
 
 @pytest.mark.parametrize("argv, passed_on", [
@@ -41,3 +43,10 @@ def test_cluster_ports_left_to_the_system_are_all_different(monkeypatch):
     sections = [config.router, config.pools[0].scheduler, config.pools[0].workers[0]]
     ports = [p for s in sections for p in (s.port, s.metrics_port)] + [config.router.http_port]
     assert len(set(ports)) == len(ports) == 7 and min(ports) >= 5001
+
+
+def test_generate_sends_high_to_the_routers_high_lane_where_it_has_one():
+    lane = RouterConfig(port=50051, high_port=50054)
+    assert generate_address(lane, "high") == "127.0.0.1:50054"
+    assert generate_address(lane, "low") == generate_address(lane, None) == "127.0.0.1:50051"
+    assert generate_address(RouterConfig(port=50051), "high") == "127.0.0.1:50051"      # no lane
