@@ -11,7 +11,7 @@ qos_burst does), then sends the same flood with only the High requests sent in i
 --window seconds, and stops once those are answered (the flood's clients are killed, which
 cancels their requests): ~20 s a run, so a change can be tried over many runs.
 
-    python bench/flood_probe.py [--runs 3] [--window 1.3] [--policies qos,qos-moreslots] [--json PATH]
+    python bench/flood_probe.py [--runs 3] [--window 1.3] [--policies qos,qos-nolane] [--json PATH]
 
 Other options are bench/qos_burst.py's (--policies, here qos by default, --model, --seed,
 --max-running, ...); policies alternate run by run. Prints per run each High request's TTFT at

@@ -137,15 +137,15 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
 # qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
 # --high-step-ms while High is around; qos-nocutin: no cut-ins; qos-inslots: cut-ins only within
-# max_running, none beyond it; qos-moreslots: twice the default's slots beyond it (a quarter of
-# it); qos-nice5: Medium's and Low's prompts tokenized at nice +5 and +10, the defaults until
+# max_running, none beyond it; qos-fewerslots: half the default's slots beyond it (an eighth of
+# it, the default until 2026-12-04); qos-nice5: Medium's and Low's prompts tokenized at nice +5 and +10, the defaults until
 # 2026-12-02; qos-pertoken: every class streams a chunk per token, not Medium 4 and Low 16 a
 # chunk), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
             "short": {}, "nocutin": {"high_cut_in": False}, "inslots": {"high_cut_in_slots": 0.0},
-            "moreslots": {"high_cut_in_slots": 0.25}, "nice5": {"tokenizer_nice": [0, 5, 10]},
+            "fewerslots": {"high_cut_in_slots": 0.125}, "nice5": {"tokenizer_nice": [0, 5, 10]},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
@@ -243,8 +243,8 @@ def parse_args(argv: list[str] | None = None):
                              "others only decoding (exclusive), ahead, or not (wfq)")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-moreslots, "
-                             "qos-nice5, qos-pertoken, qos-calls (one column each)")
+                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-fewerslots, "
+                             "qos-nice5, qos-pertoken, qos-calls, qos-nolane, qos-bound (one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--high-step-ms", type=float, default=30.0,

@@ -127,8 +127,9 @@ class SchedulerConfig(ServiceConfig):
     high_cut_in: bool = True
     # qos: running slots beyond max_running that High cut-ins may take, as a share of it (at least
     # one while > 0): a cut-in cannot preempt, and under a flood every slot is taken. 0: cut-ins
-    # stay within max_running (for a worker whose memory or batch shapes allow no more)
-    high_cut_in_slots: float = 0.125
+    # stay within max_running (for a worker whose memory or batch shapes allow no more). A quarter
+    # since 2026-12-04 (an eighth before: two full-scale bursts, docs/performance.md)
+    high_cut_in_slots: float = 0.25
     # Tokens per stream chunk after the first, per class (High, Medium, Low): a stream's tokens are
     # held until it has this many (a request's x-stream-interval overrides it), and never longer
     # than stream_max_hold_ms. The first token's chunk and the last go at once. Fewer messages

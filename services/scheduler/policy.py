@@ -48,7 +48,7 @@ class QoSSettings:
     # Running slots beyond max_running that those cut-ins may take, as a share of it (at least one
     # while > 0): a cut-in cannot preempt (any running sequence may be in the step in flight), and
     # under a flood every slot is taken. 0: none beyond max_running.
-    high_cut_in_slots: float = 0.125
+    high_cut_in_slots: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
