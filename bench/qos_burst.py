@@ -138,9 +138,9 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
 # --high-step-ms while High is around; qos-nocutin: no cut-ins; qos-inslots: cut-ins only within
 # max_running, none beyond it; qos-fewerslots: half the default's slots beyond it (an eighth of
-# it, the default until 2026-12-04); qos-nice5: Medium's and Low's prompts tokenized at nice +5 and +10, the defaults until
-# 2026-12-02; qos-pertoken: every class streams a chunk per token, not Medium 4 and Low 16 a
-# chunk), each its own cluster and column.
+# it, the default until 2026-12-04); qos-nice5: Medium's and Low's prompts tokenized at nice +5
+# and +10, the defaults until 2026-12-02; qos-pertoken: every class streams a chunk per token,
+# not Medium 4 and Low 16 a chunk), each its own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},

@@ -5,10 +5,11 @@ turn of the event loop (it asks gRPC core for the next call only once the last o
 over). When a burst's flood keeps the router's loop busy, calls arrive faster than they are
 accepted, and a High call waits in gRPC core's queue behind every flood call that came before
 it, before any of our code has read the class in its metadata. A second server on the same loop
-accepts from a queue of its own. Measured (2026-12-04, a stand-alone grpc.aio server, 800 calls
-a second with 1 ms of handler CPU each, another process busy on one of the 2 cores): a High
-call's send -> handler start took a median 58.5 ms (max 164) on the flood's port against 2.2 ms
-(max 4.0) on a second server; at 0.5 ms a call, a loop with room to spare, ~1 ms on either.
+accepts from a queue of its own. Measured with bench/grpc_accept.py (2026-12-04: a stand-alone
+grpc.aio server, 800 calls a second with 1 ms of handler CPU each, another process busy on one of
+the 2 cores): a High call's send -> handler start took a median 69.3 ms (max 208) on the flood's
+port against 2.8 ms (max 4.6) on a second server; at 0.5 ms a call, a loop with room to spare,
+1.1 and 1.5 ms.
 
 The lane takes only High requests (no x-priority there means high): one that any batch could
 use would queue like the main port. Anything else is the main port's: the same request path,
