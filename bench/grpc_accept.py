@@ -108,8 +108,7 @@ def send(port: int, start: float, offsets: list[float], high: bool, queue) -> No
 
 
 def burn(until: float) -> None:
-    while time.perf_counter() < until:
-        pass
+    spin(until - time.perf_counter())
 
 
 def one_run(setup: str, handler_s: float, flood: int, high: int, burner: bool) -> list[float]:

@@ -202,18 +202,17 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
         log_dir.mkdir(parents=True, exist_ok=True)
     with LocalCluster(config, log_dir=log_dir, quiet=True) as cluster, \
             (during(cluster) if during else contextlib.nullcontext()):
-        idle = asyncio.run(idle_high_ttft(Front.of(args.front, cluster), jobs))
+        front = Front.of(args.front, cluster)
+        idle = asyncio.run(idle_high_ttft(front, jobs))
         before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:
-            outcomes, samples, wall = asyncio.run(run_jobs(Front.of(args.front, cluster),
-                                                           cluster.scheduler_address, jobs, bar))
+            outcomes, samples, wall = asyncio.run(run_jobs(front, cluster.scheduler_address, jobs, bar))
         stats = asyncio.run(pool_stats(cluster.scheduler_address))
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
     summary["cpu_binding"] = cluster.cpu_binding     # which cores the services (and clients) ran on
-    lane = Front.of(args.front, cluster).high_address
-    summary["high_sent_to"] = "the router's High lane" if lane else "the main port"
+    summary["high_sent_to"] = "the router's High lane" if front.high_address else "the main port"
     summary["preemptions"] = stats.preemptions - before.preemptions
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)
