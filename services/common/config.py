@@ -53,6 +53,9 @@ class ServiceConfig:
     # CPU cores this service runs on, every thread of it (services/common/cpu_binding.py); empty:
     # wherever the kernel puts it. LocalCluster fills them in under cpu_binding = "auto".
     cpu_cores: list = field(default_factory=list)
+    # Added to the nice value of every thread of the service at start (0..19; lowering one needs
+    # privileges): on a host it shares, the service yields the CPU to those at a lower value.
+    nice: int = 0
 
     @property
     def address(self) -> str:
@@ -68,6 +71,10 @@ class RouterConfig(ServiceConfig):
     admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
     # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
     http_port: int = 8000
+    # A flood of calls is the router's own CPU work (gRPC's per call, ~1 ms each): on a host
+    # shared with workers it yields to their engines, whose steps a High request's first token is
+    # computed inside (services/common/cpu_binding.py, nice_process).
+    nice: int = 5
     # A gRPC port of its own for High (real-time) requests (services/router/high_lane.py), beside
     # `port`: its calls are accepted apart from a flood's on the main port. 0 = a free port,
     # -1 = off. It takes only High requests (no x-priority there means high).

@@ -52,6 +52,9 @@ def _check_service(s: ServiceConfig, where: str) -> None:
     if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores) \
             or len(set(cores)) != len(cores):
         raise ConfigError(f"{where}.cpu_cores must be distinct CPU numbers (0, 1, ...; [] = unbound), got {cores!r}")
+    if isinstance(s.nice, bool) or not isinstance(s.nice, int) or not 0 <= s.nice <= 19:
+        raise ConfigError(f"{where}.nice must be an increment in 0..19 (lowering a nice value needs "
+                          f"privileges), got {s.nice!r}")
 
 
 def _check_scheduler(s: SchedulerConfig, where: str) -> None:

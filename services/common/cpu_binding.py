@@ -34,6 +34,7 @@ from services.common.config import ClusterConfig, ConfigError
 # load generator sent its requests a median 270 ms late, and High's time outside the scheduler
 # reached 74 ms), which no longer shows a gain over leaving placement to the kernel.
 MIN_CONTROL_CORES = 2
+MAX_NICE = 19
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +116,39 @@ def bind_process(cores: Sequence[int], where: str) -> None:
     if missing:
         raise ConfigError(f"{where} = {list(cores)}: core(s) {missing} are not available to this process "
                           f"(available: {_cores(available)})")
-    tasks = Path("/proc/self/task")
-    threads = [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]
-    for thread in threads:       # sched_setaffinity binds one thread; new threads inherit it
+    for thread in _threads():       # sched_setaffinity binds one thread; new threads inherit it
         try:
             os.sched_setaffinity(thread, cores)
         except ProcessLookupError:      # a thread that ended meanwhile
             pass
+
+
+def nice_process(increment: int) -> None:
+    """Add `increment` to the nice value of this process's every thread, and so of every thread it
+    will start (a thread inherits its creator's); nothing at 0. Raising one needs no privilege.
+
+    Why the router's default is 5: during the QoS burst's flood on 2 cores the router took 0.5-0.65
+    of a core taking calls in, and the worker's engine thread, which computes High's cut-ins, waited
+    on the kernel's run queue for a median 3-4 ms of each ~10 ms cut-in (up to 20 ms); with the
+    router at +5 the engine got ~0.75 core instead of ~0.65 (bench/flood_probe.py; docs/performance.md,
+    "The router yields the CPU")."""
+    if not increment:
+        return
+    if not Path("/proc/self/task").is_dir():     # no per-thread nice values: the process's
+        os.nice(increment)
+        return
+    for thread in _threads():
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, thread)
+            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, current + increment))
+        except ProcessLookupError:      # a thread that ended meanwhile
+            pass
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux), else [0]: the calling thread."""
+    tasks = Path("/proc/self/task")
+    return [int(t) for t in os.listdir(tasks)] if tasks.is_dir() else [0]
 
 
 def bound_cores(pid: int | str = "self") -> list[int]:

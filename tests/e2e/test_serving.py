@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import grpc
@@ -145,6 +146,24 @@ def test_stop_strings_end_the_text_before_them(cluster):
     assert stop and cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
 
+
+
+def test_every_thread_of_the_router_runs_at_its_nice_value_the_engines_at_theirs(cluster):
+    """router.nice (5 by default) is added at start to every thread the router has or starts
+    (gRPC's, the HTTP front's): on a shared host it yields the CPU to the worker's engine thread
+    and the scheduler's loop, which keep the nice value they were started with."""
+    from pathlib import Path
+
+    def nice_values(name: str) -> set[int]:
+        pid = cluster.processes[name].pid
+        return {os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+    here = os.getpriority(os.PRIO_PROCESS, 0)
+    router = nice_values("router")
+    assert len(list(Path(f"/proc/{cluster.processes['router'].pid}/task").iterdir())) > 1
+    assert router == {min(19, here + 5)}
+    assert min(nice_values("cpu/worker-0")) == here      # its engine thread among them
+    assert os.getpriority(os.PRIO_PROCESS, cluster.processes["cpu/scheduler"].pid) == here   # the loop's
 
 
 def test_a_bound_worker_runs_every_thread_on_its_cores_and_the_control_plane_on_the_rest():
