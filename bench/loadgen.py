@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from services.cluster import die_with_parent
+from services.router.high_lane import address_for
 
 START_MARGIN_S = 0.2          # every client gets the start time this far ahead
 # Client processes stand in for clients on other machines: at a lower CPU priority, they take the
@@ -56,9 +57,7 @@ class Front:
 
     def for_priority(self, priority: str) -> "Front":
         """Where `priority`'s client sends: High to the lane where the router has one."""
-        if priority == "high" and self.high_address:
-            return dataclasses.replace(self, address=self.high_address)
-        return self
+        return dataclasses.replace(self, address=address_for(priority, self.address, self.high_address))
 
     @classmethod
     def of(cls, kind: str, cluster) -> "Front":

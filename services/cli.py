@@ -153,7 +153,8 @@ def cmd_router(args) -> int:
 def generate_address(router: RouterConfig, priority: str | None) -> str:
     """Where `qos-serve generate` sends: High to the router's High lane where it has one
     (services/router/high_lane.py), anything else to its main port."""
-    return router.high_address if priority == "high" and router.high_address else router.address
+    from services.router.high_lane import address_for
+    return address_for(priority, router.address, router.high_address)
 
 
 def cmd_generate(args) -> int:

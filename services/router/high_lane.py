@@ -33,6 +33,12 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 log = logging.getLogger(__name__)
 
 
+def address_for(priority: str | None, address: str, high_address: str | None) -> str:
+    """Where a client sends a `priority` request: High to the router's High lane where it has
+    one (`high_address`), anything else, and High where there is no lane, to its main `address`."""
+    return high_address if priority == "high" and high_address else address
+
+
 def lane_metadata(metadata: Mapping[str, str], router: RouterConfig) -> dict[str, str]:
     """A lane call's metadata with its class: High when it names none; INVALID_ARGUMENT naming
     the main port for any other (a bad value is parse_head's to refuse, as on the main port)."""
