@@ -1,4 +1,4 @@
-"""Cores of their own for the engine: binding services to CPU cores.
+"""Cores of their own for the engine: binding services to CPU cores (and a nice value each).
 
 On a CPU worker the engine's step is what High's first token waits for (a cut-in computes in the
 step in flight), and on a machine the worker shares with its router, its scheduler and whatever
@@ -130,8 +130,10 @@ def nice_process(increment: int) -> None:
     Why the router's default is 5: during the QoS burst's flood on 2 cores the router took 0.5-0.65
     of a core taking calls in, and the worker's engine thread, which computes High's cut-ins, waited
     on the kernel's run queue for a median 3-4 ms of each ~10 ms cut-in (up to 20 ms); with the
-    router at +5 the engine got ~0.75 core instead of ~0.65 (bench/flood_probe.py; docs/performance.md,
-    "The router yields the CPU")."""
+    router at +5 the engine got ~0.75 core instead of ~0.65 and the flood's High tail in
+    bench/flood_probe.py shortened a little (pooled P90 2.23x against 2.41x idle, max 3.05x against
+    4.31x), while the router's own hops got slower: at full scale High's P99 was the same either
+    way (docs/performance.md, "Where a flood High request's time goes")."""
     if not increment:
         return
     if not Path("/proc/self/task").is_dir():     # no per-thread nice values: the process's
