@@ -150,10 +150,10 @@ VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
 # send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none);
-# "routernice0" and "routernice2", the router at nice 0 or +2, not its default +5
+# "routernice0" and "routernice5", the router at nice 0 or +5, not its default +2
 # (services/common/cpu_binding.py, nice_process).
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "nolane": {"high_port": -1}, "routernice0": {"nice": 0},
-                   "routernice2": {"nice": 2}}
+                   "routernice5": {"nice": 5}}
 # ... and of the whole cluster: "bound", the workers on cores of their own and the router,
 # scheduler and the load generator's clients on the rest even where that leaves them one core,
 # which cpu_binding = "auto" does not (services/common/cpu_binding.py).
@@ -246,7 +246,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
                              "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-fewerslots, "
-                             "qos-nice5, qos-pertoken, qos-calls, qos-nolane, qos-routernice0, qos-routernice2, qos-bound "
+                             "qos-nice5, qos-pertoken, qos-calls, qos-nolane, qos-routernice0, qos-routernice5, qos-bound "
                              "(one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")

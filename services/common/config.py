@@ -74,7 +74,7 @@ class RouterConfig(ServiceConfig):
     # A flood of calls is the router's own CPU work (gRPC's per call, ~1 ms each): on a host
     # shared with workers it yields to their engines, whose steps a High request's first token is
     # computed inside (services/common/cpu_binding.py, nice_process).
-    nice: int = 5
+    nice: int = 2
     # A gRPC port of its own for High (real-time) requests (services/router/high_lane.py), beside
     # `port`: its calls are accepted apart from a flood's on the main port. 0 = a free port,
     # -1 = off. It takes only High requests (no x-priority there means high).

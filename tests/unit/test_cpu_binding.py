@@ -128,7 +128,7 @@ def test_binding_a_process_binds_the_threads_it_has_and_those_it_starts():
 
 def test_the_router_yields_the_cpu_by_default_and_the_other_services_do_not():
     config = parse_config({})
-    assert config.router.nice == RouterConfig().nice == 5
+    assert config.router.nice == RouterConfig().nice == 2
     assert config.pools[0].scheduler.nice == SchedulerConfig().nice == 0
     assert config.pools[0].workers[0].nice == WorkerConfig().nice == 0
     assert parse_config({"router": {"nice": 0}, "scheduler": {"nice": 19}}).pools[0].scheduler.nice == 19
