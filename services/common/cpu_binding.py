@@ -127,13 +127,14 @@ def nice_process(increment: int) -> None:
     """Add `increment` to the nice value of this process's every thread, and so of every thread it
     will start (a thread inherits its creator's); nothing at 0. Raising one needs no privilege.
 
-    Why the router's default is 5: during the QoS burst's flood on 2 cores the router took 0.5-0.65
+    Why the router's default is 2: during the QoS burst's flood on 2 cores the router took 0.5-0.65
     of a core taking calls in, and the worker's engine thread, which computes High's cut-ins, waited
-    on the kernel's run queue for a median 3-4 ms of each ~10 ms cut-in (up to 20 ms); with the
-    router at +5 the engine got ~0.75 core instead of ~0.65 and the flood's High tail in
-    bench/flood_probe.py shortened a little (pooled P90 2.23x against 2.41x idle, max 3.05x against
-    4.31x), while the router's own hops got slower: at full scale High's P99 was the same either
-    way (docs/performance.md, "Where a flood High request's time goes")."""
+    on the kernel's run queue for a median 3-4 ms of each ~10 ms cut-in (up to 20 ms). At +5 the
+    engine got ~0.75 core instead of ~0.65 and the flood's High tail in bench/flood_probe.py
+    shortened a little (pooled P90 2.23x against 2.41x idle), but the router's own hops got slower
+    (at full scale High's P99 was the same as at 0); at +2, over 13 alternating pairs against +5,
+    P50 1.35x / 1.50x and P90 2.06x / 2.36x (docs/performance.md, "Where a flood High request's
+    time goes")."""
     if not increment:
         return
     if not Path("/proc/self/task").is_dir():     # no per-thread nice values: the process's
