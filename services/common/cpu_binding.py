@@ -34,7 +34,7 @@ from services.common.config import ClusterConfig, ConfigError
 # load generator sent its requests a median 270 ms late, and High's time outside the scheduler
 # reached 74 ms), which no longer shows a gain over leaving placement to the kernel.
 MIN_CONTROL_CORES = 2
-MAX_NICE = 19
+MAX_NICE = 19                      # the lowest CPU priority Linux has
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,15 +137,19 @@ def nice_process(increment: int) -> None:
     time goes")."""
     if not increment:
         return
-    if not Path("/proc/self/task").is_dir():     # no per-thread nice values: the process's
-        os.nice(increment)
-        return
-    for thread in _threads():
+    for thread in _threads():       # without /proc, [0]: the process's own nice value
         try:
-            current = os.getpriority(os.PRIO_PROCESS, thread)
-            os.setpriority(os.PRIO_PROCESS, thread, min(MAX_NICE, current + increment))
+            raise_nice(thread, increment)
         except ProcessLookupError:      # a thread that ended meanwhile
             pass
+
+
+def raise_nice(thread: int, increment: int) -> int:
+    """Raise thread `thread`'s nice value (0: the caller's) by `increment`, capped at MAX_NICE;
+    returns the new value."""
+    nice = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, thread) + increment)
+    os.setpriority(os.PRIO_PROCESS, thread, nice)
+    return nice
 
 
 def _threads() -> list[int]:

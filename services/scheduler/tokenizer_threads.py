@@ -23,17 +23,14 @@ and Low prompts, which are what takes the CPU, still go to their niced threads.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from services.common.cpu_binding import raise_nice
 from services.common.priority import DEFAULT_PRIORITY, ORDER, Priority
 
 log = logging.getLogger(__name__)
-
-MAX_NICE = 19                      # the lowest CPU priority Linux has
-
 
 def lower_this_thread(increment: int) -> int | None:
     """Raise the calling thread's nice value by `increment` (capped at 19); returns the new value,
@@ -44,10 +41,7 @@ def lower_this_thread(increment: int) -> int | None:
         log.warning("tokenizer thread niceness needs Linux (threads have their own nice value only "
                     "there); %s runs at the process's priority", threading.current_thread().name)
         return None
-    tid = threading.get_native_id()
-    nice = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, tid) + increment)
-    os.setpriority(os.PRIO_PROCESS, tid, nice)
-    return nice
+    return raise_nice(threading.get_native_id(), increment)
 
 
 class TokenizerThreads:

@@ -8,11 +8,10 @@ import textwrap
 
 import pytest
 
-from services.common.config import ConfigError, WorkerConfig, single_pool
+from services.common.config import ConfigError, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
 from services.common.config_file import parse_config
 from services.common import cpu_binding
 from services.common.cpu_binding import CorePlan, bind_cluster, parse_core_list, plan_cores
-from services.common.config import RouterConfig, SchedulerConfig
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's (sched_setaffinity)")
 

@@ -5,8 +5,9 @@ import threading
 
 import pytest
 
+from services.common.cpu_binding import MAX_NICE
 from services.common.priority import HIGH, LOW, MEDIUM
-from services.scheduler.tokenizer_threads import MAX_NICE, TokenizerThreads
+from services.scheduler.tokenizer_threads import TokenizerThreads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="only Linux gives a thread a nice value of its own")
