@@ -13,6 +13,7 @@ from services.common.config import (CPU_BINDINGS, DECODE_ATTENTION, FIRST_TOKEN_
                                     AutoscaleConfig, BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
                                     SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
                                     default_slas)
+from services.common.cpu_binding import MAX_NICE
 from services.common.priority import MAX_STREAM_INTERVAL
 
 
@@ -52,8 +53,8 @@ def _check_service(s: ServiceConfig, where: str) -> None:
     if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores) \
             or len(set(cores)) != len(cores):
         raise ConfigError(f"{where}.cpu_cores must be distinct CPU numbers (0, 1, ...; [] = unbound), got {cores!r}")
-    if isinstance(s.nice, bool) or not isinstance(s.nice, int) or not 0 <= s.nice <= 19:
-        raise ConfigError(f"{where}.nice must be an increment in 0..19 (lowering a nice value needs "
+    if isinstance(s.nice, bool) or not isinstance(s.nice, int) or not 0 <= s.nice <= MAX_NICE:
+        raise ConfigError(f"{where}.nice must be an increment in 0..{MAX_NICE} (lowering a nice value needs "
                           f"privileges), got {s.nice!r}")
 
 
@@ -87,9 +88,9 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
                           f"got {s.stream_intervals}")
     if not (isinstance(s.stream_max_hold_ms, (int, float)) and 0 <= s.stream_max_hold_ms <= 60_000):
         raise ConfigError(f"{where}.stream_max_hold_ms must be a number of ms in 0..60000, got {s.stream_max_hold_ms!r}")
-    if len(s.tokenizer_nice) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 19
+    if len(s.tokenizer_nice) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_NICE
                                              for n in s.tokenizer_nice):
-        raise ConfigError(f"{where}.tokenizer_nice must be 3 whole numbers in 0..19 (high, medium, low), "
+        raise ConfigError(f"{where}.tokenizer_nice must be 3 whole numbers in 0..{MAX_NICE} (high, medium, low), "
                           f"got {s.tokenizer_nice}")
     if len(s.tokenize_inline_chars) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                                     for n in s.tokenize_inline_chars):
