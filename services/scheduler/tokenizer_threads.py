@@ -32,8 +32,9 @@ from services.common.priority import DEFAULT_PRIORITY, ORDER, Priority
 
 log = logging.getLogger(__name__)
 
+
 def lower_this_thread(increment: int) -> int | None:
-    """Raise the calling thread's nice value by `increment` (capped at 19); returns the new value,
+    """Raise the calling thread's nice value by `increment` (capped at MAX_NICE); returns the new value,
     or None where threads have no priority of their own. Raising it needs no privilege."""
     if increment <= 0:
         return None

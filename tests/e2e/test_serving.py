@@ -153,6 +153,7 @@ def test_every_thread_of_the_router_runs_at_its_nice_value_the_engines_at_theirs
     (gRPC's, the HTTP front's): on a shared host it yields the CPU to the worker's engine thread
     and the scheduler's loop, which keep the nice value they were started with."""
     from services.common.config import RouterConfig
+    from services.common.cpu_binding import MAX_NICE
 
     def nice_values(name: str) -> list[int]:
         pid = cluster.processes[name].pid
@@ -161,7 +162,7 @@ def test_every_thread_of_the_router_runs_at_its_nice_value_the_engines_at_theirs
     here = os.getpriority(os.PRIO_PROCESS, 0)
     router = nice_values("router")
     assert len(router) > 1
-    assert set(router) == {min(19, here + RouterConfig().nice)}
+    assert set(router) == {min(MAX_NICE, here + RouterConfig().nice)}
     assert min(nice_values("cpu/worker-0")) == here      # its engine thread among them
     assert os.getpriority(os.PRIO_PROCESS, cluster.processes["cpu/scheduler"].pid) == here   # the loop's
 
