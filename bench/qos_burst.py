@@ -140,20 +140,22 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # max_running, none beyond it; qos-fewerslots: half the default's slots beyond it (an eighth of
 # it, the default until 2026-12-04); qos-nice5: Medium's and Low's prompts tokenized at nice +5
 # and +10, the defaults until 2026-12-02; qos-pertoken: every class streams a chunk per token,
-# not Medium 4 and Low 16 a chunk), each its own cluster and column.
+# not Medium 4 and Low 16 a chunk; qos-nohold: router and scheduler admit Medium and Low while a
+# High request waits for its first token, first_token_hold_ms 0, as until 2026-12-04), each its
+# own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
             "short": {}, "nocutin": {"high_cut_in": False}, "inslots": {"high_cut_in_slots": 0.0},
             "fewerslots": {"high_cut_in_slots": 0.125}, "nice5": {"tokenizer_nice": [0, 5, 10]},
-            "pertoken": {"stream_intervals": [1, 1, 1]}}
+            "pertoken": {"stream_intervals": [1, 1, 1]}, "nohold": {"first_token_hold_ms": 0.0}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
 # send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none);
 # "routernice0" and "routernice5", the router at nice 0 or +5, not its default +2
 # (services/common/cpu_binding.py, nice_process).
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "nolane": {"high_port": -1}, "routernice0": {"nice": 0},
-                   "routernice5": {"nice": 5}}
+                   "routernice5": {"nice": 5}, "nohold": {"first_token_hold_ms": 0.0}}
 # ... and of the whole cluster: "bound", the workers on cores of their own and the router,
 # scheduler and the load generator's clients on the rest even where that leaves them one core,
 # which cpu_binding = "auto" does not (services/common/cpu_binding.py).
@@ -246,7 +248,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
                              "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-fewerslots, "
-                             "qos-nice5, qos-pertoken, qos-calls, qos-nolane, qos-routernice0, qos-routernice5, qos-bound "
+                             "qos-nice5, qos-pertoken, qos-nohold, qos-calls, qos-nolane, qos-routernice0, qos-routernice5, "
+                             "qos-bound "
                              "(one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")

@@ -88,6 +88,10 @@ class RouterConfig(ServiceConfig):
     # SLO are never held. 0 (the default): forward everything at once. Off by default: in two
     # alternating full-scale burst pairs it did not lower High's tail (docs/performance.md).
     forward_window: int = 0
+    # While a High request waits for its first token, Medium and Low requests wait before
+    # validation and their forward, for at most this many ms from when that wait began
+    # (services/common/first_token_watch.py): the CPU goes to the first token. 0: off.
+    first_token_hold_ms: float = 50.0
     # How requests reach a pool's scheduler: "stream", all of them over one long-lived SubmitLink
     # stream (services/router/scheduler_link.py; 23-35% less CPU a request in router and scheduler),
     # or "calls", a Submit call each (what a scheduler without SubmitLink gets either way).
@@ -137,6 +141,10 @@ class SchedulerConfig(ServiceConfig):
     # stay within max_running (for a worker whose memory or batch shapes allow no more). A quarter
     # since 2026-12-04 (an eighth before: two full-scale bursts, docs/performance.md)
     high_cut_in_slots: float = 0.25
+    # qos: while a High request waits for its first token, Medium and Low requests wait before
+    # tokenizing and admission, for at most this many ms from when that wait began
+    # (services/common/first_token_watch.py). 0: off.
+    first_token_hold_ms: float = 50.0
     # Tokens per stream chunk after the first, per class (High, Medium, Low): a stream's tokens are
     # held until it has this many (a request's x-stream-interval overrides it), and never longer
     # than stream_max_hold_ms. The first token's chunk and the last go at once. Fewer messages

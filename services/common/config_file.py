@@ -17,6 +17,12 @@ from services.common.cpu_binding import MAX_NICE
 from services.common.priority import MAX_STREAM_INTERVAL
 
 
+def check_first_token_hold(value, where: str) -> None:
+    """first_token_hold_ms (router and scheduler): ms, 0 (off) to 1,000."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1000):
+        raise ConfigError(f"{where}.first_token_hold_ms must be a number of ms in 0..1000 (0: off), got {value!r}")
+
+
 def _section(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"[{where}] must be a table")
@@ -86,6 +92,7 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
                                                and 1 <= n <= MAX_STREAM_INTERVAL for n in s.stream_intervals):
         raise ConfigError(f"{where}.stream_intervals must be 3 whole numbers of tokens >= 1 (high, medium, low), "
                           f"got {s.stream_intervals}")
+    check_first_token_hold(s.first_token_hold_ms, where)
     if not (isinstance(s.stream_max_hold_ms, (int, float)) and 0 <= s.stream_max_hold_ms <= 60_000):
         raise ConfigError(f"{where}.stream_max_hold_ms must be a number of ms in 0..60000, got {s.stream_max_hold_ms!r}")
     if len(s.tokenizer_nice) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_NICE
@@ -271,6 +278,7 @@ def parse_config(raw: dict) -> ClusterConfig:
     if router.scheduler_link not in SCHEDULER_LINKS:
         raise ConfigError(f"router.scheduler_link must be one of {', '.join(SCHEDULER_LINKS)}, "
                           f"got {router.scheduler_link!r}")
+    check_first_token_hold(router.first_token_hold_ms, "router")
     if not 0 <= router.forward_window <= 1_000_000:
         raise ConfigError(f"router.forward_window must be in 0..1000000 (0 = no window), got {router.forward_window}")
     if router.http_max_body_bytes < 1024:

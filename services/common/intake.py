@@ -19,6 +19,10 @@ The top class (`express_rank`, High) skips the queue when none of its requests w
 admitted: its handler admits it at once. It would be next anyway; through the queue it also waited
 for the admitting task's turns of the event loop (three, each as long as a burst makes a turn),
 and while a flood is taken in those are what its first token waits for.
+
+With `yield_to` (services/common/first_token_watch.py), the lower classes' admissions also wait
+while a High request waits for its first token (bounded there): the CPU they would take goes to
+that first token.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import heapq
 import itertools
 from collections import Counter
 from typing import Awaitable, Callable, Generic, TypeVar
+
+from services.common.first_token_watch import FirstTokenWatch
 
 Submit = TypeVar("Submit")
 Admitted = TypeVar("Admitted")
@@ -38,8 +44,11 @@ ADMISSION_PAUSE_S = 0.001
 
 class PriorityIntake(Generic[Submit, Admitted]):
     def __init__(self, admit: Callable[[Submit], Awaitable[Admitted]], by_priority: bool = True,
-                 pause_s: float = ADMISSION_PAUSE_S, express_rank: int | None = None):
+                 pause_s: float = ADMISSION_PAUSE_S, express_rank: int | None = None,
+                 yield_to: FirstTokenWatch | None = None):
         self._pause_s = pause_s
+        # Lower classes wait while a High request waits for its first token (never in FCFS).
+        self._yield_to = yield_to if by_priority else None
         # Admitted in its own handler when none of its class waits or is being admitted (the
         # highest class: it would be next anyway); never in the priority-blind FCFS baseline.
         self._express_rank = express_rank if by_priority else None
@@ -83,6 +92,10 @@ class PriorityIntake(Generic[Submit, Admitted]):
                 await self._pending.wait()
                 self._pending.clear()
                 while self._heap and self._heap[0][0] not in self._busy:
+                    if self._yield_to is not None and self._heap[0][0] != self._express_rank \
+                            and self._yield_to.holding():
+                        await self._yield_to.hold()
+                        continue        # a High request may have come meanwhile: the heap again
                     rank, _, submit, future = heapq.heappop(self._heap)
                     self._queued[rank] -= 1
                     if future.done():            # its client went away while it waited

@@ -19,7 +19,7 @@ from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import PRIORITIES
 from services.common.grpc_server import STOP_GRACE_SECONDS, run_server
-from services.common.metrics import serve_metrics
+from services.common.metrics import StateCollector, serve_metrics
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
 from services.common.wire import prompt_chars
@@ -57,7 +57,9 @@ class RouterService:
         self.ledger = LedgerWriter(store, billing.flush_seconds)
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
-                                router.admission, router.migration_limit, router.scheduler_link)
+                                router.admission, router.migration_limit, router.scheduler_link,
+                                router.first_token_hold_ms)
+        registry.register(StateCollector(self.path.first_tokens.metrics))    # qos_first_token_*
         self.drain = drain or Drain("router")
         self.console = ConsoleFeed(self)
         self.tasks: list[asyncio.Task] = []

@@ -98,6 +98,7 @@ def test_bad_top_level_and_pool_keys_are_named(raw, message):
     ({"drain_seconds": "long"}, "router.drain_seconds must be float, got 'long'"),
     ({"http_port": -2}, "router.http_port must be in 0..65535 \\(0 = a free port\\) or -1 \\(off\\), got -2"),
     ({"http_max_body_bytes": 10}, "router.http_max_body_bytes must be >= 1024, got 10"),
+    ({"first_token_hold_ms": -1}, "router.first_token_hold_ms must be a number of ms in 0..1000 \\(0: off\\), got -1"),
     ({"https_port": 8443}, "unknown key router.https_port"),
     ([], "\\[router\\] must be a table"),
 ])
@@ -122,6 +123,7 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_max_hold_ms": -1}, "pool.scheduler.stream_max_hold_ms must be a number of ms in 0..60000"),
+    ({"first_token_hold_ms": 5000}, "pool.scheduler.first_token_hold_ms must be a number of ms in 0..1000"),
     ({"tokenizer_nice": [0, 5]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
     ({"tokenizer_nice": [0, 5, 20]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
     ({"tokenizer_nice": [-5, 0, 0]}, "pool.scheduler.tokenizer_nice must be 3 whole numbers in 0..19"),
@@ -135,6 +137,14 @@ def test_bad_router_settings_name_the_key(router, message):
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"scheduler": scheduler})
+
+
+def test_first_token_hold_defaults_to_50_ms_and_is_read_for_router_and_scheduler():
+    assert parse_config({}).router.first_token_hold_ms == 50.0
+    assert parse_config({}).pools[0].scheduler.first_token_hold_ms == 50.0
+    config = parse_config({"router": {"first_token_hold_ms": 0}, "scheduler": {"first_token_hold_ms": 20.5}})
+    assert config.router.first_token_hold_ms == 0
+    assert config.pools[0].scheduler.first_token_hold_ms == 20.5
 
 
 def test_drain_seconds_default_to_30_and_are_read_per_service():
