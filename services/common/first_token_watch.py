@@ -60,16 +60,22 @@ class FirstTokenWatch:
         yield CounterMetricFamily("qos_first_token_held_seconds", "Time those admissions were held, in all",
                                   value=self.held_s)
 
-    async def hold(self) -> None:
-        """Wait until no High request waits for its first token, or the hold runs out."""
+    async def hold(self, interrupt: asyncio.Event | None = None) -> None:
+        """Wait until no High request waits for its first token, the hold runs out, or
+        `interrupt` is set (the intake: a High request was queued meanwhile)."""
         if not self.holding():
             return
         loop = asyncio.get_running_loop()
         started = loop.time()
+        waits = [asyncio.ensure_future(self._clear.wait())]
+        if interrupt is not None:
+            waits.append(asyncio.ensure_future(interrupt.wait()))
         try:
-            await asyncio.wait_for(self._clear.wait(), self._since + self.max_hold_s - started)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=self._since + self.max_hold_s - started,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         self.holds += 1
         self.held_s += loop.time() - started
 

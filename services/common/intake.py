@@ -22,7 +22,8 @@ and while a flood is taken in those are what its first token waits for.
 
 With `yield_to` (services/common/first_token_watch.py), the lower classes' admissions also wait
 while a High request waits for its first token (bounded there): the CPU they would take goes to
-that first token.
+that first token. A High request queued meanwhile (behind another High one still being admitted,
+e.g. a long prompt tokenized in its thread) ends the wait: it goes first, as always.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class PriorityIntake(Generic[Submit, Admitted]):
         self._pending = asyncio.Event()
         self._busy: set[int] = set()             # classes (ranks) with an admission in progress
         self._queued: Counter[int] = Counter()   # requests in the heap, per class (rank)
+        self._express_queued = asyncio.Event()   # ends a hold for first tokens: High goes first
 
     def __len__(self) -> int:
         """Requests waiting to be admitted."""
@@ -77,6 +79,8 @@ class PriorityIntake(Generic[Submit, Admitted]):
         heapq.heappush(self._heap, (rank, next(self._arrivals), submit, future))
         self._queued[rank] += 1
         self._pending.set()
+        if rank == self._express_rank:
+            self._express_queued.set()
         # If the caller is cancelled while waiting, the future is cancelled with it and skipped.
         return await future
 
@@ -94,7 +98,8 @@ class PriorityIntake(Generic[Submit, Admitted]):
                 while self._heap and self._heap[0][0] not in self._busy:
                     if self._yield_to is not None and self._heap[0][0] != self._express_rank \
                             and self._yield_to.holding():
-                        await self._yield_to.hold()
+                        self._express_queued.clear()
+                        await self._yield_to.hold(self._express_queued)
                         continue        # a High request may have come meanwhile: the heap again
                     rank, _, submit, future = heapq.heappop(self._heap)
                     self._queued[rank] -= 1

@@ -121,3 +121,44 @@ def test_its_metrics_say_how_often_and_how_long_the_intake_yielded():
     assert values["qos_first_token_waiting"] == 0
     assert values["qos_first_token_holds"] == 1
     assert 0.015 <= values["qos_first_token_held_seconds"] < 1.0
+
+
+def test_a_high_request_queued_during_a_hold_is_admitted_without_waiting_for_it():
+    """In the scheduler a long High prompt is tokenized in a thread: a second High request then
+    queues behind it. If the intake is holding Low meanwhile, the second goes as soon as the first
+    is admitted, not when the hold ends."""
+    order, at = [], {}
+    release_first = None
+
+    async def scenario():
+        nonlocal release_first
+        release_first = asyncio.Event()
+
+        async def admit(name):
+            if name == "high1":
+                await release_first.wait()      # tokenizing a long prompt
+            order.append(name)
+            at[name] = asyncio.get_running_loop().time()
+            return name
+
+        watch = FirstTokenWatch(max_hold_s=5.0)
+        intake = PriorityIntake(admit, yield_to=watch, express_rank=HIGH, pause_s=0)
+        task = asyncio.create_task(intake.run())
+        waiter = watch.waiter()                 # high1 waits for its first token
+        high1 = asyncio.ensure_future(intake.admit("high1", HIGH))     # admitted in its handler
+        await asyncio.sleep(0)
+        low = asyncio.ensure_future(intake.admit("low", LOW))
+        await asyncio.sleep(0.05)               # the intake holds Low
+        high2 = asyncio.ensure_future(intake.admit("high2", HIGH))     # queued behind high1
+        await asyncio.sleep(0.02)
+        release_first.set()
+        began = asyncio.get_running_loop().time()
+        await asyncio.gather(high1, high2)
+        assert at["high2"] - began < 1.0 and order == ["high1", "high2"]
+        assert not low.done()                   # still held: high1's first token has not come
+        waiter.done()
+        await low
+        task.cancel()
+        assert order == ["high1", "high2", "low"]
+
+    run(scenario())
