@@ -31,7 +31,7 @@ model: venv
 	$(PY) -m services.engine.default_model
 
 demo: model
-	$(PY) -m services.cli demo
+	$(PY) -m services.tools.cli demo
 
 test: model $(NPU_WHEEL_STAMP)
 	$(PY) -m pytest -q --durations=15 tests

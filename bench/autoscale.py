@@ -34,11 +34,10 @@ import grpc  # noqa: E402
 from bench.harness import machine, make_parser, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.config import (AutoscaleConfig, RouterConfig, SchedulerConfig, WorkerConfig,  # noqa: E402
-                                    single_pool)
+from services.common.config import AutoscaleConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS, MAX_RUNNING = 64, 32, 16
 
@@ -131,7 +130,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="write the timeline as a PNG")
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M)")
     args = parser.parse_args()
-    from services.cluster import resolve_model
+    from services.local.cluster import resolve_model
     model = resolve_model(args.model or "default")
     rng = random.Random(args.seed)
     tokenizer = TextTokenizer.from_model_dir(model)

@@ -37,11 +37,11 @@ import grpc  # noqa: E402
 
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
-from services.client import RouterClient, sampling_params  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
+from services.tools.client import RouterClient, sampling_params  # noqa: E402
 
 OUTPUT_TOKENS = 64
 POOLS = ("a", "b")

@@ -35,10 +35,10 @@ from bench.harness import machine, make_parser, model_or_bench, write_json  # no
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_burst import run_policy  # noqa: E402
 from bench.qos_workloads import burst_workload  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 
 class ConsoleReader(threading.Thread):
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.3, help="of the QoS burst (part 2)")
     parser.add_argument("--skip-burst", action="store_true")
     args = parser.parse_args()
-    from services.cluster import resolve_model
+    from services.local.cluster import resolve_model
     result = router_cpu(args, resolve_model("default"))
     if not args.skip_burst:
         model = model_or_bench(None)

@@ -40,13 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import (calibration_line, machine, make_parser, model_or_bench, python_loop_ns,  # noqa: E402
-                           write_json)
-from services.cluster import LocalCluster, free_port  # noqa: E402
+from bench.harness import calibration_line, machine, make_parser, model_or_bench, python_loop_ns, write_json  # noqa: E402
 from services.common.config import SCHEDULER_LINKS  # noqa: E402
 from services.common.grpc_server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
-from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2,  # noqa: E402
-                                          scheduler_pb2_grpc)
+from services.common.ports import free_port  # noqa: E402
+from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. " * 5)[:200]
 

@@ -37,16 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc  # noqa: E402
 
 from bench.harness import PRIORITIES, make_parser, progress, quantile, write_json  # noqa: E402
-from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.config import (ClusterConfig, PoolConfig, RouterConfig,  # noqa: E402
-                                    SchedulerConfig, WorkerConfig)
+from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig  # noqa: E402
 from services.common.priority import parse_priority  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.control.limits import estimated_prompt_tokens  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 from services.router.latency_model import LatencyModel, StepFit  # noqa: E402
-from services.router.limits import estimated_prompt_tokens  # noqa: E402
 from services.router.pools import pool_load  # noqa: E402
 from services.router.routing import DEFAULT_SLO_MS  # noqa: E402
+from services.tools.client import RouterClient, chat_request, sampling_params  # noqa: E402
 
 MAX_TOKENS = {"high": 16, "medium": 24, "low": 32}
 TOPICS = ["rivers", "volcanoes", "trains", "bees", "clouds", "chess", "bridges", "tea", "maps", "owls"]

@@ -38,9 +38,9 @@ from bench.harness import calibration_line, machine, model_or_bench, python_loop
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_burst import cluster_config, idle_high_ttft, parse_args  # noqa: E402
 from bench.qos_workloads import burst_workload  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -77,8 +77,8 @@ def children() -> dict[int, str]:
         except OSError:
             continue
         words = [a.decode(errors="replace") for a in argv if a]
-        if "services.cli" in words:       # python -m services.cli worker --pool cpu --index 0 ...
-            rest = words[words.index("services.cli") + 1:]
+        if "services.tools.cli" in words:       # python -m services.tools.cli worker --pool cpu --index 0 ...
+            rest = words[words.index("services.tools.cli") + 1:]
             found[int(entry)] = rest[0] + (f"-{rest[rest.index('--index') + 1]}" if "--index" in rest else "")
         elif any("spawn_main" in w for w in words):     # bench/loadgen.py's client processes
             found[int(entry)] = "clients"

@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.control_plane_cpu import send_batch  # noqa: E402
-from bench.harness import (calibration_line, machine, make_parser, model_or_bench, python_loop_ns,  # noqa: E402
-                           write_json)
-from services.cluster import LocalCluster  # noqa: E402
+from bench.harness import calibration_line, machine, make_parser, model_or_bench, python_loop_ns, write_json  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.gc_pauses import FREEZE_ENV, GENERATIONS  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 SERVICES = ("router", "scheduler", "worker")
 MODES = {"unfrozen": "0", "frozen": "1"}

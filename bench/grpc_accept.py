@@ -113,7 +113,7 @@ def burn(until: float) -> None:
 
 def one_run(setup: str, handler_s: float, flood: int, high: int, burner: bool) -> list[float]:
     """The High calls' waits (ms) in one run of `setup`."""
-    from services.cluster import free_port
+    from services.common.ports import free_port
     context = multiprocessing.get_context("spawn")
     ports = [free_port("127.0.0.1")]
     if setup == "High lane":

@@ -47,7 +47,7 @@ def model_or_bench(model: str | None) -> str:
     """The --model folder ("default": the embedded SmolLM2), else the random-weight bench model
     (made once, cached)."""
     if model:
-        from services.cluster import resolve_model
+        from services.local.cluster import resolve_model
         return resolve_model(model)
     from services.engine.bench_model import bench_model_dir
     return str(bench_model_dir())

@@ -2,7 +2,7 @@
 
 One HTTP/1.0 request per completion (the server closes the connection at the end, so the body
 needs no chunked decoding), streamed as Server-Sent Events with include_usage. It does what
-`services/client.RouterClient.generate` does for gRPC and costs about as little, so that a
+`services/tools/client.RouterClient.generate` does for gRPC and costs about as little, so that a
 benchmark comparing the two fronts measures the servers, not the client libraries (the official
 `openai` client parses every chunk into pydantic models: a real cost on a 2-core machine that
 also runs the services).

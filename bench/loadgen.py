@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from services.cluster import die_with_parent
+from services.local.cluster import die_with_parent
 from services.router.high_lane import address_for
 
 START_MARGIN_S = 0.2          # every client gets the start time this far ahead
@@ -101,8 +101,8 @@ def _grpc_sender(address: str):
     """(async context for the client, send(job) -> Outcome fields) over the router's gRPC."""
     import grpc
 
-    from services.client import RouterClient, sampling_params
     from services.common.proto.qos.v1 import router_pb2
+    from services.tools.client import RouterClient, sampling_params
 
     client = RouterClient(address)
 

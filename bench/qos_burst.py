@@ -63,16 +63,28 @@ import grpc  # noqa: E402
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
 from bench.qos_report import Sample, plot, print_table, summarise, ttft_parts, write_outcomes  # noqa: E402
-from bench.qos_workloads import (STEADY_SHARES, TRACES, burst_workload, saturation_workload,  # noqa: E402
-                                 steady_workload, trace_workload)
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.config import (FIRST_TOKEN_MODES, KV_CAP_MODES, RouterConfig,  # noqa: E402
-                                    SchedulerConfig, WorkerConfig, single_pool)
+from bench.qos_workloads import (  # noqa: E402
+    STEADY_SHARES,
+    TRACES,
+    burst_workload,
+    saturation_workload,
+    steady_workload,
+    trace_workload,
+)
+from services.common.config import (  # noqa: E402
+    FIRST_TOKEN_MODES,
+    KV_CAP_MODES,
+    RouterConfig,
+    SchedulerConfig,
+    WorkerConfig,
+    single_pool,
+)
 from services.common.cpu_binding import apply_plan, available_cores, plan_cores, worker_threads  # noqa: E402
 from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 
 async def pool_stats(scheduler_address: str) -> scheduler_pb2.PoolStats:

@@ -26,10 +26,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import machine, make_parser, model_or_bench, write_json  # noqa: E402
-from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
+from services.tools.client import RouterClient, chat_request, sampling_params  # noqa: E402
 
 
 def prompt(i: int) -> str:

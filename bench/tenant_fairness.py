@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.harness import machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS = 256, 64
 

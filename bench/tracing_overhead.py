@@ -19,14 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import (trace_service_pb2,  # noqa: E402
-                                                    trace_service_pb2_grpc)
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 
-from bench.harness import (PRIORITIES, calibration_line, make_parser, progress,  # noqa: E402
-                           python_loop_ns, quantile, write_json)
-from services.client import RouterClient, chat_request, sampling_params  # noqa: E402
-from services.cluster import LocalCluster, free_port  # noqa: E402
+from bench.harness import PRIORITIES, calibration_line, make_parser, progress, python_loop_ns, quantile, write_json  # noqa: E402
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
+from services.common.ports import free_port  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
+from services.tools.client import RouterClient, chat_request, sampling_params  # noqa: E402
 
 OTEL_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_INSECURE", "OTEL_BSP_SCHEDULE_DELAY")
 

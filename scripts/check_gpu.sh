@@ -32,13 +32,13 @@ echo "== 3. engine vs HF throughput on $DEVICE (bf16)"
   --json bench/results/engine_throughput_cuda.json
 
 echo "== 4. a GPU + CPU cluster serves High from the GPU pool"
-"$PY" -m services.cli up --config configs/gpu-cpu.toml --log-level WARNING &
+"$PY" -m services.tools.cli up --config configs/gpu-cpu.toml --log-level WARNING &
 CLUSTER=$!
 trap 'kill $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
-  "$PY" -m services.healthcheck 127.0.0.1:50051 >/dev/null 2>&1 && break
+  "$PY" -m services.tools.healthcheck 127.0.0.1:50051 >/dev/null 2>&1 && break
   sleep 1
 done
-"$PY" -m services.cli generate --router 127.0.0.1:50051 --priority high --max-tokens 32 \
+"$PY" -m services.tools.cli generate --router 127.0.0.1:50051 --priority high --max-tokens 32 \
   "Name three rivers in Europe."
-"$PY" -m services.cli stats --router 127.0.0.1:50051
+"$PY" -m services.tools.cli stats --router 127.0.0.1:50051

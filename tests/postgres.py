@@ -12,7 +12,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.cluster import free_port
+from services.common.ports import free_port
 
 
 def binaries() -> Path | None:

@@ -64,9 +64,9 @@ def with_routed_prompts(real: dict, records: list[dict]) -> list[dict]:
     cost_report kept it: the same workload made again from its seed (records are in its order)."""
     if all("routed_prompt_tokens" in r for r in records):
         return records
-    from bench.cost_report import workload               # grpc and the cluster: only when needed
-    from services.client import chat_request
-    from services.router.limits import estimated_prompt_tokens
+    from bench.cost_report import workload  # grpc and the cluster: only when needed
+    from services.control.limits import estimated_prompt_tokens
+    from services.tools.client import chat_request
     prompts = workload(real["requests"], real["rate"], real["seed"])
     if any(abs(r["arrival_s"] - at) > 1e-6 for r, (at, _, _) in zip(records, prompts)):
         raise SystemExit("the run's requests are not its seed's workload: cannot tell the routed prompt lengths")

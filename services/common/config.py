@@ -273,7 +273,7 @@ SLA_OBJECTIVES = ("ttft_p99_ms", "e2e_p99_ms", "tpot_p99_ms", "success_rate")
 @dataclass(slots=True)
 class SlaConfig:
     """An SLA contract ([[sla]]): objectives for one class (and optionally one tenant), judged over
-    a rolling window of every request the router relays (services/router/sla.py)."""
+    a rolling window of every request the router relays (services/control/sla.py)."""
     priority: str = "high"
     tenant: str = ""                  # "" = all tenants of the class together
     ttft_p99_ms: float | None = None  # time to first token, P99

@@ -8,13 +8,32 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from services.common.config import (CPU_BINDINGS, DECODE_ATTENTION, FIRST_TOKEN_MODES, KV_CAP_MODES, POLICIES,
-                                    ROUTING_MODES, SCHEDULER_LINKS, AdapterConfig, AlertsConfig, AuthConfig,
-                                    AutoscaleConfig, BillingConfig, ClusterConfig, ConfigError, PoolConfig, RouterConfig,
-                                    SchedulerConfig, ServiceConfig, SlaConfig, StoreConfig, WorkerConfig,
-                                    default_slas)
+from services.common.config import (
+    CPU_BINDINGS,
+    DECODE_ATTENTION,
+    FIRST_TOKEN_MODES,
+    KV_CAP_MODES,
+    POLICIES,
+    ROUTING_MODES,
+    SCHEDULER_LINKS,
+    AdapterConfig,
+    AlertsConfig,
+    AuthConfig,
+    AutoscaleConfig,
+    BillingConfig,
+    ClusterConfig,
+    ConfigError,
+    PoolConfig,
+    RouterConfig,
+    SchedulerConfig,
+    ServiceConfig,
+    SlaConfig,
+    StoreConfig,
+    WorkerConfig,
+    default_slas,
+)
 from services.common.cpu_binding import MAX_NICE
-from services.common.priority import MAX_STREAM_INTERVAL
+from services.common.priority import LABELS, MAX_STREAM_INTERVAL
 
 
 def check_first_token_hold(value, where: str) -> None:
@@ -197,7 +216,7 @@ def _check_autoscale(pool: PoolConfig, where: str) -> None:
 
 def _parse_sla(raw, where: str) -> SlaConfig:
     sla = _section(SlaConfig, raw, where)
-    if sla.priority not in ("high", "medium", "low"):
+    if sla.priority not in LABELS:
         raise ConfigError(f"{where}.priority must be high, medium or low, got {sla.priority!r}")
     objectives = sla.objectives()
     if not objectives:

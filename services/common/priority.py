@@ -36,6 +36,7 @@ HIGH, MEDIUM, LOW = Priority.HIGH, Priority.MEDIUM, Priority.LOW
 ORDER = (HIGH, MEDIUM, LOW)            # most urgent first; also the order of per-class lists
 DEFAULT_PRIORITY = MEDIUM
 PRIORITIES = {p.label: p for p in ORDER}
+LABELS = tuple(PRIORITIES)              # ("high", "medium", "low"): what x-priority and configs say
 _LABELS = {int(p): p.label for p in ORDER}
 
 

@@ -10,7 +10,7 @@ One small interface, three implementations:
   utilization from NVML (`nvidia-ml-py`, optional) when it is installed.
 - NPU (Ascend): torch_npu is imported only here, guarded, because installed without the CANN
   stack it breaks `import torch` itself; entry points set TORCH_DEVICE_BACKEND_AUTOLOAD=0 before
-  torch is imported so that torch never loads it on its own (services/cli.py). bf16 where
+  torch is imported so that torch never loads it on its own (services/tools/cli.py). bf16 where
   supported (Ascend 910B), else fp16; memory from `torch.npu.mem_get_info`.
 A backend that is asked for but absent raises DeviceUnavailableError naming what is missing.
 """

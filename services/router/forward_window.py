@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from prometheus_client.core import GaugeMetricFamily
 
 from services.common.priority import priority_name
-from services.scheduler.admission import check_queue    # pure: the same rule and message as the scheduler's
+from services.common.queue_limit import check_queue  # the same rule and message as the scheduler's
 
 
 @dataclass(slots=True)
@@ -155,7 +155,7 @@ class ForwardWindows:
             self._release(window)
 
     def _check_room(self, pool: str, priority: int, window: ClassWindow) -> None:
-        """The scheduler's own queue rule (admission.check_queue), over those in flight and held."""
+        """The scheduler's own queue rule (services/common/queue_limit.py), over those in flight and held."""
         limit = self.limits.get(pool)
         if limit is not None:
             check_queue(priority, window.in_flight + window.held, limit.max_queue, limit.retry_after_ms, pool)

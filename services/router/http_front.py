@@ -14,12 +14,11 @@ fastest. bench/http_overhead.py measures what the front costs against gRPC.
 from __future__ import annotations
 
 import asyncio
-import json
 import contextlib
+import json
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import uvicorn
 from google.protobuf.json_format import MessageToDict
@@ -35,13 +34,13 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
 from services.common.tracing import extract_metadata
 from services.common.wire import prompt_chars
-from services.router import adapter_admin
+from services.control import adapter_admin
+from services.control.console_feed import CONSOLE_DIR
+from services.control.limits import estimate_tokens
 from services.router.http_generation import GenerationResponse, error_response
-from services.router.limits import estimate_tokens
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
 
-CONSOLE_DIR = Path(__file__).resolve().parent / "console"
 CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
     ("index.html", "text/html; charset=utf-8"), ("console.js", "text/javascript; charset=utf-8"),
     ("console.css", "text/css; charset=utf-8"))}
@@ -168,7 +167,7 @@ class HttpFront:
         return await self.console_file(http, "index.html")
 
     async def console_file(self, http: Request, name: str | None = None) -> Response:
-        """The console's page and its two files (services/router/console/), no build step."""
+        """The console's page and its two files (services/control/console/), no build step."""
         name = name or http.path_params["name"]
         if name not in CONSOLE_FILES:
             return error_response(ServiceError(ErrorKind.NOT_FOUND, f"no console file {name!r}", reason="not_found"))

@@ -10,9 +10,9 @@ import time
 from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError
+from services.control.tenancy import Caller
 from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.openai_response import OpenAIResponse, error_body
-from services.router.tenancy import Caller
 from services.router.validation import RequestHead, check_sampling
 
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",

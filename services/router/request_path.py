@@ -24,13 +24,13 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.tracing import inject_metadata, traceparent
-from services.router.accounts import Accounts
-from services.router.limits import estimated_prompt_tokens
+from services.control.accounts import Accounts
+from services.control.limits import estimated_prompt_tokens
+from services.control.tenancy import Caller
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.scheduler_link import LinkUnsupported
 from services.router.tally import RouterTotals, Tally
-from services.router.tenancy import Caller
 from services.router.validation import RequestHead
 
 log = logging.getLogger(__name__)

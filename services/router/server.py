@@ -17,23 +17,23 @@ from prometheus_client import CollectorRegistry
 from services.common.config import AuthConfig, ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
-from services.common.priority import PRIORITIES
 from services.common.grpc_server import STOP_GRACE_SECONDS, run_server
 from services.common.metrics import StateCollector, serve_metrics
+from services.common.priority import PRIORITIES
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
 from services.common.wire import prompt_chars
+from services.control.accounts import Accounts
+from services.control.console_feed import ConsoleFeed
+from services.control.ledger import LedgerWriter
+from services.control.limits import estimate_tokens
+from services.control.sla_monitor import SlaMonitor
+from services.control.tenancy import Caller, TenantBook
 from services.router.high_lane import lane_metadata, start_high_lane
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
-from services.router.console_feed import ConsoleFeed
 from services.router.request_path import RequestPath
-from services.router.sla_monitor import SlaMonitor
 from services.router.tally import RouterTotals
-from services.router.accounts import Accounts
-from services.router.ledger import LedgerWriter
-from services.router.limits import estimate_tokens
-from services.router.tenancy import Caller, TenantBook
 from services.router.validation import RequestHead, decode_request, parse_head
 from services.store.store import Store
 

@@ -13,14 +13,20 @@ that cannot meet the SLO, and a scan that found none is remembered until the nex
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from services.common.priority import LOW, MEDIUM
 from services.router.latency_model import LatencyModel
-from services.router.route_types import Decision, PoolSpec, RouteRequest
+from services.router.route_types import Decision, PoolLoad, PoolSpec, RouteRequest
 
-if TYPE_CHECKING:
-    from services.router.routing import PoolRouter
+
+class PoolRouter(Protocol):
+    """What slo-cost routing reads of the router that calls it (routing.PoolRouter)."""
+    models: dict[str, LatencyModel]
+    loads: dict[str, PoolLoad]
+    min_free_kv: float
+
+    def has_room_by_rule(self, pool: PoolSpec, slo: float) -> bool: ...
 
 
 @dataclass(slots=True)

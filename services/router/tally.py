@@ -11,16 +11,15 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Status, StatusCode
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge, Histogram
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.metrics import RequestMetrics
 from services.common.percentile import percentile
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.router.sla import Outcome, counts_against_sla
+from services.control.sla import Outcome, counts_against_sla
 
 LATENCY_WINDOW = 10_000        # most recent requests per group kept for percentiles
 RECENT = 50                    # finished requests kept for the console

@@ -1,6 +1,6 @@
 """How many workers a pool wants: `desired_workers`, judged once a second from the scheduler's own
 state, exported as `qos_desired_workers{pool}` and in PoolStats. Something else acts on it:
-`qos-serve up --autoscale` locally (services/local_autoscaler.py), KEDA on Kubernetes.
+`qos-serve up --autoscale` locally (services/local/autoscaler.py), KEDA on Kubernetes.
 
 The rule (limits and thresholds from `[pools.autoscale]`):
 

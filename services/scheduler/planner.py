@@ -17,28 +17,21 @@ import time
 from collections import Counter, deque
 from itertools import chain
 from operator import attrgetter
-from typing import Protocol
 
-from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.common.kv_blocks import blocks_for_tokens
 from services.common.priority import HIGH, ORDER
 from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
-from services.scheduler.room import Room, add_running
+from services.scheduler.room import Room
 from services.scheduler.step_builder import StepBuilder
 from services.scheduler.step_clock import StepCost
+from services.scheduler.victims import add_running
+from services.scheduler.worker_view import Worker
 
 log = logging.getLogger(__name__)
 _PRIORITY = attrgetter("priority")
-
-
-class Worker(Protocol):
-    """What planning needs of a worker link (services/scheduler/worker_link.py, or a test double)."""
-    index: int
-    pool: KVBlockPool | None
-    adapters: frozenset[str]          # LoRA adapters it holds
-    max_loras: int                    # distinct adapters its running sequences may use
 
 
 class StepPlanner:

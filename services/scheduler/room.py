@@ -4,63 +4,19 @@ running slot, and the preemption of what the policy allows when there is not eno
 The planner (planner.py) asks while it fills a step; the preempting itself (blocks back to the
 pool, the request back at the front of its queue) is the planner's, which owns the running lists.
 Victims are taken in VictimOrder: the lowest class first, and in it the sequence that loses the
-least work. Pure Python, tested through the planner (tests/unit/test_qos_scheduling.py).
+least work (victims.py). Pure Python, tested through the planner (tests/unit/test_qos_scheduling.py).
 """
 from __future__ import annotations
 
-from bisect import insort
-from itertools import filterfalse
-from operator import attrgetter
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
 
 from services.common.kv_blocks import KVBlockPool, cap_blocks
 from services.common.priority import ORDER
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import StepBuilder
-
-if TYPE_CHECKING:
-    from services.scheduler.planner import Worker
-
-_COMPUTED, _SEQ_ID = attrgetter("computed"), attrgetter("seq_id")
-
-
-def add_running(running_by_class: dict[int, list[Request]], request: Request) -> None:
-    """Put a sequence admitted to a worker on its class's list there, which is kept in seq_id
-    order: VictimOrder reads it newest first."""
-    insort(running_by_class[request.priority], request, key=_SEQ_ID)
-
-
-class VictimOrder:
-    """One worker's running sequences in preemption order: lowest class first; inside a class,
-    the sequence that loses the least work (the fewest tokens in its KV cache, all of which are
-    computed again when it resumes), newest first among equals.
-
-    Sorted a class at a time, as far as a caller needs: an admitted High that displaces a Low, the
-    common case, sorts only the Low ones. Made once per plan (StepBuilder.victims): the order does
-    not change while planning, and callers skip those preempted or scheduled meanwhile. A class
-    sorted later in the plan also holds sequences admitted since (scheduled, so skipped as well)."""
-
-    def __init__(self, running_by_class: dict[int, list[Request]]):
-        self._running_by_class = running_by_class
-        self._unsorted = sorted(ORDER, reverse=True)      # lowest class (largest value) first
-        self._order: list[Request] = []
-
-    def down_to(self, builder: StepBuilder, priority: int, inclusive: bool = True) -> list[Request]:
-        """The order through the classes below `priority` (and `priority` itself if inclusive),
-        leaving out those scheduled already when their class is sorted (never victims this step).
-        The list only grows: an index into it stays valid for the rest of the plan."""
-        unsorted = self._unsorted
-        while unsorted and (unsorted[0] > priority or (inclusive and unsorted[0] == priority)):
-            cls = unsorted.pop(0)
-            # The class's own list (add_running), newest first, filtered at C level, and one stable
-            # sort by the work each would lose, on a C-level key: this runs in the plans that
-            # preempt, which make the plans' tail (bench/scheduler_overhead.py); a pass over every
-            # running sequence of the worker, and a second sort for the ties, cost half of it.
-            newest_first = reversed(self._running_by_class[cls])
-            unscheduled = filterfalse(builder.scheduled_set().__contains__, newest_first)
-            self._order += sorted(unscheduled, key=_COMPUTED)
-        return self._order
+from services.scheduler.victims import VictimOrder
+from services.scheduler.worker_view import Worker
 
 
 class Room:
@@ -80,8 +36,8 @@ class Room:
         if builder.victims is None:
             builder.victims = VictimOrder(self.running_by_class[worker.index])
         if not self.policy.preempts_by_class:
-            return builder.victims.down_to(builder, min(ORDER))
-        return builder.victims.down_to(builder, requester.priority, inclusive=not admitting)
+            return builder.victims.down_to(builder.scheduled_set(), min(ORDER))
+        return builder.victims.down_to(builder.scheduled_set(), requester.priority, inclusive=not admitting)
 
     def free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         """All running slots are taken: preempt one sequence the policy lets `request` displace,

@@ -7,14 +7,11 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain, repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.step_clock import StepCost
-
-if TYPE_CHECKING:
-    from services.scheduler.room import VictimOrder
+from services.scheduler.victims import VictimOrder
 
 _COMPUTED, _SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("computed", "seq_id", "priority", "tenant"))
 

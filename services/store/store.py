@@ -16,12 +16,21 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from services.common.paths import cache_root
-from services.store.schema import (MIGRATIONS, SCHEMA_VERSION, TENANT_NAME_MAX, api_keys, ledger,
-                                   metadata, schema_info, tenants)
+from services.common.priority import LABELS
+from services.store.schema import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    TENANT_NAME_MAX,
+    api_keys,
+    ledger,
+    metadata,
+    schema_info,
+    tenants,
+)
 
 KEY_PREFIX = "qsk_"
 PREFIX_CHARS = 12           # what is stored and shown of a key: "qsk_" + 8 characters
-ALL_PRIORITIES = ("high", "medium", "low")
+ALL_PRIORITIES = LABELS
 
 
 class StoreError(ValueError):

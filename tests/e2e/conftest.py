@@ -11,13 +11,13 @@ import functools
 
 import pytest
 
-from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from services.local.cluster import LocalCluster
 
 
 @functools.cache
 def bench_model() -> str:
-    from services.engine.bench_model import bench_model_dir   # built once from the default model, cached
+    from services.engine.bench_model import bench_model_dir  # built once from the default model, cached
     return str(bench_model_dir())
 
 

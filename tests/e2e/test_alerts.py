@@ -15,11 +15,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
 from services.common.config import AlertsConfig, SlaConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
-from services.cluster import LocalCluster
+from services.local.cluster import LocalCluster
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
@@ -139,6 +139,6 @@ def test_a_breach_fires_once_and_recovery_resolves_once(cluster):
     assert [a.state for a in reply.alerts] == ["resolved"] and reply.objectives[0].state in ("ok", "pending")
     body = json.loads(http_get(cluster, "/v1/alerts"))
     assert body["alerts"][0]["state"] == "resolved" and body["objectives"][0]["priority"] == "high"
-    shown = subprocess.run([sys.executable, "-m", "services.cli", "alerts", "--router", cluster.router_address],
+    shown = subprocess.run([sys.executable, "-m", "services.tools.cli", "alerts", "--router", cluster.router_address],
                            capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "RESOLVED" in shown.stdout and "end-to-end P99" in shown.stdout

@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.config import AutoscaleConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.local.cluster import LocalCluster
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow

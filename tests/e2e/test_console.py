@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+from services.local.cluster import LocalCluster
 from services.store.store import Store, Tenant
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow

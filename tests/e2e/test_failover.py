@@ -11,10 +11,10 @@ import sys
 import grpc
 import pytest
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
 
                 async def drain_one():
                     drained["command"] = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "services.cli", "drain", "worker", address, "--wait", "60",
+                        sys.executable, "-m", "services.tools.cli", "drain", "worker", address, "--wait", "60",
                         stdout=asyncio.subprocess.PIPE)
 
                 got = await texts(client, 8, drain_one)

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, example, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.local.cluster import LocalCluster
 from services.router.openai_request import FIELDS, NEUTRAL, TIERS
 from tests.e2e.conftest import cluster_config
 

@@ -10,10 +10,10 @@ import grpc
 import openai
 import pytest
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow

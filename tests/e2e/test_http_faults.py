@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.local.cluster import LocalCluster
 from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow

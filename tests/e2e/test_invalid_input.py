@@ -4,8 +4,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow

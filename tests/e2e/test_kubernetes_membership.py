@@ -21,11 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
-from services.cluster import LocalCluster, free_port
 from services.common.config_file import parse_config
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
+from services.common.ports import free_port
 from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.local.cluster import LocalCluster
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, run
 
 pytestmark = pytest.mark.slow

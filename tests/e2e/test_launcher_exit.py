@@ -1,5 +1,5 @@
 """Services started by LocalCluster never outlive their launcher, however it ends (SIGKILL
-included): each sets PR_SET_PDEATHSIG itself at start-up (services/cluster.py)."""
+included): each sets PR_SET_PDEATHSIG itself at start-up (services/local/cluster.py)."""
 from __future__ import annotations
 
 import os
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = """
 import sys, time
 sys.path.insert(0, {root!r})
-from services.cluster import LocalCluster
+from services.local.cluster import LocalCluster
 from tests.e2e.conftest import cluster_config
 cluster = LocalCluster(cluster_config(), quiet=True).start()
 print(" ".join(str(p.pid) for p in cluster.processes.values()), flush=True)

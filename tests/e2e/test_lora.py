@@ -12,13 +12,12 @@ import grpc
 import pytest
 import torch
 
-from services.client import chat_request, sampling_params
-from services.cluster import LocalCluster, resolve_model
-from services.common.config import AdapterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
-from services.common.config import ClusterConfig
+from services.common.config import AdapterConfig, ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2_grpc
 from services.common.tokenizer import TextTokenizer
+from services.local.cluster import LocalCluster, resolve_model
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def test_every_service_froze_its_startup_heap_and_times_its_collections(loaded_c
 
 
 def test_stats_command_shows_the_cluster_per_priority(loaded_cluster):
-    out = subprocess.run([sys.executable, "-m", "services.cli", "stats", "--router",
+    out = subprocess.run([sys.executable, "-m", "services.tools.cli", "stats", "--router",
                           loaded_cluster.router_address], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     lines = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.strip()}

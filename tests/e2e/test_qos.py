@@ -8,13 +8,13 @@ import grpc
 import pytest
 
 from services.common.priority import LOW
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ import asyncio
 import grpc
 import pytest
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, run
 from tests.e2e.test_observability import scrape
 

@@ -8,13 +8,20 @@ import random
 import grpc
 import pytest
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.common.proto.qos.v1 import (common_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc,
-                                          worker_pb2, worker_pb2_grpc)
+from services.common.proto.qos.v1 import (
+    common_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
@@ -174,8 +181,8 @@ def test_a_bound_worker_runs_every_thread_on_its_cores_and_the_control_plane_on_
     scheduler on theirs; clients on this machine told to keep off the worker's."""
     from pathlib import Path
 
-    from services.cluster import LocalCluster
     from services.common.cpu_binding import apply_plan, available_cores, bound_cores, plan_cores, worker_threads
+    from services.local.cluster import LocalCluster
     from tests.e2e.conftest import bench_model, cluster_config
     config = cluster_config(model=bench_model())
     plan = plan_cores(available_cores(), worker_threads(config), min_control=1)

@@ -11,11 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client import chat_request, sampling_params
-from services.cluster import LocalCluster
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
+from services.local.cluster import LocalCluster
 from services.store.store import Store, Tenant
+from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import cluster_config, run
 from tests.e2e.test_http_faults import Exchange
 from tests.postgres import database_url

@@ -16,10 +16,10 @@ import httpx2
 import openai
 import pytest
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
+from services.local.cluster import LocalCluster
 from services.store.billing import report
 from services.store.store import Store, Tenant
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow

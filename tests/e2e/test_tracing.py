@@ -12,8 +12,9 @@ import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster, free_port
+from services.common.ports import free_port
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow

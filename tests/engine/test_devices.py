@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.step import SequenceWork, StepBatch
-from services.engine.device import (CpuBackend, DeviceUnavailableError, open_backend, parse_device)
+from services.engine.device import CpuBackend, DeviceUnavailableError, open_backend, parse_device
 from tests.tiny_models import make_engine, reference_logits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def test_missing_cuda_names_the_cause():
 
 def run_cli(python: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
-    return subprocess.run([python, "-m", "services.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([python, "-m", "services.tools.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -90,7 +90,7 @@ def test_torch_npu_without_cann_breaks_plain_import_torch_but_not_our_services(t
                            timeout=120)
     assert plain.returncode != 0 and "torch_npu" in plain.stderr, plain.stderr[-2000:]
 
-    ours = subprocess.run([python, "-c", "import services.cli, torch; print(torch.ones(3).sum().item())"],
+    ours = subprocess.run([python, "-c", "import services.tools.cli, torch; print(torch.ones(3).sum().item())"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert ours.returncode == 0 and ours.stdout.strip() == "3.0", ours.stderr[-2000:]
 

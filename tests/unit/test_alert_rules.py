@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.alert_rules import rules_yaml
 from services.common.config import ClusterConfig, SlaConfig
+from services.control.alert_rules import rules_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "deploy" / "prometheus" / "alerts.yml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import generate_address, parse_args
 from services.common.config import RouterConfig
+from services.tools.cli import generate_address, parse_args
 
 
 @pytest.mark.parametrize("argv, passed_on", [
@@ -33,8 +33,8 @@ def test_service_flags():
 
 def test_cluster_ports_left_to_the_system_are_all_different(monkeypatch):
     """bind(0) may hand out a port it handed out a moment ago; no two services may get it."""
-    from services import cluster
     from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+    from services.local import cluster
     handed_out = iter([5001, 5001, 5002, 5001, 5003, 5004, 5004, 5005, 5006, 5007, 5008, 5009])
     monkeypatch.setattr(cluster, "free_port", lambda host="127.0.0.1": next(handed_out))
     config = cluster.resolve_ports(single_pool(

@@ -91,7 +91,7 @@ def test_every_qos_service_is_traced_and_health_checked():
     assert {p["target"] for p in found["jaeger"]["ports"]} >= {16686, 4317}
     for name, service in qos_services(found).items():
         assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317", name
-        assert service["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "services.healthcheck"], name
+        assert service["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "services.tools.healthcheck"], name
         assert service["restart"] == "unless-stopped", name
 
 

@@ -1,4 +1,4 @@
-"""`python -m services.healthcheck` (the containers' healthcheck): exit 0 only for SERVING, 1 with a
+"""`python -m services.tools.healthcheck` (the containers' healthcheck): exit 0 only for SERVING, 1 with a
 one-line reason for NOT_SERVING, an unknown service, or nothing listening."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.healthcheck import main
+from services.tools.healthcheck import main
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

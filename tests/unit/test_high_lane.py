@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bench.loadgen import Front
-from services.cluster import resolve_ports
 from services.common.config import ConfigError, RouterConfig, single_pool
 from services.common.config_file import parse_config
 from services.common.errors import ErrorKind, ServiceError
+from services.local.cluster import resolve_ports
 from services.router.high_lane import lane_metadata
 from services.router.validation import parse_head
 

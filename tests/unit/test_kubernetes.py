@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.alert_rules import rules
 from services.common.config_file import parse_config
 from services.common.grpc_server import LIVENESS_SERVICE
+from services.control.alert_rules import rules
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAYS = ["cpu", "gpu", "npu", "autoscale"]
@@ -170,8 +170,8 @@ def test_the_manifests_agree_with_the_config_they_carry(rendered):
 
 
 def test_the_base_rules_are_generated_from_the_base_config():
-    from services.alert_rules import rules_yaml
     from services.common.config_file import load_config
+    from services.control.alert_rules import rules_yaml
     base = ROOT / "deploy" / "kubernetes" / "base"
     assert (base / "prometheusrule.yaml").read_text() == rules_yaml(load_config(base / "cluster.toml"), kubernetes=True), \
         "regenerate: qos-serve alerts --rules --kubernetes --config deploy/kubernetes/base/cluster.toml"

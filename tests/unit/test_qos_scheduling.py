@@ -7,19 +7,20 @@ import gc
 import weakref
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from services.common.step import SamplingParams
 from services.common.errors import ServiceError
+from services.common.kv_blocks import blocks_for_tokens, cap_blocks
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.common.step import SamplingParams
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.monitor import ResourceMonitor
-from services.common.priority import HIGH, LOW, MEDIUM
-from services.scheduler.room import VictimOrder, add_running
 from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import StepBuilder
+from services.scheduler.victims import VictimOrder, add_running
 from tests.unit.test_batcher import BLOCK, LetterDecoder, SimulatedWorker, expected_output
 
 
@@ -296,9 +297,9 @@ def test_victim_order_is_lowest_class_then_least_work_then_newest(shapes, rng):
     expected = sorted((r for r, (_, _, scheduled) in zip(requests, shapes) if not scheduled),
                       key=lambda r: (-r.priority, r.computed, -r.seq_id))
     order = VictimOrder(running_by_class)
-    low_and_medium = order.down_to(builder, MEDIUM)
+    low_and_medium = order.down_to(builder.scheduled_set(), MEDIUM)
     assert low_and_medium == [r for r in expected if r.priority != HIGH]
-    assert order.down_to(builder, HIGH) == expected
+    assert order.down_to(builder.scheduled_set(), HIGH) == expected
 
 
 def test_running_lanes_are_counted_as_sequences_come_and_go():

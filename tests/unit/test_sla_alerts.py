@@ -13,9 +13,9 @@ import pytest
 from services.common.config import SlaConfig
 from services.common.config_file import parse_config
 from services.common.errors import ErrorKind, ServiceError
-from services.router.alerts import AlertBook
-from services.router.sla import Outcome, counts_against_sla, objectives_of
-from services.router.webhooks import NEVER, WebhookSender, payload
+from services.control.alerts import AlertBook
+from services.control.sla import Outcome, counts_against_sla, objectives_of
+from services.control.webhooks import NEVER, WebhookSender, payload
 
 
 def book_of(**contract) -> AlertBook:

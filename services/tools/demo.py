@@ -11,12 +11,12 @@ import time
 
 import grpc
 
-from services.client import RouterClient, chat_request, sampling_params
-from services.cluster import LocalCluster
-from services.common.config import (ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig,
-                                   single_pool)
+from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
 from services.common.config_file import load_config
 from services.common.percentile import percentile
+from services.common.priority import LABELS
+from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, chat_request, sampling_params
 
 DOCUMENT = ("The city council met on Tuesday to discuss the new public library. Residents asked for "
             "longer opening hours, more study rooms and a larger children's section. The architect "
@@ -79,7 +79,7 @@ def report(results, elapsed: float) -> None:
         print(f"[{priority}] > {head}\n{answer.text.strip()}\n")
     print(f"{'priority':<8} {'ok':>4} {'failed':>6} {'TTFT p50':>9} {'p95':>7} {'p99':>7} "
           f"{'e2e p50':>8} {'p99':>7} {'tokens':>7}")
-    for priority in ("high", "medium", "low"):
+    for priority in LABELS:
         mine = [r for r in results if r[0] == priority]
         ok = [a for _, _, a, e in mine if a is not None]
         ttft = [a.ttft_ms for a in ok]

@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 import grpc
 
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import worker_pb2
-from services.router.pools import PoolDirectory
 
 CACHE_WAIT_S = 3.0
+
+
+class PoolDirectory(Protocol):
+    """What this module reads of the router's pools (services/router/pools.py satisfies it): each
+    pool's handle (name, scheduler stub, peer), and the adapters its cached stats show."""
+    handles: dict
+
+    def adapter_names(self) -> set[str]: ...
 
 
 def _targets(pools: PoolDirectory, pool: str | None):

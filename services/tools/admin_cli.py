@@ -1,6 +1,6 @@
 """The operator's commands on the tenant and billing store ([store] url of --config, else
 $QOS_STORE_URL, else SQLite in the cache folder). They talk to the database directly; routers pick
-changes up within seconds (services/router/tenancy.py).
+changes up within seconds (services/control/tenancy.py).
 
     qos-serve tenants add NAME [--priorities high,medium,low] [--rpm N] [--tpm N]
                                [--max-concurrent N] [--budget UNITS] [--weight W]

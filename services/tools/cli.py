@@ -5,7 +5,7 @@
     qos-serve demo                               a local cluster serving a mixed-priority burst
     qos-serve stats [--watch]                    the cluster per priority
     qos-serve drain worker HOST:PORT [--wait]    a worker finishes what it holds and leaves
-    qos-serve tenants|keys|billing ...           tenants, API keys, the bill (services/admin_cli.py)
+    qos-serve tenants|keys|billing ...           tenants, API keys, the bill (services/tools/admin_cli.py)
     qos-serve router|scheduler|worker --config FILE [--index N]   one service
     qos-serve worker ... --join SCHEDULER [--port N] [--advertise HOST:PORT]   join a pool at run time
 """
@@ -18,7 +18,7 @@ import os
 # imports it itself, guarded (services/engine/device.py).
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
-from services.cluster import die_with_parent_if_asked  # noqa: E402
+from services.local.cluster import die_with_parent_if_asked  # noqa: E402
 
 die_with_parent_if_asked()
 
@@ -30,6 +30,7 @@ from pathlib import Path
 from services.common.config import ConfigError, RouterConfig  # noqa: E402
 from services.common.config_file import load_config  # noqa: E402
 from services.common.grpc_server import setup_logging  # noqa: E402
+from services.common.priority import LABELS  # noqa: E402
 
 
 def _client_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +45,7 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args) -> int:
-    from services.cluster import LocalCluster, run_until_signal
+    from services.local.cluster import LocalCluster, run_until_signal
     config = load_config(args.config)
     run_until_signal(LocalCluster(config, autoscale=args.autoscale))
     return 0
@@ -60,7 +61,7 @@ def cmd_worker(args) -> int:
     bind_process(worker.cpu_cores, f"pool {pool.name} worker {args.index}: cpu_cores")   # before any thread starts
     nice_process(worker.nice)
     if args.port is not None:
-        from services.cluster import free_port
+        from services.common.ports import free_port
         worker.port = args.port or free_port(worker.host)
     advertised = args.advertise or worker.address      # where the scheduler reaches us
     if args.listen:
@@ -74,8 +75,8 @@ def cmd_worker(args) -> int:
         backend = open_backend(worker.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from services.cluster import resolve_model
     from services.engine.engine import Engine
+    from services.local.cluster import resolve_model
     from services.worker.server import build_engine_config, serve_worker
     engine = Engine(build_engine_config(resolve_model(config.model), worker), backend)
     from services.engine.lora import AdapterError
@@ -122,7 +123,7 @@ def cmd_drain(args) -> int:
 
 def cmd_scheduler(args) -> int:
     config = load_config(args.config)
-    from services.cluster import resolve_model
+    from services.local.cluster import resolve_model
     from services.scheduler.autoscale import ScaleAdvisor
     from services.scheduler.server import serve_scheduler
     pool = config.pool(args.pool)
@@ -144,7 +145,7 @@ def cmd_router(args) -> int:
     nice_process(config.router.nice)
     if args.listen:
         config.router.host = args.listen
-    from services.cluster import resolve_model
+    from services.local.cluster import resolve_model
     from services.router.server import serve_router
     asyncio.run(serve_router(config, Path(resolve_model(config.model)).name))
     return 0
@@ -160,8 +161,8 @@ def generate_address(router: RouterConfig, priority: str | None) -> str:
 def cmd_generate(args) -> int:
     import grpc
 
-    from services.client import RouterClient, chat_request, sampling_params
     from services.common.proto.qos.v1 import router_pb2
+    from services.tools.client import RouterClient, chat_request, sampling_params
     address = args.router or generate_address(load_config(args.config).router, args.priority)
     sampling = sampling_params(max_tokens=args.max_tokens, temperature=args.temperature)
     request = (router_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling) if args.raw
@@ -186,7 +187,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from services.stats_view import show
+    from services.tools.stats_view import show
     address = args.router or load_config(args.config).router.address
     return show(address, args.watch, args.api_key, args.tls_ca)
 
@@ -194,10 +195,10 @@ def cmd_stats(args) -> int:
 def cmd_alerts(args) -> int:
     config = load_config(args.config)
     if args.rules:
-        from services.alert_rules import rules_yaml
+        from services.control.alert_rules import rules_yaml
         print(rules_yaml(config, kubernetes=args.kubernetes), end="")
         return 0
-    from services.alerts_view import show
+    from services.tools.alerts_view import show
     return show(args.router or config.router.address, args.api_key, args.tls_ca)
 
 
@@ -213,7 +214,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from services.demo import run_demo
+    from services.tools.demo import run_demo
     return run_demo(args)
 
 
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("prompt")
     p.add_argument("--router", help="router address (default: from --config, else 127.0.0.1:50051)")
-    p.add_argument("--priority", choices=["high", "medium", "low"])
+    p.add_argument("--priority", choices=LABELS)
     p.add_argument("--tenant")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
 
-    from services.admin_cli import add_parsers
+    from services.tools.admin_cli import add_parsers
     add_parsers(sub, _config_args)
 
     p = sub.add_parser("drain", help="drain a worker (no new sequences, finish, leave), as SIGTERM does")

@@ -1,6 +1,6 @@
-"""The router's side of tenants and money, around the request path (services/router/request_path.py):
-let a request in (services/router/tenancy.py), price it, settle it when it ends (limits trued up,
-a ledger row: services/router/ledger.py), and find, cancel or report requests on behalf of whoever
+"""Tenants and money around the request path (services/router/request_path.py):
+let a request in (services/control/tenancy.py), price it, settle it when it ends (limits trued up,
+a ledger row: services/control/ledger.py), and find, cancel or report requests on behalf of whoever
 asks, each tenant seeing only its own.
 """
 from __future__ import annotations
@@ -8,14 +8,32 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import ORDER, priority_name
-from services.router.ledger import LedgerWriter
-from services.router.routing import PoolSpec
-from services.router.tally import Tally
-from services.router.tenancy import Caller, Pass, TenantBook
-from services.router.validation import RequestHead
+from services.control.ledger import LedgerWriter
+from services.control.tenancy import Caller, Pass, TenantBook
+
+
+# What this module reads of the request path's objects (the router's RequestHead, PoolSpec and
+# Tally satisfy them): the control plane names what it needs instead of importing the router.
+class Head(Protocol):
+    request_id: str
+    priority: int
+
+
+class PricedPool(Protocol):
+    name: str
+    device: str
+    cost: float
+
+
+class Usage(Protocol):
+    prompt_tokens: int
+    completion_tokens: int
+    outcome: str              # "completed", "failed" or "cancelled"; "" before it ended
+    started_wall: float
 
 
 @dataclass(slots=True)
@@ -44,17 +62,17 @@ class Accounts:
 
     # --- one request ---------------------------------------------------------------------------------
 
-    def admit(self, caller: Caller, head: RequestHead, estimated_tokens: int) -> Pass:
+    def admit(self, caller: Caller, head: Head, estimated_tokens: int) -> Pass:
         ticket = self.book.admit(caller, head.priority, estimated_tokens)
         self.in_flight[head.request_id] = InFlight(head.request_id, caller.name, priority_name(head.priority),
                                                    asyncio.current_task(), time.time())
         return ticket
 
-    def amount(self, spec: PoolSpec, priority: int, tokens: int) -> float:
+    def amount(self, spec: PricedPool, priority: int, tokens: int) -> float:
         """What `tokens` (prompt + completion) cost on that pool in that class (cost units)."""
         return tokens * spec.cost * self.multipliers[priority]
 
-    def settle(self, ticket: Pass, head: RequestHead, tally: Tally | None, spec: PoolSpec | None,
+    def settle(self, ticket: Pass, head: Head, tally: Usage | None, spec: PricedPool | None,
                model: str) -> None:
         """The request ended (`tally` None: before it was admitted): its stream and reserved tokens
         are released, and if it produced tokens (or completed) its row goes to the ledger."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-
 from services.common.grpc_server import open_channel
 from services.common.priority import PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER
 from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc

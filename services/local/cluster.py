@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import grpc
 from services.common.config import ClusterConfig
 from services.common.cpu_binding import bind_cluster
 from services.common.grpc_server import wait_healthy
+from services.common.ports import free_port
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,15 +32,9 @@ STARTUP_TIMEOUT_SECONDS = 120.0
 STOP_TIMEOUT_SECONDS = 10.0           # beyond the drain time, before a service is killed
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def resolve_model(model: str, progress: bool = True) -> str:
     if model == "default":
-        from services.engine.default_model import default_model_dir   # no torch import here
+        from services.engine.default_model import default_model_dir  # no torch import here
         return str(default_model_dir(progress=progress))
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"model folder {model} has no config.json")
@@ -133,7 +127,7 @@ class LocalCluster:
 
     def launch(self, name: str, *args: str) -> subprocess.Popen:
         """One `qos-serve` service process on this cluster's config (dies with us)."""
-        command = [sys.executable, "-m", "services.cli", *args, "--config", str(self.config_path)]
+        command = [sys.executable, "-m", "services.tools.cli", *args, "--config", str(self.config_path)]
         stream = open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") if self.quiet else None
         env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
         return subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None, env=env)
@@ -158,7 +152,7 @@ class LocalCluster:
             self._spawn("router", "router")
             asyncio.run(self._wait_ready())
             if self.autoscale:
-                from services.local_autoscaler import LocalAutoscaler
+                from services.local.autoscaler import LocalAutoscaler
                 self.autoscaler = LocalAutoscaler(self, say=lambda line: print(line, flush=True)).start()
         except BaseException:
             self.stop()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.ports import free_port
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,6 @@ class LocalAutoscaler:
             self.workers_max[pool.name] = max(self.workers_max[pool.name], stats.workers)
 
     def _start_extra(self, pool) -> None:
-        from services.cluster import free_port
         port = free_port(pool.workers[0].host)
         self.started += 1
         name = f"{pool.name}/worker-auto{self.started}"

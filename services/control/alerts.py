@@ -20,7 +20,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.router.sla import Objective, SlaWindows
+from services.control.sla import Objective, SlaWindows
 
 HISTORY = 100                  # resolved alerts kept for Router.Alerts
 

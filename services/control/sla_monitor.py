@@ -1,7 +1,7 @@
-"""The router's SLA watch: every finished request goes into the windows (services/router/sla.py),
-an evaluation task judges the objectives once a second (services/router/alerts.py), and each
+"""The router's SLA watch: every finished request goes into the windows (services/control/sla.py),
+an evaluation task judges the objectives once a second (services/control/alerts.py), and each
 transition is logged, exported to Prometheus, kept for Router.Alerts and posted to the webhooks
-(services/router/webhooks.py)."""
+(services/control/webhooks.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,9 +16,9 @@ from services.common.config import AlertsConfig, SlaConfig
 from services.common.metrics import StateCollector
 from services.common.priority import PRIORITIES
 from services.common.proto.qos.v1 import router_pb2
-from services.router.alerts import Alert, AlertBook
-from services.router.sla import Outcome, objectives_of
-from services.router.webhooks import WebhookSender
+from services.control.alerts import Alert, AlertBook
+from services.control.sla import Outcome, objectives_of
+from services.control.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
 

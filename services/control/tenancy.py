@@ -1,6 +1,6 @@
 """Who is calling, and the gate every request passes at the router before it is routed:
-authentication (API key -> tenant), entitlements and limits (services/router/limits.py), and,
-when it ends, its line in the billing ledger (services/router/ledger.py).
+authentication (API key -> tenant), entitlements and limits (services/control/limits.py), and,
+when it ends, its line in the billing ledger (services/control/ledger.py).
 
 The router never queries the database on the request path: keys, tenants and what each tenant
 has spent are cached here and re-read from the store every REFRESH_S seconds (in a helper thread),
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import priority_name
-from services.router.limits import Limiter, Reservation
+from services.control.limits import Limiter, Reservation
 from services.store.store import Store, Tenant, hash_key
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """`qos-serve alerts`: the SLA objectives now and the alerts (Router.Alerts), as a table; and
 `qos-serve alerts --rules`: the Prometheus alerting rules equivalent to the router's built-in
-evaluation of the config's [[sla]] contracts (services/alert_rules.py)."""
+evaluation of the config's [[sla]] contracts (services/control/alert_rules.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +11,7 @@ import grpc
 
 from services.common.priority import priority_name
 from services.common.proto.qos.v1 import router_pb2
-from services.stats_view import call_router
+from services.tools.stats_view import call_router
 
 
 def _value(objective: str, value: float) -> str:

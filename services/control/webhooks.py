@@ -24,7 +24,7 @@ import logging
 import urllib.request
 from datetime import datetime, timezone
 
-from services.router.alerts import Alert
+from services.control.alerts import Alert
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""python -m services.healthcheck HOST:PORT [--service NAME] [--timeout SECONDS]
+"""python -m services.tools.healthcheck HOST:PORT [--service NAME] [--timeout SECONDS]
 
 One grpc.health.v1 Check against a qos-serve service, for container healthchecks: prints one line
 and exits 0 only when the answer is SERVING; 1 for NOT_SERVING, an unknown service, nothing
@@ -27,7 +27,7 @@ def check(address: str, service: str = "", timeout: float = 3.0) -> tuple[bool, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m services.tools.healthcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("address", metavar="HOST:PORT")
     parser.add_argument("--service", default="", help="service name to check (default: the server)")

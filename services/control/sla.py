@@ -3,7 +3,7 @@
 Each finished request leaves one `Outcome` in its class's rolling window. Once a second the
 router asks every objective of every `[[sla]]` contract for its value over its window (P99 of TTFT,
 end-to-end or time per output token; or the share of requests served), and the alert book
-(services/router/alerts.py) turns those values into alerts.
+(services/control/alerts.py) turns those values into alerts.
 
 What counts against `success_rate`: requests that failed for the service's reasons (refused
 because a queue or the KV cache was full, no worker, a worker or pool that failed, a deadline

@@ -1,4 +1,4 @@
-"""What the web console shows, as one JSON snapshot a second (services/router/console/ draws it).
+"""What the web console shows, as one JSON snapshot a second (services/control/console/ draws it).
 
 Once a second the feed adds a point to the last minute's history (per class: TTFT and end-to-end
 P50/P99 over the requests completed in the trailing 60 s, tokens/s), builds the snapshot from
@@ -16,10 +16,12 @@ import json
 import os
 import time
 from collections import deque
+from pathlib import Path
 
 from services.common.percentile import percentile
 from services.common.priority import ORDER, priority_name
 
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"     # the page that draws the feed
 HISTORY_S = 60
 TRACE_URL_ENV = "QOS_JAEGER_UI_URL"       # e.g. http://localhost:16686: recent requests link there
 
