@@ -101,6 +101,8 @@ def _unbound(config) -> None:
 MECHANISMS = [
     Mechanism("first_token_alone", "High's first-token work alone in its step (high_first_token = alone) vs the "
               "fair order (wfq)", _sched(high_first_token="alone"), _sched(high_first_token="wfq")),
+    Mechanism("first_token_ahead", "High's first-token work ahead of the fair order (ahead) vs the fair order (wfq)",
+              _sched(high_first_token="ahead"), _sched(high_first_token="wfq")),
     Mechanism("first_token_alone_vs_ahead", "alone vs ahead: High's first-token work ahead of the fair order, "
               "with (alone) or without (ahead) the rest of the step left out when its prompt fits",
               _sched(high_first_token="alone"), _sched(high_first_token="ahead")),

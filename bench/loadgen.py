@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import time
@@ -31,7 +30,6 @@ from pathlib import Path
 from typing import Callable
 
 from services.local.cluster import die_with_parent
-from services.router.high_lane import address_for
 
 START_MARGIN_S = 0.2          # every client gets the start time this far ahead
 # Client processes stand in for clients on other machines: at a lower CPU priority, they take the
@@ -53,11 +51,6 @@ class Front:
     address: str                  # host:port
     model: str = ""
     cores: tuple[int, ...] = ()
-    high_address: str = ""        # the router's High lane (services/router/high_lane.py), if any
-
-    def for_priority(self, priority: str) -> "Front":
-        """Where `priority`'s client sends: High to the lane where the router has one."""
-        return dataclasses.replace(self, address=address_for(priority, self.address, self.high_address))
 
     @classmethod
     def of(cls, kind: str, cluster) -> "Front":
@@ -67,7 +60,7 @@ class Front:
         router, cores = cluster.config.router, tuple(cluster.client_cores)
         if kind == "http":
             return cls("http", f"{router.host}:{router.http_port}", Path(cluster.config.model).name, cores)
-        return cls("grpc", router.address, cores=cores, high_address=router.high_address or "")
+        return cls("grpc", router.address, cores=cores)
 
 
 @dataclass(slots=True)
@@ -165,8 +158,6 @@ def _client_main(front: Front, jobs: list[dict], done, conn, parent: int) -> Non
         os.sched_setaffinity(0, front.cores)
     if not jobs or jobs[0]["priority"] not in UNNICED:    # a process sends one priority's jobs
         os.nice(CLIENT_NICE)
-    if jobs:
-        front = front.for_priority(jobs[0]["priority"])
     try:
         conn.send("ready")
         start = conn.recv()

@@ -158,16 +158,15 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
             "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
             "alone": {"high_first_token": "alone"},
-            "short": {}, "nocutin": {"high_cut_in": False}, "inslots": {"high_cut_in_slots": 0.0},
-            "fewerslots": {"high_cut_in_slots": 0.125}, "nice5": {"tokenizer_nice": [0, 5, 10]},
-            "pertoken": {"stream_intervals": [1, 1, 1]}, "nohold": {"first_token_hold_ms": 0.0}}
+            "short": {}, "nocutin": {"high_cut_in": False},
+            "nice5": {"tokenizer_nice": [0, 5, 10]},
+            "pertoken": {"stream_intervals": [1, 1, 1]}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
 # send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none);
 # "routernice0" and "routernice5", the router at nice 0 or +5, not its default +2
 # (services/common/cpu_binding.py, nice_process).
-ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "nolane": {"high_port": -1}, "routernice0": {"nice": 0},
-                   "routernice5": {"nice": 5}, "nohold": {"first_token_hold_ms": 0.0}}
+ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "routernice0": {"nice": 0}, "routernice5": {"nice": 5}}
 # ... and of the whole cluster: "bound", the workers on cores of their own and the router,
 # scheduler and the load generator's clients on the rest even where that leaves them one core,
 # which cpu_binding = "auto" does not (services/common/cpu_binding.py).
@@ -185,8 +184,7 @@ def cluster_config(name: str, model: str, args):
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
-                                         **{"high_port": -1 if policy == "fcfs" else 0,
-                                            **ROUTER_VARIANTS.get(variant, {})}),
+                                         **ROUTER_VARIANTS.get(variant, {})),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
@@ -229,7 +227,6 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
     summary["cpu_binding"] = cluster.cpu_binding     # which cores the services (and clients) ran on
-    summary["high_sent_to"] = "the router's High lane" if front.high_address else "the main port"
     summary["preemptions"] = stats.preemptions - before.preemptions
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)

@@ -100,9 +100,6 @@ def print_table(report: dict) -> None:
         print(next(iter(bindings.values())))
     else:
         print("; ".join(f"{policy}: {binding}" for policy, binding in bindings.items()))
-    lanes = [f"{p} to {report[p]['high_sent_to']}" for p in report.get("policies", []) if "high_sent_to" in report[p]]
-    if lanes:
-        print("High requests sent: " + ", ".join(lanes))
     print()
     # Variants of QoS (qos-elastic, qos-wfq, ...) get a column each after the comparison.
     extra = [name for name in report.get("policies", []) if name not in ("fcfs", "qos")]

@@ -17,11 +17,16 @@
 
 A port of 0 means "pick a free one" (`qos-serve up` resolves them before starting anything).
 Services bind to loopback unless a host is given.
+
+Every key is a dataclass field made with `setting()`: its default, one line of meaning, and the
+values it takes (choices, bounds, one per class). That is the one source: config_file.py checks a
+file against it and docs/configuration.md is generated from it (services/common/config_doc.py).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 from services.common.drain import DEFAULT_DRAIN_SECONDS
@@ -36,6 +41,54 @@ SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.schedul
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
 CPU_BINDINGS = ("auto", "off")                      # ClusterConfig.cpu_binding
+DEVICES = ("cuda", "npu", "cpu")
+DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
+MAX_NICE = 19                                       # the lowest CPU priority Linux has
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The numbers a key takes: low..high, low excluded when `open_low`."""
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    meaning: str = ""                    # what special values mean, e.g. "-1: off"
+
+    def admits(self, value: float) -> bool:
+        return (self.low < value if self.open_low else self.low <= value) and value <= self.high
+
+    def __str__(self) -> str:
+        low, high = _number(self.low), _number(self.high)
+        if self.high == math.inf:
+            text = f"> {low}" if self.open_low else f">= {low}"
+        else:
+            text = f"in ({low}, {high}]" if self.open_low else f"in {low}..{high}"
+        return f"{text} ({self.meaning})" if self.meaning else text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if math.isfinite(value) and value == int(value) else f"{value:g}"
+
+
+PORT = Bounds(0, 65535, meaning="0: a free port")
+PORT_OR_OFF = Bounds(-1, 65535, meaning="0: a free port, -1: off")
+POSITIVE = Bounds(0, open_low=True)
+NON_NEGATIVE = Bounds(0)
+SHARE = Bounds(0, 1, open_low=True)      # (0, 1]
+
+
+def setting(default=MISSING, doc: str = "", *, factory=None, kind: type | None = None,
+            choices: tuple = (), bounds: Bounds | None = None, per_class: bool = False, note: str = ""):
+    """A config key: its default (or `factory`), one line saying what it does, and what it takes:
+    one of `choices`, a number within `bounds`, or with `per_class` a list of three (High, Medium,
+    Low) each within them. `kind` is the type where the default is None; `note` shows in the docs'
+    values column where the rule is not one of these (a cross-key rule, a format)."""
+    if default is not MISSING and default is not None:
+        kind = kind or type(default)
+    meta = {"doc": doc, "kind": kind, "choices": choices, "bounds": bounds, "per_class": per_class, "note": note}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 class ConfigError(ValueError):
@@ -45,17 +98,17 @@ class ConfigError(ValueError):
 @dataclass(slots=True)
 class ServiceConfig:
     """What every service's table has: where it listens, its metrics, how long it drains."""
-    host: str = DEFAULT_HOST
-    port: int = 0
-    metrics_port: int | None = None   # Prometheus /metrics; None = off, 0 = a free port
-    # On SIGTERM: requests in flight get this long to finish (new ones are refused meanwhile).
-    drain_seconds: float = DEFAULT_DRAIN_SECONDS
-    # CPU cores this service runs on, every thread of it (services/common/cpu_binding.py); empty:
-    # wherever the kernel puts it. LocalCluster fills them in under cpu_binding = "auto".
-    cpu_cores: list = field(default_factory=list)
-    # Added to the nice value of every thread of the service at start (0..19; lowering one needs
-    # privileges): on a host it shares, the service yields the CPU to those at a lower value.
-    nice: int = 0
+    host: str = setting(DEFAULT_HOST, "address to listen on (loopback unless told otherwise)")
+    port: int = setting(0, "gRPC port (0: a free one)", bounds=PORT)
+    metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one; unset: off)",
+                                       kind=int, bounds=PORT)
+    drain_seconds: float = setting(DEFAULT_DRAIN_SECONDS, "on SIGTERM, how long requests in flight get to "
+                                   "finish (new ones are refused meanwhile)", bounds=Bounds(0, 3600))
+    cpu_cores: list = setting(doc="CPU cores every thread of the service runs on ([]: wherever the kernel "
+                              "puts it; a local cluster fills them in under cpu_binding = \"auto\")",
+                              factory=list, kind=list, note="distinct CPU numbers")
+    nice: int = setting(0, "added to the nice value of every thread of the service at start: on a shared "
+                        "host it yields the CPU to services at a lower value", bounds=Bounds(0, MAX_NICE))
 
     @property
     def address(self) -> str:
@@ -64,132 +117,103 @@ class ServiceConfig:
 
 @dataclass(slots=True)
 class RouterConfig(ServiceConfig):
-    port: int = 50051
-    # "cost": cost-aware rules; "primary": all on the primary; "slo-cost": the cheapest pool whose
-    # predicted time to first token meets the request's SLO (services/router/latency_model.py)
-    routing: str = "cost"
-    admission: str = "priority"       # "priority": High first through a burst; "fifo": arrival order
-    # The OpenAI-compatible HTTP front (same host): 0 = a free port, -1 = off.
-    http_port: int = 8000
-    # A flood of calls is the router's own CPU work (gRPC's per call, ~1 ms each): on a host
-    # shared with workers it yields to their engines, whose steps a High request's first token is
-    # computed inside (services/common/cpu_binding.py, nice_process).
-    nice: int = 2
-    # A gRPC port of its own for High (real-time) requests (services/router/high_lane.py), beside
-    # `port`: its calls are accepted apart from a flood's on the main port. 0 = a free port,
-    # -1 = off. It takes only High requests (no x-priority there means high).
-    high_port: int = -1
-    http_max_body_bytes: int = 4 * 2**20    # larger request bodies get 413
-    # A request whose pool fails mid-way (its scheduler died, or it has no worker left) moves to
-    # another pool that serves the model, with the tokens already streamed: at most this often.
-    migration_limit: int = 3
-    # Medium or Low requests of one class in flight to one pool at once; more wait in the router
-    # and go on as those finish (services/router/forward_window.py). High and requests with an
-    # SLO are never held. 0 (the default): forward everything at once. Off by default: in two
-    # alternating full-scale burst pairs it did not lower High's tail (docs/performance.md).
-    forward_window: int = 0
-    # While a High request waits for its first token, Medium and Low requests wait before
-    # validation and their forward, for at most this many ms from when that wait began
-    # (services/common/first_token_watch.py): the CPU goes to the first token. 0: off.
-    first_token_hold_ms: float = 50.0
-    # How requests reach a pool's scheduler: "stream", all of them over one long-lived SubmitLink
-    # stream (services/router/scheduler_link.py; 23-35% less CPU a request in router and scheduler),
-    # or "calls", a Submit call each (what a scheduler without SubmitLink gets either way).
-    scheduler_link: str = "stream"
-    # TLS on the router's gRPC and HTTP fronts (PEM files); both empty: plaintext.
-    tls_cert: str = ""
-    tls_key: str = ""
+    port: int = setting(50051, "gRPC port of the router's front (0: a free one)", bounds=PORT)
+    routing: str = setting("cost", "pool choice: cost-aware rules (cost), everything on the primary pool "
+                           "(primary), or the cheapest pool whose predicted TTFT meets the request's SLO "
+                           "(slo-cost)", choices=ROUTING_MODES)
+    admission: str = setting("priority", "the router's intake: High first through a burst (priority) or "
+                             "arrival order (fifo)", choices=("priority", "fifo"))
+    http_port: int = setting(8000, "the OpenAI-compatible HTTP front on the same host (0: a free port, -1: off)",
+                             bounds=PORT_OR_OFF)
+    nice: int = setting(2, "added to the router's nice value: its intake yields the CPU to the workers' "
+                        "engines on a shared host", bounds=Bounds(0, MAX_NICE))
+    http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413", bounds=Bounds(1024))
+    migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
+                                   "(with the tokens already streamed)", bounds=Bounds(0, 100))
+    forward_window: int = setting(0, "Medium or Low requests of one class in flight to one pool at once; more "
+                                  "wait in the router (0: no window)", bounds=Bounds(0, 1_000_000))
+    scheduler_link: str = setting("stream", "how requests reach a scheduler: one long-lived SubmitLink stream "
+                                  "(stream) or a Submit call each (calls)", choices=SCHEDULER_LINKS)
+    tls_cert: str = setting("", "PEM certificate for TLS on the gRPC and HTTP fronts (with tls_key; both "
+                            "empty: plaintext)", note="a file")
+    tls_key: str = setting("", "PEM private key for tls_cert", note="a file")
 
     @property
     def http_address(self) -> str | None:
         return None if self.http_port < 0 else f"{self.host}:{self.http_port}"
 
-    @property
-    def high_address(self) -> str | None:
-        return None if self.high_port < 0 else f"{self.host}:{self.high_port}"
-
 
 @dataclass(slots=True)
 class SchedulerConfig(ServiceConfig):
-    port: int = 50052
-    policy: str = "qos"               # "qos" (fair queueing, caps, preemption) or "fcfs" (baseline)
-    weights: list = field(default_factory=lambda: [5.0, 3.0, 2.0])    # High, Medium, Low tokens
-    kv_caps: list = field(default_factory=lambda: [1.0, 0.7, 0.3])    # share of each worker's KV
-    max_running: int = 64             # sequences holding KV blocks at once, per worker (and see high_cut_in_slots)
-    max_step_tokens: int = 512        # tokens per engine step: bounds step time (chunked prefill)
-    max_queue: int = 1024             # waiting requests per class before RESOURCE_EXHAUSTED
-    retry_after_ms: int = 1000        # advice sent with RESOURCE_EXHAUSTED for a full queue
-    tenant_fairness: bool = True      # qos: inside a class, tenants share by weight, not arrival
-    # qos: a High request waiting for its first token goes ahead of the fair-queueing order
-    # ("ahead"), also keeping other classes to decodes in that step ("exclusive"), with nothing
-    # else in that step when its prompt fits ("alone", the default since 2026-12-02: a High
-    # request that cannot cut in then waits for a short step, not one carrying every decode), or
-    # not ("wfq")
-    high_first_token: str = "alone"
-    # qos: "strict" caps always bind; "elastic" lets a class borrow blocks beyond its cap while no
-    # other class waits, and takes them back by preemption when a higher class needs them
-    kv_cap_mode: str = "strict"
-    # qos: > 0 keeps each step to about this many ms (by the pool's measured step time) while High
-    # requests are in the pool: the step in flight when a High request arrives is short, at some
-    # cost in the other classes' throughput. 0: off
-    high_step_ms: float = 0.0
-    # qos: a High request that can start at once while a worker computes a step has its first
-    # step run inside that one, at a pause in its forward pass (a cut-in), rather than after it
-    high_cut_in: bool = True
-    # qos: running slots beyond max_running that High cut-ins may take, as a share of it (at least
-    # one while > 0): a cut-in cannot preempt, and under a flood every slot is taken. 0: cut-ins
-    # stay within max_running (for a worker whose memory or batch shapes allow no more). A quarter
-    # since 2026-12-04 (an eighth before: two full-scale bursts, docs/performance.md)
-    high_cut_in_slots: float = 0.25
-    # qos: while a High request waits for its first token, Medium and Low requests wait before
-    # tokenizing and admission, for at most this many ms from when that wait began
-    # (services/common/first_token_watch.py). 0: off.
-    first_token_hold_ms: float = 50.0
-    # Tokens per stream chunk after the first, per class (High, Medium, Low): a stream's tokens are
-    # held until it has this many (a request's x-stream-interval overrides it), and never longer
-    # than stream_max_hold_ms. The first token's chunk and the last go at once. Fewer messages
-    # through scheduler, router and client: CPU for the steps and for High's requests.
-    stream_intervals: list = field(default_factory=lambda: [1, 4, 16])
-    stream_max_hold_ms: float = 500.0
-    # Added to the process's nice value for the thread that tokenizes each class's prompts (High,
-    # Medium, Low; Linux): under a burst, long Medium and Low prompts are tokenized on the CPU time
-    # a shared machine's engine, event loops and High's prompts leave (+15 and +19 since
-    # 2026-12-02: at +5 and +10 Medium's took a fifth of a core in the flood's first second; see
-    # docs/performance.md). 0: the process's priority.
-    tokenizer_nice: list = field(default_factory=lambda: [0, 15, 19])
-    # Per class (High, Medium, Low): prompts of up to this many characters (prompt and messages'
-    # contents) are tokenized on the event loop itself, longer ones in the class's tokenizer thread.
-    # The hop to a thread and back costs more CPU than encoding a short prompt, and while the loop
-    # is busy it waits for the GIL on both sides: High's first token should not (tokenizer_threads.py).
-    # 0: always the thread. The FCFS baseline uses Medium's for every class.
-    tokenize_inline_chars: list = field(default_factory=lambda: [8192, 512, 512])
-    # Where the pool's workers come from: "config" (dial the [[pools.workers]] addresses), "dns"
-    # (every address workers_dns resolves to, re-resolved every workers_dns_interval_s: a
-    # Kubernetes headless Service), or "join" (only workers that register: `qos-serve worker
-    # --join`). Workers may register in every mode; [[pools.workers]] stays their settings.
-    workers_from: str = "config"
-    workers_dns: str = ""             # "qos-workers.ns.svc.cluster.local:50053"
-    workers_dns_interval_s: float = 5.0
-    # With no worker to serve (all failed or left), how long requests wait for one to (re)join
-    # before they are handed back to the router (UNAVAILABLE) to be moved to another pool.
-    orphan_grace_s: float = 10.0
-    step_timeout_s: float = 120.0     # a worker slower than this to answer one step counts as gone
+    port: int = setting(50052, "gRPC port of the pool's scheduler (0: a free one)", bounds=PORT)
+    policy: str = setting("qos", "weighted fair queueing with KV caps and preemption (qos), or the "
+                          "first-come-first-served baseline (fcfs)", choices=POLICIES)
+    weights: list = setting(doc="each class's weight in weighted fair queueing of tokens", factory=lambda: [5.0, 3.0, 2.0],
+                            per_class=True, bounds=POSITIVE)
+    kv_caps: list = setting(doc="the share of each worker's KV blocks a class may hold", factory=lambda: [1.0, 0.7, 0.3],
+                            per_class=True, bounds=SHARE)
+    max_running: int = setting(64, "sequences holding KV blocks at once, per worker", bounds=Bounds(1))
+    max_step_tokens: int = setting(512, "tokens per engine step (chunked prefill): bounds a step's time",
+                                   bounds=Bounds(1), note=">= max_running")
+    max_queue: int = setting(1024, "waiting requests per class before RESOURCE_EXHAUSTED", bounds=Bounds(1))
+    retry_after_ms: int = setting(1000, "retry advice sent with RESOURCE_EXHAUSTED for a full queue",
+                                  bounds=Bounds(1))
+    tenant_fairness: bool = setting(True, "inside a class, tenants share by weight, not by arrival")
+    high_first_token: str = setting("alone", "qos: a High request waiting for its first token goes ahead of the "
+                                    "fair order (ahead), also keeping others to decodes (exclusive), with nothing "
+                                    "else in that step when its prompt fits (alone), or not (wfq)",
+                                    choices=FIRST_TOKEN_MODES)
+    kv_cap_mode: str = setting("strict", "caps always bind (strict), or a class borrows blocks beyond its cap "
+                               "while no other class waits (elastic)", choices=KV_CAP_MODES)
+    high_step_ms: float = setting(0.0, "qos: keep each step to about this many ms while High requests are in the "
+                                  "pool (0: off)", bounds=NON_NEGATIVE)
+    high_cut_in: bool = setting(True, "qos: a High request that can start while a worker computes a step runs "
+                                "its first step inside that one (a cut-in)")
+    stream_intervals: list = setting(doc="tokens per stream chunk after the first, per class (a request's "
+                                     "x-stream-interval overrides it)", factory=lambda: [1, 4, 16], kind=int,
+                                     per_class=True, bounds=Bounds(1, 2**31 - 1))
+    stream_max_hold_ms: float = setting(500.0, "the longest a chunk waits for the rest of its stream interval",
+                                        bounds=Bounds(0, 60_000))
+    tokenizer_nice: list = setting(doc="added to the nice value of the thread that tokenizes each class's "
+                                   "prompts", factory=lambda: [0, 15, 19], kind=int, per_class=True,
+                                   bounds=Bounds(0, MAX_NICE))
+    tokenize_inline_chars: list = setting(doc="prompts of up to this many characters are tokenized on the event "
+                                          "loop, longer ones in the class's tokenizer thread (0: always the "
+                                          "thread)", factory=lambda: [8192, 512, 512], kind=int, per_class=True,
+                                          bounds=NON_NEGATIVE)
+    workers_from: str = setting("config", "where the pool's workers come from: the configured addresses "
+                                "(config), every address workers_dns resolves to (dns), or only workers that "
+                                "register (join)", choices=("config", "dns", "join"))
+    workers_dns: str = setting("", "with workers_from = dns: a headless Service's HOST:PORT",
+                               note="HOST:PORT")
+    workers_dns_interval_s: float = setting(5.0, "how often workers_dns is resolved again", bounds=POSITIVE)
+    orphan_grace_s: float = setting(10.0, "with no worker left, how long requests wait for one to (re)join "
+                                    "before they go back to the router (UNAVAILABLE) to move pools",
+                                    bounds=POSITIVE)
+    step_timeout_s: float = setting(120.0, "a worker slower than this to answer one step counts as gone",
+                                    bounds=POSITIVE)
 
 
 @dataclass(slots=True)
 class WorkerConfig(ServiceConfig):
-    port: int = 50053
-    device: str = "cpu"
-    dtype: str | None = None          # default: fp32 on CPU, bf16 on CUDA, fp16 on NPU
-    threads: int = 1                  # torch CPU threads, set explicitly in every worker
-    kv_cache_mb: int | None = None    # KV budget in MiB; unset: 256 on CPU, else by fraction
-    kv_cache_fraction: float | None = None  # of free memory after the weights; unset: 0.8 on GPU/NPU
-    block_size: int = 16
-    max_loras: int = 4                # LoRA adapters on the device at once (and among its running sequences)
-    max_cpu_loras: int = 16           # adapters loaded in host memory; past it the least recently used idle one goes
-    # "auto": CPU fp32 workers attend decodes with the paged C kernel where it builds; "kernel":
-    # that or refuse to start; "torch": gather + SDPA (services/engine/paged_attention.py).
-    decode_attention: str = "auto"
+    port: int = setting(50053, "gRPC port of the worker (0: a free one)", bounds=PORT)
+    device: str = setting("cpu", "what it runs on: cpu, cuda[:N] or npu[:N] (default: its pool's device)",
+                          note="cpu, cuda[:N], npu[:N]")
+    dtype: str | None = setting(None, "weights' and KV cache's dtype (default: fp32 on CPU, bf16 on CUDA, "
+                                "fp16 on NPU)", kind=str, choices=DTYPES)
+    threads: int = setting(1, "torch CPU threads, set explicitly in every worker", bounds=NON_NEGATIVE)
+    kv_cache_mb: int | None = setting(None, "KV cache budget in MiB (unset: 256 on CPU, else by fraction)",
+                                      kind=int, bounds=Bounds(1))
+    kv_cache_fraction: float | None = setting(None, "share of free memory after the weights for the KV cache "
+                                              "(unset: 0.8 on GPU/NPU)", kind=float, bounds=SHARE)
+    block_size: int = setting(16, "tokens per KV block", bounds=Bounds(1, 1024))
+    max_loras: int = setting(4, "LoRA adapters on the device at once (and among its running sequences)",
+                             bounds=Bounds(1), note="<= max_cpu_loras")
+    max_cpu_loras: int = setting(16, "adapters kept in host memory; past it the least recently used idle one "
+                                 "goes", bounds=Bounds(1))
+    decode_attention: str = setting("auto", "decode attention on CPU fp32: the paged C kernel where it builds "
+                                    "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
+                                    choices=DECODE_ATTENTION)
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An
@@ -208,33 +232,43 @@ class AutoscaleConfig:
     """When a pool wants one worker more or one fewer (its scheduler's `desired_workers`): see
     services/scheduler/autoscale.py for the rule. `qos-serve up --autoscale` acts on it locally,
     KEDA on Kubernetes."""
-    min_workers: int | None = None    # default: the pool's configured workers
-    max_workers: int | None = None    # default: min_workers (no scaling)
-    scale_out_high_backlog: int = 100     # High requests waiting above this: one more worker
-    high_ttft_p99_ms: float | None = None  # High TTFT P99 above this: one more (default: High's SLA)
-    kv_high: float = 0.9              # KV blocks in use above this share ...
-    kv_high_for_s: float = 30.0       # ... for this long: one more
-    scale_in_below: float = 0.25      # load (running + waiting) / (workers x max_running) below this ...
-    scale_in_after_s: float = 60.0    # ... for this long, nothing High waiting: one fewer
-    scale_out_cooldown_s: float = 30.0    # after any change, no scale-out for this long
-    scale_in_cooldown_s: float = 120.0    # after any change, no scale-in for this long
+    min_workers: int | None = setting(None, "fewest workers (default: the pool's configured workers)",
+                                      kind=int, bounds=Bounds(1))
+    max_workers: int | None = setting(None, "most workers (default: min_workers, no scaling)", kind=int,
+                                      bounds=Bounds(1), note=">= min_workers")
+    scale_out_high_backlog: int = setting(100, "High requests waiting above this: one more worker",
+                                          bounds=Bounds(1))
+    high_ttft_p99_ms: float | None = setting(None, "High TTFT P99 above this: one more worker (default: "
+                                             "High's SLA)", kind=float, bounds=POSITIVE)
+    kv_high: float = setting(0.9, "KV blocks in use above this share for kv_high_for_s: one more worker",
+                             bounds=SHARE)
+    kv_high_for_s: float = setting(30.0, "how long KV use must stay above kv_high", bounds=NON_NEGATIVE)
+    scale_in_below: float = setting(0.25, "load ((running + waiting) / (workers x max_running)) below this for "
+                                    "scale_in_after_s, nothing High waiting: one fewer", bounds=Bounds(0, 1))
+    scale_in_after_s: float = setting(60.0, "how long the load must stay below scale_in_below",
+                                      bounds=NON_NEGATIVE)
+    scale_out_cooldown_s: float = setting(30.0, "after any change, no scale-out for this long",
+                                          bounds=NON_NEGATIVE)
+    scale_in_cooldown_s: float = setting(120.0, "after any change, no scale-in for this long", bounds=NON_NEGATIVE)
 
 
 @dataclass(slots=True)
 class AdapterConfig:
     """A LoRA adapter the pool's workers load at start ([[pools.adapters]])."""
-    name: str = ""                    # what requests name (x-lora, X-Lora, or model: NAME over HTTP)
-    path: str = ""                    # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+    name: str = setting("", "what requests name (x-lora, X-Lora, or model: NAME over HTTP)", note="required")
+    path: str = setting("", "a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)",
+                        note="required")
 
 
 @dataclass(slots=True)
 class PoolConfig:
     """A pool: one scheduler and its workers, all on one kind of device."""
-    name: str = "cpu"                 # reported as `pool` in every response
-    device: str = "cpu"               # cuda | npu | cpu: what the pool's workers run on
-    cost_per_token: float | None = None   # default by device: cuda 1.0, npu 0.3, cpu 0.1
-    primary: bool = False             # takes High when there is no GPU pool
-    lora: bool = False                # prefer this pool for LoRA requests (the reference design: NPUs)
+    name: str = setting("cpu", "the pool's name, reported as `pool` in every response", note="unique")
+    device: str = setting("cpu", "what the pool's workers run on", choices=DEVICES)
+    cost_per_token: float | None = setting(None, "price of a token here (default by device: cuda 1.0, npu 0.3, "
+                                           "cpu 0.1)", kind=float, bounds=NON_NEGATIVE)
+    primary: bool = setting(False, "takes High when there is no GPU pool")
+    lora: bool = setting(False, "preferred for LoRA requests (the reference design: NPUs)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workers: list[WorkerConfig] = field(default_factory=lambda: [WorkerConfig()])
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
@@ -250,21 +284,22 @@ class PoolConfig:
 @dataclass(slots=True)
 class StoreConfig:
     """The tenant and billing database (services/store/)."""
-    url: str = ""                     # "" = SQLite in the cache folder; or postgresql://user@host/db
+    url: str = setting("", "the database: empty for SQLite in the cache folder, or postgresql://user@host/db")
 
 
 @dataclass(slots=True)
 class AuthConfig:
-    required: bool = False            # true: every request needs `authorization: Bearer <key>`
-    admin_key: str = ""               # sees everything; also from $QOS_ADMIN_KEY
-    replicas: int = 1                 # router replicas sharing the tenants' rpm/tpm/concurrency
+    required: bool = setting(False, "every request needs `authorization: Bearer <key>`")
+    admin_key: str = setting("", "the key that sees everything (also from $QOS_ADMIN_KEY)")
+    replicas: int = setting(1, "router replicas sharing the tenants' rpm/tpm/concurrency limits",
+                            bounds=Bounds(1))
 
 
 @dataclass(slots=True)
 class BillingConfig:
-    # Cost units = (prompt + completion tokens) x the pool's cost per token x this, by class.
-    multipliers: list = field(default_factory=lambda: [3.0, 1.5, 1.0])   # High, Medium, Low
-    flush_seconds: float = 1.0        # ledger rows are written in batches this often
+    multipliers: list = setting(doc="cost units = tokens x the pool's cost per token x this, per class",
+                                factory=lambda: [3.0, 1.5, 1.0], per_class=True, bounds=NON_NEGATIVE)
+    flush_seconds: float = setting(1.0, "ledger rows are written in batches this often", bounds=POSITIVE)
 
 
 SLA_OBJECTIVES = ("ttft_p99_ms", "e2e_p99_ms", "tpot_p99_ms", "success_rate")
@@ -274,20 +309,22 @@ SLA_OBJECTIVES = ("ttft_p99_ms", "e2e_p99_ms", "tpot_p99_ms", "success_rate")
 class SlaConfig:
     """An SLA contract ([[sla]]): objectives for one class (and optionally one tenant), judged over
     a rolling window of every request the router relays (services/control/sla.py)."""
-    priority: str = "high"
-    tenant: str = ""                  # "" = all tenants of the class together
-    ttft_p99_ms: float | None = None  # time to first token, P99
-    e2e_p99_ms: float | None = None   # end to end, P99
-    tpot_p99_ms: float | None = None  # time per output token after the first, P99
-    success_rate: float | None = None  # share of requests served (client errors, cancels not counted)
-    window_s: float = 60.0
-    for_seconds: float = 30.0         # a breach must hold this long before the alert fires
-    # Resolve only once the observed value is better than the objective by this share (latency
-    # below objective x (1 - h); errors below the error budget x (1 - h)) for resolve_seconds
-    # (default: for_seconds): a value wobbling around the line does not open and close alerts.
-    hysteresis: float = 0.1
-    resolve_seconds: float | None = None
-    min_requests: int = 10            # fewer requests in the window: no verdict (no alert)
+    priority: str = setting("high", "the class the contract is for", choices=("high", "medium", "low"))
+    tenant: str = setting("", "one tenant's requests only (empty: all tenants of the class together)")
+    ttft_p99_ms: float | None = setting(None, "objective: time to first token, P99", kind=float, bounds=POSITIVE)
+    e2e_p99_ms: float | None = setting(None, "objective: end to end, P99", kind=float, bounds=POSITIVE)
+    tpot_p99_ms: float | None = setting(None, "objective: time per output token after the first, P99",
+                                        kind=float, bounds=POSITIVE)
+    success_rate: float | None = setting(None, "objective: share of requests served (client errors and "
+                                         "cancels not counted)", kind=float, bounds=SHARE)
+    window_s: float = setting(60.0, "the rolling window the objectives are judged over", bounds=Bounds(1, 86400))
+    for_seconds: float = setting(30.0, "a breach must hold this long before the alert fires",
+                                 bounds=Bounds(0, 86400))
+    hysteresis: float = setting(0.1, "resolve only once better than the objective by this share",
+                                bounds=Bounds(0, 0.9))
+    resolve_seconds: float | None = setting(None, "... for this long (default: for_seconds)", kind=float,
+                                            bounds=Bounds(0, 86400))
+    min_requests: int = setting(10, "fewer requests in the window: no verdict (no alert)", bounds=Bounds(1))
 
     def objectives(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in SLA_OBJECTIVES if getattr(self, name) is not None}
@@ -301,15 +338,17 @@ def default_slas() -> list[SlaConfig]:
 
 @dataclass(slots=True)
 class AlertsConfig:
-    webhooks: list = field(default_factory=list)   # URLs: each alert transition is POSTed there
-    evaluate_every_s: float = 1.0
-    webhook_timeout_s: float = 5.0
-    webhook_retries: int = 5          # after the first try, with backoff 0.5, 1, 2, 4 ... s
+    webhooks: list = setting(doc="URLs each alert transition is POSTed to", factory=list, kind=list,
+                             note="http:// or https:// URLs")
+    evaluate_every_s: float = setting(1.0, "how often SLA windows are judged", bounds=Bounds(0.05, 60))
+    webhook_timeout_s: float = setting(5.0, "one webhook call's timeout", bounds=Bounds(0, 300, open_low=True))
+    webhook_retries: int = setting(5, "retries after the first try, with backoff 0.5, 1, 2, 4 ... s",
+                                   bounds=Bounds(0, 100))
 
 
 @dataclass(slots=True)
 class ClusterConfig:
-    model: str = "default"
+    model: str = setting("default", "the embedded SmolLM2-135M-Instruct (default), or a Hugging Face model folder")
     router: RouterConfig = field(default_factory=RouterConfig)
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -317,10 +356,9 @@ class ClusterConfig:
     billing: BillingConfig = field(default_factory=BillingConfig)
     sla: list[SlaConfig] = field(default_factory=default_slas)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
-    # "auto": a local cluster (`qos-serve up`, the benchmarks) gives each worker cores of its own
-    # and the router and schedulers the rest, where the machine has a core to spare for them
-    # (services/common/cpu_binding.py); "off": every service wherever the kernel puts it.
-    cpu_binding: str = "auto"
+    cpu_binding: str = setting("auto", "a local cluster gives each worker cores of its own and the rest to the "
+                               "router and schedulers, where the machine has a core to spare (auto), or "
+                               "leaves every service where the kernel puts it (off)", choices=CPU_BINDINGS)
 
     def sla_ttft_ms(self, priority: str) -> float | None:
         """The class-wide TTFT objective for a class, if an SLA sets one (autoscaling uses High's)."""

@@ -27,14 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.config import ClusterConfig, ConfigError
+from services.common.config import MAX_NICE, ClusterConfig, ConfigError
 
 # "auto" binds only where the workers leave this many cores to the rest: with one, the router, the
 # scheduler and the clients on it saturated it during a burst's flood (2026-12-03, full scale: the
 # load generator sent its requests a median 270 ms late, and High's time outside the scheduler
 # reached 74 ms), which no longer shows a gain over leaving placement to the kernel.
 MIN_CONTROL_CORES = 2
-MAX_NICE = 19                      # the lowest CPU priority Linux has
 
 
 @dataclass(frozen=True, slots=True)

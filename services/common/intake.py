@@ -19,11 +19,6 @@ The top class (`express_rank`, High) skips the queue when none of its requests w
 admitted: its handler admits it at once. It would be next anyway; through the queue it also waited
 for the admitting task's turns of the event loop (three, each as long as a burst makes a turn),
 and while a flood is taken in those are what its first token waits for.
-
-With `yield_to` (services/common/first_token_watch.py), the lower classes' admissions also wait
-while a High request waits for its first token (bounded there): the CPU they would take goes to
-that first token. A High request queued meanwhile (behind another High one still being admitted,
-e.g. a long prompt tokenized in its thread) ends the wait: it goes first, as always.
 """
 from __future__ import annotations
 
@@ -32,8 +27,6 @@ import heapq
 import itertools
 from collections import Counter
 from typing import Awaitable, Callable, Generic, TypeVar
-
-from services.common.first_token_watch import FirstTokenWatch
 
 Submit = TypeVar("Submit")
 Admitted = TypeVar("Admitted")
@@ -45,11 +38,8 @@ ADMISSION_PAUSE_S = 0.001
 
 class PriorityIntake(Generic[Submit, Admitted]):
     def __init__(self, admit: Callable[[Submit], Awaitable[Admitted]], by_priority: bool = True,
-                 pause_s: float = ADMISSION_PAUSE_S, express_rank: int | None = None,
-                 yield_to: FirstTokenWatch | None = None):
+                 pause_s: float = ADMISSION_PAUSE_S, express_rank: int | None = None):
         self._pause_s = pause_s
-        # Lower classes wait while a High request waits for its first token (never in FCFS).
-        self._yield_to = yield_to if by_priority else None
         # Admitted in its own handler when none of its class waits or is being admitted (the
         # highest class: it would be next anyway); never in the priority-blind FCFS baseline.
         self._express_rank = express_rank if by_priority else None
@@ -60,7 +50,6 @@ class PriorityIntake(Generic[Submit, Admitted]):
         self._pending = asyncio.Event()
         self._busy: set[int] = set()             # classes (ranks) with an admission in progress
         self._queued: Counter[int] = Counter()   # requests in the heap, per class (rank)
-        self._express_queued = asyncio.Event()   # ends a hold for first tokens: High goes first
 
     def __len__(self) -> int:
         """Requests waiting to be admitted."""
@@ -79,8 +68,6 @@ class PriorityIntake(Generic[Submit, Admitted]):
         heapq.heappush(self._heap, (rank, next(self._arrivals), submit, future))
         self._queued[rank] += 1
         self._pending.set()
-        if rank == self._express_rank:
-            self._express_queued.set()
         # If the caller is cancelled while waiting, the future is cancelled with it and skipped.
         return await future
 
@@ -96,11 +83,6 @@ class PriorityIntake(Generic[Submit, Admitted]):
                 await self._pending.wait()
                 self._pending.clear()
                 while self._heap and self._heap[0][0] not in self._busy:
-                    if self._yield_to is not None and self._heap[0][0] != self._express_rank \
-                            and self._yield_to.holding():
-                        self._express_queued.clear()
-                        await self._yield_to.hold(self._express_queued)
-                        continue        # a High request may have come meanwhile: the heap again
                     rank, _, submit, future = heapq.heappop(self._heap)
                     self._queued[rank] -= 1
                     if future.done():            # its client went away while it waited

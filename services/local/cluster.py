@@ -47,7 +47,7 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
     config = dataclasses.replace(config)
     sections = [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]
     taken = {s.port for s in sections} | {s.metrics_port for s in sections} \
-        | {config.router.http_port, config.router.high_port}
+        | {config.router.http_port}
 
     def fresh(host: str) -> int:
         while (port := free_port(host)) in taken:
@@ -62,8 +62,6 @@ def resolve_ports(config: ClusterConfig) -> ClusterConfig:
             section.metrics_port = fresh(section.host)
     if config.router.http_port == 0:
         config.router.http_port = fresh(config.router.host)
-    if config.router.high_port == 0:
-        config.router.high_port = fresh(config.router.host)
     return config
 
 
@@ -237,8 +235,7 @@ def run_until_signal(cluster: LocalCluster) -> None:
     with cluster:
         pools = ", ".join(f"{p.name} ({p.device}, scheduler {p.scheduler.address}, "
                           f"{len(p.workers)} worker(s))" for p in cluster.config.pools)
-        lane = cluster.config.router.high_address
-        print(f"qos-serve up: router {cluster.router_address}{f' (High lane {lane})' if lane else ''}; "
+        print(f"qos-serve up: router {cluster.router_address}; "
               f"pools: {pools}; model "
               f"{Path(cluster.config.model).name}; {cluster.cpu_binding}. Ctrl-C stops.", flush=True)
         while not stop:

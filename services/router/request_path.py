@@ -19,7 +19,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
-from services.common.first_token_watch import FirstTokenWatch
 from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
@@ -45,7 +44,7 @@ async def _go_ahead(_request) -> None:
 class RequestPath:
     def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
                  model_name: str, accounts: Accounts, admission: str = "priority",
-                 migration_limit: int = 3, scheduler_link: str = "stream", first_token_hold_ms: float = 0.0):
+                 migration_limit: int = 3, scheduler_link: str = "stream"):
         self.pools = pools
         self.scheduler_link = scheduler_link      # "stream": the pool's link; "calls": a Submit call each
         self.accounts = accounts
@@ -54,11 +53,9 @@ class RequestPath:
         self.tracer = tracer
         self.model_name = model_name
         # Requests go on to validation and their pool in priority order (services/common/intake.py);
-        # High at once when no other High request is ahead of it; the others wait while a High
-        # request waits for its first token (bounded: first_token_watch.py).
-        self.first_tokens = FirstTokenWatch(first_token_hold_ms / 1000)
+        # High at once when no other High request is ahead of it.
         self.admissions = PriorityIntake(_go_ahead, by_priority=admission == "priority",
-                                         express_rank=common_pb2.PRIORITY_HIGH, yield_to=self.first_tokens)
+                                         express_rank=common_pb2.PRIORITY_HIGH)
 
     async def serve(self, head: RequestHead, read_body: ReadBody, caller: Caller,
                     estimated_tokens: int, parent: Context | None = None,
@@ -74,7 +71,6 @@ class RequestPath:
             raise
         tally = pool = None
         model = self.model_name
-        waiter = self.first_tokens.waiter() if head.priority == common_pb2.PRIORITY_HIGH else None
         try:
             await self.admissions.admit(None, head.priority)
             tally = self.totals.start(head.priority, head.tenant, span, head.request_id)
@@ -98,8 +94,6 @@ class RequestPath:
                                                            head.tenant, head.tenant_weight):
                             async for chunk in self.relay(head, body, pool, tally, span, streamed):
                                 streamed.extend(chunk.token_ids)
-                                if waiter is not None:
-                                    waiter.done()
                                 yield chunk
                         self._judge_prediction(tally)
                         return
@@ -111,8 +105,6 @@ class RequestPath:
                 tally.on_fail(error)
                 raise
         finally:
-            if waiter is not None:
-                waiter.done()
             self.accounts.settle(ticket, head, tally, self.pools.specs[pool.name] if pool else None, model)
             span.end()
 

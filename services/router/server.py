@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 from services.common.config import AuthConfig, ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
-from services.common.grpc_server import STOP_GRACE_SECONDS, run_server
-from services.common.metrics import StateCollector, serve_metrics
+from services.common.grpc_server import run_server
+from services.common.metrics import serve_metrics
 from services.common.priority import PRIORITIES
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
@@ -29,7 +29,6 @@ from services.control.ledger import LedgerWriter
 from services.control.limits import estimate_tokens
 from services.control.sla_monitor import SlaMonitor
 from services.control.tenancy import Caller, TenantBook
-from services.router.high_lane import lane_metadata, start_high_lane
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
@@ -57,9 +56,7 @@ class RouterService:
         self.ledger = LedgerWriter(store, billing.flush_seconds)
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
-                                router.admission, router.migration_limit, router.scheduler_link,
-                                router.first_token_hold_ms)
-        registry.register(StateCollector(self.path.first_tokens.metrics))    # qos_first_token_*
+                                router.admission, router.migration_limit, router.scheduler_link)
         self.drain = drain or Drain("router")
         self.console = ConsoleFeed(self)
         self.tasks: list[asyncio.Task] = []
@@ -91,11 +88,10 @@ class RouterService:
         caller = self.book.authenticate(metadata.get("authorization"), head.tenant)
         return replace(head, tenant=caller.name, tenant_weight=caller.tenant.weight), caller
 
-    async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext,
-                       lane: bool = False):
+    async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata() or ()
         try:
-            head, caller = self.let_in(lane_metadata(dict(metadata), self.router) if lane else dict(metadata))
+            head, caller = self.let_in(dict(metadata))
         except ServiceError as refused:
             self.totals.refused_early(refused)
             raise
@@ -105,11 +101,6 @@ class RouterService:
             async for chunk in self.path.serve(head, lambda max_context: decode_request(raw, max_context),
                                                caller, estimate, extract_metadata(metadata)):
                 yield chunk
-
-    async def GenerateHigh(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
-        """Generate on the High lane (high_lane.py): High requests only."""
-        async for chunk in self.Generate(raw, context, lane=True):
-            yield chunk
 
     def _caller(self, context) -> Caller:
         metadata = dict(context.invocation_metadata() or ())
@@ -173,20 +164,14 @@ async def serve_router(config: ClusterConfig, model_name: str) -> None:
     serve_metrics(service.totals.registry, router.host, router.metrics_port, "router")
     warn_if_keys_in_clear(router, config.auth)
 
-    lane: list[grpc.aio.Server] = []
-
     async def started(_port: int) -> None:
         await service.start()
         if http is not None:
             await http.start()
-        if (server := await start_high_lane(service, router, tls_files(router))) is not None:
-            lane.append(server)
 
     async def stopping() -> None:
         if http is not None:
             await http.stop()
-        for server in lane:         # drained with the main port: what is left are cancelled
-            await server.stop(STOP_GRACE_SECONDS)
         await service.stop()
 
     await run_server("router", router.address, lambda server: register_router(server, service),

@@ -24,7 +24,6 @@ from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import run_server
-from services.common.first_token_watch import FirstTokenWatch
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import DEFAULT_PRIORITY, HIGH, ORDER, Priority, priority_name
@@ -75,8 +74,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             weights=dict(zip(ORDER, map(float, config.weights))),
             kv_caps=dict(zip(ORDER, map(float, config.kv_caps))), tenant_fairness=config.tenant_fairness,
             high_first_token=config.high_first_token, kv_cap_mode=config.kv_cap_mode,
-            high_step_ms=float(config.high_step_ms), high_cut_in=config.high_cut_in,
-            high_cut_in_slots=float(config.high_cut_in_slots)))
+            high_step_ms=float(config.high_step_ms), high_cut_in=config.high_cut_in))
         self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
         self.batcher = ContinuousBatcher(pool_name, [], self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor,
@@ -111,9 +109,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             config.tokenize_inline_chars if by_priority
             else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
         # The others' intake waits while a High request waits for its first token (bounded).
-        self.first_tokens = FirstTokenWatch(config.first_token_hold_ms / 1000)
-        self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH, yield_to=self.first_tokens)
-        self.registry.register(StateCollector(self.first_tokens.metrics))     # qos_first_token_*
+        self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
         self.runtime_adapters: dict[str, str] = {}
@@ -223,25 +219,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     "qos.request_id": submit.request_id, "qos.priority": priority_name(submit.priority),
                     "qos.tenant": submit.tenant, "qos.pool": self.pool_name})
             received, received_ns = time.perf_counter(), time.time_ns()
-            waiter = self.first_tokens.waiter() if submit.priority == HIGH else None
             try:
-                try:
-                    request = await self.admissions.admit(submit, submit.priority)
-                except ServiceError as refused:
-                    self._count_refusal(submit.priority, refused, span)
-                    raise
-                # Time spent waiting for admission counts as queueing (timings, TTFT, spans).
-                request.arrival, request.arrival_ns = received, received_ns
-                request.traceparent = traceparent(trace.set_span_in_context(span))
-                span.set_attribute("qos.prompt_tokens", len(request.prompt_ids))
-                self.batcher.submit(request)
-                async for chunk in self._stream(request, span):
-                    if waiter is not None:
-                        waiter.done()
-                    yield chunk
-            finally:
-                if waiter is not None:
-                    waiter.done()
+                request = await self.admissions.admit(submit, submit.priority)
+            except ServiceError as refused:
+                self._count_refusal(submit.priority, refused, span)
+                raise
+            # Time spent waiting for admission counts as queueing (timings, TTFT, spans).
+            request.arrival, request.arrival_ns = received, received_ns
+            request.traceparent = traceparent(trace.set_span_in_context(span))
+            span.set_attribute("qos.prompt_tokens", len(request.prompt_ids))
+            self.batcher.submit(request)
+            async for chunk in self._stream(request, span):
+                yield chunk
 
     async def _stream(self, request: Request, span):
         outcome = "cancelled"

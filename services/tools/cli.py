@@ -27,7 +27,7 @@ import asyncio  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path
 
-from services.common.config import ConfigError, RouterConfig  # noqa: E402
+from services.common.config import ConfigError  # noqa: E402
 from services.common.config_file import load_config  # noqa: E402
 from services.common.grpc_server import setup_logging  # noqa: E402
 from services.common.priority import LABELS  # noqa: E402
@@ -151,19 +151,12 @@ def cmd_router(args) -> int:
     return 0
 
 
-def generate_address(router: RouterConfig, priority: str | None) -> str:
-    """Where `qos-serve generate` sends: High to the router's High lane where it has one
-    (services/router/high_lane.py), anything else to its main port."""
-    from services.router.high_lane import address_for
-    return address_for(priority, router.address, router.high_address)
-
-
 def cmd_generate(args) -> int:
     import grpc
 
     from services.common.proto.qos.v1 import router_pb2
     from services.tools.client import RouterClient, chat_request, sampling_params
-    address = args.router or generate_address(load_config(args.config).router, args.priority)
+    address = args.router or load_config(args.config).router.address
     sampling = sampling_params(max_tokens=args.max_tokens, temperature=args.temperature)
     request = (router_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling) if args.raw
                else chat_request(args.prompt, sampling))

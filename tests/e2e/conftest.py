@@ -22,8 +22,7 @@ def bench_model() -> str:
 
 
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", **scheduler) -> ClusterConfig:
-    # Every test cluster's router has its High lane too (services/router/high_lane.py).
-    return single_pool(router=RouterConfig(port=0, http_port=0, high_port=0),
+    return single_pool(router=RouterConfig(port=0, http_port=0),
                        scheduler=SchedulerConfig(port=0, **scheduler),
                        workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)], model=model)
 

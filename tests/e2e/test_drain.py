@@ -155,18 +155,15 @@ def test_router_drains_on_sigterm():
     with drain_cluster() as cluster:
         async def probe(client):
             http_answers = await asyncio.get_running_loop().run_in_executor(None, http_probe, cluster)
-            async with RouterClient(cluster.config.router.high_address) as lane:
-                on_lane = await refusal(lane)
-            return await health(cluster.router_address), await refusal(client), http_answers, on_lane
+            return await health(cluster.router_address), await refusal(client), http_answers
 
-        answers, (status, refused, http_answers, on_lane), code, exited_after = \
+        answers, (status, refused, http_answers), code, exited_after = \
             sigterm_mid_stream(cluster, "router", probe)
         assert_complete(answers, TextTokenizer.from_model_dir(cluster.config.model))
 
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    for refusal_of_a_front in (refused, on_lane):       # the main port and the High lane alike
-        assert refusal_of_a_front.code() == grpc.StatusCode.UNAVAILABLE
-        assert "router is draining" in refusal_of_a_front.details() and retry_after_ms(refusal_of_a_front) > 0
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert "router is draining" in refused.details() and retry_after_ms(refused) > 0
     http_health, http_status, http_headers, http_body = http_answers
     assert http_health == 503 and http_status == 503 and http_headers["retry-after"] == "1"
     assert http_body["error"]["code"] == "draining"

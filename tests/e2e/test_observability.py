@@ -152,16 +152,3 @@ def test_an_answer_not_streamed_costs_two_messages_and_x_stream_interval_sets_a_
     deltas = [line for line in body.decode().splitlines() if line.startswith("data: {")]
     assert status == 200 and deltas
     assert 1 <= high_chunks() - whole <= 1 + 3          # the first, then 4, 4 and the last 3
-
-
-def test_every_high_request_stopped_waiting_for_its_first_token_at_router_and_scheduler(loaded_cluster):
-    """The intake's first-token hold (services/common/first_token_watch.py): each High request is
-    counted from its arrival to its first chunk, at the router and at the scheduler; once all have
-    ended none is counted, or Medium and Low would be held for nothing."""
-    config = loaded_cluster.config
-    scheduler_cfg = config.pools[0].scheduler
-    for samples in (scrape(config.router.host, config.router.metrics_port),
-                    scrape(scheduler_cfg.host, scheduler_cfg.metrics_port)):
-        assert samples[("qos_first_token_waiting", ())] == 0
-        assert samples[("qos_first_token_holds_total", ())] >= 0
-        assert samples[("qos_first_token_held_seconds_total", ())] >= 0

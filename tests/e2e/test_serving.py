@@ -9,9 +9,6 @@ import grpc
 import pytest
 
 from services.common.proto.qos.v1 import (
-    common_pb2,
-    router_pb2,
-    router_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
     worker_pb2,
@@ -60,32 +57,6 @@ def test_concurrent_mixed_priority_streams_match_the_engine(cluster):
         assert answer.token_ids == reference.token_ids, text
         assert answer.text == tokenizer.decode(reference.token_ids), text
         assert answer.pool == "cpu"
-
-
-def test_the_high_lane_serves_high_requests_and_sends_the_other_classes_to_the_main_port(cluster):
-    router = cluster.config.router
-    request = chat_request("What is 2 plus 3?", sampling_params(max_tokens=MAX_TOKENS, temperature=0.0))
-
-    async def high_requests(channel) -> int:
-        stats = await router_pb2_grpc.RouterStub(channel).Stats(router_pb2.StatsRequest())
-        return next(p.requests for p in stats.priorities if p.priority == common_pb2.PRIORITY_HIGH)
-
-    async def go():
-        async with RouterClient(router.address) as main, RouterClient(router.high_address) as lane:
-            before = await high_requests(main.channel)
-            answers = [await main.generate(request, priority="high"), await lane.generate(request, priority="high"),
-                       await lane.generate(request)]          # no x-priority: High, on the lane
-            counted = await high_requests(main.channel) - before
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await lane.generate(request, priority="low")
-            return answers, counted, refused.value
-
-    (on_main, on_lane, unnamed), counted, refused = run(go())
-    assert on_lane.token_ids == on_main.token_ids == unnamed.token_ids and on_lane.finish_reason in ("stop", "length")
-    assert counted == 3
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.details() == (f"router.high_port {router.high_port} takes high-priority requests only, got "
-                                 f"x-priority: low; send it to the router's port {router.port}")
 
 
 def test_cancelled_streams_free_their_blocks_and_worker_state(cluster):

@@ -79,7 +79,7 @@ def test_limits_come_from_the_pool_config():
     config = parse_config({"autoscale": {"max_workers": 4}, "workers": [{}, {}]})
     assert config.pools[0].worker_limits() == (2, 4)
     assert parse_config({}).pools[0].worker_limits() == (1, 1)                  # no scaling by default
-    for bad, words in [({"max_workers": 1}, "below min_workers"), ({"min_workers": 0}, "integer >= 1"),
+    for bad, words in [({"max_workers": 1}, "below min_workers"), ({"min_workers": 0}, "min_workers must be >= 1, got 0"),
                        ({"kv_high": 1.5}, "kv_high must be")]:
         try:
             parse_config({"autoscale": bad, "workers": [{}, {}]})

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import RouterConfig
-from services.tools.cli import generate_address, parse_args
+from services.tools.cli import parse_args
 
 
 @pytest.mark.parametrize("argv, passed_on", [
@@ -44,9 +43,3 @@ def test_cluster_ports_left_to_the_system_are_all_different(monkeypatch):
     ports = [p for s in sections for p in (s.port, s.metrics_port)] + [config.router.http_port]
     assert len(set(ports)) == len(ports) == 7 and min(ports) >= 5001
 
-
-def test_generate_sends_high_to_the_routers_high_lane_where_it_has_one():
-    lane = RouterConfig(port=50051, high_port=50054)
-    assert generate_address(lane, "high") == "127.0.0.1:50054"
-    assert generate_address(lane, "low") == generate_address(lane, None) == "127.0.0.1:50051"
-    assert generate_address(RouterConfig(port=50051), "high") == "127.0.0.1:50051"      # no lane

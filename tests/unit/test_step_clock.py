@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import SchedulerConfig
-from services.common.config_file import ConfigError, _check_scheduler
+from services.common.config_file import ConfigError, parse_config
 from services.common.priority import HIGH, LOW
 from services.scheduler.policy import QoSSettings
 from services.scheduler.step_clock import MIN_FIT_STEPS, StepClock, StepCost
@@ -43,7 +42,7 @@ def test_high_step_ms_must_not_be_negative():
     with pytest.raises(ValueError, match="high_step_ms"):
         QoSSettings(high_step_ms=-1.0)
     with pytest.raises(ConfigError, match="high_step_ms"):
-        _check_scheduler(SchedulerConfig(high_step_ms=-5), "pools[0].scheduler")
+        parse_config({"scheduler": {"high_step_ms": -5}})
 
 
 def short_step_harness() -> Harness:
