@@ -130,8 +130,7 @@ def main() -> None:
         model = model_or_bench(None)
         jobs = burst_workload(TextTokenizer.from_model_dir(model), load_model_config(model).max_context,
                               args.scale, 10.0, args.seed, 1.0)
-        burst_args = argparse.Namespace(max_step_tokens=128, max_running=32, threads=1, kv_cache_mb=1024, front="grpc",
-                                        high_first_token="exclusive")
+        burst_args = argparse.Namespace(max_step_tokens=128, max_running=32, threads=1, kv_cache_mb=1024, front="grpc")
         plain, _, _ = run_policy("qos", model, jobs, burst_args)
         watched, _, _ = run_policy("qos", model, jobs, burst_args, during=ConsoleReader.open)
         result.update({"high_p99_ttft_ms_without": plain["high_p99_ttft_ms"],

@@ -72,7 +72,6 @@ from bench.qos_workloads import (  # noqa: E402
     trace_workload,
 )
 from services.common.config import (  # noqa: E402
-    FIRST_TOKEN_MODES,
     KV_CAP_MODES,
     RouterConfig,
     SchedulerConfig,
@@ -155,9 +154,7 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # not Medium 4 and Low 16 a chunk; qos-nohold: router and scheduler admit Medium and Low while a
 # High request waits for its first token, first_token_hold_ms 0, as until 2026-12-04), each its
 # own cluster and column.
-VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "wfq": {"high_first_token": "wfq"},
-            "ahead": {"high_first_token": "ahead"}, "exclusive": {"high_first_token": "exclusive"},
-            "alone": {"high_first_token": "alone"},
+VARIANTS = {"elastic": {"kv_cap_mode": "elastic"},
             "short": {}, "nocutin": {"high_cut_in": False},
             "nice5": {"tokenizer_nice": [0, 5, 10]},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
@@ -179,7 +176,7 @@ def cluster_config(name: str, model: str, args):
     if variant and (policy != "qos" or variant not in known):
         raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-"
                          + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS, *CLUSTER_VARIANTS]))
-    settings = {"high_first_token": args.high_first_token, "kv_cap_mode": args.kv_cap_mode,
+    settings = {"kv_cap_mode": args.kv_cap_mode,
                 "high_step_ms": args.high_step_ms if variant == "short" else 0.0, **VARIANTS.get(variant, {})}
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
@@ -251,9 +248,6 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--max-step-tokens", type=int, default=128,
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
-    parser.add_argument("--high-first-token", choices=FIRST_TOKEN_MODES, default=SchedulerConfig().high_first_token,
-                        help="qos: High's first-token work alone in its step, ahead of the fair order and the "
-                             "others only decoding (exclusive), ahead, or not (wfq)")
     parser.add_argument("--policies", default="fcfs,qos",
                         help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
                              "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-fewerslots, "

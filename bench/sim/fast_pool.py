@@ -174,8 +174,6 @@ class FastPool(PoolBase):
         if first is not None and first in demand:
             taken, budget = self._serve(first, float("inf"), budget, chunks)
             demand.discard(first)
-            if taken and policy.first_token_exclusive:
-                demand.clear()                  # the others only decode this step
         while budget > 0 and demand:
             lane, allowance = policy.pick_lane(demand)
             taken, budget = self._serve(lane, allowance, budget, chunks)

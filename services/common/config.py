@@ -35,7 +35,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_CPU_KV_MB = 256
 DEFAULT_KV_FRACTION = 0.8
 POLICIES = ("qos", "fcfs")
-FIRST_TOKEN_MODES = ("wfq", "ahead", "exclusive", "alone")   # SchedulerConfig.high_first_token
 ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
@@ -159,10 +158,6 @@ class SchedulerConfig(ServiceConfig):
     retry_after_ms: int = setting(1000, "retry advice sent with RESOURCE_EXHAUSTED for a full queue",
                                   bounds=Bounds(1))
     tenant_fairness: bool = setting(True, "inside a class, tenants share by weight, not by arrival")
-    high_first_token: str = setting("alone", "qos: a High request waiting for its first token goes ahead of the "
-                                    "fair order (ahead), also keeping others to decodes (exclusive), with nothing "
-                                    "else in that step when its prompt fits (alone), or not (wfq)",
-                                    choices=FIRST_TOKEN_MODES)
     kv_cap_mode: str = setting("strict", "caps always bind (strict), or a class borrows blocks beyond its cap "
                                "while no other class waits (elastic)", choices=KV_CAP_MODES)
     high_step_ms: float = setting(0.0, "qos: keep each step to about this many ms while High requests are in the "

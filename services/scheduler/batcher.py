@@ -11,22 +11,23 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from typing import Callable, NamedTuple
+from typing import Callable
 
-from services.common.errors import ErrorKind, ServiceError, unavailable
+from services.common.errors import ErrorKind, ServiceError
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
-from services.common.step import FinishReason
 from services.common.wire import finish_reason, sampled_and_ended
 from services.scheduler.announcement import prompt_announcement
+from services.scheduler.cut_in_dispatch import CutInDispatch
+from services.scheduler.failover import WorkerChanges
 from services.scheduler.monitor import ResourceMonitor
-from services.scheduler.output import HeldChunks, token_chunk
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import charge_decodes
 from services.scheduler.step_clock import StepClock
+from services.scheduler.stream_out import SampledText, StreamOut
 from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
 log = logging.getLogger(__name__)
@@ -38,14 +39,7 @@ STREAM_MAX_HOLD_SECONDS = 0.5    # longest a chunk waits for the rest of its str
 PLAN_WRITE_WAIT_SECONDS = 0.05   # the most the loop waits for plans to be written before streaming
 
 
-class SampledText(NamedTuple):
-    """A token postprocess recorded, whose text and chunk are still to be made (_stream)."""
-    token_id: int
-    engine_finish: FinishReason | None     # the engine ended the sequence with it
-    at: float                              # when its step's answer came (perf_counter)
-
-
-class ContinuousBatcher:
+class ContinuousBatcher(WorkerChanges):
     def __init__(self, pool_name: str, links: list[Worker], policy: SchedulingPolicy,
                  max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None,
                  orphan_grace_s: float = ORPHAN_GRACE_SECONDS,
@@ -61,8 +55,8 @@ class ContinuousBatcher:
         self.orphan_grace_s = orphan_grace_s
         self.step_timeout_s = step_timeout_s
         self.cancelled: set[Request] = set()
-        # Chunks of streams that send several tokens a chunk (Request.stream_interval).
-        self.held_chunks = HeldChunks(stream_max_hold_s)
+        # Tokens into the clients' streams (stream_out.py), held while the next plans are sent.
+        self.streams = StreamOut(pool_name, stream_max_hold_s, self._completed)
         self.wakeup = asyncio.Event()
         self.steps = 0
         self.output_tokens: Counter = Counter()
@@ -81,21 +75,11 @@ class ContinuousBatcher:
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
         # In run() (or a caller that does as run() does, bench/scheduler_overhead.py): the last
         # worker to answer a step has its tokens' text, chunks and failures held back until the
-        # next step's plans are on their way (execute() releases them; release_streams()).
-        # `_held` is None while nothing is held.
+        # next step's plans are on their way (execute() releases them: stream_out.py).
         self.hold_streams = False
-        self._held: list[tuple[Request, object]] | None = None
         self._answers_pending = 0
-        # Cut-ins (policy.cut_in): the workers computing a step (by index), and the cut-in steps
-        # sent to run inside those steps, not answered yet, each with its worker's index. Each High
-        # request goes at once; the worker runs those that reach it together as one step (one
-        # prefill).
-        self._computing: set[int] = set()
-        self._cut_ins: dict[asyncio.Task, int] = {}
-        # Tokens of the cut-ins each worker was given after its step was answered (at most a
-        # step's budget between two steps: each postpones the next plan, which waits for them).
-        self._trailing: Counter = Counter()
-        self.cut_in_steps = 0
+        # High requests sent into the steps workers compute (policy.cut_in; cut_in_dispatch.py).
+        self.cut_ins = CutInDispatch(self.planner, self.workers, self._run_cut_in, self._next_step_id)
         # Of each plan made last, what settle_plans still has to do with: its decodes by lane, not
         # yet charged to their tenants (StepBuilder.decodes_by_lane), and its worker's block pool.
         # Not the plans: they go with their step.
@@ -129,13 +113,13 @@ class ContinuousBatcher:
         if request.priority == HIGH:
             if self.step_clock is not None:
                 self.step_clock.high_arrived(time.perf_counter())
-            if (self._computing or self._cut_ins) and self.policy.cut_in:
-                self._cut_in()
+            if self.policy.cut_in:
+                self.cut_ins.dispatch()
         self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
         """The client went away: free everything at the start of the next step."""
-        self.held_chunks.take(request)      # nobody reads them now
+        self.streams.forget(request)
         if request.phase is not Phase.FINISHED:
             request.cancelled = True
             self.cancelled.add(request)
@@ -189,25 +173,21 @@ class ContinuousBatcher:
         self._answers_pending = len(plans)
         loop = asyncio.get_running_loop()
         sent = {i: loop.create_future() for i in plans}
-        # Cut-ins go into these steps, not into one that serves first tokens itself.
-        self._computing.update(i for i, b in plans.items() if b.has_work and not b.first_tokens)
-        for index in plans:
-            self._trailing.pop(index, None)
+        self.cut_ins.step_started(plans)
         steps = [asyncio.ensure_future(self._execute_and_postprocess(self.workers[i], b, sent[i]))
                  for i, b in plans.items()]
         # Every plan written first (or its step over), then what waits for that: the plans' own
         # bookkeeping (settle_plans) and the streams held (streaming a step's tokens takes ~1 ms
         # per 64, and meanwhile nothing else runs, the plans' writes included). Not for long: a
         # worker whose stream takes no more must not hold up every other stream of the pool.
-        holding = self._held is not None
+        holding = self.streams.holding
         if holding or self._unsettled:
             await asyncio.wait(sent.values(), timeout=PLAN_WRITE_WAIT_SECONDS)
         self.settle_plans()
         if holding:
             self.release_streams()
         await asyncio.gather(*steps)
-        while self._cut_ins:        # the next plans need their answers (they admitted requests)
-            await asyncio.gather(*self._cut_ins)
+        await self.cut_ins.settle()
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
             elapsed = time.perf_counter() - started
@@ -269,39 +249,13 @@ class ContinuousBatcher:
 
     # --- cut-ins ------------------------------------------------------------------------------------
 
-    def _cut_in(self) -> None:
-        """High requests that can start at once go to a worker computing a step, to run inside it
-        (planner.plan_cut_in; services/worker/cut_ins.py): their first token then waits for that
-        step's next pause (part of a layer) rather than for all of it."""
+    def _next_step_id(self) -> int:
+        step_id, self.steps = self.steps, self.steps + 1
+        return step_id
+
+    def _run_cut_in(self, link: Worker, builder: StepBuilder):
         loop = asyncio.get_running_loop()
-        # Also a worker whose step was answered while cut-ins sent into it still compute: the next
-        # plan waits for those (execute), and a High request would wait with it, then share a
-        # first-token step with every running decode (~2.5x a cut-in's time, measured under the
-        # burst); sent now, it runs right after them, alone. Up to a step's token budget of such
-        # cut-ins between two steps, so that High arrivals cannot hold the next plan back for long.
-        trailing = set(self._cut_ins.values()) - self._computing
-        for index in list(self._computing | trailing):
-            if index not in self.planner.running:       # it left the pool
-                continue
-            link = self.workers[index]
-            if not self.workers.admits(link):
-                continue
-            budget = None
-            if index in trailing:
-                budget = self.planner.max_step_tokens - self._trailing[index]
-                if budget <= 0:
-                    continue
-            builder = self.planner.plan_cut_in(link, self.steps, budget)
-            if builder is None:
-                continue
-            self.steps += 1
-            self.cut_in_steps += 1
-            task = asyncio.ensure_future(self._execute_and_postprocess(link, builder, loop.create_future(),
-                                                                       cut_in=True))
-            self._cut_ins[task] = index
-            if index in trailing:
-                self._trailing[index] += builder.num_tokens
-            task.add_done_callback(self._cut_ins.pop)
+        return self._execute_and_postprocess(link, builder, loop.create_future(), cut_in=True)
 
     # --- execute and postprocess ------------------------------------------------------------------
 
@@ -331,7 +285,7 @@ class ContinuousBatcher:
             if not sent.done():       # the step ended before its plan was written (a failure)
                 sent.set_result(None)
         if not cut_in:
-            self._computing.discard(link.index)
+            self.cut_ins.step_answered(link.index)
             self._answers_pending -= 1
         if not self.is_member(link):
             # It left the pool while this step ran (membership.leave): its sequences were moved
@@ -340,36 +294,12 @@ class ContinuousBatcher:
         if failure is not None:
             self.fail_worker(link, failure)
             return
-        if self.hold_streams and self._answers_pending == 0 and self._held is None and not cut_in:
-            self._held = []            # the last answer of the step: its tokens wait for the next plans
+        if self.hold_streams and self._answers_pending == 0 and not cut_in:
+            self.streams.hold()        # the last answer of the step: its tokens wait for the next plans
         self.postprocess(link, builder, result, at_once=cut_in)
 
-    def _emit(self, request: Request, event) -> None:
-        """A sampled token (its chunk to build) or a failure for the request's stream: now, or
-        after the next plans (execute()), in order either way."""
-        if self._held is not None:
-            self._held.append((request, event))
-        else:
-            self._deliver(request, event)
-
-    def _deliver(self, request: Request, event) -> None:
-        if isinstance(event, SampledText):
-            self._stream(request, event)
-            return
-        if self.held_chunks:            # a failure: the tokens held for the stream go first
-            held = self.held_chunks.take(request)
-            if held is not None:
-                request.events.put_nowait(held)
-        request.events.put_nowait(event)
-
     def release_streams(self) -> None:
-        """What was held, into the streams, in order: each token's text and chunk, failures;
-        then the chunks of slow streams held for their interval as long as they may be."""
-        held, self._held = self._held, None
-        for request, event in held or ():
-            self._deliver(request, event)
-        for request, chunk in self.held_chunks.due(time.perf_counter()):
-            request.events.put_nowait(chunk)
+        self.streams.release()
 
     def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult,
                     at_once: bool = False) -> None:
@@ -391,7 +321,7 @@ class ContinuousBatcher:
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         output_tokens = self.output_tokens
-        emit = self._deliver if at_once else self._emit
+        emit = self.streams.deliver if at_once else self.streams.emit
         new_tuple = tuple.__new__
         sampled, ended = sampled_and_ended(result)
         for seq_id, token_id in sampled:
@@ -419,22 +349,6 @@ class ContinuousBatcher:
         if self.on_finished is not None:
             self.on_finished(request, now)
 
-    def _stream(self, request: Request, token: SampledText) -> None:
-        """A token recorded by postprocess, into its stream: text (detokenized), stop strings,
-        the chunk. A stop string ends the request here; in run() the plan sent meanwhile may
-        have scheduled one more token of it, which the worker drops at the next step (released
-        like a cancelled sequence) and postprocess ignores."""
-        if request.cancelled:
-            return
-        chunk = token_chunk(request, token.token_id, token.engine_finish, self.pool_name, token.at)
-        stopped = chunk.finish_reason and token.engine_finish is None
-        if request.stream_interval > 1:
-            chunk = self.held_chunks.add(request, chunk, token.at)
-        if chunk is not None:
-            request.events.put_nowait(chunk)
-        if stopped and request.phase is not Phase.FINISHED:
-            self._completed(request, token.at)
-
     def _finish(self, request: Request, failure: ServiceError | None = None) -> None:
         request.finished_at = request.finished_at or time.perf_counter()
         if request.phase is Phase.RUNNING:
@@ -443,7 +357,7 @@ class ContinuousBatcher:
             self.policy.remove(request)
         request.phase = Phase.FINISHED
         if failure is not None:
-            self._emit(request, failure)
+            self.streams.emit(request, failure)
 
     def _reap_cancelled(self) -> None:
         for request in self.cancelled:
@@ -454,72 +368,7 @@ class ContinuousBatcher:
             request.phase = Phase.FINISHED
         self.cancelled.clear()
 
-    # --- membership and failures ------------------------------------------------------------------
-
-    def add_link(self, link: Worker) -> None:
-        """A worker joins the pool (registered, or found by DNS)."""
-        self.workers.add(link)
-        self.planner.add_worker(link.index)
-        self.wakeup.set()
-
-    def remove_link(self, link: Worker, reason: str) -> None:
-        """A worker leaves the pool (gone from DNS): its sequences move to the others."""
-        self.fail_worker(link, reason, why="left")
-        self.workers.remove(link)
-        self.planner.remove_worker(link.index)
-        self._trailing.pop(link.index, None)
-
-    def fail_worker(self, link: Worker, reason: str, why: str = "worker_failed") -> None:
-        """The worker is gone: its blocks leave our books and every sequence it held goes back to
-        the front of its class's queue with prompt + output so far, to be recomputed on another
-        worker (as after a preemption); its client stream just continues. Only when the pool has
-        no worker left for orphan_grace_s are requests handed back (UNAVAILABLE)."""
-        running = list(self.running[link.index])
-        if running:
-            log.warning("%s; %d sequence(s) go back to the queue to be recomputed elsewhere",
-                        reason, len(running))
-        for request in running:
-            self.planner.release(link, request)
-            request.phase = Phase.WAITING
-            request.failovers.append((time.perf_counter(), why, link.address))
-            self.policy.add_front(request)
-            self.failovers[why] += 1
-        self.workers.forget(link)
-        if not link.is_connected:   # a worker that comes back starts empty: nothing to release
-            self.planner.to_release[link.index].clear()
-        self.wakeup.set()
-
-    def fail_waiting(self, predicate, failure: ServiceError) -> int:
-        """End the queued requests `predicate` picks with `failure` (an adapter unloaded under
-        them: no worker could ever take them, and each would block its lane's head)."""
-        doomed = [r for lane in self.policy.lanes for r in list(self.policy.queue(lane)) if predicate(r)]
-        for request in doomed:
-            self._finish(request, failure)
-        return len(doomed)
-
-    def _hand_back_orphans(self, now: float) -> None:
-        orphaned_for = self.workers.orphaned_for(now)
-        if orphaned_for <= self.orphan_grace_s or not len(self.policy):
-            return
-        waiting = [r for lane in self.policy.lanes for r in self.policy.queue(lane)]
-        log.error("pool %s has had no worker to serve with for %.0f s: handing %d request(s) back",
-                  self.pool_name, orphaned_for, len(waiting))
-        for request in waiting:
-            self._finish(request, unavailable(
-                f"pool {self.pool_name} has no worker left (none for {orphaned_for:.0f} s)",
-                reason="no_worker"))
-
     # --- stats --------------------------------------------------------------------------------
-
-    def kv_blocks_by_priority(self) -> Counter:
-        held: Counter = Counter()
-        for link in self.workers:
-            if link.pool is not None:
-                held.update(link.pool.holdings())
-        return held
-
-    def running_by_priority(self) -> Counter:
-        return Counter(r.priority for requests in self.running.values() for r in requests)
 
     def estimated_wait_ms(self, priority: int, prompt_tokens: int) -> float:
         """Rough time to a new request's first token: the tokens queued ahead of it in its lane

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from itertools import chain
 from operator import attrgetter
 
 from services.common.kv_blocks import blocks_for_tokens
@@ -93,18 +92,9 @@ class StepPlanner:
         if builder.first_tokens or (first_turn and after_cut_in):
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
-            # the tokens back later), and in "exclusive" mode the others only decode this step,
-            # which keeps the step, and so that first token, short. In "alone" mode
-            # the step carries nothing but first-token work, not even the class's own decodes, when
-            # that work fits in one step (a longer prompt would stall the class's streams for steps).
-            waiting = self._first_token_work(work, first, builder.budget) if policy.first_token_alone else None
-            if waiting is not None and self._serve_first_tokens(worker, builder, waiting, first):
-                active.clear()
-            else:
-                served = self._serve(worker, builder, work, first, math.inf, active)
-                if served and policy.first_token_exclusive:
-                    builder.decodes_only_after = first
-                active.discard(first)
+            # the tokens back later).
+            self._serve(worker, builder, work, first, math.inf, active)
+            active.discard(first)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
             self._serve(worker, builder, work, lane, allowance, active)
@@ -147,8 +137,8 @@ class StepPlanner:
         if not taken:
             return None
         # The step after it is planned as the first-token step would have been had these requests
-        # waited for it: the lane first and, in exclusive mode, the others only decoding. That
-        # step gives the new streams their second token soon, as without cut-ins.
+        # waited for it: the lane first. That step gives the new streams their second token soon,
+        # as without cut-ins.
         self.after_cut_in.add(worker.index)
         self.policy.charge(lane, taken)
         builder.charge_tenants(self.policy, lane)
@@ -202,37 +192,6 @@ class StepPlanner:
             self.policy.charge(lane, taken)
         return taken
 
-    def _first_token_work(self, work: LaneWork, lane: int, budget: int) -> list[Request] | None:
-        """The lane's running sequences still waiting for their first token, when their prompt
-        left and the lane's queued prompts fit in `budget` tokens together; else None."""
-        waiting = [r for r in chain(work.ready[lane], work.boundary[lane], work.others[lane])
-                   if r.first_token_at is None]
-        tokens = sum(r.pending for r in waiting)
-        for request in self.policy.queue(lane):
-            if tokens > budget:
-                break
-            if request.first_token_at is None:
-                tokens += request.pending
-        return waiting if tokens <= budget else None
-
-    def _serve_first_tokens(self, worker: Worker, builder: StepBuilder, waiting: list[Request], lane: int) -> int:
-        """The lane's turn in "alone" mode: only its sequences still waiting for their first token
-        (`waiting`, from _first_token_work: all of it fits, unless blocks run short), then its
-        admissions; returns the tokens it took.
-
-        Its decodes wait for the next step: on a busy pool each running sequence costs a step
-        about as much as a short prompt (the logits and sampling over the vocabulary alone), so a
-        step without them is about as short as an idle pool's."""
-        taken = self._schedule_each(worker, builder, waiting, lane)
-        if builder.budget > 0:
-            builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
-        admissions: deque[Request] = deque()            # no running sequence: the queue's heads only
-        while builder.budget > 0 and (tokens := self._serve_next_item(worker, builder, admissions, lane)) is not None:
-            taken += tokens
-        if taken:
-            self.policy.charge(lane, taken)
-        return taken
-
     def _grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request], lane: int) -> bool:
         """A block each for decodes whose next token starts one (all of `lane`), all at once, when
         the pool and every class's cap have room for all of them (the common case); else False,
@@ -275,14 +234,7 @@ class StepPlanner:
 
     def _next_item(self, worker: Worker, builder: StepBuilder, running_in_lane: deque,
                    lane: int) -> Request | None:
-        """The lane's next running sequence, else its next admissible waiting request, else None.
-        After an exclusive first-token turn (builder.decodes_only_after), only decodes."""
-        if builder.decodes_only_after is not None and builder.decodes_only_after != lane:
-            while running_in_lane and running_in_lane[0].phase is not Phase.RUNNING:
-                running_in_lane.popleft()
-            if running_in_lane and running_in_lane[0].pending == 1:
-                return running_in_lane.popleft()
-            return None
+        """The lane's next running sequence, else its next admissible waiting request, else None."""
         while running_in_lane:
             request = running_in_lane.popleft()
             if request.phase is Phase.RUNNING:   # not preempted a moment ago to make room

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from services.common.config import FIRST_TOKEN_MODES, KV_CAP_MODES
+from services.common.config import KV_CAP_MODES
 from services.common.priority import HIGH, LOW, MEDIUM, ORDER, priority_name
 from services.scheduler.request import Request
 from services.scheduler.tenant_queue import TenantQueue
@@ -28,13 +28,6 @@ class QoSSettings:
     weights: dict[int, float] = field(default_factory=lambda: {HIGH: 5.0, MEDIUM: 3.0, LOW: 2.0})
     kv_caps: dict[int, float] = field(default_factory=lambda: {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3})
     tenant_fairness: bool = True      # inside a class, tenants share by weight (tenant_queue.py)
-    # A High request waiting for its first token: "wfq" (it waits for High's turn like any other
-    # work), "ahead" (High's work goes first that step), "exclusive" (first, and the other
-    # classes only decode that step, so it is short) or "alone" (that step carries only the work
-    # of requests waiting for a first token, not even High's decodes: shortest). The tokens are
-    # charged to High's virtual time either way, so the others get them back over the following
-    # steps. Default "alone" (SchedulerConfig.high_first_token says why).
-    high_first_token: str = "alone"
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
@@ -49,9 +42,6 @@ class QoSSettings:
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
             raise ValueError(f"kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {self.kv_cap_mode!r}")
-        if self.high_first_token not in FIRST_TOKEN_MODES:
-            raise ValueError(f"high_first_token must be one of {', '.join(FIRST_TOKEN_MODES)}, "
-                             f"got {self.high_first_token!r}")
         if not self.high_step_ms >= 0:
             raise ValueError(f"high_step_ms must be >= 0 (0: off), got {self.high_step_ms!r}")
         for p in ORDER:
@@ -144,8 +134,6 @@ class SchedulingPolicy(ABC):
         step (the planner checks that it has such requests), or None."""
         return None
 
-    first_token_exclusive = False     # ... and the other lanes only decode in that step
-    first_token_alone = False         # ... or that step carries first-token work alone (when it fits)
     high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
     cut_in = False                    # first-token lane admissions may run inside the step in flight
 
@@ -295,8 +283,9 @@ class QoSPolicy(SchedulingPolicy):
         self.served[lane] += tokens
 
     def first_token_lane(self) -> int | None:
-        if self.settings.high_first_token == "wfq":
-            return None
+        # A High request waiting for its first token: High's work goes first in the step (its
+        # tokens are charged to its virtual time all the same, so the others get them back over
+        # the next steps), within a bounded lead (below).
         others = [self.virtual_time[p] for p in self._backlogged if p != HIGH]
         lead = (self.virtual_time[HIGH] - min(others)) * self._weights[HIGH] if others else 0.0
         if lead <= self.AHEAD_LIMIT_TOKENS:
@@ -322,21 +311,12 @@ class QoSPolicy(SchedulingPolicy):
         return self.settings.kv_cap_mode == "elastic"
 
     @property
-    def first_token_exclusive(self) -> bool:
-        # "alone" is "exclusive" for a first-token turn too long to go alone
-        return self.settings.high_first_token in ("exclusive", "alone")
-
-    @property
-    def first_token_alone(self) -> bool:
-        return self.settings.high_first_token == "alone"
-
-    @property
     def high_step_ms(self) -> float:
         return self.settings.high_step_ms
 
     @property
     def cut_in(self) -> bool:
-        return self.settings.high_cut_in and self.settings.high_first_token != "wfq"
+        return self.settings.high_cut_in
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]

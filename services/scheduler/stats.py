@@ -14,12 +14,24 @@ from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.monitor import ResourceMonitor
 
 
+def kv_blocks_by_priority(b: ContinuousBatcher) -> Counter:
+    """KV blocks each class holds, over the pool's workers."""
+    held: Counter = Counter()
+    for link in b.workers:
+        if link.pool is not None:
+            held.update(link.pool.holdings())
+    return held
+
+
+def running_by_priority(b: ContinuousBatcher) -> Counter:
+    return Counter(r.priority for requests in b.running.values() for r in requests)
+
 def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: ResourceMonitor | None,
                rejected: Counter, draining: bool, advisor: ScaleAdvisor) -> scheduler_pb2.PoolStats:
     b, policy = batcher, batcher.policy
     connected = [l for l in b.links if l.is_connected and l.info is not None]
-    held = b.kv_blocks_by_priority()
-    running = b.running_by_priority()
+    held = kv_blocks_by_priority(b)
+    running = running_by_priority(b)
     weights = policy.weights()
     info = next((l.info for l in b.links if l.info is not None), None)
     prefill_left = prefill_backlog(b)
@@ -36,7 +48,7 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
         block_size=info.block_size if info else 0,
         kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
         kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
-        steps=b.steps, preemptions=b.preemptions, cut_ins=b.cut_in_steps, ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
+        steps=b.steps, preemptions=b.preemptions, cut_ins=b.cut_ins.steps, ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
         utilization=monitor.utilization if monitor else 0.0,
         classes=[scheduler_pb2.ClassStats(
             priority=p, waiting=policy.waiting(p), running=running[p], kv_blocks=held[p],
@@ -77,7 +89,7 @@ def scale_signals(batcher: ContinuousBatcher, max_running: int) -> PoolSignals:
     serving = [l for l in b.links if l.is_connected and l.pool and l.index not in b.workers.draining]
     return PoolSignals(workers=len(serving), high_waiting=policy.waiting(Priority.HIGH),
                        waiting=sum(policy.waiting(p) for p in ORDER),
-                       running=sum(b.running_by_priority().values()), max_running=max_running,
+                       running=sum(running_by_priority(b).values()), max_running=max_running,
                        kv_used=sum(l.pool.num_used for l in serving), kv_total=sum(l.pool.num_blocks for l in serving))
 
 
@@ -99,7 +111,7 @@ def scale_metrics(pool: str, batcher: ContinuousBatcher, advisor: ScaleAdvisor):
 def state_metrics(batcher: ContinuousBatcher):
     """Per-class gauges and counters, computed from the batcher's state at scrape time."""
     b, policy = batcher, batcher.policy
-    running, held, weights = b.running_by_priority(), b.kv_blocks_by_priority(), policy.weights()
+    running, held, weights = running_by_priority(b), kv_blocks_by_priority(b), policy.weights()
     gauges = {
         "qos_queue_depth": ("Requests waiting", lambda p: policy.waiting(p)),
         "qos_running": ("Requests holding KV blocks", lambda p: running[p]),
@@ -127,6 +139,6 @@ def state_metrics(batcher: ContinuousBatcher):
         failovers.add_metric([reason], b.failovers[reason])
     yield failovers
     yield CounterMetricFamily("qos_cut_in_steps", "Steps run inside another on a worker (High "
-                              "requests started mid-step)", value=b.cut_in_steps)
+                              "requests started mid-step)", value=b.cut_ins.steps)
     yield GaugeMetricFamily("qos_workers", "Workers connected to the pool",
                             value=sum(1 for link in b.links if link.is_connected))

@@ -47,7 +47,6 @@ class StepBuilder:
         # higher classes are admitted: admitting the victim's peers would hand its blocks back.
         self.victim_floor: int | None = None
         # A lane served ahead for a first token, in exclusive mode: the other lanes only decode.
-        self.decodes_only_after: int | None = None
         # Planned while requests of the first-token lane waited for their first token: such a
         # step takes no cut-in (it would hold back the very first tokens cut-ins are for).
         self.first_tokens = False

@@ -533,7 +533,7 @@ def test_a_high_request_arriving_mid_step_gets_its_first_token_inside_that_step(
             else:
                 assert [list(p.scheduled_seq_ids) for p in cut_ins] == [[2]]
                 assert first.done() and first.result().token_ids == expected_output(high)[:1]
-                assert batcher.cut_in_steps == 1
+                assert batcher.cut_ins.steps == 1
             worker.release.set()
             rest = await asyncio.wait_for(asyncio.gather(drain(low), drain(high)), 5)
         finally:
@@ -608,7 +608,7 @@ def test_a_step_that_serves_first_tokens_takes_no_cut_in():
             second = make_classed_request(2, HIGH, prompt_len=10, max_tokens=2)
             batcher.submit(second)
             await asyncio.sleep(0.05)
-            assert batcher.cut_in_steps == 0 and not [p for p in worker.plans if p.cut_in]
+            assert batcher.cut_ins.steps == 0 and not [p for p in worker.plans if p.cut_in]
             worker.release.set()
             results = await asyncio.wait_for(asyncio.gather(drain(first), drain(second)), 5)
         finally:
@@ -654,7 +654,7 @@ def test_a_stream_with_an_interval_sends_its_first_token_alone_then_that_many_a_
     assert tokens == expected_output(request) and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 11
     assert plain_sizes == [1] * 5                      # interval 1: a chunk per token, as before
-    assert not batcher.held_chunks
+    assert not batcher.streams.held_chunks
 
 
 def test_tokens_held_for_an_interval_reach_the_client_before_a_failure():
@@ -681,7 +681,7 @@ def test_tokens_held_for_an_interval_reach_the_client_before_a_failure():
     assert isinstance(last, ServiceError) and last.kind is ErrorKind.UNAVAILABLE
     assert sizes[0] == 1 and len(sizes) == 2          # the first token, then all the held ones
     assert tokens == request.output_ids == expected_output(request)[:len(tokens)]
-    assert len(tokens) >= 6 and not batcher.held_chunks
+    assert len(tokens) >= 6 and not batcher.streams.held_chunks
 
 
 def test_a_cancelled_stream_leaves_nothing_held():
@@ -691,13 +691,13 @@ def test_a_cancelled_stream_leaves_nothing_held():
         batcher, loop = looping(SimulatedWorker(0, 64), request)
         while len(request.output_ids) < 4:
             await asyncio.sleep(0.001)
-        held = len(batcher.held_chunks)
+        held = len(batcher.streams.held_chunks)
         batcher.cancel(request)
         loop.cancel()
         return held, batcher
 
     held, batcher = asyncio.run(go())
-    assert held == 1 and not batcher.held_chunks
+    assert held == 1 and not batcher.streams.held_chunks
 
 
 def test_a_high_request_does_not_cut_in_while_every_running_slot_is_taken():

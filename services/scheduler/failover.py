@@ -1,0 +1,88 @@
+"""Workers that join, leave or fail, as the batcher sees them (ContinuousBatcher inherits these).
+
+A failed worker's sequences go back to the front of their class's queues with prompt + output so
+far and are recomputed on another worker (as after a preemption); their client streams just go on.
+Only a pool left with no worker for orphan_grace_s hands its requests back (UNAVAILABLE), so that
+the router can move them to another pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+from services.common.errors import ServiceError, unavailable
+from services.scheduler.cut_in_dispatch import CutInDispatch
+from services.scheduler.planner import StepPlanner
+from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.request import Phase
+from services.scheduler.worker_set import Worker, WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+class WorkerChanges:
+    # ContinuousBatcher's, as are `running` and `_finish`.
+    pool_name: str
+    workers: WorkerSet
+    planner: StepPlanner
+    policy: SchedulingPolicy
+    cut_ins: CutInDispatch
+    wakeup: asyncio.Event
+    failovers: Counter
+    orphan_grace_s: float
+
+
+    def add_link(self, link: Worker) -> None:
+        """A worker joins the pool (registered, or found by DNS)."""
+        self.workers.add(link)
+        self.planner.add_worker(link.index)
+        self.wakeup.set()
+
+    def remove_link(self, link: Worker, reason: str) -> None:
+        """A worker leaves the pool (gone from DNS): its sequences move to the others."""
+        self.fail_worker(link, reason, why="left")
+        self.workers.remove(link)
+        self.planner.remove_worker(link.index)
+        self.cut_ins.forget(link.index)
+
+    def fail_worker(self, link: Worker, reason: str, why: str = "worker_failed") -> None:
+        """The worker is gone: its blocks leave our books and every sequence it held goes back to
+        the front of its class's queue with prompt + output so far, to be recomputed on another
+        worker (as after a preemption); its client stream just continues. Only when the pool has
+        no worker left for orphan_grace_s are requests handed back (UNAVAILABLE)."""
+        running = list(self.running[link.index])
+        if running:
+            log.warning("%s; %d sequence(s) go back to the queue to be recomputed elsewhere",
+                        reason, len(running))
+        for request in running:
+            self.planner.release(link, request)
+            request.phase = Phase.WAITING
+            request.failovers.append((time.perf_counter(), why, link.address))
+            self.policy.add_front(request)
+            self.failovers[why] += 1
+        self.workers.forget(link)
+        if not link.is_connected:   # a worker that comes back starts empty: nothing to release
+            self.planner.to_release[link.index].clear()
+        self.wakeup.set()
+
+    def fail_waiting(self, predicate, failure: ServiceError) -> int:
+        """End the queued requests `predicate` picks with `failure` (an adapter unloaded under
+        them: no worker could ever take them, and each would block its lane's head)."""
+        doomed = [r for lane in self.policy.lanes for r in list(self.policy.queue(lane)) if predicate(r)]
+        for request in doomed:
+            self._finish(request, failure)
+        return len(doomed)
+
+    def _hand_back_orphans(self, now: float) -> None:
+        orphaned_for = self.workers.orphaned_for(now)
+        if orphaned_for <= self.orphan_grace_s or not len(self.policy):
+            return
+        waiting = [r for lane in self.policy.lanes for r in self.policy.queue(lane)]
+        log.error("pool %s has had no worker to serve with for %.0f s: handing %d request(s) back",
+                  self.pool_name, orphaned_for, len(waiting))
+        for request in waiting:
+            self._finish(request, unavailable(
+                f"pool {self.pool_name} has no worker left (none for {orphaned_for:.0f} s)",
+                reason="no_worker"))
