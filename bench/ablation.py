@@ -11,9 +11,9 @@ killed (their requests cancelled) and the cluster stopped.
 
 For each mechanism and each of High's P50, P90 and P99 TTFT and Low's tok/s, a pair gives the
 ratio on / off; the report is the median paired ratio with a bootstrap 95% interval (pairs
-resampled). A mechanism is kept where the P90 interval lies wholly below 1 (on is faster beyond
-the run-to-run spread) and Low's interval does not lie wholly below 0.9; otherwise the verdict is
-`remove`, unless it serves a purpose other than High's figure (`purpose`, said in the JSON).
+resampled). A mechanism is kept where High's P90 interval lies wholly below 1 (on is faster
+beyond the run-to-run spread) and Low's interval does not lie wholly below 0.9; otherwise the
+verdict is `remove`, unless it serves a purpose other than High's figure (`purpose`, in the JSON).
 
     python bench/ablation.py [--pairs 6] [--only cut_in,first_token_hold] [--json PATH] [--resume]
 
@@ -180,17 +180,21 @@ def median_ci(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[f
     return statistics.median(ratios), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
-def verdict(mechanism: Mechanism, pairs: list[tuple[dict, dict]]) -> dict:
-    row: dict = {"name": mechanism.name, "what": mechanism.what, "pairs": len(pairs)}
+def verdict(name: str, what: str, purpose: str, pairs: list[tuple[dict, dict]]) -> dict:
+    """The row of one mechanism: each figure's median paired ratio (on / off) with its 95%
+    interval, and whether it stays: where High's P90 interval lies below 1 and Low's does not lie
+    below LOW_FLOOR, or where it has a purpose other than these figures. (The rule was fixed
+    before the runs; Low's tok/s is a veto, not a reason to keep.)"""
+    row: dict = {"name": name, "what": what, "pairs": len(pairs)}
     for figure, key in [("p50", "high_p50_ttft_ms"), ("p90", "high_p90_ttft_ms"), ("p99", "high_p99_ttft_ms"),
                         ("low_tok_s", "low_tok_s")]:
         ratio, low, high = median_ci([on[key] / off[key] if off[key] else math.nan for on, off in pairs])
         row[f"{figure}_ratio"], row[f"{figure}_ci_low"], row[f"{figure}_ci_high"] = ratio, low, high
     faster = row["p90_ci_high"] < 1.0
     costs_low = row["low_tok_s_ci_high"] < LOW_FLOOR      # Low surely loses more than 10%
-    row["verdict"] = "keep" if (faster and not costs_low) or mechanism.purpose else "remove"
+    row["verdict"] = "keep" if (faster and not costs_low) or purpose else "remove"
     row["reason"] = ("P90 interval below 1, Low not surely below 0.9x" if faster and not costs_low else
-                     f"purpose: {mechanism.purpose}" if mechanism.purpose else
+                     f"purpose: {purpose}" if purpose else
                      "faster, but Low's interval lies below 0.9x" if faster else
                      "P90 interval above 1 (slower with it)" if row["p90_ci_low"] > 1.0 else
                      "P90 interval includes 1 (no effect beyond the spread)")
@@ -256,12 +260,12 @@ def main() -> None:
             print(f"{mechanism.name} pair {index + 1}: P90 on {result[True]['high_p90_ttft_ms']:.1f} / off "
                   f"{result[False]['high_p90_ttft_ms']:.1f} ms, Low on {result[True]['low_tok_s']:.0f} / off "
                   f"{result[False]['low_tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
-            row = verdict(mechanism, pairs)
+            row = verdict(mechanism.name, mechanism.what, mechanism.purpose, pairs)
             report["mechanisms"] = [r for r in report["mechanisms"] if r["name"] != mechanism.name] + [row]
             write_json(args.json, report)
     # Verdicts of the mechanisms kept from an earlier run are made again by today's rule.
-    known = {m.name: m for m in MECHANISMS}
-    report["mechanisms"] = [verdict(known[r["name"]], pairs_of(report["runs"][r["name"]])) if r["name"] in known else r
+    purposes = {m.name: m.purpose for m in MECHANISMS}
+    report["mechanisms"] = [verdict(r["name"], r["what"], purposes.get(r["name"], ""), pairs_of(report["runs"][r["name"]]))
                             for r in report["mechanisms"]]
     write_json(args.json, report)
     print("\n| mechanism | pairs | High P50 on/off | P90 on/off [95% CI] | P99 on/off | Low tok/s on/off | verdict |")

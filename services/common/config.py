@@ -169,9 +169,6 @@ class SchedulerConfig(ServiceConfig):
                                      per_class=True, bounds=Bounds(1, 2**31 - 1))
     stream_max_hold_ms: float = setting(500.0, "the longest a chunk waits for the rest of its stream interval",
                                         bounds=Bounds(0, 60_000))
-    tokenizer_nice: list = setting(doc="added to the nice value of the thread that tokenizes each class's "
-                                   "prompts", factory=lambda: [0, 15, 19], kind=int, per_class=True,
-                                   bounds=Bounds(0, MAX_NICE))
     tokenize_inline_chars: list = setting(doc="prompts of up to this many characters are tokenized on the event "
                                           "loop, longer ones in the class's tokenizer thread (0: always the "
                                           "thread)", factory=lambda: [8192, 512, 512], kind=int, per_class=True,

@@ -100,15 +100,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        # A thread per class, Medium's and Low's at a lower CPU priority, short prompts on the loop
-        # (tokenizer_threads.py); the FCFS baseline is priority-blind, so there every class's
-        # thread at the process's priority, and Medium's inline length for all.
+        # A thread per class, short prompts on the loop (tokenizer_threads.py); the FCFS baseline
+        # is priority-blind, so there Medium's inline length for all.
         by_priority = self.policy.admits_by_priority
         self.tokenizer_threads = TokenizerThreads(
-            config.tokenizer_nice if by_priority else [0] * len(ORDER),
             config.tokenize_inline_chars if by_priority
             else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
-        # The others' intake waits while a High request waits for its first token (bounded).
         self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
