@@ -156,14 +156,13 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"},
             "short": {}, "nocutin": {"high_cut_in": False},
-            "nice5": {"tokenizer_nice": [0, 5, 10]},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
 # send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none);
 # "routernice0" and "routernice5", the router at nice 0 or +5, not its default +2
 # (services/common/cpu_binding.py, nice_process).
-ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}, "routernice0": {"nice": 0}, "routernice5": {"nice": 5}}
+ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
 # ... and of the whole cluster: "bound", the workers on cores of their own and the router,
 # scheduler and the load generator's clients on the rest even where that leaves them one core,
 # which cpu_binding = "auto" does not (services/common/cpu_binding.py).

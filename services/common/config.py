@@ -42,7 +42,6 @@ DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfi
 CPU_BINDINGS = ("auto", "off")                      # ClusterConfig.cpu_binding
 DEVICES = ("cuda", "npu", "cpu")
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
-MAX_NICE = 19                                       # the lowest CPU priority Linux has
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +105,6 @@ class ServiceConfig:
     cpu_cores: list = setting(doc="CPU cores every thread of the service runs on ([]: wherever the kernel "
                               "puts it; a local cluster fills them in under cpu_binding = \"auto\")",
                               factory=list, kind=list, note="distinct CPU numbers")
-    nice: int = setting(0, "added to the nice value of every thread of the service at start: on a shared "
-                        "host it yields the CPU to services at a lower value", bounds=Bounds(0, MAX_NICE))
 
     @property
     def address(self) -> str:
@@ -124,8 +121,6 @@ class RouterConfig(ServiceConfig):
                              "arrival order (fifo)", choices=("priority", "fifo"))
     http_port: int = setting(8000, "the OpenAI-compatible HTTP front on the same host (0: a free port, -1: off)",
                              bounds=PORT_OR_OFF)
-    nice: int = setting(2, "added to the router's nice value: its intake yields the CPU to the workers' "
-                        "engines on a shared host", bounds=Bounds(0, MAX_NICE))
     http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413", bounds=Bounds(1024))
     migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
                                    "(with the tokens already streamed)", bounds=Bounds(0, 100))
@@ -169,10 +164,6 @@ class SchedulerConfig(ServiceConfig):
                                      per_class=True, bounds=Bounds(1, 2**31 - 1))
     stream_max_hold_ms: float = setting(500.0, "the longest a chunk waits for the rest of its stream interval",
                                         bounds=Bounds(0, 60_000))
-    tokenize_inline_chars: list = setting(doc="prompts of up to this many characters are tokenized on the event "
-                                          "loop, longer ones in the class's tokenizer thread (0: always the "
-                                          "thread)", factory=lambda: [8192, 512, 512], kind=int, per_class=True,
-                                          bounds=NON_NEGATIVE)
     workers_from: str = setting("config", "where the pool's workers come from: the configured addresses "
                                 "(config), every address workers_dns resolves to (dns), or only workers that "
                                 "register (join)", choices=("config", "dns", "join"))

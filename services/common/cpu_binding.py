@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.config import MAX_NICE, ClusterConfig, ConfigError
+from services.common.config import ClusterConfig, ConfigError
 
 # "auto" binds only where the workers leave this many cores to the rest: with one, the router, the
 # scheduler and the clients on it saturated it during a burst's flood (2026-12-03, full scale: the
@@ -120,35 +120,6 @@ def bind_process(cores: Sequence[int], where: str) -> None:
             os.sched_setaffinity(thread, cores)
         except ProcessLookupError:      # a thread that ended meanwhile
             pass
-
-
-def nice_process(increment: int) -> None:
-    """Add `increment` to the nice value of this process's every thread, and so of every thread it
-    will start (a thread inherits its creator's); nothing at 0. Raising one needs no privilege.
-
-    Why the router's default is 2: during the QoS burst's flood on 2 cores the router took 0.5-0.65
-    of a core taking calls in, and the worker's engine thread, which computes High's cut-ins, waited
-    on the kernel's run queue for a median 3-4 ms of each ~10 ms cut-in (up to 20 ms). At +5 the
-    engine got ~0.75 core instead of ~0.65 and the flood's High tail in bench/flood_probe.py
-    shortened a little (pooled P90 2.23x against 2.41x idle), but the router's own hops got slower
-    (at full scale High's P99 was the same as at 0); at +2, over 13 alternating pairs against +5,
-    P50 1.35x / 1.50x and P90 2.06x / 2.36x (docs/performance.md, "Where a flood High request's
-    time goes")."""
-    if not increment:
-        return
-    for thread in _threads():       # without /proc, [0]: the process's own nice value
-        try:
-            raise_nice(thread, increment)
-        except ProcessLookupError:      # a thread that ended meanwhile
-            pass
-
-
-def raise_nice(thread: int, increment: int) -> int:
-    """Raise thread `thread`'s nice value (0: the caller's) by `increment`, capped at MAX_NICE;
-    returns the new value."""
-    nice = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, thread) + increment)
-    os.setpriority(os.PRIO_PROCESS, thread, nice)
-    return nice
 
 
 def _threads() -> list[int]:

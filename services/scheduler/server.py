@@ -26,12 +26,11 @@ from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
-from services.common.priority import DEFAULT_PRIORITY, HIGH, ORDER, Priority, priority_name
+from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
-from services.common.wire import prompt_chars
 from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
@@ -100,12 +99,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
-        # A thread per class, short prompts on the loop (tokenizer_threads.py); the FCFS baseline
-        # is priority-blind, so there Medium's inline length for all.
         by_priority = self.policy.admits_by_priority
-        self.tokenizer_threads = TokenizerThreads(
-            config.tokenize_inline_chars if by_priority
-            else [config.tokenize_inline_chars[ORDER.index(DEFAULT_PRIORITY)]] * len(ORDER))
+        self.tokenizer_threads = TokenizerThreads()        # one per class (tokenizer_threads.py)
         self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
         # Adapters loaded at run time (name -> path): also loaded on workers that join later.
@@ -141,20 +136,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # --- intake ---------------------------------------------------------------------------------
 
     async def admit(self, submit: scheduler_pb2.SubmitRequest) -> Request:
-        """Tokenize (a long prompt in its class's tokenizer thread: the event loop keeps taking in
-        calls and streaming meanwhile; a short one here, config tokenize_inline_chars), then check
-        the request (services/scheduler/admission.py) and build it."""
+        """Tokenize (in its class's tokenizer thread: the event loop keeps taking in calls and
+        streaming meanwhile), then check the request (services/scheduler/admission.py) and build it."""
         self._limits()         # no worker yet: refuse before tokenizing
         if submit.lora and submit.lora not in self.adapters():
             held = ", ".join(sorted(self.adapters())) or "none"
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
-        threads = self.tokenizer_threads
-        if threads.inline(submit.priority, prompt_chars(submit)):
-            prompt_ids = self._tokenize(submit)
-        else:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                threads.executor(submit.priority), self._tokenize, submit)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         self._limits())
         request = Request(

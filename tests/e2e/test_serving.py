@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 
 import grpc
@@ -124,25 +123,6 @@ def test_stop_strings_end_the_text_before_them(cluster):
     assert stop and cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
 
-
-
-def test_every_thread_of_the_router_runs_at_its_nice_value_the_engines_at_theirs(cluster):
-    """router.nice (2 by default) is added at start to every thread the router has or starts
-    (gRPC's, the HTTP front's): on a shared host it yields the CPU to the worker's engine thread
-    and the scheduler's loop, which keep the nice value they were started with."""
-    from services.common.config import RouterConfig
-    from services.common.cpu_binding import MAX_NICE
-
-    def nice_values(name: str) -> list[int]:
-        pid = cluster.processes[name].pid
-        return [os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")]
-
-    here = os.getpriority(os.PRIO_PROCESS, 0)
-    router = nice_values("router")
-    assert len(router) > 1
-    assert set(router) == {min(MAX_NICE, here + RouterConfig().nice)}
-    assert min(nice_values("cpu/worker-0")) == here      # its engine thread among them
-    assert os.getpriority(os.PRIO_PROCESS, cluster.processes["cpu/scheduler"].pid) == here   # the loop's
 
 
 def test_a_bound_worker_runs_every_thread_on_its_cores_and_the_control_plane_on_the_rest():

@@ -122,9 +122,6 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_max_hold_ms": -1}, "pool.scheduler.stream_max_hold_ms must be in 0..60000, got -1"),
-    ({"tokenize_inline_chars": [512, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
-    ({"tokenize_inline_chars": [512, -1, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
-    ({"tokenize_inline_chars": [512, 1.5, 512]}, "pool.scheduler.tokenize_inline_chars must be 3 whole numbers"),
 ])
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):

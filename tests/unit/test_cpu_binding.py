@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from services.common.config import ConfigError, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from services.common.config import ConfigError, WorkerConfig, single_pool
 from services.common.config_file import parse_config
 from services.common import cpu_binding
 from services.common.cpu_binding import CorePlan, bind_cluster, parse_core_list, plan_cores
@@ -123,49 +123,3 @@ def test_binding_a_process_binds_the_threads_it_has_and_those_it_starts():
     assert out.returncode == 0, out.stderr
     assert "refused: worker.cpu_cores = [4095]: core(s) [4095] are not available to this process" in out.stdout
     assert "threads 3 all bound True" in out.stdout, out.stdout
-
-
-def test_the_router_yields_the_cpu_by_default_and_the_other_services_do_not():
-    config = parse_config({})
-    assert config.router.nice == RouterConfig().nice == 2
-    assert config.pools[0].scheduler.nice == SchedulerConfig().nice == 0
-    assert config.pools[0].workers[0].nice == WorkerConfig().nice == 0
-    assert parse_config({"router": {"nice": 0}, "scheduler": {"nice": 19}}).pools[0].scheduler.nice == 19
-
-
-@pytest.mark.parametrize("nice, message", [
-    (-1, r"router\.nice must be in 0\.\.19, got -1"), (20, r"router\.nice must be in 0\.\.19, got 20"),
-    (True, r"router\.nice must be int, got True"), (2.5, r"router\.nice must be int"), ("5", r"router\.nice must be int")])
-def test_bad_nice_values_are_refused_naming_the_key(nice, message):
-    with pytest.raises(ConfigError, match=message):
-        parse_config({"router": {"nice": nice}})
-
-
-NICE_IN_A_PROCESS = textwrap.dedent("""
-    import os, threading, time
-    from services.common.cpu_binding import nice_process
-    started = threading.Event()
-    def wait():
-        started.set()
-        time.sleep(5)
-    threading.Thread(target=wait, daemon=True).start()     # a thread that exists before
-    started.wait()
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    nice_process(0)
-    nice_process(3)
-    late = threading.Thread(target=time.sleep, args=(5,), daemon=True)
-    late.start()
-    values = {os.getpriority(os.PRIO_PROCESS, int(t)) - base for t in os.listdir("/proc/self/task")}
-    print("threads", len(os.listdir("/proc/self/task")), "raised by", sorted(values))
-    nice_process(30)
-    print("capped at", os.getpriority(os.PRIO_PROCESS, 0))
-""")
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice values are Linux's")
-def test_nice_raises_every_thread_a_process_has_and_those_it_starts():
-    out = subprocess.run([sys.executable, "-c", NICE_IN_A_PROCESS], capture_output=True, text=True, timeout=60,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert out.returncode == 0, out.stderr
-    assert "threads 3 raised by [3]" in out.stdout, out.stdout
-    assert "capped at 19" in out.stdout
