@@ -155,7 +155,7 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 # High request waits for its first token, first_token_hold_ms 0, as until 2026-12-04), each its
 # own cluster and column.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"},
-            "short": {}, "nocutin": {"high_cut_in": False},
+            "nocutin": {"high_cut_in": False},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
 # ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
 # High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
@@ -176,7 +176,7 @@ def cluster_config(name: str, model: str, args):
         raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-"
                          + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS, *CLUSTER_VARIANTS]))
     settings = {"kv_cap_mode": args.kv_cap_mode,
-                "high_step_ms": args.high_step_ms if variant == "short" else 0.0, **VARIANTS.get(variant, {})}
+                **VARIANTS.get(variant, {})}
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
@@ -255,8 +255,6 @@ def parse_args(argv: list[str] | None = None):
                              "(one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
-    parser.add_argument("--high-step-ms", type=float, default=30.0,
-                        help="qos-short: each step planned to at most this many ms while High is around")
     parser.add_argument("--kv-cap-mode", choices=KV_CAP_MODES, default="strict", help="qos: KV caps")
     parser.add_argument("--front", choices=["grpc", "http"], default="grpc",
                         help="send through the router's gRPC or its OpenAI-compatible HTTP front (SSE)")

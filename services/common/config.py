@@ -155,8 +155,6 @@ class SchedulerConfig(ServiceConfig):
     tenant_fairness: bool = setting(True, "inside a class, tenants share by weight, not by arrival")
     kv_cap_mode: str = setting("strict", "caps always bind (strict), or a class borrows blocks beyond its cap "
                                "while no other class waits (elastic)", choices=KV_CAP_MODES)
-    high_step_ms: float = setting(0.0, "qos: keep each step to about this many ms while High requests are in the "
-                                  "pool (0: off)", bounds=NON_NEGATIVE)
     high_cut_in: bool = setting(True, "qos: a High request that can start while a worker computes a step runs "
                                 "its first step inside that one (a cut-in)")
     stream_intervals: list = setting(doc="tokens per stream chunk after the first, per class (a request's "

@@ -3,8 +3,7 @@
     step_ms(tokens, kv) = fixed_ms + ms_per_token * tokens + ms_per_kv_token * kv
 
 Used by the router's latency model (services/router/latency_model.py: kv = KV tokens held, from
-the pools' stats) and by the scheduler to keep steps short while High traffic is present
-(services/scheduler/step_clock.py: kv = context tokens the step's sequences attend to).
+the pools' stats).
 """
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import charge_decodes
-from services.scheduler.step_clock import StepClock
 from services.scheduler.stream_out import SampledText, StreamOut
 from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
@@ -70,8 +69,6 @@ class ContinuousBatcher(WorkerChanges):
         self.step_kv_tokens = 0
         self.finished = 0                           # requests completed since start
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
-        # Steps kept short while High is around (policy's high_step_ms; None: off).
-        self.step_clock = StepClock(policy.high_step_ms) if policy.high_step_ms > 0 else None
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
         # In run() (or a caller that does as run() does, bench/scheduler_overhead.py): the last
         # worker to answer a step has its tokens' text, chunks and failures held back until the
@@ -110,11 +107,8 @@ class ContinuousBatcher(WorkerChanges):
     def submit(self, request: Request) -> None:
         prompt_announcement(request)        # its prompt made into protobuf here, not in a step's plan
         self.policy.add(request)
-        if request.priority == HIGH:
-            if self.step_clock is not None:
-                self.step_clock.high_arrived(time.perf_counter())
-            if self.policy.cut_in:
-                self.cut_ins.dispatch()
+        if request.priority == HIGH and self.policy.cut_in:
+            self.cut_ins.dispatch()
         self.wakeup.set()
 
     def cancel(self, request: Request) -> None:
@@ -196,10 +190,6 @@ class ContinuousBatcher(WorkerChanges):
             self.step_tokens += tokens
             self.step_kv_tokens += sum(self.workers[i].pool.num_used * self.workers[i].pool.block_size
                                        for i, b in plans.items() if b.num_tokens and self.workers[i].pool)
-            if self.step_clock is not None:
-                computing = [b for b in plans.values() if b.num_tokens]
-                self.step_clock.observe(tokens / len(computing), sum(b.context for b in computing) / len(computing),
-                                        elapsed * 1000)
             rate = tokens / max(elapsed, 1e-6)
             self.tokens_per_second = rate if not self.tokens_per_second \
                 else 0.8 * self.tokens_per_second + 0.2 * rate
@@ -215,10 +205,6 @@ class ContinuousBatcher(WorkerChanges):
         backlogged |= self.planner.lanes_running()
         policy.backlog_changed(backlogged, now)
         builders = {}
-        clock = self.step_clock
-        if clock is not None:
-            high = policy.lane_of_priority(HIGH)
-            high_present = bool(policy.queue(high)) or self.planner.running_per_lane[high] > 0
         # Admit to a worker with a free running slot first (a request it takes preempts nobody,
         # where a full worker would have to), then to the emptiest, so load spreads.
         running, max_running = self.running, self.planner.max_running
@@ -226,11 +212,7 @@ class ContinuousBatcher(WorkerChanges):
                                                        -(l.pool.num_free if l.pool else -1))):
             if not link.is_connected:
                 continue
-            cost = clock.budget(high_present, now) if clock is not None else None
-            builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link), cost=cost,
-                                        measure=clock is not None)
-            if cost is not None:
-                clock.planned(builder.time_cut)
+            builder = self.planner.plan(link, self.steps, admits=self.workers.admits(link))
             if builder.has_work or self.workers.heartbeat_due(link, now):
                 builders[link.index] = builder
         self._unsettled.extend((b.decodes_by_lane, self.workers[i].pool) for i, b in builders.items())

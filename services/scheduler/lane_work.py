@@ -7,33 +7,25 @@ allocation, no preemption, nothing new to tell the worker); `boundary` the decod
 token starts a new block (with 16-token blocks, about one decode in 16 each step). The planner
 takes both in slices, ready ones first, without a Python loop per sequence: a step is mostly
 them. `others` holds the rest: sequences with prompt (or recompute) tokens left, and any decode
-the worker has not been told of yet. Decodes a short step left out (`first`, step_clock.py) go
-first the next step: ready ones at the head of `ready`, boundary ones in `overdue`, which the
-planner serves before the lane's ready decodes.
+the worker has not been told of yet.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 
-from services.scheduler.request import Phase, Request
+from services.scheduler.request import Request
 
 
 class LaneWork:
-    __slots__ = ("ready", "boundary", "others", "overdue", "_taken", "_boundary_taken", "_overdue_at_start")
+    __slots__ = ("ready", "boundary", "others", "_taken", "_boundary_taken")
 
-    def __init__(self, running: list[Request], lanes: tuple[int, ...], lane_by_priority: dict[int, int],
-                 first: dict[Request, int] | None = None):
+    def __init__(self, running: list[Request], lanes: tuple[int, ...], lane_by_priority: dict[int, int]):
         self.ready: dict[int, list[Request]] = {lane: [] for lane in lanes}
         self.boundary: dict[int, list[Request]] = {lane: [] for lane in lanes}
         self.others: dict[int, deque[Request]] = {lane: deque() for lane in lanes}
-        # By lane, decodes that need a new block and that a short step left out last time: before
-        # the rest (only lanes that have some: most plans have none).
-        self.overdue: dict[int, deque[Request]] = {}
         self._taken = dict.fromkeys(lanes, 0)          # ready decodes already handed out, per lane
         self._boundary_taken = dict.fromkeys(lanes, 0)  # ... and boundary ones
-        self._overdue_at_start: list[Request] = []
         prefills = []
         for request in running:
             # pending and room, not computed against num_tokens and capacity: small ints for a
@@ -48,25 +40,9 @@ class LaneWork:
                 self.boundary[lane_by_priority[request.priority]].append(request)
         for request in prefills:
             self.others[lane_by_priority[request.priority]].append(request)
-        if first:
-            self._put_first(first)
-
-    def _put_first(self, first: dict[Request, int]) -> None:
-        """Decodes a short step left out last time (step_clock.py) go first now, in the order they
-        waited in (`first`: their rank), so that every sequence's turn comes."""
-        last = len(first)
-        for lane, ready in self.ready.items():
-            ready.sort(key=lambda r: first.get(r, last))
-            late = sorted((r for r in self.boundary[lane] + list(self.others[lane]) if r in first),
-                          key=first.__getitem__)
-            if late:
-                self.overdue[lane] = deque(late)
-                self._overdue_at_start += late
-                self.boundary[lane] = [r for r in self.boundary[lane] if r not in first]
-                self.others[lane] = deque(r for r in self.others[lane] if r not in first)
 
     def has_running(self, lane: int) -> bool:
-        return bool(self.ready[lane] or self.boundary[lane] or self.others[lane] or self.overdue.get(lane))
+        return bool(self.ready[lane] or self.boundary[lane] or self.others[lane])
 
     def take_ready(self, lane: int, allowance_left: float, budget: int) -> tuple[list[Request], bool]:
         """The lane's next decodes: ready ones, then boundary ones, never both in one slice (the
@@ -85,22 +61,6 @@ class LaneWork:
             self._boundary_taken[lane] = start + count
             return boundary[start:start + count], True
         return [], False
-
-    def put_back(self, lane: int, count: int, boundary: bool) -> None:
-        """The last `count` decodes taken (of the kind `boundary` says) were not scheduled after
-        all: they stay for later."""
-        if boundary:
-            self._boundary_taken[lane] -= count
-        else:
-            self._taken[lane] -= count
-
-    def left_out(self, running: list[Request], scheduled: Callable[[Request], bool]) -> dict[Request, int]:
-        """Decodes not scheduled this step, each with its rank: those overdue already, then the
-        ready ones in their order, then the rest of the worker's `running` ones (those that needed
-        a block) in theirs."""
-        candidates = self._overdue_at_start + [r for ready in self.ready.values() for r in ready] + running
-        waiting = [r for r in candidates if r.phase is Phase.RUNNING and r.pending == 1 and not scheduled(r)]
-        return {r: i for i, r in enumerate(dict.fromkeys(waiting))}
 
     def first_token_pending(self, lane: int) -> bool:
         """A running sequence of the lane still waits for its first token (prefill under way)."""

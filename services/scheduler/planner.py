@@ -18,14 +18,13 @@ from collections import Counter, deque
 from operator import attrgetter
 
 from services.common.kv_blocks import blocks_for_tokens
-from services.common.priority import HIGH, ORDER
+from services.common.priority import ORDER
 from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.request import Phase, Request
 from services.scheduler.room import Room
 from services.scheduler.step_builder import StepBuilder
-from services.scheduler.step_clock import StepCost
 from services.scheduler.victims import add_running
 from services.scheduler.worker_view import Worker
 
@@ -50,7 +49,6 @@ class StepPlanner:
         # Per worker and priority, its running sequences in seq_id order (room.add_running): a
         # preemption's victims come from one class, found without a pass over the whole worker.
         self.running_by_class: dict[int, dict[int, list[Request]]] = {}
-        self.left_out: dict[int, dict[Request, int]] = {}   # per worker: decodes a short step left out
         # Workers that ran a cut-in during their last step: the next plan gives the first-token
         # lane the turn the cut-in took from it (plan_cut_in).
         self.after_cut_in: set[int] = set()
@@ -73,16 +71,12 @@ class StepPlanner:
         self.to_release.pop(index, None)
         self.after_cut_in.discard(index)
 
-    def plan(self, worker: Worker, step_id: int, admits: bool = True, cost: StepCost | None = None,
-             measure: bool = False) -> StepBuilder:
-        """The worker's next step. `cost`: a time budget for the step (step_clock.py; High's work
-        is not held to it); `measure`: note the context the step attends to (for the clock)."""
+    def plan(self, worker: Worker, step_id: int, admits: bool = True) -> StepBuilder:
+        """The worker's next step (`admits` False: a draining worker, no new sequences)."""
         released, self.to_release[worker.index] = self.to_release[worker.index], []
         policy = self.policy
-        builder = StepBuilder(step_id, self.max_step_tokens, released, admits, cost,
-                              policy.lane_by_priority[HIGH] if cost is not None else None)
-        work = LaneWork(self.running[worker.index], policy.lanes, policy.lane_by_priority,
-                        self.left_out.pop(worker.index, None))
+        builder = StepBuilder(step_id, self.max_step_tokens, released, admits)
+        work = LaneWork(self.running[worker.index], policy.lanes, policy.lane_by_priority)
         active = {lane for lane in policy.lanes if work.has_running(lane) or policy.queue(lane)}
         first = policy.first_token_lane()
         after_cut_in = worker.index in self.after_cut_in
@@ -101,11 +95,9 @@ class StepPlanner:
         for lane in policy.lanes:
             builder.charge_tenants(policy, lane)
         self.served_tokens.update(builder.served)
-        if builder.time_cut:
-            self.left_out[worker.index] = work.left_out(self.running[worker.index], builder.is_scheduled)
         # Sequences preempted while planning gave their blocks to this very plan: the worker must
         # drop them first, in the same plan.
-        builder.finish(self.to_release[worker.index], measure)
+        builder.finish(self.to_release[worker.index])
         self.to_release[worker.index] = []
         return builder
 
@@ -153,24 +145,8 @@ class StepPlanner:
         tokens it took."""
         taken = 0
         others = work.others[lane]
-        timed = builder.timed(lane)
         while builder.budget > 0 and (taken == 0 or taken < allowance):
-            if timed and builder.out_of_time():
-                active.discard(lane)
-                break
-            overdue = work.overdue.get(lane)
-            if overdue:                       # left out of the last (short) step: before the rest
-                taken += self._schedule_each(worker, builder, [overdue.popleft()], lane)
-                continue
             ready, boundary = work.take_ready(lane, allowance - taken, builder.budget)
-            if ready and builder.cost is not None:
-                count = builder.decodes_in_time(ready, lane)
-                if count < len(ready):
-                    work.put_back(lane, len(ready) - count, boundary)
-                    ready = ready[:count]
-                    if not ready:
-                        active.discard(lane)
-                        break
             if ready and builder.victim_floor is not None:      # someone was preempted this step
                 ready = [r for r in ready if r.phase is Phase.RUNNING]
                 if not ready:
@@ -284,10 +260,6 @@ class StepPlanner:
         pool = worker.pool
         pending = request.pending
         num_tokens = pending if pending < builder.budget else builder.budget
-        if builder.cost is not None:
-            num_tokens = builder.tokens_in_time(request, num_tokens, self.policy.lane_of(request))
-            if not num_tokens:
-                return 0
         need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
         if need > 0 and not self.room.make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.

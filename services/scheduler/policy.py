@@ -31,9 +31,6 @@ class QoSSettings:
     # "strict": a class never holds more than its cap. "elastic": it may borrow beyond it while no
     # other class waits; a higher class that needs blocks takes them back by preempting it.
     kv_cap_mode: str = "strict"
-    # > 0: while High requests are in the pool, each step is planned to take at most this many ms
-    # (the pool's measured step time); the other classes' work beyond it waits (step_clock.py).
-    high_step_ms: float = 0.0
     # A High request that can start at once (blocks and a running slot free, prompt within one
     # step) while a worker computes a step: its first step runs inside that one, at a pause in
     # its forward pass (a cut-in: services/worker/cut_ins.py), instead of after it.
@@ -42,8 +39,6 @@ class QoSSettings:
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
             raise ValueError(f"kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {self.kv_cap_mode!r}")
-        if not self.high_step_ms >= 0:
-            raise ValueError(f"high_step_ms must be >= 0 (0: off), got {self.high_step_ms!r}")
         for p in ORDER:
             if not self.weights.get(p, 0) > 0:
                 raise ValueError(f"weight of {priority_name(p)} must be > 0")
@@ -134,7 +129,6 @@ class SchedulingPolicy(ABC):
         step (the planner checks that it has such requests), or None."""
         return None
 
-    high_step_ms = 0.0                # > 0: steps kept this short while High is around (step_clock.py)
     cut_in = False                    # first-token lane admissions may run inside the step in flight
 
     def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
@@ -309,10 +303,6 @@ class QoSPolicy(SchedulingPolicy):
     @property
     def elastic_caps(self) -> bool:
         return self.settings.kv_cap_mode == "elastic"
-
-    @property
-    def high_step_ms(self) -> float:
-        return self.settings.high_step_ms
 
     @property
     def cut_in(self) -> bool:

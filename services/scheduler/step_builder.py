@@ -10,7 +10,6 @@ from operator import attrgetter
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.scheduler.request import Request
-from services.scheduler.step_clock import StepCost
 from services.scheduler.victims import VictimOrder
 
 _COMPUTED, _SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("computed", "seq_id", "priority", "tenant"))
@@ -19,18 +18,10 @@ _COMPUTED, _SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("compute
 class StepBuilder:
     """Collects one worker's plan for one step; finish() writes it into the StepPlan."""
 
-    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True,
-                 cost: StepCost | None = None, exempt_lane: int | None = None):
+    def __init__(self, step_id: int, budget: int, released: list[int], admits: bool = True):
         # packed_results: this scheduler reads the answer's tokens as packed lists (postprocess)
         self.plan = worker_pb2.StepPlan(step_id=step_id, released_seq_ids=released, packed_results=True)
         self.budget = budget
-        # A step kept short while High is around (step_clock.py): its time left, and the lane whose
-        # work is never cut (High's). `time_cut`: other lanes' work was left out for time.
-        self.cost = cost
-        self.exempt_lane = exempt_lane
-        self.time_cut = False
-        self._others_served = False     # a lane under the time budget got something this step
-        self.context = 0                # tokens the scheduled sequences attend to (finish(measure=True))
         self.admits = admits        # False: the worker drains, only its running sequences go on
         # The requests scheduled and their token counts, side by side (not as pairs: a step is
         # mostly decodes, added a slice at a time, and finish() reads each list whole).
@@ -46,7 +37,6 @@ class StepBuilder:
         # Highest class (smallest Priority value) preempted this step. Afterwards only strictly
         # higher classes are admitted: admitting the victim's peers would hand its blocks back.
         self.victim_floor: int | None = None
-        # A lane served ahead for a first token, in exclusive mode: the other lanes only decode.
         # Planned while requests of the first-token lane waited for their first token: such a
         # step takes no cut-in (it would hold back the very first tokens cut-ins are for).
         self.first_tokens = False
@@ -80,44 +70,6 @@ class StepBuilder:
 
     def may_admit(self, request: Request) -> bool:
         return self.admits and (self.victim_floor is None or request.priority < self.victim_floor)
-
-    def timed(self, lane: int) -> bool:
-        """The lane's work this step is held to the time budget."""
-        return self.cost is not None and lane != self.exempt_lane
-
-    def out_of_time(self) -> bool:
-        """No time left for another token of a lane under the budget (one item always goes)."""
-        cost = self.cost
-        return self._others_served and cost.ms_left < cost.ms_per_token + cost.ms_per_context_token
-
-    def decodes_in_time(self, requests: list[Request], lane: int) -> int:
-        """How many of these ready decodes (taken in order) the step's time allows, charged to it."""
-        cost = self.cost
-        computed = [r.computed for r in requests]
-        if lane == self.exempt_lane:
-            cost.charge(len(requests), sum(computed) + len(requests))
-            return len(requests)
-        count = cost.decodes_within(computed)
-        if count == 0 and not self._others_served:
-            count = 1
-            cost.charge(1, computed[0] + 1)
-        if count < len(requests):
-            self.time_cut = True
-        self._others_served = self._others_served or count > 0
-        return count
-
-    def tokens_in_time(self, request: Request, num_tokens: int, lane: int) -> int:
-        """How many of a chunk's tokens the step's time allows, charged to it."""
-        cost = self.cost
-        if lane != self.exempt_lane:
-            fits = cost.tokens_within(request.computed, num_tokens)
-            if fits < num_tokens:
-                self.time_cut = True
-            num_tokens = fits if fits or self._others_served else 1
-            self._others_served = self._others_served or num_tokens > 0
-        if num_tokens:
-            cost.charge(num_tokens, request.computed + num_tokens)
-        return num_tokens
 
     def grant(self, request: Request, blocks: list[int]) -> None:
         """Blocks for the request's block table on the worker (sent in finish())."""
@@ -182,9 +134,7 @@ class StepBuilder:
     def is_scheduled(self, request: Request) -> bool:
         return request in self.scheduled_set()
 
-    def finish(self, released: list[int], measure: bool = False) -> worker_pb2.StepPlan:
-        if measure:             # for the step clock: before the step, computed is what came before
-            self.context = sum(map(_COMPUTED, self.scheduled_requests)) + sum(self.scheduled_tokens)
+    def finish(self, released: list[int]) -> worker_pb2.StepPlan:
         self.plan.released_seq_ids.extend(released)
         self.plan.scheduled_seq_ids.extend(map(_SEQ_ID, self.scheduled_requests))
         self.plan.scheduled_num_tokens.extend(self.scheduled_tokens)

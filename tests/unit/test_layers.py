@@ -137,7 +137,7 @@ PURE = ["services.scheduler.batcher", "services.scheduler.request", "services.sc
         "services.common.drain", "services.common.wire", "services.common.kv_blocks",
         "services.control.sla", "services.control.alerts", "services.scheduler.autoscale",
         "services.router.latency_model", "services.router.slo_cost", "services.router.route_types",
-        "services.scheduler.step_clock", "services.common.step_fit"]
+        "services.common.step_fit"]
 SCHEDULER_AND_ROUTER = ["services.scheduler.server", "services.router.server"]
 ENGINE = ["services.engine.engine", "services.engine.batch_runner", "services.worker.server"]
 

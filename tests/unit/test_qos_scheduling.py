@@ -36,10 +36,9 @@ class Harness:
     """A batcher over simulated workers, advanced one step at a time."""
 
     def __init__(self, policy="qos", num_blocks=4096, max_running=256, max_step_tokens=64, workers=1,
-                 tenant_fairness=True, kv_cap_mode="strict", high_step_ms=0.0, high_cut_in=True):
+                 tenant_fairness=True, kv_cap_mode="strict", high_cut_in=True):
         self.workers = [SimulatedWorker(i, num_blocks) for i in range(workers)]
-        settings = QoSSettings(tenant_fairness=tenant_fairness, kv_cap_mode=kv_cap_mode, high_step_ms=high_step_ms,
-                               high_cut_in=high_cut_in)
+        settings = QoSSettings(tenant_fairness=tenant_fairness, kv_cap_mode=kv_cap_mode, high_cut_in=high_cut_in)
         self.policy = FairOrderOnly(settings) if policy == "fair-order-only" else create_policy(policy, settings)
         self.batcher = ContinuousBatcher("sim", self.workers, self.policy, max_running, max_step_tokens)
         self.next_id = 1
