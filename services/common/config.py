@@ -124,8 +124,6 @@ class RouterConfig(ServiceConfig):
     http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413", bounds=Bounds(1024))
     migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
                                    "(with the tokens already streamed)", bounds=Bounds(0, 100))
-    forward_window: int = setting(0, "Medium or Low requests of one class in flight to one pool at once; more "
-                                  "wait in the router (0: no window)", bounds=Bounds(0, 1_000_000))
     scheduler_link: str = setting("stream", "how requests reach a scheduler: one long-lived SubmitLink stream "
                                   "(stream) or a Submit call each (calls)", choices=SCHEDULER_LINKS)
     tls_cert: str = setting("", "PEM certificate for TLS on the gRPC and HTTP fronts (with tls_key; both "

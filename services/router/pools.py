@@ -12,7 +12,6 @@ import grpc
 from services.common.config import PoolConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.router.forward_window import ForwardWindows, PoolQueueLimit
 from services.router.latency_model import PoolReport
 from services.router.routing import PoolLoad, PoolRouter, PoolSpec
 from services.router.scheduler_link import SchedulerLink
@@ -69,12 +68,8 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
 
 
 class PoolDirectory:
-    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str, forward_window: int = 0):
+    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str):
         self.handles = {p.name: PoolHandle(p) for p in pools}
-        # Medium and Low requests beyond the window wait here; the load each pool is routed by
-        # counts them, as its scheduler would if they had been forwarded.
-        self.windows = ForwardWindows(forward_window, {
-            p.name: PoolQueueLimit(p.scheduler.max_queue, p.scheduler.retry_after_ms) for p in pools})
         self.router = PoolRouter([PoolSpec(p.name, p.device, frozenset({model_name}),
                                            p.cost_per_token, p.lora, p.primary) for p in pools],
                                  mode=routing)
@@ -136,8 +131,6 @@ class PoolDirectory:
             self.router.update(handle.name, PoolLoad(healthy=False))
             return
         handle.stats = stats
-        load = pool_load(stats)
-        load.queued += self.windows.held(handle.name)
-        self.router.update(handle.name, load)
+        self.router.update(handle.name, pool_load(stats))
         if all(h.known for h in self.handles.values()):
             self.ready.set()

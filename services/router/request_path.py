@@ -86,15 +86,11 @@ class RequestPath:
                 tally.on_routed(pool.name, predicted)
                 streamed: list[int] = []        # token ids sent to the client, over every pool
                 failed: list[str] = []
-                # High and SLO requests go at once; Medium and Low within their class's window.
-                exempt = head.priority == common_pb2.PRIORITY_HIGH or bool(head.slo_ms)
                 while True:
                     try:
-                        async with self.pools.windows.turn(pool.name, head.priority, exempt,
-                                                           head.tenant, head.tenant_weight):
-                            async for chunk in self.relay(head, body, pool, tally, span, streamed):
-                                streamed.extend(chunk.token_ids)
-                                yield chunk
+                        async for chunk in self.relay(head, body, pool, tally, span, streamed):
+                            streamed.extend(chunk.token_ids)
+                            yield chunk
                         self._judge_prediction(tally)
                         return
                     except ServiceError as error:

@@ -43,14 +43,11 @@ class RouterService:
     def __init__(self, config: ClusterConfig, model_name: str, store: Store, drain: Drain | None = None):
         router, auth, billing = config.router, config.auth, config.billing
         self.router = router
-        # The priority-blind FCFS baseline (admission "fifo") forwards everything at once.
-        self.pools = PoolDirectory(config.pools, model_name, router.routing,
-                                   router.forward_window if router.admission == "priority" else 0)
+        self.pools = PoolDirectory(config.pools, model_name, router.routing)
         registry = CollectorRegistry()
         alerts_url = f"http://{router.http_address}/v1/alerts" if router.http_address else ""
         self.sla = SlaMonitor(config.sla, config.alerts, registry, external_url=alerts_url)
         self.totals = RouterTotals(list(self.pools.handles), self.sla, registry)
-        registry.register(self.pools.windows)      # qos_router_held_requests, ..._window_in_flight
         self.tracer = setup_tracing("router")
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
         self.ledger = LedgerWriter(store, billing.flush_seconds)

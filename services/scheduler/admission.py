@@ -20,7 +20,6 @@ from services.common.errors import ErrorKind, ServiceError, invalid, unavailable
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.priority import priority_name
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.common.queue_limit import check_queue
 from services.common.step import SamplingParams
 from services.common.wire import sampling_from_request
 
@@ -86,6 +85,14 @@ def check_kv_cap(priority: int, tokens: int, limits: PoolLimits, cap_share: floa
             f"{priority_name(priority)} class may hold at most {cap} ({cap_share:.0%} of the largest "
             f"worker's {limits.largest_worker_blocks} blocks of pool {pool}); lower "
             "sampling.max_tokens or shorten the prompt", field="sampling.max_tokens", reason="kv_cap")
+
+
+def check_queue(priority: int, waiting: int, max_queue: int, retry_after_ms: int, pool: str) -> None:
+    if waiting >= max_queue:
+        raise ServiceError(
+            ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full "
+            f"({max_queue} waiting); retry after {retry_after_ms} ms",
+            retry_after_ms=retry_after_ms, reason="queue_full")
 
 
 def check_slo(slo_ms: int, estimated_wait_ms: float) -> None:

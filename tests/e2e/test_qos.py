@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import bench_model, cluster_config, run
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -198,33 +197,3 @@ def test_stream_intervals_by_class_and_by_request(tight_cluster):
     assert all(n >= 16 for n in low[1:-1]) and len(low) <= 1 + 3     # 39 tokens in chunks of >= 16
     assert all(n >= 8 for n in high_by_eight[1:-1]) and len(high_by_eight) <= 1 + 5
     assert len(low_by_one) > 4                                  # per token, unless it fell behind
-
-
-def test_the_router_holds_medium_and_low_beyond_their_window_but_never_high():
-    """router.forward_window = 2: of six Low requests sent at once at most two stream at a time
-    (each starts as one ahead of it ends), all six complete, and a High request sent meanwhile
-    is not held: its first token comes before the last wave of Low starts."""
-    config = cluster_config(kv_cache_mb=64, model=bench_model())
-    config.router.forward_window = 2
-    with LocalCluster(config, quiet=True) as cluster:
-        low_params = sampling_params(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-        async def go():
-            async with RouterClient(cluster.router_address) as client:
-                async def timed(prompt, priority, params):
-                    sent = time.perf_counter()
-                    answer = await client.generate(chat_request(prompt, params), priority=priority)
-                    return sent + answer.ttft_ms / 1000, sent + answer.e2e_ms / 1000, answer
-
-                lows = [asyncio.create_task(timed(f"Count to {i}.", "low", low_params)) for i in range(6)]
-                await asyncio.sleep(0.2)
-                high = await timed("Hi!", "high", sampling_params(max_tokens=2, ignore_eos=True))
-                return await asyncio.gather(*lows), high
-
-        lows, high = run(go())
-    assert all(len(answer.token_ids) == 24 for _, _, answer in lows)
-    # Streaming at once, at each Low's first token: it and those begun and not yet ended.
-    overlap = [sum(1 for first, end, _ in lows if first <= at < end) for at, _, _ in lows]
-    assert max(overlap) <= 2, overlap
-    last_wave = sorted(first for first, _, _ in lows)[-2]
-    assert high[0] < last_wave
