@@ -79,61 +79,22 @@ def _router(**values) -> Callable:
     return apply
 
 
-def _both(*changes: Callable) -> Callable:
-    def apply(config):
-        for change in changes:
-            change(config)
-    return apply
-
-
-def _bind_cores(config) -> None:
-    from services.common.cpu_binding import apply_plan, available_cores, plan_cores, worker_threads
-    plan = plan_cores(available_cores(), worker_threads(config), min_control=1)
-    if isinstance(plan, str):
-        raise SystemExit(f"cpu_binding: {plan}")
-    apply_plan(config, plan)
-
-
-def _unbound(config) -> None:
-    config.cpu_binding = "off"
-
-
+# The mechanisms the product has now, each with its switch. Those removed after the committed run
+# (bench/results/ablation.json, at the commit it names) were switched the same way: the first-token
+# modes, the first-token hold, cut-in slots, the router's High lane, tokenizer thread nice values,
+# tokenizing short prompts on the loop, the router's nice value, short steps, the forward window
+# and CPU binding.
 MECHANISMS = [
-    Mechanism("first_token_alone", "High's first-token work alone in its step (high_first_token = alone) vs the "
-              "fair order (wfq)", _sched(high_first_token="alone"), _sched(high_first_token="wfq")),
-    Mechanism("first_token_ahead", "High's first-token work ahead of the fair order (ahead) vs the fair order (wfq)",
-              _sched(high_first_token="ahead"), _sched(high_first_token="wfq")),
-    Mechanism("first_token_alone_vs_ahead", "alone vs ahead: High's first-token work ahead of the fair order, "
-              "with (alone) or without (ahead) the rest of the step left out when its prompt fits",
-              _sched(high_first_token="alone"), _sched(high_first_token="ahead")),
     Mechanism("cut_in", "High cut-ins: a new High request's first step runs inside the worker's step in flight",
               _sched(high_cut_in=True), _sched(high_cut_in=False)),
-    Mechanism("cut_in_slots", "running slots beyond max_running for cut-ins (a quarter) vs none",
-              _sched(high_cut_in_slots=0.25), _sched(high_cut_in_slots=0.0)),
-    Mechanism("first_token_hold", "router and scheduler hold Medium and Low admissions while High waits for its "
-              "first token (50 ms) vs no hold", _both(_sched(first_token_hold_ms=50.0), _router(first_token_hold_ms=50.0)),
-              _both(_sched(first_token_hold_ms=0.0), _router(first_token_hold_ms=0.0))),
-    Mechanism("high_lane", "a gRPC port of the router's own for High requests vs High on the main port",
-              _router(high_port=0), _router(high_port=-1)),
     Mechanism("router_intake", "the router's priority intake (High admitted first through a burst) vs arrival order",
               _router(admission="priority"), _router(admission="fifo"),
               purpose="the router's half of the priority path: without it a flood's calls are validated "
                       "and forwarded in arrival order, High behind them"),
-    Mechanism("tokenizer_nice", "Medium's and Low's prompts tokenized in threads at nice +15/+19 vs the process's",
-              _sched(tokenizer_nice=[0, 15, 19]), _sched(tokenizer_nice=[0, 0, 0])),
-    Mechanism("tokenize_inline", "short prompts tokenized on the event loop (8192/512/512 chars) vs always a thread",
-              _sched(tokenize_inline_chars=[8192, 512, 512]), _sched(tokenize_inline_chars=[0, 0, 0])),
-    Mechanism("router_nice", "the router process at nice +2 vs 0", _router(nice=2), _router(nice=0)),
     Mechanism("stream_intervals", "Medium and Low stream a chunk per 4 and 16 tokens vs one per token",
               _sched(stream_intervals=[1, 4, 16]), _sched(stream_intervals=[1, 1, 1]),
               purpose="fewer messages per token through scheduler, router and client (vLLM's stream "
                       "interval): CPU per streamed token, whatever High's figure"),
-    Mechanism("short_steps", "steps kept to 30 ms while High is in the pool (high_step_ms) vs off",
-              _sched(high_step_ms=30.0), _sched(high_step_ms=0.0)),
-    Mechanism("forward_window", "the router forwards at most 8 Medium / Low requests of a class per pool at once "
-              "vs all", _router(forward_window=8), _router(forward_window=0)),
-    Mechanism("cpu_binding", "workers on cores of their own, the rest on the others, vs wherever the kernel puts them",
-              _bind_cores, _unbound),
 ]
 
 
@@ -155,7 +116,6 @@ async def _flood(front: Front, scheduler_address: str, jobs: list[Job], low_seco
 
 def one_run(mechanism: Mechanism, on: bool, model: str, flood: list[Job], probes: list[Job], args) -> dict:
     config = cluster_config("qos", model, args)
-    config.router.high_port = 0           # as qos_burst's QoS runs (the lane's own row turns it off)
     (mechanism.on if on else mechanism.off)(config)
     with LocalCluster(config, quiet=True) as cluster:
         front = Front.of("grpc", cluster)

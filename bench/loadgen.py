@@ -50,17 +50,14 @@ class Front:
     kind: str                     # "grpc" or "http"
     address: str                  # host:port
     model: str = ""
-    cores: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, kind: str, cluster) -> "Front":
-        """The cluster's router; its clients on the cores the cluster left to its control plane
-        when it bound its workers to cores of their own (services/common/cpu_binding.py): clients
-        on other machines take none of a worker's cores, and neither do these stand-ins."""
-        router, cores = cluster.config.router, tuple(cluster.client_cores)
+        """The cluster's router."""
+        router = cluster.config.router
         if kind == "http":
-            return cls("http", f"{router.host}:{router.http_port}", Path(cluster.config.model).name, cores)
-        return cls("grpc", router.address, cores=cores)
+            return cls("http", f"{router.host}:{router.http_port}", Path(cluster.config.model).name)
+        return cls("grpc", router.address)
 
 
 @dataclass(slots=True)
@@ -154,8 +151,6 @@ def _client_main(front: Front, jobs: list[dict], done, conn, parent: int) -> Non
     # A benchmark killed (not interrupted) runs no cleanup: without this its clients went on
     # sending, and the cluster's services, told to drain, waited for their streams.
     die_with_parent(parent)
-    if front.cores:                     # before the gRPC channel starts its threads: they inherit them
-        os.sched_setaffinity(0, front.cores)
     if not jobs or jobs[0]["priority"] not in UNNICED:    # a process sends one priority's jobs
         os.nice(CLIENT_NICE)
     try:

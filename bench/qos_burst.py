@@ -78,7 +78,6 @@ from services.common.config import (  # noqa: E402
     WorkerConfig,
     single_pool,
 )
-from services.common.cpu_binding import apply_plan, available_cores, plan_cores, worker_threads  # noqa: E402
 from services.common.priority import priority_name  # noqa: E402
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
@@ -145,38 +144,22 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
             "idle_high_p50_ttft_parts_ms": ttft_parts(outcomes, 0.5)}
 
 
-# QoS variants a run may add to --policies (qos-elastic: elastic KV caps; qos-wfq, qos-ahead,
-# qos-exclusive and qos-alone: another high_first_token mode; qos-short: steps kept to
-# --high-step-ms while High is around; qos-nocutin: no cut-ins; qos-inslots: cut-ins only within
-# max_running, none beyond it; qos-fewerslots: half the default's slots beyond it (an eighth of
-# it, the default until 2026-12-04); qos-nice5: Medium's and Low's prompts tokenized at nice +5
-# and +10, the defaults until 2026-12-02; qos-pertoken: every class streams a chunk per token,
-# not Medium 4 and Low 16 a chunk; qos-nohold: router and scheduler admit Medium and Low while a
-# High request waits for its first token, first_token_hold_ms 0, as until 2026-12-04), each its
-# own cluster and column.
-VARIANTS = {"elastic": {"kv_cap_mode": "elastic"},
-            "nocutin": {"high_cut_in": False},
+# QoS variants a run may add to --policies, each its own cluster and column: qos-elastic, elastic
+# KV caps; qos-nocutin, no High cut-ins; qos-pertoken, every class streams a chunk per token (not
+# Medium 4 and Low 16 a chunk); qos-calls, a Submit call per request from the router instead of
+# the pool's SubmitLink stream.
+VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "nocutin": {"high_cut_in": False},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
-# ... of the router: "calls", a Submit call per request instead of the pool's link; "nolane", no
-# High lane, High on the main port with the rest (QoS's router has one otherwise, and the clients
-# send High there: services/router/high_lane.py; the priority-blind FCFS baseline has none);
-# "routernice0" and "routernice5", the router at nice 0 or +5, not its default +2
-# (services/common/cpu_binding.py, nice_process).
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
-# ... and of the whole cluster: "bound", the workers on cores of their own and the router,
-# scheduler and the load generator's clients on the rest even where that leaves them one core,
-# which cpu_binding = "auto" does not (services/common/cpu_binding.py).
-CLUSTER_VARIANTS = ("bound",)
 
 
 def cluster_config(name: str, model: str, args):
     policy, _, variant = name.partition("-")
-    known = VARIANTS.keys() | ROUTER_VARIANTS.keys() | set(CLUSTER_VARIANTS)
+    known = VARIANTS.keys() | ROUTER_VARIANTS.keys()
     if variant and (policy != "qos" or variant not in known):
         raise SystemExit(f"unknown policy {name!r}: fcfs, qos, or qos-"
-                         + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS, *CLUSTER_VARIANTS]))
-    settings = {"kv_cap_mode": args.kv_cap_mode,
-                **VARIANTS.get(variant, {})}
+                         + ", qos-".join([*VARIANTS, *ROUTER_VARIANTS]))
+    settings = {"kv_cap_mode": args.kv_cap_mode, **VARIANTS.get(variant, {})}
     config = single_pool(
         # The baseline is priority-blind end to end: FIFO admission at the router too.
         model=model, router=RouterConfig(port=0, http_port=0, admission="fifo" if policy == "fcfs" else "priority",
@@ -184,11 +167,6 @@ def cluster_config(name: str, model: str, args):
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
         workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
-    if variant == "bound":
-        plan = plan_cores(available_cores(), worker_threads(config), min_control=1)
-        if isinstance(plan, str):
-            raise SystemExit(f"qos-bound: {plan}")
-        apply_plan(config, plan)
     return config
 
 
@@ -222,7 +200,6 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall
-    summary["cpu_binding"] = cluster.cpu_binding     # which cores the services (and clients) ran on
     summary["preemptions"] = stats.preemptions - before.preemptions
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)
@@ -248,11 +225,8 @@ def parse_args(argv: list[str] | None = None):
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--policies", default="fcfs,qos",
-                        help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-wfq, qos-ahead, "
-                             "qos-exclusive, qos-alone, qos-short, qos-nocutin, qos-inslots, qos-fewerslots, "
-                             "qos-nice5, qos-pertoken, qos-nohold, qos-calls, qos-nolane, qos-routernice0, qos-routernice5, "
-                             "qos-bound "
-                             "(one column each)")
+                        help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-nocutin, qos-pertoken, "
+                             "qos-calls (one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")
     parser.add_argument("--kv-cap-mode", choices=KV_CAP_MODES, default="strict", help="qos: KV caps")

@@ -94,12 +94,6 @@ KEYS = [("high_p99_ttft_ms", "High P99 TTFT (ms)", "{:.0f}"),
 def print_table(report: dict) -> None:
     print(f"\nworkload {report['workload']}: {report['requests']}; model {report['model']}; "
           f"front {report.get('front', 'grpc')}; {report['machine']}")
-    bindings = {p: report[p]["cpu_binding"] for p in report.get("policies", ["fcfs", "qos"])
-                if "cpu_binding" in report.get(p, {})}
-    if len(set(bindings.values())) == 1:
-        print(next(iter(bindings.values())))
-    else:
-        print("; ".join(f"{policy}: {binding}" for policy, binding in bindings.items()))
     print()
     # Variants of QoS (qos-elastic, qos-wfq, ...) get a column each after the comparison.
     extra = [name for name in report.get("policies", []) if name not in ("fcfs", "qos")]

@@ -39,7 +39,6 @@ ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
-CPU_BINDINGS = ("auto", "off")                      # ClusterConfig.cpu_binding
 DEVICES = ("cuda", "npu", "cpu")
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
 
@@ -102,9 +101,6 @@ class ServiceConfig:
                                        kind=int, bounds=PORT)
     drain_seconds: float = setting(DEFAULT_DRAIN_SECONDS, "on SIGTERM, how long requests in flight get to "
                                    "finish (new ones are refused meanwhile)", bounds=Bounds(0, 3600))
-    cpu_cores: list = setting(doc="CPU cores every thread of the service runs on ([]: wherever the kernel "
-                              "puts it; a local cluster fills them in under cpu_binding = \"auto\")",
-                              factory=list, kind=list, note="distinct CPU numbers")
 
     @property
     def address(self) -> str:
@@ -335,9 +331,6 @@ class ClusterConfig:
     billing: BillingConfig = field(default_factory=BillingConfig)
     sla: list[SlaConfig] = field(default_factory=default_slas)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
-    cpu_binding: str = setting("auto", "a local cluster gives each worker cores of its own and the rest to the "
-                               "router and schedulers, where the machine has a core to spare (auto), or "
-                               "leaves every service where the kernel puts it (off)", choices=CPU_BINDINGS)
 
     def sla_ttft_ms(self, priority: str) -> float | None:
         """The class-wide TTFT objective for a class, if an SLA sets one (autoscaling uses High's)."""

@@ -19,7 +19,6 @@ from services.common.config import (
     PoolConfig,
     RouterConfig,
     SchedulerConfig,
-    ServiceConfig,
     SlaConfig,
     StoreConfig,
     WorkerConfig,
@@ -38,10 +37,7 @@ def _section(cls, raw: dict, where: str):
     for name, value in raw.items():
         if value is not None and known[name].metadata:
             check_value(known[name].metadata, value, f"{where}.{name}" if where else name)
-    obj = cls(**raw)
-    if isinstance(obj, ServiceConfig):
-        _check_service(obj, where)
-    return obj
+    return cls(**raw)
 
 
 def _is(value, kind: type) -> bool:
@@ -68,13 +64,6 @@ def check_value(meta, value, key: str) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {value!r}")
     if bounds is not None and not bounds.admits(value):
         raise ConfigError(f"{key} must be {bounds}, got {value!r}")
-
-
-def _check_service(s: ServiceConfig, where: str) -> None:
-    cores = s.cpu_cores
-    if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 4096 for c in cores) \
-            or len(set(cores)) != len(cores):
-        raise ConfigError(f"{where}.cpu_cores must be distinct CPU numbers (0, 1, ...; [] = unbound), got {cores!r}")
 
 
 def _check_scheduler(s: SchedulerConfig, where: str) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 
 from services.common.config import ClusterConfig
-from services.common.cpu_binding import bind_cluster
 from services.common.grpc_server import wait_healthy
 from services.common.ports import free_port
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -97,10 +96,6 @@ class LocalCluster:
                  autoscale: bool = False):
         self.config = resolve_ports(config)
         self.config.model = resolve_model(self.config.model, progress=not quiet)
-        # Cores of their own for the workers where the machine has one to spare (cpu_binding.py);
-        # clients run on this machine (the benchmarks' load generators) belong on client_cores.
-        self.client_cores, self.cpu_binding = bind_cluster(self.config, scalable=autoscale and any(
-            p.worker_limits()[1] > len(p.workers) for p in self.config.pools))
         self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
         self.config_path = Path(self._tmp.name) / "cluster.json"
         self.config.write_json(self.config_path)
@@ -237,7 +232,7 @@ def run_until_signal(cluster: LocalCluster) -> None:
                           f"{len(p.workers)} worker(s))" for p in cluster.config.pools)
         print(f"qos-serve up: router {cluster.router_address}; "
               f"pools: {pools}; model "
-              f"{Path(cluster.config.model).name}; {cluster.cpu_binding}. Ctrl-C stops.", flush=True)
+              f"{Path(cluster.config.model).name}. Ctrl-C stops.", flush=True)
         while not stop:
             for name, process in cluster.processes.items():
                 if process.poll() is not None:

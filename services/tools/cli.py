@@ -57,8 +57,6 @@ def cmd_worker(args) -> int:
     if not 0 <= args.index < len(pool.workers):
         raise ConfigError(f"--index {args.index}: pool {pool.name} has {len(pool.workers)} worker(s)")
     worker = pool.workers[args.index]
-    from services.common.cpu_binding import bind_process
-    bind_process(worker.cpu_cores, f"pool {pool.name} worker {args.index}: cpu_cores")   # before any thread starts
     if args.port is not None:
         from services.common.ports import free_port
         worker.port = args.port or free_port(worker.host)
@@ -126,8 +124,6 @@ def cmd_scheduler(args) -> int:
     from services.scheduler.autoscale import ScaleAdvisor
     from services.scheduler.server import serve_scheduler
     pool = config.pool(args.pool)
-    from services.common.cpu_binding import bind_process
-    bind_process(pool.scheduler.cpu_cores, f"pool {pool.name} scheduler: cpu_cores")
     if args.listen:
         pool.scheduler.host = args.listen
     advisor = ScaleAdvisor(pool.autoscale, *pool.worker_limits(), config.sla_ttft_ms("high"))
@@ -138,8 +134,6 @@ def cmd_scheduler(args) -> int:
 
 def cmd_router(args) -> int:
     config = load_config(args.config)
-    from services.common.cpu_binding import bind_process
-    bind_process(config.router.cpu_cores, "router.cpu_cores")
     if args.listen:
         config.router.host = args.listen
     from services.local.cluster import resolve_model

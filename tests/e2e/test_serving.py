@@ -122,35 +122,3 @@ def test_stop_strings_end_the_text_before_them(cluster):
     full, cut, stop = run(go())
     assert stop and cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
-
-
-
-def test_a_bound_worker_runs_every_thread_on_its_cores_and_the_control_plane_on_the_rest():
-    """A local cluster whose workers the config binds (as `cpu_binding = "auto"` does where a
-    machine has cores enough, and bench/qos_burst.py's qos-bound on this one): every thread of
-    the worker on its cores, torch's and gRPC's started after the binding included; router and
-    scheduler on theirs; clients on this machine told to keep off the worker's."""
-    from pathlib import Path
-
-    from services.common.cpu_binding import apply_plan, available_cores, bound_cores, plan_cores, worker_threads
-    from services.local.cluster import LocalCluster
-    from tests.e2e.conftest import bench_model, cluster_config
-    config = cluster_config(model=bench_model())
-    plan = plan_cores(available_cores(), worker_threads(config), min_control=1)
-    if isinstance(plan, str):
-        pytest.skip(f"no core to bind on this machine: {plan}")
-    apply_plan(config, plan)
-    with LocalCluster(config, quiet=True) as cluster:
-        worker = cluster.processes["cpu/worker-0"].pid
-        threads = [t.name for t in Path(f"/proc/{worker}/task").iterdir()]
-        assert len(threads) > 1
-        assert {t: bound_cores(f"{worker}/task/{t}") for t in threads} == dict.fromkeys(threads, list(plan.workers[0]))
-        for name in ("router", "cpu/scheduler"):
-            assert bound_cores(cluster.processes[name].pid) == list(plan.control)
-        assert cluster.client_cores == plan.control
-
-        async def one_answer():        # and it serves
-            async with RouterClient(cluster.router_address) as client:
-                return await client.generate(chat_request("Hi", sampling_params(max_tokens=4, ignore_eos=True)),
-                                             priority="high")
-        assert len(run(one_answer()).token_ids) == 4
