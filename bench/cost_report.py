@@ -17,7 +17,7 @@ latency model (services/router/latency_model.py, its samples not faded, so the f
 run's). The JSON holds that step-time fit per pool, the pools' step counters over time (the
 machine's pace, bench/sim/pace.py), the router's margins over time (from its /metrics) and every
 request's arrival, class, lengths, pool and TTFT:
-what `bench/simulate.py --replay PATH` needs to predict this very run (issue 21: the simulator
+what `bench/simulate.py --replay PATH` needs to predict this very run (the simulator
 is checked against reality).
 
     python bench/cost_report.py [--json PATH] [--requests N] [--rate R] [--seed S]

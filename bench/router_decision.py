@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Time the router's pool decision: 100,000 decisions over 8 pools, from cached load only, for
-the rules (`cost`) and for predicted latency (`slo-cost`, issue 21: target p99 <= 10 us).
+the rules (`cost`) and for predicted latency (`slo-cost`; target p99 <= 10 us).
 
 Pools: 2 GPU, 3 NPU (one with LoRA), 3 CPU, all serving the model; loads randomised (seeded) so
 every rule is exercised: High, LoRA, under and over the overflow threshold, SLO misses; each

@@ -3,7 +3,7 @@
 bench/scheduler_overhead.py (256 running, 1,000 queued, 50 tenants) for the code in two source
 trees, stepped in turn, one step of each at a time.
 
-This machine's speed drifts by up to 2x within minutes (issue 20's record, docs/performance.md),
+This machine's speed drifts by up to 2x within minutes (docs/performance.md),
 so two runs of the overhead benchmark one after the other compare the machine's moments as much
 as the code. Here both versions share each moment: their steps alternate (which goes first
 alternates too), and the figure to read is the median over steps of the ratio of the new tree's

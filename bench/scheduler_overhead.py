@@ -32,7 +32,7 @@ Beside the result: python_loop_ns, the calibration figure of bench/harness.py, f
 and the tail of a fixed pure-Python task timed between the steps (harness.FixedTask): its
 p99/p50 is what the machine adds to the plan's p99 by itself (~1.5 on this project's 2-core
 machine, 2026-12-01, against the plan's ~1.7-1.9).
-Target (issue 20): plan p99 <= 1,000 us, <= 600 us where python_loop_ns <= 80.
+Target: plan p99 <= 1,000 us, <= 600 us where python_loop_ns <= 80.
 """
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ from bench.sim.workload import SimRequest
 from services.common.priority import parse_priority
 
 CLASSES = ("high", "medium", "low")
-TOLERANCE = 0.20          # issue 21: cost and P99 TTFT per class within 20%
+TOLERANCE = 0.20          # cost and P99 TTFT per class within 20% of the real run
 VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
 
 

@@ -1,5 +1,5 @@
-"""What bench/simulate.py prints and draws: the routing modes side by side, the JSON keys of
-issue 21, and the plot of cost and SLO attainment as load grows."""
+"""What bench/simulate.py prints and draws: the routing modes side by side, the JSON keys, and
+the plot of cost and SLO attainment as load grows."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,7 +41,7 @@ def table(results: dict[str, SimResult]) -> str:
 
 
 def headline(results: dict[str, SimResult]) -> dict:
-    """The JSON keys of issue 21: cost_{mode}, slo_attainment_{class}_{mode} (mode with _)."""
+    """The JSON keys: cost_{mode}, slo_attainment_{class}_{mode} (mode with _)."""
     out = {}
     for mode, r in results.items():
         key = mode.replace("-", "_")
