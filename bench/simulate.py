@@ -25,7 +25,7 @@ and share of requests per device type, the latency model's error, the routing de
     python bench/simulate.py [--json PATH] [--fleet h100:8,910b:8,xeon-spr:16] [--rate 60]
                              [--duration 300] [--modes primary,cost,slo-cost] [--trace azure-conv]
                              [--arrivals trace|poisson] [--pool-model fast|step]
-    python bench/simulate.py --load-curve 0.25,0.5,1,1.5 --plot docs/bench/sim_cost_vs_slo.png
+    python bench/simulate.py --load-curve 0.25,0.5,1,1.5 --plot sim_cost_vs_slo.png
     python bench/simulate.py --validate        # fast model vs real scheduler, small cluster
                                                # (routing slo-cost, or a single --modes value)
     python bench/simulate.py --replay cost.json [--repeat cost2.json]

@@ -164,3 +164,12 @@ def test_scheduler_and_router_never_load_torch_or_the_engine(module):
 @pytest.mark.parametrize("module", ENGINE)
 def test_the_engine_and_worker_never_load_the_scheduler_or_router(module):
     assert loaded_with(module, ("services.scheduler", "services.router")) == []
+
+
+MAX_MODULE_LINES = 350      # non-blank: a module is one job a reader can hold in mind
+
+
+def test_no_module_is_longer_than_a_reader_can_hold():
+    lengths = {name: sum(1 for line in path.read_text().splitlines() if line.strip())
+               for name, path in service_modules().items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_MODULE_LINES} == {}
