@@ -81,12 +81,16 @@ def _router(**values) -> Callable:
 
 # The mechanisms the product has now, each with its switch. Those removed after the committed run
 # (bench/results/ablation.json, at the commit it names) were switched the same way: the first-token
-# modes, the first-token hold, cut-in slots, the router's High lane, tokenizer thread nice values,
+# modes, the first-token hold, the router's High lane, tokenizer thread nice values,
 # tokenizing short prompts on the loop, the router's nice value, short steps, the forward window
 # and CPU binding.
 MECHANISMS = [
     Mechanism("cut_in", "High cut-ins: a new High request's first step runs inside the worker's step in flight",
               _sched(high_cut_in=True), _sched(high_cut_in=False)),
+    Mechanism("cut_in_slots", "running slots beyond max_running for cut-ins (a quarter) vs none",
+              _sched(high_cut_in_slots=0.25), _sched(high_cut_in_slots=0.0),
+              purpose="restored after the paired burst comparison (docs/performance.md): without them "
+                      "High's P99 TTFT over a whole burst was about 1.9x"),
     Mechanism("router_intake", "the router's priority intake (High admitted first through a burst) vs arrival order",
               _router(admission="priority"), _router(admission="fifo"),
               purpose="the router's half of the priority path: without it a flood's calls are validated "

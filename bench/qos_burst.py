@@ -145,10 +145,11 @@ async def idle_high_ttft(front: Front, jobs: list[Job]) -> dict:
 
 
 # QoS variants a run may add to --policies, each its own cluster and column: qos-elastic, elastic
-# KV caps; qos-nocutin, no High cut-ins; qos-pertoken, every class streams a chunk per token (not
+# KV caps; qos-nocutin, no High cut-ins; qos-inslots, cut-ins within max_running only; qos-pertoken, every class streams a chunk per token (not
 # Medium 4 and Low 16 a chunk); qos-calls, a Submit call per request from the router instead of
 # the pool's SubmitLink stream.
 VARIANTS = {"elastic": {"kv_cap_mode": "elastic"}, "nocutin": {"high_cut_in": False},
+            "inslots": {"high_cut_in_slots": 0.0},
             "pertoken": {"stream_intervals": [1, 1, 1]}}
 ROUTER_VARIANTS = {"calls": {"scheduler_link": "calls"}}
 
@@ -225,7 +226,7 @@ def parse_args(argv: list[str] | None = None):
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--policies", default="fcfs,qos",
-                        help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-nocutin, qos-pertoken, "
+                        help="comma-separated: fcfs, qos, and QoS variants qos-elastic, qos-nocutin, qos-inslots, qos-pertoken, "
                              "qos-calls (one column each)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="keep each cluster's process logs under this folder (one subfolder per policy)")

@@ -151,6 +151,8 @@ class SchedulerConfig(ServiceConfig):
                                "while no other class waits (elastic)", choices=KV_CAP_MODES)
     high_cut_in: bool = setting(True, "qos: a High request that can start while a worker computes a step runs "
                                 "its first step inside that one (a cut-in)")
+    high_cut_in_slots: float = setting(0.25, "qos: running slots beyond max_running that cut-ins may take, as "
+                                       "a share of it (at least one while > 0; 0: none)", bounds=Bounds(0, 1))
     stream_intervals: list = setting(doc="tokens per stream chunk after the first, per class (a request's "
                                      "x-stream-interval overrides it)", factory=lambda: [1, 4, 16], kind=int,
                                      per_class=True, bounds=Bounds(1, 2**31 - 1))

@@ -38,6 +38,12 @@ class StepPlanner:
     def __init__(self, policy: SchedulingPolicy, max_running: int, max_step_tokens: int):
         self.policy = policy
         self.max_running = max_running
+        # Running slots beyond max_running that High cut-ins may take (policy's high_cut_in_slots).
+        # A cut-in cannot preempt, and under a burst every slot is taken: without these, High
+        # requests waited for the step in flight and were admitted by preemption (the paired burst
+        # comparison in docs/performance.md: High's P99 TTFT about 1.9x). The worker goes back
+        # under max_running as sequences end; meanwhile only High is admitted, by preempting.
+        self.cut_in_slots = policy.cut_in_slots(max_running)
         self.max_step_tokens = max_step_tokens
         self.running: dict[int, list[Request]] = {}
         self.to_release: dict[int, list[int]] = {}     # seq ids the worker must drop next step
@@ -104,9 +110,9 @@ class StepPlanner:
     def plan_cut_in(self, worker: Worker, step_id: int, budget: int | None = None) -> StepBuilder | None:
         """A step for the worker to run inside the one it is computing (StepPlan.cut_in), or None
         when there is nothing to cut in with: the first-token lane's queued requests whose whole
-        prompt fits the step (or `budget` tokens) and whose blocks and running slot are free now (no
-        preemption: every sequence on the worker may be in the step in flight; no LoRA: it must not
-        move adapters under that step).
+        prompt fits the step (or `budget` tokens) and whose blocks are free now, with a running slot
+        free or one of `cut_in_slots` beyond max_running (no preemption: every sequence on the
+        worker may be in the step in flight; no LoRA: it must not move adapters under that step).
         Only new sequences: nothing the step in flight touches."""
         lane = self.policy.first_token_lane()
         queue = self.policy.queue(lane) if lane is not None else None
@@ -117,7 +123,8 @@ class StepPlanner:
         builder.plan.cut_in = True
         builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
         taken = 0
-        while (head := queue.peek()) is not None and not head.lora and len(running) < self.max_running:
+        slots = self.max_running + self.cut_in_slots
+        while (head := queue.peek()) is not None and not head.lora and len(running) < slots:
             if head.num_tokens > builder.budget or \
                     blocks_for_tokens(head.num_tokens + 1, pool.block_size) > self.room.free_for(pool, head.priority):
                 break

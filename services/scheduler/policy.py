@@ -35,10 +35,17 @@ class QoSSettings:
     # step) while a worker computes a step: its first step runs inside that one, at a pause in
     # its forward pass (a cut-in: services/worker/cut_ins.py), instead of after it.
     high_cut_in: bool = True
+    # Running slots beyond max_running that those cut-ins may take, as a share of it (at least one
+    # while > 0): a cut-in cannot preempt (any running sequence may be in the step in flight), and
+    # under a burst every slot is taken. 0: none beyond max_running.
+    high_cut_in_slots: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kv_cap_mode not in KV_CAP_MODES:
             raise ValueError(f"kv_cap_mode must be one of {', '.join(KV_CAP_MODES)}, got {self.kv_cap_mode!r}")
+        if not 0 <= self.high_cut_in_slots <= 1:
+            raise ValueError(f"high_cut_in_slots must be a share of max_running in 0..1, "
+                             f"got {self.high_cut_in_slots!r}")
         for p in ORDER:
             if not self.weights.get(p, 0) > 0:
                 raise ValueError(f"weight of {priority_name(p)} must be > 0")
@@ -130,6 +137,10 @@ class SchedulingPolicy(ABC):
         return None
 
     cut_in = False                    # first-token lane admissions may run inside the step in flight
+
+    def cut_in_slots(self, max_running: int) -> int:
+        """Running slots beyond `max_running` that cut-ins may take."""
+        return 0
 
     def backlog_changed(self, backlogged: set[int], now: float = 0.0) -> None:
         """Lanes with work at the start of a step at `now` (seconds, any clock): for virtual-time
@@ -307,6 +318,10 @@ class QoSPolicy(SchedulingPolicy):
     @property
     def cut_in(self) -> bool:
         return self.settings.high_cut_in
+
+    def cut_in_slots(self, max_running: int) -> int:
+        share = self.settings.high_cut_in_slots
+        return max(1, int(max_running * share)) if share > 0 else 0
 
     def kv_cap(self, priority: int) -> float:
         return self.settings.kv_caps[priority]

@@ -72,7 +72,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.policy = create_policy(config.policy, QoSSettings(
             weights=dict(zip(ORDER, map(float, config.weights))),
             kv_caps=dict(zip(ORDER, map(float, config.kv_caps))), tenant_fairness=config.tenant_fairness,
-            kv_cap_mode=config.kv_cap_mode, high_cut_in=config.high_cut_in))
+            kv_cap_mode=config.kv_cap_mode, high_cut_in=config.high_cut_in,
+            high_cut_in_slots=float(config.high_cut_in_slots)))
         self.monitor = ResourceMonitor(self.policy) if self.policy.name == "qos" else None
         self.batcher = ContinuousBatcher(pool_name, [], self.policy, config.max_running,
                                          config.max_step_tokens, self.monitor,

@@ -700,16 +700,18 @@ def test_a_cancelled_stream_leaves_nothing_held():
     assert held == 1 and not batcher.streams.held_chunks
 
 
-def test_a_high_request_does_not_cut_in_while_every_running_slot_is_taken():
-    """A cut-in cannot preempt (every sequence may be in the step in flight): with every running
-    slot taken, a High request waits for the step in flight and is admitted (by preemption) in
-    the next plan, and every stream still gets its exact output."""
+@pytest.mark.parametrize("slots", [0.125, 0.0])
+def test_a_high_request_cuts_in_while_every_running_slot_is_taken(slots):
+    """A cut-in cannot preempt (every sequence may be in the step in flight), so it takes one of a
+    few slots beyond max_running (high_cut_in_slots, at least one while > 0): under a burst every
+    slot is taken, and High would wait for the step in flight. No other class gets in meanwhile.
+    With no slots beyond max_running (0), it waits, and every stream still gets its exact output."""
     from services.common.priority import HIGH, LOW
 
     async def main():
         worker = LongStepWorker(0, 256)
         lows = [make_classed_request(seq_id, LOW, prompt_len=2, max_tokens=6) for seq_id in range(1, 10)]
-        batcher, loop = qos_loop_with(worker, lows[0])
+        batcher, loop = qos_loop_with(worker, lows[0], high_cut_in_slots=slots)
         for low in lows[1:]:
             batcher.submit(low)
         try:
@@ -725,7 +727,10 @@ def test_a_high_request_does_not_cut_in_while_every_running_slot_is_taken():
             results = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in lows + highs)), 5)
         finally:
             loop.cancel()
-        assert cut_ins == [] and running == 8
+        if slots:
+            assert cut_ins == [[20]] and running == 9       # one slot beyond 8; the second High waits
+        else:
+            assert cut_ins == [] and running == 8
         assert [r[0] for r in results] == [expected_output(r) for r in lows + highs]
 
     asyncio.run(main())

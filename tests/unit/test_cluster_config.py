@@ -118,6 +118,8 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"max_queue": 1.5}, "pool.scheduler.max_queue must be int, got 1.5"),
     ({"drain_seconds": 7200}, "pool.scheduler.drain_seconds must be in 0..3600"),
     ({"workers": 2}, "unknown key pool.scheduler.workers"),
+    ({"high_cut_in_slots": 1.5}, "pool.scheduler.high_cut_in_slots must be in 0..1, got 1.5"),
+    ({"high_cut_in_slots": True}, "pool.scheduler.high_cut_in_slots must be float, got True"),
     ({"stream_intervals": [1, 4]}, "pool.scheduler.stream_intervals must be 3 whole numbers \\(high, medium, low\\), each in 1..2147483647"),
     ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
