@@ -46,6 +46,7 @@ def worktree(commit: str, workdir: Path) -> tuple[Path, str]:
                          text=True).stdout.strip()
     path = workdir / sha
     if not path.exists():
+        subprocess.run(["git", "worktree", "prune"], cwd=ROOT, check=True)    # one removed by hand
         subprocess.run(["git", "worktree", "add", "--detach", str(path), sha], cwd=ROOT, check=True,
                        capture_output=True)
     return path, sha
