@@ -6,7 +6,7 @@ class, not visited one by one, and a run of steps in which nothing but decoding 
 prompt to prefill, nothing that may be admitted) is one event up to the next sequence that
 finishes; an arrival in between cuts the run at the step in flight. Prefill tokens are handed
 out by the real QoSPolicy (services/scheduler/policy.py: WFQ virtual times, High's first tokens
-ahead and exclusive, its debt limit), so the shares are the policy's own. Admission as the
+ahead, its debt limit), so the shares are the policy's own. Admission as the
 planner does it: max_running sequences, each class within its KV cap (tokens, not blocks); a High
 request that does not fit preempts the newest sequence of the lowest class (recompute), as does a
 pool whose KV cache fills up while decoding.

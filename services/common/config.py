@@ -96,8 +96,8 @@ class ConfigError(ValueError):
 class ServiceConfig:
     """What every service's table has: where it listens, its metrics, how long it drains."""
     host: str = setting(DEFAULT_HOST, "address to listen on (loopback unless told otherwise)")
-    port: int = setting(0, "gRPC port (0: a free one)", bounds=PORT)
-    metrics_port: int | None = setting(None, "Prometheus /metrics port (0: a free one; unset: off)",
+    port: int = setting(0, "gRPC port", bounds=PORT)
+    metrics_port: int | None = setting(None, "Prometheus /metrics port (unset: off)",
                                        kind=int, bounds=PORT)
     drain_seconds: float = setting(DEFAULT_DRAIN_SECONDS, "on SIGTERM, how long requests in flight get to "
                                    "finish (new ones are refused meanwhile)", bounds=Bounds(0, 3600))
@@ -109,13 +109,13 @@ class ServiceConfig:
 
 @dataclass(slots=True)
 class RouterConfig(ServiceConfig):
-    port: int = setting(50051, "gRPC port of the router's front (0: a free one)", bounds=PORT)
+    port: int = setting(50051, "gRPC port of the router's front", bounds=PORT)
     routing: str = setting("cost", "pool choice: cost-aware rules (cost), everything on the primary pool "
                            "(primary), or the cheapest pool whose predicted TTFT meets the request's SLO "
                            "(slo-cost)", choices=ROUTING_MODES)
     admission: str = setting("priority", "the router's intake: High first through a burst (priority) or "
                              "arrival order (fifo)", choices=("priority", "fifo"))
-    http_port: int = setting(8000, "the OpenAI-compatible HTTP front on the same host (0: a free port, -1: off)",
+    http_port: int = setting(8000, "port of the OpenAI-compatible HTTP front, on the same host",
                              bounds=PORT_OR_OFF)
     http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413", bounds=Bounds(1024))
     migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
@@ -133,7 +133,7 @@ class RouterConfig(ServiceConfig):
 
 @dataclass(slots=True)
 class SchedulerConfig(ServiceConfig):
-    port: int = setting(50052, "gRPC port of the pool's scheduler (0: a free one)", bounds=PORT)
+    port: int = setting(50052, "gRPC port of the pool's scheduler", bounds=PORT)
     policy: str = setting("qos", "weighted fair queueing with KV caps and preemption (qos), or the "
                           "first-come-first-served baseline (fcfs)", choices=POLICIES)
     weights: list = setting(doc="each class's weight in weighted fair queueing of tokens", factory=lambda: [5.0, 3.0, 2.0],
@@ -173,7 +173,7 @@ class SchedulerConfig(ServiceConfig):
 
 @dataclass(slots=True)
 class WorkerConfig(ServiceConfig):
-    port: int = setting(50053, "gRPC port of the worker (0: a free one)", bounds=PORT)
+    port: int = setting(50053, "gRPC port of the worker", bounds=PORT)
     device: str = setting("cpu", "what it runs on: cpu, cuda[:N] or npu[:N] (default: its pool's device)",
                           note="cpu, cuda[:N], npu[:N]")
     dtype: str | None = setting(None, "weights' and KV cache's dtype (default: fp32 on CPU, bf16 on CUDA, "

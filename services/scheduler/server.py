@@ -30,6 +30,7 @@ from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
+from services.common.wire import prompt_chars
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
 from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.batcher import ContinuousBatcher
@@ -137,14 +138,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def admit(self, submit: scheduler_pb2.SubmitRequest) -> Request:
         """Tokenize (in its class's tokenizer thread: the event loop keeps taking in calls and
-        streaming meanwhile), then check the request (services/scheduler/admission.py) and build it."""
+        streaming meanwhile; a chat-length High prompt here, tokenizer_threads.py), then check the
+        request (services/scheduler/admission.py) and build it."""
         self._limits()         # no worker yet: refuse before tokenizing
         if submit.lora and submit.lora not in self.adapters():
             held = ", ".join(sorted(self.adapters())) or "none"
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
+        if self.policy.admits_by_priority and self.tokenizer_threads.inline(submit.priority, prompt_chars(submit)):
+            prompt_ids = self._tokenize(submit)
+        else:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         self._limits())
         request = Request(

@@ -1,6 +1,5 @@
 """The command line's parsing: `bench` passes every flag on to the benchmark script; other
-commands refuse flags they do not know; service commands take --listen and the worker --device;
-`generate` sends High to the router's High lane."""
+commands refuse flags they do not know; service commands take --listen and the worker --device."""
 from __future__ import annotations
 
 import pytest

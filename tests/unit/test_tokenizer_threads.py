@@ -20,3 +20,11 @@ def test_each_class_tokenizes_on_its_own_thread():
         assert run_in(threads, 99) == names[MEDIUM]
     finally:
         threads.shutdown()
+
+
+def test_only_highs_chat_length_prompts_are_tokenized_on_the_event_loop():
+    from services.common.priority import HIGH, LOW, MEDIUM
+    from services.scheduler.tokenizer_threads import HIGH_INLINE_CHARS
+    assert TokenizerThreads.inline(HIGH, 300) and TokenizerThreads.inline(HIGH, HIGH_INLINE_CHARS)
+    assert not TokenizerThreads.inline(HIGH, HIGH_INLINE_CHARS + 1)
+    assert not TokenizerThreads.inline(MEDIUM, 10) and not TokenizerThreads.inline(LOW, 10)
