@@ -81,9 +81,9 @@ def _router(**values) -> Callable:
 
 # The mechanisms the product has now, each with its switch. Those removed after the committed run
 # (bench/results/ablation.json, at the commit it names) were switched the same way: the first-token
-# modes, the first-token hold, the router's High lane, tokenizer thread nice values,
-# tokenizing short prompts on the loop, the router's nice value, short steps, the forward window
-# and CPU binding.
+# modes, the first-token hold, the router's High lane, tokenizer thread nice values, tokenizing
+# short Medium and Low prompts on the loop, the router's nice value, short steps, the forward
+# window and CPU binding.
 MECHANISMS = [
     Mechanism("cut_in", "High cut-ins: a new High request's first step runs inside the worker's step in flight",
               _sched(high_cut_in=True), _sched(high_cut_in=False)),
@@ -198,11 +198,13 @@ def main() -> None:
                           1.0, args.high_rate, args.seed, args.flood_seconds)
     flood = [j for j in jobs if j.priority != "high" or j.at < args.window]
     high = [j for j in jobs if j.priority == "high"]
-    probes = [Job("high", j.prompt, j.prompt_tokens, max_tokens=1, at=i * 0.3) for i, j in enumerate(high[:WARMUP_PROBES])]
+    probes = [Job("high", j.prompt, j.prompt_tokens, max_tokens=1, at=i * 0.3)
+              for i, j in enumerate(high[:WARMUP_PROBES])]
     loop_ns = python_loop_ns()
     report = {"machine": machine(), "commit": git_commit(), "python_loop_ns": loop_ns,
               "workload": f"burst flood at full scale, High sent in its first {args.window:g} s "
-                          f"({sum(j.priority == 'high' for j in flood)} requests), Low tok/s over {args.low_seconds:g} s",
+                          f"({sum(j.priority == 'high' for j in flood)} requests), "
+                          f"Low tok/s over {args.low_seconds:g} s",
               "mechanisms": [], "runs": {}}
     if args.resume and args.json and args.json.exists():
         previous = json.loads(args.json.read_text())
@@ -229,8 +231,8 @@ def main() -> None:
             write_json(args.json, report)
     # Verdicts of the mechanisms kept from an earlier run are made again by today's rule.
     purposes = {m.name: m.purpose for m in MECHANISMS}
-    report["mechanisms"] = [verdict(r["name"], r["what"], purposes.get(r["name"], ""), pairs_of(report["runs"][r["name"]]))
-                            for r in report["mechanisms"]]
+    report["mechanisms"] = [verdict(r["name"], r["what"], purposes.get(r["name"], ""),
+                                    pairs_of(report["runs"][r["name"]])) for r in report["mechanisms"]]
     write_json(args.json, report)
     print("\n| mechanism | pairs | High P50 on/off | P90 on/off [95% CI] | P99 on/off | Low tok/s on/off | verdict |")
     print("|---|---|---|---|---|---|---|")

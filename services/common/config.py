@@ -136,10 +136,10 @@ class SchedulerConfig(ServiceConfig):
     port: int = setting(50052, "gRPC port of the pool's scheduler", bounds=PORT)
     policy: str = setting("qos", "weighted fair queueing with KV caps and preemption (qos), or the "
                           "first-come-first-served baseline (fcfs)", choices=POLICIES)
-    weights: list = setting(doc="each class's weight in weighted fair queueing of tokens", factory=lambda: [5.0, 3.0, 2.0],
-                            per_class=True, bounds=POSITIVE)
-    kv_caps: list = setting(doc="the share of each worker's KV blocks a class may hold", factory=lambda: [1.0, 0.7, 0.3],
-                            per_class=True, bounds=SHARE)
+    weights: list = setting(doc="each class's weight in weighted fair queueing of tokens",
+                            factory=lambda: [5.0, 3.0, 2.0], per_class=True, bounds=POSITIVE)
+    kv_caps: list = setting(doc="the share of each worker's KV blocks a class may hold",
+                            factory=lambda: [1.0, 0.7, 0.3], per_class=True, bounds=SHARE)
     max_running: int = setting(64, "sequences holding KV blocks at once, per worker", bounds=Bounds(1))
     max_step_tokens: int = setting(512, "tokens per engine step (chunked prefill): bounds a step's time",
                                    bounds=Bounds(1), note=">= max_running")

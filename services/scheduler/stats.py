@@ -48,7 +48,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
         block_size=info.block_size if info else 0,
         kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
         kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
-        steps=b.steps, preemptions=b.preemptions, cut_ins=b.cut_ins.steps, ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
+        steps=b.steps, preemptions=b.preemptions, cut_ins=b.cut_ins.steps,
+        ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
         utilization=monitor.utilization if monitor else 0.0,
         classes=[scheduler_pb2.ClassStats(
             priority=p, waiting=policy.waiting(p), running=running[p], kv_blocks=held[p],
