@@ -12,7 +12,7 @@ from services.common.proto.qos.v1 import worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.victims import VictimOrder
 
-_COMPUTED, _SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("computed", "seq_id", "priority", "tenant"))
+_SEQ_ID, _PRIORITY, _TENANT = (attrgetter(name) for name in ("seq_id", "priority", "tenant"))
 
 
 class StepBuilder:
