@@ -29,8 +29,6 @@ import argparse
 import asyncio
 import json
 import math
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import grpc  # noqa: E402
 
-from bench.harness import calibration_line, machine, model_or_bench, python_loop_ns, quantile, write_json  # noqa: E402
+from bench.harness import (calibration_line, machine, median_ci, model_or_bench, python_loop_ns,  # noqa: E402
+                           quantile, write_json)
 from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_burst import cluster_config, parse_args  # noqa: E402
 from bench.qos_workloads import burst_workload  # noqa: E402
@@ -131,17 +130,6 @@ def one_run(mechanism: Mechanism, on: bool, model: str, flood: list[Job], probes
     return {"on": on, "high_requests": len(ttft), "high_failed": sum(not o.ok for o in outcomes),
             "high_p50_ttft_ms": quantile(ttft, 0.5), "high_p90_ttft_ms": quantile(ttft, 0.9),
             "high_p99_ttft_ms": quantile(ttft, 0.99), "low_tok_s": low_tok_s}
-
-
-def median_ci(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """(median, bootstrap 95% interval of the median) of the paired ratios, pairs resampled; NaNs
-    (a pair whose off run had nothing to divide by) left out."""
-    ratios = [r for r in ratios if r == r]
-    if not ratios:
-        return math.nan, math.nan, math.nan
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
-    return statistics.median(ratios), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
 def verdict(name: str, what: str, purpose: str, pairs: list[tuple[dict, dict]]) -> dict:

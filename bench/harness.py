@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from collections.abc import Iterable
@@ -153,3 +154,15 @@ class FixedTask:
 
 def calibration_line(loop_ns: float) -> str:
     return f"calibration: {loop_ns:.1f} ns per pure-Python loop iteration on this machine (python_loop_ns)"
+
+
+def median_ci(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """(median, bootstrap 95% interval of the median) of paired ratios, the pairs resampled; ratios
+    that are not finite (a pair with nothing to divide by) left out. For paired on/off or old/new
+    runs (bench/ablation.py, bench/paired_commits.py)."""
+    ratios = [r for r in ratios if math.isfinite(r)]
+    if not ratios:
+        return math.nan, math.nan, math.nan
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
+    return statistics.median(ratios), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]

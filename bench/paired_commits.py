@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
-import statistics
 import subprocess
 import sys
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import machine, write_json  # noqa: E402
+from bench.harness import machine, median_ci, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # (report key, the figure in qos_burst's JSON as (policy, key))
@@ -60,15 +58,6 @@ def run_burst(tree: Path, out: Path, burst_args: list[str]) -> dict:
     subprocess.run(command, cwd=tree, check=True)
     print(f"  {tree.name}: {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     return json.loads(out.read_text())
-
-
-def median_ci(ratios: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    ratios = [r for r in ratios if math.isfinite(r)]
-    if not ratios:
-        return math.nan, math.nan, math.nan
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(rounds))
-    return statistics.median(ratios), medians[int(0.025 * rounds)], medians[int(0.975 * rounds) - 1]
 
 
 def compare(pairs: list[tuple[dict, dict]]) -> dict:
