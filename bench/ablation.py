@@ -38,7 +38,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
 
 from bench.harness import (calibration_line, machine, median_ci, model_or_bench, python_loop_ns,  # noqa: E402
                            quantile, write_json)
@@ -46,7 +45,6 @@ from bench.loadgen import Front, Job, run_clients  # noqa: E402
 from bench.qos_burst import cluster_config, parse_args  # noqa: E402
 from bench.qos_workloads import burst_workload  # noqa: E402
 from services.common.priority import LOW  # noqa: E402
-from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
@@ -101,19 +99,18 @@ MECHANISMS = [
 ]
 
 
-async def _low_served(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+async def _low_served(cluster: LocalCluster) -> int:
+    stats = await cluster.pool_stats()
     return next(c.served_tokens for c in stats.classes if c.priority == LOW)
 
 
-async def _flood(front: Front, scheduler_address: str, jobs: list[Job], low_seconds: float) -> tuple[list, float]:
+async def _flood(front: Front, cluster: LocalCluster, jobs: list[Job], low_seconds: float) -> tuple[list, float]:
     """Send the flood and the window's High requests; (High outcomes, Low tok/s over low_seconds)."""
-    before = await _low_served(scheduler_address)
+    before = await _low_served(cluster)
     started = time.time()
     outcomes, _ = await run_clients(front, jobs, until_done={"high"})
     await asyncio.sleep(max(0.0, started + low_seconds - time.time()))
-    after = await _low_served(scheduler_address)
+    after = await _low_served(cluster)
     return outcomes, (after - before) / (time.time() - started)
 
 
@@ -123,7 +120,7 @@ def one_run(mechanism: Mechanism, on: bool, model: str, flood: list[Job], probes
     with LocalCluster(config, quiet=True) as cluster:
         front = Front.of("grpc", cluster)
         asyncio.run(run_clients(front, probes))
-        outcomes, low_tok_s = asyncio.run(_flood(front, cluster.scheduler_address, flood, args.low_seconds))
+        outcomes, low_tok_s = asyncio.run(_flood(front, cluster, flood, args.low_seconds))
         for process in cluster.processes.values():      # the flood's requests are not waited for
             process.kill()
     ttft = [o.ttft_ms for o in outcomes if o.ok]

@@ -45,17 +45,18 @@ PROMPT_TOKENS, OUTPUT_TOKENS, MAX_RUNNING = 64, 32, 16
 class Sampler:
     """The pool's workers, desired workers and High backlog every 0.5 s, in a thread."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, trust):
         self.address, self.samples, self.start = address, [], time.time()
+        self.trust = trust
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        with self.trust.sync_channel(self.address, "scheduler") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             while not self._stop.wait(0.5):
                 try:
-                    s = stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(), timeout=5)
+                    s = stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(), timeout=5, metadata=self.trust.metadata)
                 except grpc.RpcError:
                     continue
                 self.samples.append((time.time() - self.start, s.workers, s.desired_workers, s.classes[0].waiting))
@@ -78,7 +79,7 @@ def run_once(model: str, jobs: list[Job], autoscale: bool, args) -> dict:
     config.pools[0].autoscale = scaling
     label = f"autoscale {'on' if autoscale else 'off'}"
     with LocalCluster(config, quiet=True, autoscale=autoscale) as cluster:
-        with Sampler(cluster.scheduler_address) as sampler, progress(len(jobs), label) as bar:
+        with Sampler(cluster.scheduler_address, cluster.trust) as sampler, progress(len(jobs), label) as bar:
             outcomes, start = asyncio.run(run_clients(Front.of("grpc", cluster), jobs, on_progress=bar.update))
             offset = start - sampler.start          # the clients' t=0 on the sampler's clock
             burst_over = time.time()

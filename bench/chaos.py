@@ -38,7 +38,7 @@ import grpc  # noqa: E402
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig  # noqa: E402
-from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from services.common.tokenizer import TextTokenizer  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
 from services.tools.client import RouterClient, sampling_params  # noqa: E402
@@ -156,10 +156,7 @@ async def router_migrations(address: str) -> int:
 
 
 async def pool_failovers(cluster: LocalCluster, pool: str) -> int:
-    async with grpc.aio.insecure_channel(cluster.config.pool(pool).scheduler.address) as channel:
-        stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(
-            scheduler_pb2.PoolStatsRequest(), timeout=10)
-        return stats.failovers
+    return (await cluster.pool_stats(pool)).failovers
 
 
 def main() -> None:

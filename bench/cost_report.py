@@ -122,7 +122,8 @@ async def watch_pools(cluster: LocalCluster, models: dict[str, LatencyModel], kv
     capacity; its cumulative step counters with the time since the workload started (what
     bench/sim/pace.py turns into the machine's pace over the run); and every MARGIN_EVERY polls
     the router's margins."""
-    channels = {p.name: grpc.aio.insecure_channel(p.scheduler.address) for p in cluster.config.pools}
+    trust = cluster.trust
+    channels = {p.name: trust.channel(p.scheduler.address, "scheduler") for p in cluster.config.pools}
     polls = 0
     try:
         while not stop.is_set():
@@ -131,7 +132,8 @@ async def watch_pools(cluster: LocalCluster, models: dict[str, LatencyModel], kv
                 margins.append([round(time.perf_counter() - started, 3),
                                 await asyncio.to_thread(router_margins, cluster)])
             for name, channel in channels.items():
-                stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+                stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest(),
+                                                                                     metadata=trust.metadata)
                 load = pool_load(stats)
                 samples[name].append([round(time.perf_counter() - started, 3), stats.step_seconds, stats.worker_steps,
                                       stats.step_tokens, stats.step_kv_tokens])

@@ -58,7 +58,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
 
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.loadgen import Front, Job, Outcome, run_clients  # noqa: E402
@@ -85,21 +84,17 @@ from services.engine.config import load_model_config  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
 
 
-async def pool_stats(scheduler_address: str) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(scheduler_address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
-
-
-async def run_jobs(front: Front, scheduler_address: str, jobs: list[Job], bar) -> tuple[list, list, float]:
+async def run_jobs(front: Front, cluster: LocalCluster, jobs: list[Job], bar) -> tuple[list, list, float]:
     """Send the jobs (one client process per priority, bench/loadgen.py) while sampling the
     pool's stats every 0.1 s. Returns outcomes, samples (times from the common start), wall s."""
     stamped: list[tuple[float, Sample]] = []
 
     async def sample_stats(stop: asyncio.Event):
-        async with grpc.aio.insecure_channel(scheduler_address) as channel:
+        trust = cluster.trust
+        async with trust.channel(cluster.scheduler_address, "scheduler") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             while not stop.is_set():
-                s = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())
+                s = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(), metadata=trust.metadata)
                 stamped.append((time.time(), Sample(0.0, {priority_name(c.priority): c.kv_blocks for c in s.classes},
                                                     {priority_name(c.priority): c.waiting for c in s.classes},
                                                     s.kv_blocks_total)))
@@ -194,10 +189,10 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
             (during(cluster) if during else contextlib.nullcontext()):
         front = Front.of(args.front, cluster)
         idle = asyncio.run(idle_high_ttft(front, jobs))
-        before = asyncio.run(pool_stats(cluster.scheduler_address))     # the probes' share
+        before = asyncio.run(cluster.pool_stats())     # the probes' share
         with progress(len(jobs), f"{policy:>4}") as bar:
-            outcomes, samples, wall = asyncio.run(run_jobs(front, cluster.scheduler_address, jobs, bar))
-        stats = asyncio.run(pool_stats(cluster.scheduler_address))
+            outcomes, samples, wall = asyncio.run(run_jobs(front, cluster, jobs, bar))
+        stats = asyncio.run(cluster.pool_stats())
     low = next(c for c in stats.classes if priority_name(c.priority) == "low")
     summary = summarise(outcomes, low.kv_blocks_peak, stats.kv_blocks_total)
     summary["wall_s"] = wall

@@ -167,8 +167,9 @@ class SchedulerConfig(ServiceConfig):
     orphan_grace_s: float = setting(10.0, "with no worker left, how long requests wait for one to (re)join "
                                     "before they go back to the router (UNAVAILABLE) to move pools",
                                     bounds=POSITIVE)
-    step_timeout_s: float = setting(120.0, "a worker slower than this to answer one step counts as gone",
-                                    bounds=POSITIVE)
+    step_timeout_s: float = setting(30.0, "a worker slower than this to answer one step (idle ones get a "
+                                    "heartbeat step every 0.5 s) counts as hung: its sequences are "
+                                    "recomputed elsewhere and its stream is closed", bounds=POSITIVE)
 
 
 @dataclass(slots=True)
@@ -273,6 +274,15 @@ class AuthConfig:
 
 
 @dataclass(slots=True)
+class SecurityConfig:
+    token_file: str = setting("", "a file holding the cluster token every call to a scheduler or worker must "
+                              "carry (also $QOS_CLUSTER_TOKEN; `qos-serve up` makes one when neither is set)",
+                              note="a file")
+    certs_dir: str = setting("", "mutual TLS on the internal hops: a folder with ca.pem and each role's "
+                             "ROLE.pem and ROLE.key (`qos-serve certs init DIR` makes one)", note="a folder")
+
+
+@dataclass(slots=True)
 class BillingConfig:
     multipliers: list = setting(doc="cost units = tokens x the pool's cost per token x this, per class",
                                 factory=lambda: [3.0, 1.5, 1.0], per_class=True, bounds=NON_NEGATIVE)
@@ -330,6 +340,7 @@ class ClusterConfig:
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig()])
     store: StoreConfig = field(default_factory=StoreConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     billing: BillingConfig = field(default_factory=BillingConfig)
     sla: list[SlaConfig] = field(default_factory=default_slas)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)

@@ -9,8 +9,8 @@ import json
 from dataclasses import MISSING, Field, fields
 
 from services.common.config import (AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
-                                    ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, SlaConfig,
-                                    StoreConfig, WorkerConfig)
+                                    ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, SecurityConfig,
+                                    SlaConfig, StoreConfig, WorkerConfig)
 
 # (table as a config file writes it, its dataclass, a line on what it is)
 TABLES = [
@@ -25,6 +25,8 @@ TABLES = [
     ("[[pools.adapters]]", AdapterConfig, "A LoRA adapter the pool's workers load at start."),
     ("[store]", StoreConfig, "The tenant and billing database."),
     ("[auth]", AuthConfig, "API keys."),
+    ("[security]", SecurityConfig, "Trust inside the cluster: who may call a scheduler or a worker "
+                                   "(docs/security.md)."),
     ("[billing]", BillingConfig, "Prices."),
     ("[[sla]]", SlaConfig, "An SLA contract, judged over a rolling window (default: High TTFT P99 <= 200 ms, "
                            "success >= 99.9%). An empty list turns SLA alerts off."),

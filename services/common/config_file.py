@@ -19,6 +19,7 @@ from services.common.config import (
     PoolConfig,
     RouterConfig,
     SchedulerConfig,
+    SecurityConfig,
     SlaConfig,
     StoreConfig,
     WorkerConfig,
@@ -159,8 +160,8 @@ def _check_router(router: RouterConfig) -> None:
             raise ConfigError(f"router.{name}: no file {getattr(router, name)}")
 
 
-TABLES = ("router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth", "billing", "sla",
-          "alerts")
+TABLES = ("router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth", "security", "billing",
+          "sla", "alerts")
 
 
 def parse_config(raw: dict) -> ClusterConfig:
@@ -192,6 +193,7 @@ def parse_config(raw: dict) -> ClusterConfig:
     cluster.router, cluster.pools, cluster.sla, cluster.alerts = router, pools, slas, alerts
     cluster.store = _section(StoreConfig, raw.get("store", {}), "store")
     cluster.auth = _section(AuthConfig, raw.get("auth", {}), "auth")
+    cluster.security = _section(SecurityConfig, raw.get("security", {}), "security")
     cluster.billing = _section(BillingConfig, raw.get("billing", {}), "billing")
     return cluster
 

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.common.cluster_auth import ClusterTokenInterceptor, ClusterTrust
 from services.common.drain import Drain
 from services.common.gc_pauses import freeze_startup_heap
 from services.common.grpc_errors import ServiceErrorInterceptor
@@ -60,10 +61,15 @@ WORKER_CHANNEL_OPTIONS = channel_options(WORKER_KEEPALIVE_MS)
 WORKER_SERVER_OPTIONS = server_options(WORKER_KEEPALIVE_MS)
 
 
-def add_port(server: grpc.aio.Server, name: str, address: str, tls: tuple[str, str] | None) -> int:
-    """Listen on `address`, with TLS where `tls` = (certificate chain, private key) PEM files;
-    the port bound. OSError naming the service when it cannot bind."""
-    if tls is None:
+def add_port(server: grpc.aio.Server, name: str, address: str, tls: tuple[str, str] | None,
+             trust: ClusterTrust | None = None) -> int:
+    """Listen on `address`, with TLS where `tls` = (certificate chain, private key) PEM files, or
+    mutual TLS where `trust` has the cluster's certificates; the port bound. OSError naming the
+    service when it cannot bind."""
+    credentials = trust.server_credentials() if trust is not None else None
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    elif tls is None:
         port = server.add_insecure_port(address)
     else:
         cert, key = (Path(p).expanduser().read_bytes() for p in tls)
@@ -77,21 +83,26 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
                      drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
                      ready: asyncio.Event | None = None, options=SERVER_OPTIONS,
-                     tls: tuple[str, str] | None = None) -> None:
+                     tls: tuple[str, str] | None = None, trust: ClusterTrust | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or drain.request()), then drain (services/common/drain.py) and stop.
 
     `register` adds the servicers and returns their full service names, which the standard
     grpc.health.v1 service reports as SERVING once `ready` is set (at once without one), and
     NOT_SERVING from the moment the drain begins. Handlers raise ServiceError; the interceptor
     turns it into the status. `on_stopping` runs after the drain, before the server stops: the
-    service's own loops and channels are needed until the last request in flight is done."""
-    server = grpc.aio.server(options=options, interceptors=[ServiceErrorInterceptor()])
+    service's own loops and channels are needed until the last request in flight is done.
+    `trust` (schedulers and workers): the cluster token required of every call but health checks,
+    and mutual TLS with the cluster's certificates (services/common/cluster_auth.py)."""
+    interceptors = [ServiceErrorInterceptor()]
+    if trust is not None and trust.token:
+        interceptors.insert(0, ClusterTokenInterceptor(trust.token))
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     services = register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for service in ["", *services]:   # the stock servicer starts "" as SERVING; not yet
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = add_port(server, name, address, tls)
+    port = add_port(server, name, address, tls, trust)
     await server.start()
     # Alive from now until the process stops, draining included: what a liveness probe asks
     # (`grpc: {service: liveness}` on Kubernetes), while readiness asks "" (NOT_SERVING on drain).
@@ -140,10 +151,13 @@ def open_channel(address: str, ca_file: str | None = None, options=CHANNEL_OPTIO
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-async def wait_healthy(address: str, timeout: float, service: str = "", ca_file: str | None = None) -> bool:
-    """Poll grpc.health.v1 Check until SERVING or `timeout` seconds pass."""
+async def wait_healthy(address: str, timeout: float, service: str = "", ca_file: str | None = None,
+                       trust: ClusterTrust | None = None, peer_role: str = "") -> bool:
+    """Poll grpc.health.v1 Check until SERVING or `timeout` seconds pass. `trust` and
+    `peer_role`: a scheduler or worker, over the cluster's mutual TLS where it has one."""
     deadline = asyncio.get_running_loop().time() + timeout
-    async with open_channel(address, ca_file) as channel:
+    channel = trust.channel(address, peer_role) if trust is not None else open_channel(address, ca_file)
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

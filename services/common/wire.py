@@ -82,6 +82,11 @@ def sampled_and_ended(result: worker_pb2.StepResult) -> tuple[Iterable[tuple[int
             dict(zip(result.ended_seq_ids, result.ended_reasons)))
 
 
+def sampled_seq_ids(result: worker_pb2.StepResult) -> Sequence[int]:
+    """The sequence id of each token an answer sampled, in either form (answer_tokens)."""
+    return [t.seq_id for t in result.tokens] if result.tokens else result.sampled_seq_ids
+
+
 def sampled_tokens(result: worker_pb2.StepResult) -> list[SampledToken]:
     """An answer's sampled tokens, in either form (answer_tokens)."""
     sampled, ended = sampled_and_ended(result)

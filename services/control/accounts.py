@@ -44,6 +44,7 @@ class InFlight:
     task: asyncio.Task | None
     started: float
     cancelled_by: str = ""
+    billed: bool = False          # its ledger row is recorded already (commit_completed)
 
 
 def not_found(request_id: str) -> ServiceError:
@@ -72,11 +73,32 @@ class Accounts:
         """What `tokens` (prompt + completion) cost on that pool in that class (cost units)."""
         return tokens * spec.cost * self.multipliers[priority]
 
+    def _row(self, ticket: Pass, head: Head, tally: Usage, spec: PricedPool, model: str) -> dict:
+        return {"request_id": head.request_id, "tenant": ticket.caller.name,
+                "key_prefix": ticket.caller.key_prefix, "priority": priority_name(head.priority),
+                "pool": spec.name, "device": spec.device, "model": model,
+                "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
+                "price_per_token": spec.cost, "multiplier": self.multipliers[head.priority],
+                "amount": self.amount(spec, head.priority, tally.prompt_tokens + tally.completion_tokens),
+                "outcome": tally.outcome or "cancelled", "started_at": tally.started_wall,
+                "finished_at": time.time()}
+
+    async def commit_completed(self, ticket: Pass, head: Head, tally: Usage, spec: PricedPool,
+                               model: str) -> None:
+        """A request completed: its row committed to the ledger before its final chunk goes to
+        the client (services/control/ledger.py), so a client never sees a completion that was
+        not billed. settle() then writes no second row."""
+        entry = self.in_flight.get(head.request_id)
+        if entry is not None:
+            entry.billed = True
+        await self.ledger.commit(self._row(ticket, head, tally, spec, model))
+
     def settle(self, ticket: Pass, head: Head, tally: Usage | None, spec: PricedPool | None,
                model: str) -> None:
         """The request ended (`tally` None: before it was admitted): its stream and reserved tokens
-        are released, and if it produced tokens (or completed) its row goes to the ledger."""
-        self.in_flight.pop(head.request_id, None)
+        are released, and if it produced tokens (or completed) its row goes to the ledger, unless
+        commit_completed() wrote it."""
+        entry = self.in_flight.pop(head.request_id, None)
         if tally is None:
             self.book.release(ticket, None, 0.0)
             return
@@ -84,15 +106,8 @@ class Accounts:
         billable = spec is not None and (tally.completion_tokens > 0 or tally.outcome == "completed")
         amount = self.amount(spec, head.priority, tokens) if billable else 0.0
         self.book.release(ticket, tokens if tally.outcome else None, amount)
-        if billable:
-            self.ledger.record({
-                "request_id": head.request_id, "tenant": ticket.caller.name,
-                "key_prefix": ticket.caller.key_prefix, "priority": priority_name(head.priority),
-                "pool": spec.name, "device": spec.device, "model": model,
-                "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
-                "price_per_token": spec.cost, "multiplier": self.multipliers[head.priority],
-                "amount": amount, "outcome": tally.outcome or "cancelled",
-                "started_at": tally.started_wall, "finished_at": time.time()})
+        if billable and not (entry is not None and entry.billed):
+            self.ledger.record(self._row(ticket, head, tally, spec, model))
 
     # --- on behalf of a caller --------------------------------------------------------------------
 

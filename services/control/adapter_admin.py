@@ -20,7 +20,8 @@ CACHE_WAIT_S = 3.0
 
 class PoolDirectory(Protocol):
     """What this module reads of the router's pools (services/router/pools.py satisfies it): each
-    pool's handle (name, scheduler stub, peer), and the adapters its cached stats show."""
+    pool's handle (name, scheduler stub, peer, metadata: the cluster token), and the adapters its
+    cached stats show."""
     handles: dict
 
     def adapter_names(self) -> set[str]: ...
@@ -60,7 +61,7 @@ async def load(pools: PoolDirectory, body: dict) -> dict:
     for handle in handles:
         try:
             reply = await handle.scheduler.LoadAdapter(worker_pb2.LoadAdapterRequest(name=name, path=path),
-                                                       timeout=180)
+                                                       timeout=180, metadata=handle.metadata)
             loaded[handle.name] = {"adapters": [a.name for a in reply.adapters], "missing_on": list(reply.missing_on)}
         except grpc.aio.AioRpcError as exc:
             errors.append(error_from_rpc(exc, handle.peer))
@@ -81,7 +82,8 @@ async def unload(pools: PoolDirectory, body: dict) -> dict:
     unloaded = {}
     for handle in handles:
         try:
-            reply = await handle.scheduler.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), timeout=60)
+            reply = await handle.scheduler.UnloadAdapter(worker_pb2.UnloadAdapterRequest(name=name), timeout=60,
+                                                         metadata=handle.metadata)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc, handle.peer) from None
         unloaded[handle.name] = {"adapters": [a.name for a in reply.adapters]}

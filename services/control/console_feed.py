@@ -118,6 +118,7 @@ class ConsoleFeed:
                 "classes": self._classes(stats), "history": list(self.history),
                 "pools": [self._pool(s) for s in stats], "routing": r.pools.router.mode,
                 "threshold": round(r.pools.router.threshold.value, 1),
+                "processes": r.processes.rows(),
                 "rejections": [{"priority": p, "reason": reason, "count": n}
                                for (p, reason), n in sorted(totals.rejected.items())]})
         return snapshot

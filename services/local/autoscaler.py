@@ -72,8 +72,10 @@ class LocalAutoscaler:
         return len(pool.workers) + len(extras)
 
     def tick(self, pool) -> None:
-        with grpc.insecure_channel(pool.scheduler.address) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest(), timeout=5)
+        trust = self.cluster.trust
+        with trust.sync_channel(pool.scheduler.address, "scheduler") as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest(), timeout=5,
+                                                                           metadata=trust.metadata)
         with self._lock:
             self._reap(pool.name)
             have = self.serving(pool.name)
@@ -101,8 +103,9 @@ class LocalAutoscaler:
         extra = live[-1]
         extra.draining = True
         try:
-            with grpc.insecure_channel(extra.address) as channel:
-                worker_pb2_grpc.WorkerStub(channel).Drain(worker_pb2.DrainRequest(), timeout=5)
+            trust = self.cluster.trust
+            with trust.sync_channel(extra.address, "worker") as channel:
+                worker_pb2_grpc.WorkerStub(channel).Drain(worker_pb2.DrainRequest(), timeout=5, metadata=trust.metadata)
         except grpc.RpcError:
             extra.process.terminate()       # still loading its model: SIGTERM drains it as well
         return True

@@ -2,7 +2,9 @@
 
 Used by `qos-serve up`, the demo and the end-to-end tests. Ports given as 0 are resolved to free
 ones first; the resolved config is written to a file every process reads. Children die with the
-parent (PR_SET_PDEATHSIG), so nothing is left behind even if the parent is killed.
+parent (PR_SET_PDEATHSIG), so nothing is left behind even if the parent is killed. With
+`supervise=True` (`qos-serve up`, the demo) a process that exits is restarted
+(services/local/supervisor.py); without it (the tests that kill processes on purpose) it stays down.
 """
 from __future__ import annotations
 
@@ -11,18 +13,21 @@ import ctypes
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-import grpc
 
+from services.common.cluster_auth import TOKEN_ENV, ClusterTrust
 from services.common.config import ClusterConfig
 from services.common.grpc_server import wait_healthy
 from services.common.ports import free_port
+from services.common.process_status import PROCESSES_FILE_ENV
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -93,17 +98,34 @@ class LocalCluster:
     """with LocalCluster(config) as cluster: ... cluster.router_address ..."""
 
     def __init__(self, config: ClusterConfig, log_dir: Path | None = None, quiet: bool = False,
-                 autoscale: bool = False):
+                 autoscale: bool = False, supervise: bool = False, restart_policy=None):
         self.config = resolve_ports(config)
         self.config.model = resolve_model(self.config.model, progress=not quiet)
         self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
         self.config_path = Path(self._tmp.name) / "cluster.json"
+        if not self.config.security.token_file and not os.environ.get(TOKEN_ENV):
+            self.config.security.token_file = str(self._make_token())
+        self.trust = ClusterTrust.load(self.config.security, "admin")   # our own calls: the stats, the autoscaler
         self.config.write_json(self.config_path)
         self.log_dir = log_dir or Path(self._tmp.name)
         self.quiet = quiet
         self.processes: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, tuple[str, ...]] = {}      # name -> its `qos-serve` arguments
         self.autoscale = autoscale
         self.autoscaler = None           # LocalAutoscaler, with --autoscale
+        self.supervise = supervise
+        self.restart_policy = restart_policy
+        self.supervisor = None           # Supervisor, with supervise=True
+        self.processes_file = Path(self._tmp.name) / "processes.json"
+        self._supervising = threading.Event()
+        self._supervisor_thread: threading.Thread | None = None
+
+    def _make_token(self) -> Path:
+        """No token configured: one for this cluster alone, readable only by us (and our children)."""
+        path = Path(self._tmp.name) / "cluster.token"
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(32))
+        return path
 
     @property
     def router_address(self) -> str:
@@ -122,13 +144,18 @@ class LocalCluster:
         """One `qos-serve` service process on this cluster's config (dies with us)."""
         command = [sys.executable, "-m", "services.tools.cli", *args, "--config", str(self.config_path)]
         stream = open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") if self.quiet else None
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid()), PROCESSES_FILE_ENV: str(self.processes_file)}
         return subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT if stream else None, env=env)
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         """A service the cluster cannot do without: watched, and stopped with the cluster."""
         self.processes[name] = process = self.launch(name, *args)
+        self.commands[name] = args
         return process
+
+    def relaunch(self, name: str) -> subprocess.Popen:
+        """The same service again, with the same arguments (the supervisor's restart)."""
+        return self._spawn(name, *self.commands[name])
 
     def start_worker(self, pool: str, index: int) -> subprocess.Popen:
         return self._spawn(self.worker_name(pool, index), "worker", "--pool", pool, "--index", str(index))
@@ -144,6 +171,8 @@ class LocalCluster:
                 self.start_scheduler(pool.name)
             self._spawn("router", "router")
             asyncio.run(self._wait_ready())
+            if self.supervise:
+                self._start_supervisor()
             if self.autoscale:
                 from services.local.autoscaler import LocalAutoscaler
                 self.autoscaler = LocalAutoscaler(self, say=lambda line: print(line, flush=True)).start()
@@ -160,13 +189,16 @@ class LocalCluster:
             addresses.append((f"{pool.name}/scheduler", pool.scheduler.address))
         for name, address in addresses:
             self._check_alive()
-            if not await wait_healthy(address, timeout=deadline - time.monotonic()):
+            role = "scheduler" if name.endswith("/scheduler") else "worker"
+            if not await wait_healthy(address, timeout=deadline - time.monotonic(), trust=self.trust,
+                                      peer_role=role):
                 raise TimeoutError(f"{name} at {address} did not become healthy")
         # Healthy is not enough for a scheduler: it must also have connected to every worker.
         for pool in self.config.pools:
-            async with grpc.aio.insecure_channel(pool.scheduler.address) as channel:
+            async with self.trust.channel(pool.scheduler.address, "scheduler") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
-                while (await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers < len(pool.workers):
+                while (await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(),
+                                               metadata=self.trust.metadata)).workers < len(pool.workers):
                     self._check_alive()
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"pool {pool.name}: the scheduler did not connect to all its workers")
@@ -175,6 +207,25 @@ class LocalCluster:
         if not await wait_healthy(self.router_address, timeout=deadline - time.monotonic(),
                                   ca_file=self.config.router.tls_cert or None):
             raise TimeoutError(f"router at {self.router_address} did not become healthy")
+
+    def _start_supervisor(self) -> None:
+        from services.local.supervisor import RestartPolicy, Supervisor
+        self.supervisor = Supervisor(self.processes, self.relaunch, self.restart_policy or RestartPolicy(),
+                                     status_file=self.processes_file,
+                                     say=lambda line: print(line, file=sys.stderr, flush=True))
+
+        def watch() -> None:
+            while not self._supervising.wait(0.2):
+                self.supervisor.check()
+
+        self._supervisor_thread = threading.Thread(target=watch, name="supervisor", daemon=True)
+        self._supervisor_thread.start()
+
+    async def pool_stats(self, pool: str | None = None) -> scheduler_pb2.PoolStats:
+        """A pool's stats from its scheduler (the first pool's by default), with our token."""
+        async with self.trust.channel(self.config.pool(pool).scheduler.address, "scheduler") as channel:
+            return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(
+                scheduler_pb2.PoolStatsRequest(), metadata=self.trust.metadata)
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
@@ -190,6 +241,9 @@ class LocalCluster:
     def stop(self) -> None:
         """SIGTERM everything: each service drains (finishes what is in flight, takes nothing new)
         and exits; SIGKILL what is still there after the longest drain time."""
+        self._supervising.set()          # first: nothing is restarted while the cluster stops
+        if self._supervisor_thread is not None:
+            self._supervisor_thread.join()
         if self.autoscaler is not None:
             self.autoscaler.stop()
             self.autoscaler.stop_extras(self.drain_seconds() + STOP_TIMEOUT_SECONDS)
@@ -233,11 +287,7 @@ def run_until_signal(cluster: LocalCluster) -> None:
         print(f"qos-serve up: router {cluster.router_address}; "
               f"pools: {pools}; model "
               f"{Path(cluster.config.model).name}. Ctrl-C stops.", flush=True)
-        while not stop:
-            for name, process in cluster.processes.items():
-                if process.poll() is not None:
-                    print(f"{name} exited with code {process.returncode}; stopping", file=sys.stderr)
-                    stop = True
+        while not stop:      # the supervisor restarts what exits; only a signal stops the cluster
             time.sleep(0.2)
         print("stopping...", flush=True)
     print("stopped", flush=True)

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from services.common.cluster_auth import ClusterTrust, no_trust
 from services.common.config import PoolConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -25,11 +26,12 @@ STATS_INTERVAL_MS = 200
 class PoolHandle:
     """One pool: its scheduler stub, the link requests go on, and its latest stats."""
 
-    def __init__(self, config: PoolConfig):
+    def __init__(self, config: PoolConfig, trust: ClusterTrust):
         self.config = config
-        self.channel = grpc.aio.insecure_channel(config.scheduler.address, options=CHANNEL_OPTIONS)
+        self.channel = trust.channel(config.scheduler.address, "scheduler", CHANNEL_OPTIONS)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
-        self.link = SchedulerLink(self.scheduler, self.peer)     # requests over one stream
+        self.metadata = trust.metadata          # every call to the scheduler carries it
+        self.link = SchedulerLink(self.scheduler, self.peer, self.metadata)     # requests over one stream
         self.stats: scheduler_pb2.PoolStats | None = None
 
     @property
@@ -68,8 +70,9 @@ def pool_load(stats: scheduler_pb2.PoolStats) -> PoolLoad:
 
 
 class PoolDirectory:
-    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str):
-        self.handles = {p.name: PoolHandle(p) for p in pools}
+    def __init__(self, pools: list[PoolConfig], model_name: str, routing: str, trust: ClusterTrust | None = None):
+        trust = trust or no_trust("router")
+        self.handles = {p.name: PoolHandle(p, trust) for p in pools}
         self.router = PoolRouter([PoolSpec(p.name, p.device, frozenset({model_name}),
                                            p.cost_per_token, p.lora, p.primary) for p in pools],
                                  mode=routing)
@@ -117,7 +120,7 @@ class PoolDirectory:
         while True:
             try:
                 async for stats in handle.scheduler.WatchPoolStats(
-                        scheduler_pb2.PoolStatsRequest(interval_ms=STATS_INTERVAL_MS)):
+                        scheduler_pb2.PoolStatsRequest(interval_ms=STATS_INTERVAL_MS), metadata=handle.metadata):
                     self._update(handle, stats)
             except grpc.aio.AioRpcError as exc:
                 log.debug("pool %s stats stream: %s", handle.name, exc.code().name)

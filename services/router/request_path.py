@@ -90,6 +90,9 @@ class RequestPath:
                     try:
                         async for chunk in self.relay(head, body, pool, tally, span, streamed):
                             streamed.extend(chunk.token_ids)
+                            if chunk.finish_reason:     # billed before the client sees it complete
+                                await self.accounts.commit_completed(ticket, head, tally,
+                                                                     self.pools.specs[pool.name], model)
                             yield chunk
                         self._judge_prediction(tally)
                         return
@@ -174,7 +177,7 @@ class RequestPath:
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported
         while True:
             call = pool.link.submit(submit, traceparent(context)) if on_link else \
-                pool.scheduler.Submit(submit, metadata=inject_metadata(context))
+                pool.scheduler.Submit(submit, metadata=(*inject_metadata(context), *pool.metadata))
             finished = False
             try:
                 async for chunk in call:

@@ -69,7 +69,7 @@ class LinkCall:
 class _LinkStream:
     """One SubmitLink call and the requests on it."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str):
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str, metadata=()):
         self.peer = peer
         self.calls: dict[int, LinkCall] = {}
         self.broken = False
@@ -77,7 +77,7 @@ class _LinkStream:
         self._keys = itertools.count(1)
         self._outgoing = scheduler_pb2.LinkRequest()    # gathered until the writer's next turn
         self._wake = asyncio.Event()
-        self._call = stub.SubmitLink(self._requests())
+        self._call = stub.SubmitLink(self._requests(), metadata=metadata)
         self._reader = asyncio.create_task(self._read())
 
     def submit(self, submit: scheduler_pb2.SubmitRequest, traceparent: str) -> LinkCall:
@@ -142,9 +142,10 @@ class _LinkStream:
 class SchedulerLink:
     """The pool's current link stream, opened when a request needs it (again, after a break)."""
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str):
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, peer: str, metadata=()):
         self._stub = stub
         self._peer = peer
+        self._metadata = metadata           # the cluster token (services/common/cluster_auth.py)
         self._stream: _LinkStream | None = None
 
     @property
@@ -163,7 +164,7 @@ class SchedulerLink:
         if self.unsupported:
             raise LinkUnsupported(self._peer)
         if stream is None or stream.broken:
-            stream = self._stream = _LinkStream(self._stub, self._peer)
+            stream = self._stream = _LinkStream(self._stub, self._peer, self._metadata)
         return stream.submit(submit, traceparent)
 
     def close(self) -> None:

@@ -14,19 +14,21 @@ from dataclasses import replace
 import grpc
 from prometheus_client import CollectorRegistry
 
+from services.common.cluster_auth import ClusterTrust
 from services.common.config import AuthConfig, ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
 from services.common.grpc_server import run_server
-from services.common.metrics import serve_metrics
+from services.common.metrics import StateCollector, serve_metrics
 from services.common.priority import PRIORITIES
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
 from services.common.wire import prompt_chars
 from services.control.accounts import Accounts
 from services.control.console_feed import ConsoleFeed
-from services.control.ledger import LedgerWriter
+from services.control.ledger import LedgerWriter, ledger_metrics
 from services.control.limits import estimate_tokens
+from services.control.process_view import ProcessView
 from services.control.sla_monitor import SlaMonitor
 from services.control.tenancy import Caller, TenantBook
 from services.router.http_front import HttpFront
@@ -43,14 +45,17 @@ class RouterService:
     def __init__(self, config: ClusterConfig, model_name: str, store: Store, drain: Drain | None = None):
         router, auth, billing = config.router, config.auth, config.billing
         self.router = router
-        self.pools = PoolDirectory(config.pools, model_name, router.routing)
+        self.pools = PoolDirectory(config.pools, model_name, router.routing,
+                                   ClusterTrust.load(config.security, "router"))
         registry = CollectorRegistry()
         alerts_url = f"http://{router.http_address}/v1/alerts" if router.http_address else ""
         self.sla = SlaMonitor(config.sla, config.alerts, registry, external_url=alerts_url)
         self.totals = RouterTotals(list(self.pools.handles), self.sla, registry)
+        self.processes = ProcessView.from_env(registry)      # a supervised local cluster's processes
         self.tracer = setup_tracing("router")
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
         self.ledger = LedgerWriter(store, billing.flush_seconds)
+        registry.register(StateCollector(lambda: ledger_metrics(self.ledger)))
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
                                 router.admission, router.migration_limit, router.scheduler_link)

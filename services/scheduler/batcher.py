@@ -17,8 +17,9 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
-from services.common.wire import finish_reason, sampled_and_ended
+from services.common.wire import finish_reason, sampled_and_ended, sampled_seq_ids
 from services.scheduler.announcement import prompt_announcement
+from services.scheduler.answer_check import answer_mismatch
 from services.scheduler.cut_in_dispatch import CutInDispatch
 from services.scheduler.failover import WorkerChanges
 from services.scheduler.monitor import ResourceMonitor
@@ -32,7 +33,7 @@ from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.2
-STEP_TIMEOUT_SECONDS = 120.0     # a worker that takes longer to answer one step counts as gone
+STEP_TIMEOUT_SECONDS = 30.0      # a worker that takes longer to answer one step counts as gone
 ORPHAN_GRACE_SECONDS = 10.0      # with no worker to serve, how long requests wait for one to (re)join
 STREAM_MAX_HOLD_SECONDS = 0.5    # longest a chunk waits for the rest of its stream interval
 PLAN_WRITE_WAIT_SECONDS = 0.05   # the most the loop waits for plans to be written before streaming
@@ -61,6 +62,7 @@ class ContinuousBatcher(WorkerChanges):
         self.output_tokens: Counter = Counter()
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.failovers: Counter = Counter()         # sequences moved off a worker, by reason
+        self.quarantines: Counter = Counter()       # address -> answers that did not match plans
         self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
         # Since start, for the router's latency model: steps' wall time, worker-steps, tokens.
         self.step_seconds = 0.0
@@ -278,15 +280,19 @@ class ContinuousBatcher(WorkerChanges):
             return
         if self.hold_streams and self._answers_pending == 0 and not cut_in:
             self.streams.hold()        # the last answer of the step: its tokens wait for the next plans
-        self.postprocess(link, builder, result, at_once=cut_in)
+        problem = self.postprocess(link, builder, result, at_once=cut_in)
+        if problem is not None:
+            await self.quarantine(link, f"worker {link.address} answered step {result.step_id} "
+                                        f"against its plan: {problem}")
 
     def release_streams(self) -> None:
         self.streams.release()
 
     def postprocess(self, link: Worker, builder: StepBuilder, result: worker_pb2.StepResult,
-                    at_once: bool = False) -> None:
+                    at_once: bool = False) -> str | None:
         """A worker's answer to its plan: sampled tokens into the streams (`at_once`: not held
-        for the next plans), finished requests out."""
+        for the next plans), finished requests out. An answer that does not match its plan
+        (answer_check.py) streams nothing: what is wrong with it is returned, for quarantine()."""
         self.workers.answered(link, result.draining, time.perf_counter())
         if result.error:
             # The worker refused the plan: a bug on our side. Fail what it carried, keep serving.
@@ -294,18 +300,21 @@ class ContinuousBatcher(WorkerChanges):
             for request in builder.scheduled_requests:
                 self._finish(request, ServiceError(ErrorKind.INTERNAL,
                                                    f"worker refused the step: {result.error}"))
-            return
+            return None
         if self.monitor is not None and link.pool is not None:
             self.monitor.observe(result.device.utilization, link.pool.num_free / link.pool.num_blocks)
         for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
             if request.phase is Phase.RUNNING:
                 request.advance(num_tokens)
+        problem = answer_mismatch(builder.scheduled_requests, sampled_seq_ids(result))
+        if problem is not None:
+            return problem
+        sampled, ended = sampled_and_ended(result)
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         output_tokens = self.output_tokens
         emit = self.streams.deliver if at_once else self.streams.emit
         new_tuple = tuple.__new__
-        sampled, ended = sampled_and_ended(result)
         for seq_id, token_id in sampled:
             request = by_seq.get(seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
@@ -324,6 +333,7 @@ class ContinuousBatcher(WorkerChanges):
                 self._completed(request, now)
             # SampledText(token_id, engine_finish, now) without NamedTuple's Python-level __new__
             emit(request, new_tuple(SampledText, (token_id, engine_finish, now)))
+        return None
 
     def _completed(self, request: Request, now: float) -> None:
         self.finished += 1

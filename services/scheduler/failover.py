@@ -21,6 +21,9 @@ from services.scheduler.worker_set import Worker, WorkerSet
 
 log = logging.getLogger(__name__)
 
+QUARANTINE_S = 30.0
+QUARANTINE_MAX_S = 600.0
+
 
 class WorkerChanges:
     # ContinuousBatcher's, as are `running` and `_finish`.
@@ -32,6 +35,7 @@ class WorkerChanges:
     wakeup: asyncio.Event
     failovers: Counter
     orphan_grace_s: float
+    quarantines: Counter        # address -> times its answers did not match its plans
 
 
     def add_link(self, link: Worker) -> None:
@@ -66,6 +70,18 @@ class WorkerChanges:
         if not link.is_connected:   # a worker that comes back starts empty: nothing to release
             self.planner.to_release[link.index].clear()
         self.wakeup.set()
+
+    async def quarantine(self, link: Worker, reason: str) -> None:
+        """A worker whose answer did not match its plan (answer_check.py) is failed like a dead
+        one, its stream closed, and kept out of the pool for QUARANTINE_S, doubling each time
+        it happens again (up to QUARANTINE_MAX_S): a broken worker is not trusted with new
+        sequences at once, yet one that was restarted or mended comes back by itself."""
+        self.quarantines[link.address] += 1
+        seconds = min(QUARANTINE_MAX_S, QUARANTINE_S * 2 ** (self.quarantines[link.address] - 1))
+        log.error("%s; out of pool %s for %.0f s", reason, self.pool_name, seconds)
+        self.fail_worker(link, reason, why="broken_answer")
+        link.hold_off(seconds)
+        await link.close()
 
     def fail_waiting(self, predicate, failure: ServiceError) -> int:
         """End the queued requests `predicate` picks with `failure` (an adapter unloaded under

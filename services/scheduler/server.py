@@ -20,6 +20,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as MetricCounter
 
+from services.common.cluster_auth import ClusterTrust
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
@@ -44,6 +45,7 @@ from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
 from services.scheduler.membership import Membership
+from services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ def resume(request: Request, streamed: list[int]) -> None:
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: SchedulerConfig, pool_name: str, model_dir: str,
-                 worker_addresses: list[str], advisor: ScaleAdvisor | None = None):
+                 worker_addresses: list[str], advisor: ScaleAdvisor | None = None,
+                 trust: ClusterTrust | None = None):
         self.config = config
         self.pool_name = pool_name
         self.model_name = Path(model_dir).name
@@ -82,10 +85,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                          step_timeout_s=config.step_timeout_s,
                                          stream_max_hold_s=config.stream_max_hold_ms / 1000)
         self.stream_intervals = dict(zip(ORDER, config.stream_intervals))
-        self.membership = Membership(self.batcher, dns_interval_s=config.workers_dns_interval_s)
+        self.membership = Membership(self.batcher, lambda index, address: WorkerLink(index, address, trust),
+                                     dns_interval_s=config.workers_dns_interval_s)
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
-                                   self.batcher.estimated_wait_ms, config.max_queue,
-                                   config.retry_after_ms)
+                                   self.batcher.estimated_wait_ms, config.max_queue, config.retry_after_ms)
         self.drain = Drain(f"scheduler of pool {pool_name}", config.drain_seconds)
         self.rejected: Counter = Counter()
         n = len(worker_addresses) or 1
@@ -370,8 +373,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: str,
-                          worker_addresses: list[str], advisor: ScaleAdvisor | None = None) -> None:
-    service = SchedulerService(config, pool_name, model_dir, worker_addresses, advisor)
+                          worker_addresses: list[str], advisor: ScaleAdvisor | None = None,
+                          trust: ClusterTrust | None = None) -> None:
+    service = SchedulerService(config, pool_name, model_dir, worker_addresses, advisor, trust)
 
     def register(server: grpc.aio.Server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(service, server)
@@ -382,5 +386,5 @@ async def serve_scheduler(config: SchedulerConfig, pool_name: str, model_dir: st
 
     serve_metrics(service.registry, config.host, config.metrics_port, "scheduler")
     await run_server("scheduler", config.address, register, service.drain, on_started=started,
-                     on_stopping=service.stop)
+                     on_stopping=service.stop, trust=trust)
     shutdown_tracing()

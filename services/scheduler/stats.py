@@ -136,9 +136,11 @@ def state_metrics(batcher: ContinuousBatcher):
         yield family
     failovers = CounterMetricFamily("qos_failovers", "Sequences moved off a worker that failed or "
                                     "left, to be recomputed on another", labels=["reason"])
-    for reason in ("worker_failed", "left"):
+    for reason in ("worker_failed", "left", "broken_answer"):
         failovers.add_metric([reason], b.failovers[reason])
     yield failovers
+    yield CounterMetricFamily("qos_worker_quarantines", "Workers taken out of the pool for a while "
+                              "because an answer did not match its plan", value=sum(b.quarantines.values()))
     yield CounterMetricFamily("qos_cut_in_steps", "Steps run inside another on a worker (High "
                               "requests started mid-step)", value=b.cut_ins.steps)
     yield GaugeMetricFamily("qos_workers", "Workers connected to the pool",

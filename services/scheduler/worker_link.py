@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
+from services.common.cluster_auth import ClusterTrust, no_trust
 from services.common.grpc_server import WORKER_CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
 from services.common.kv_blocks import KVBlockPool
@@ -23,9 +25,10 @@ RECONNECT_INTERVAL_SECONDS = 0.5
 
 
 class WorkerLink:
-    def __init__(self, index: int, address: str):
+    def __init__(self, index: int, address: str, trust: ClusterTrust | None = None):
         self.index = index
         self.address = address
+        self.trust = trust or no_trust("scheduler")   # token and certificates for every call
         self.info: worker_pb2.WorkerInfo | None = None
         self.adapters: frozenset[str] = frozenset()   # LoRA adapters it holds (from its info)
         self.pool: KVBlockPool | None = None
@@ -36,6 +39,7 @@ class WorkerLink:
         self._answers: dict[int, asyncio.Future] = {}     # step_id -> its plan's answer, to come
         self._reader: asyncio.Task | None = None
         self.connected = asyncio.Event()
+        self.held_off_until = 0.0        # monotonic: no reconnection before (hold_off)
 
     @property
     def is_connected(self) -> bool:
@@ -44,14 +48,15 @@ class WorkerLink:
     async def connect(self) -> None:
         """Open the channel and the Execute stream and see it answer; raises WorkerGone."""
         await self.close()
-        self._channel = grpc.aio.insecure_channel(self.address, options=WORKER_CHANNEL_OPTIONS)
+        self._channel = self.trust.channel(self.address, "worker", WORKER_CHANNEL_OPTIONS)
         stub = worker_pb2_grpc.WorkerStub(self._channel)
+        metadata = self.trust.metadata
         try:
-            info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0)
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=5.0, metadata=metadata)
             if info.draining:
                 raise WorkerGone(f"worker {self.address} is draining")
             self._plans = asyncio.Queue()
-            self._call = stub.Execute(self._plan_iterator(self._plans))
+            self._call = stub.Execute(self._plan_iterator(self._plans), metadata=metadata)
             self._results = self._call.__aiter__()
             # A refused stream (another scheduler holds it, or the worker began to drain) shows
             # here, before any request is placed on it.
@@ -82,19 +87,22 @@ class WorkerLink:
         """Worker.LoadAdapter; from now on the worker may be given sequences naming it (and no
         longer those naming adapters it dropped to make room)."""
         reply = await worker_pb2_grpc.WorkerStub(self._channel).LoadAdapter(
-            worker_pb2.LoadAdapterRequest(name=name, path=path), timeout=120)
+            worker_pb2.LoadAdapterRequest(name=name, path=path), timeout=120, metadata=self.trust.metadata)
         self.adapters = (self.adapters | {name}) - set(reply.dropped)
         return reply
 
     async def unload_adapter(self, name: str) -> None:
         await worker_pb2_grpc.WorkerStub(self._channel).UnloadAdapter(
-            worker_pb2.UnloadAdapterRequest(name=name), timeout=30)
+            worker_pb2.UnloadAdapterRequest(name=name), timeout=30, metadata=self.trust.metadata)
         self.adapters = self.adapters - {name}
 
+    def hold_off(self, seconds: float) -> None:
+        self.held_off_until = time.monotonic() + seconds
+
     async def keep_connected(self) -> None:
-        """Reconnect whenever the link is down (run as a background task)."""
+        """Reconnect whenever the link is down and not held off (run as a background task)."""
         while True:
-            if not self.is_connected:
+            if not self.is_connected and time.monotonic() >= self.held_off_until:
                 try:
                     await self.connect()
                 except WorkerGone as exc:

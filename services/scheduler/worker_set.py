@@ -35,6 +35,9 @@ class Worker(Protocol):
 
     async def close(self) -> None: ...
 
+    def hold_off(self, seconds: float) -> None:
+        """Do not reconnect for `seconds` (a worker taken out of the pool)."""
+
 
 class WorkerSet:
     def __init__(self, links: list[Worker]):

@@ -44,10 +44,29 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def cluster_trust(config, role: str):
+    """This process's token and certificates for the internal hops (services/common/cluster_auth.py)."""
+    from services.common.cluster_auth import ClusterTrust
+    return ClusterTrust.load(config.security, role)
+
+
+def cmd_certs_init(args) -> int:
+    from services.tools.certs import init
+    if args.days < 1:
+        raise ConfigError(f"--days must be at least 1, got {args.days}")
+    try:
+        written = init(Path(args.dir), args.days, tuple(args.host), args.force)
+    except FileExistsError as exc:
+        raise ConfigError(str(exc)) from exc
+    print(f"wrote {len(written)} files in {args.dir}: {', '.join(p.name for p in written)}; valid for "
+          f"{args.days} days. Point [security] certs_dir at it.")
+    return 0
+
+
 def cmd_up(args) -> int:
     from services.local.cluster import LocalCluster, run_until_signal
     config = load_config(args.config)
-    run_until_signal(LocalCluster(config, autoscale=args.autoscale))
+    run_until_signal(LocalCluster(config, autoscale=args.autoscale, supervise=True))
     return 0
 
 
@@ -66,6 +85,7 @@ def cmd_worker(args) -> int:
     if args.device and (":" in args.device or args.device != worker.device.split(":")[0]):
         worker.device = args.device      # a bare kind ("cuda") keeps the configured index
 
+    trust = cluster_trust(config, "worker")     # a bad certificate fails before any model work too
     # The device first: a missing GPU or NPU stack fails in seconds, before any model work.
     from services.engine.device import open_backend
     try:
@@ -83,7 +103,8 @@ def cmd_worker(args) -> int:
         except AdapterError as exc:
             raise ConfigError(f"pool {pool.name}: adapter {adapter.name}: {exc}") from exc
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
-                             worker.drain_seconds, join=args.join, advertise=advertised))
+                             worker.drain_seconds, join=args.join, advertise=advertised,
+                             trust=trust))
     return 0
 
 
@@ -95,10 +116,11 @@ def cmd_drain(args) -> int:
 
     from services.common.proto.qos.v1 import worker_pb2, worker_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    trust = cluster_trust(load_config(args.config), "admin")
+    with trust.sync_channel(args.address, "worker") as channel:
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
-            reply = stub.Drain(worker_pb2.DrainRequest(), timeout=10)
+            reply = stub.Drain(worker_pb2.DrainRequest(), timeout=10, metadata=trust.metadata)
         except grpc.RpcError as exc:
             print(f"qos-serve drain: worker {args.address}: {exc.code().name}: {exc.details()}",
                   file=sys.stderr)
@@ -107,7 +129,7 @@ def cmd_drain(args) -> int:
         deadline = time.monotonic() + args.wait
         while time.monotonic() < deadline:
             try:
-                stub.Info(worker_pb2.InfoRequest(), timeout=2)
+                stub.Info(worker_pb2.InfoRequest(), timeout=2, metadata=trust.metadata)
             except grpc.RpcError:
                 print(f"worker {args.address} has left")
                 return 0
@@ -128,7 +150,7 @@ def cmd_scheduler(args) -> int:
         pool.scheduler.host = args.listen
     advisor = ScaleAdvisor(pool.autoscale, *pool.worker_limits(), config.sla_ttft_ms("high"))
     asyncio.run(serve_scheduler(pool.scheduler, pool.name, resolve_model(config.model),
-                                [w.address for w in pool.workers], advisor))
+                                [w.address for w in pool.workers], advisor, cluster_trust(config, "scheduler")))
     return 0
 
 
@@ -258,8 +280,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", metavar="HOST:PORT")
     p.add_argument("--wait", type=float, nargs="?", const=120.0, default=0.0, metavar="SECONDS",
                    help="wait until it has left (default 120 s)")
+    p.add_argument("--config", help="the cluster's config: its [security] token and certificates "
+                                    "(default: $QOS_CLUSTER_TOKEN only)")
     p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_drain)
+
+    p = sub.add_parser("certs", help="certificates for mutual TLS inside the cluster")
+    certs = p.add_subparsers(dest="certs_command", required=True)
+    p = certs.add_parser("init", help="a development CA and a certificate for each role in DIR")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--days", type=int, default=365, help="validity (default 365)")
+    p.add_argument("--host", action="append", default=[], metavar="NAME",
+                   help="another DNS name or IP address every certificate is valid for (repeatable)")
+    p.add_argument("--force", action="store_true", help="replace an existing CA")
+    p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_certs_init)
 
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)

@@ -100,7 +100,7 @@ def run_demo(args) -> int:
     config = load_config(args.config) if args.config else demo_config(args.policy)
     print("starting a local cluster (router, scheduler, CPU worker)...", flush=True)
     started = time.perf_counter()
-    with LocalCluster(config, quiet=True) as cluster:
+    with LocalCluster(config, quiet=True, supervise=True) as cluster:
         print(f"cluster ready in {time.perf_counter() - started:.1f} s: router {cluster.router_address}, "
               f"policy {config.pools[0].scheduler.policy}\n", flush=True)
         results, elapsed = asyncio.run(burst(cluster.router_address, args.requests_per_priority))

@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
 
+from services.common.cluster_auth import ClusterTrust, no_trust
 from services.common.drain import DEFAULT_DRAIN_SECONDS, Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_server import CHANNEL_OPTIONS, WORKER_SERVER_OPTIONS, run_server
@@ -325,15 +326,16 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
                         decode_attention=worker.decode_attention)
 
 
-async def join_pool(scheduler: str, advertised: str, drain: Drain) -> None:
+async def join_pool(scheduler: str, advertised: str, drain: Drain, trust: ClusterTrust) -> None:
     """`--join`: tell the pool's scheduler where we are, again every REGISTER_INTERVAL_S (so a
     scheduler that restarts finds us), until we drain."""
-    async with grpc.aio.insecure_channel(scheduler, options=CHANNEL_OPTIONS) as channel:
+    async with trust.channel(scheduler, "scheduler", CHANNEL_OPTIONS) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         joined = False
         while not drain.draining:
             try:
-                reply = await stub.Register(scheduler_pb2.RegisterRequest(address=advertised), timeout=5)
+                reply = await stub.Register(scheduler_pb2.RegisterRequest(address=advertised), timeout=5,
+                                            metadata=trust.metadata)
                 if not joined:
                     log.info("joined pool %s at scheduler %s as %s", reply.pool, scheduler, advertised)
                 joined = True
@@ -346,9 +348,12 @@ async def join_pool(scheduler: str, advertised: str, drain: Drain) -> None:
 
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
                        metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS,
-                       join: str | None = None, advertise: str | None = None) -> None:
+                       join: str | None = None, advertise: str | None = None,
+                       trust: ClusterTrust | None = None) -> None:
     """Serve the engine on `address`; with `join`, register with that scheduler as `advertise`
-    (default: `address`)."""
+    (default: `address`). `trust`: the cluster token and certificates callers must show, and
+    that joining shows (services/common/cluster_auth.py)."""
+    trust = trust or no_trust("worker")
     service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds))
     serve_metrics(service.registry, metrics_host, metrics_port, "worker")
     tasks: list[asyncio.Task] = []
@@ -359,13 +364,13 @@ async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.
 
     async def started(_port: int) -> None:
         if join:
-            tasks.append(asyncio.create_task(join_pool(join, advertise or address, service.drain)))
+            tasks.append(asyncio.create_task(join_pool(join, advertise or address, service.drain, trust)))
 
     async def stopping() -> None:
         for task in tasks:
             task.cancel()
 
     await run_server("worker", address, register, service.drain, on_started=started,
-                     on_stopping=stopping, options=WORKER_SERVER_OPTIONS)
+                     on_stopping=stopping, options=WORKER_SERVER_OPTIONS, trust=trust)
     shutdown_tracing()
     service.executor.shutdown(wait=False, cancel_futures=True)

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.config import AutoscaleConfig
 from services.common.grpc_server import CHANNEL_OPTIONS
-from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
@@ -37,8 +37,7 @@ async def burst(cluster) -> list[str]:
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+    return await cluster.pool_stats()
 
 
 def test_a_high_backlog_scales_out_then_idle_scales_back_in_losing_nothing():

@@ -114,12 +114,13 @@ def test_scheduler_drains_on_sigterm():
             alive = await health(cluster.scheduler_address, "liveness")     # draining is not dead
             assert alive == health_pb2.HealthCheckResponse.SERVING
             # Straight to the scheduler, and through the router, which relays its refusal.
-            async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
+            async with cluster.trust.channel(cluster.scheduler_address, "scheduler") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as direct:
-                    async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id="late", prompt="Hi")):
+                    async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id="late", prompt="Hi"),
+                                               metadata=cluster.trust.metadata):
                         pass
-                stats = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest())
+                stats = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(), metadata=cluster.trust.metadata)
             return status, direct.value, await refusal(client), stats
 
         answers, (status, direct, routed, stats), code, exited_after = \
@@ -173,9 +174,7 @@ def test_router_drains_on_sigterm():
 def test_worker_drains_on_sigterm_and_its_replacement_serves_what_queued_meanwhile():
     with drain_cluster() as cluster:
         async def probe(client):
-            async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-                stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(
-                    scheduler_pb2.PoolStatsRequest())
+            stats = await cluster.pool_stats()
             # The only worker takes no new sequence: a new request waits in the queue ...
             late = asyncio.create_task(client.generate(
                 chat_request("Hello!", sampling_params(max_tokens=4)), priority="high"))

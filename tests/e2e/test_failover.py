@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
-from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
@@ -29,9 +29,8 @@ def request(i: int):
     return chat_request(STORIES[i], sampling_params(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
 
 
-async def pool_stats(address: str) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+async def pool_stats(cluster: LocalCluster, pool: str | None = None) -> scheduler_pb2.PoolStats:
+    return await cluster.pool_stats(pool)
 
 
 async def until(check, timeout: float = 60.0, every: float = 0.1):
@@ -81,18 +80,18 @@ def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
                     cluster.processes["cpu/worker-1"].send_signal(signal.SIGKILL)
 
                 got = await texts(client, 16, kill_one)
-                stats = await pool_stats(cluster.scheduler_address)
+                stats = await pool_stats(cluster)
                 # A third worker joins at run time and takes new sequences.
                 cluster._spawn("cpu/worker-joined", "worker", "--pool", "cpu", "--index", "0",
                                "--port", "0", "--join", cluster.scheduler_address)
 
                 async def joined():
-                    s = await pool_stats(cluster.scheduler_address)
+                    s = await pool_stats(cluster)
                     return s.workers == 2 and len(s.members) == 3
                 await until(joined)
-                before = await pool_stats(cluster.scheduler_address)
+                before = await pool_stats(cluster)
                 again = await texts(client, 16)
-                after = await pool_stats(cluster.scheduler_address)
+                after = await pool_stats(cluster)
                 return reference, got, stats, before, again, after
 
         reference, got, stats, before, again, after = run(go())
@@ -136,14 +135,13 @@ def two_pools() -> ClusterConfig:
 
 def test_a_dead_schedulers_requests_move_to_the_other_pool_with_what_they_streamed():
     with LocalCluster(two_pools(), quiet=True) as cluster:
-        first = cluster.config.pools[0].scheduler.address
 
         async def go():
             async with RouterClient(cluster.router_address) as client:
                 reference = await texts(client, 8, priority="high")
 
                 async def kill_first():
-                    assert (await pool_stats(first)).classes[0].running > 0
+                    assert (await pool_stats(cluster, "first")).classes[0].running > 0
                     cluster.processes["first/scheduler"].send_signal(signal.SIGKILL)
 
                 got = await texts(client, 8, kill_first, priority="high")
@@ -173,6 +171,7 @@ def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
                 async def drain_one():
                     drained["command"] = await asyncio.create_subprocess_exec(
                         sys.executable, "-m", "services.tools.cli", "drain", "worker", address, "--wait", "60",
+                        "--config", str(cluster.config_path),
                         stdout=asyncio.subprocess.PIPE)
 
                 got = await texts(client, 8, drain_one)
@@ -181,7 +180,7 @@ def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
 
         reference, got, out, code = run(go())
         worker_exit = cluster.processes["cpu/worker-1"].wait(timeout=30)
-        stats = run(pool_stats(cluster.scheduler_address))
+        stats = run(pool_stats(cluster))
     assert_same(reference, got)
     assert code == 0 and f"worker {address} has left" in out and worker_exit == 0
     assert stats.workers == 1 and stats.failovers == 0     # its sequences finished there

@@ -6,12 +6,11 @@ from __future__ import annotations
 import http.client
 import json
 
-import grpc
 import openai
 import pytest
 
 from services.common.priority import HIGH, LOW, MEDIUM
-from services.common.proto.qos.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import router_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import cluster_config, run
@@ -61,9 +60,8 @@ def raw(cluster, method: str, path: str, body: bytes | None = None, headers: dic
 
 def class_tokens(cluster) -> dict[int, int]:
     async def go():
-        async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-            stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
-            return {c.priority: c.output_tokens for c in stats.classes}
+        stats = await cluster.pool_stats()
+        return {c.priority: c.output_tokens for c in stats.classes}
     return run(go())
 
 

@@ -11,10 +11,9 @@ import json
 import signal
 from pathlib import Path
 
-import grpc
 import pytest
 
-from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import scheduler_pb2
 from services.local.cluster import LocalCluster
 from tests.e2e.conftest import cluster_config, run
 
@@ -79,8 +78,7 @@ def with_model(cluster, body: dict) -> dict:
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+    return await cluster.pool_stats()
 
 
 def test_an_oversized_body_is_a_413_naming_the_limit(cluster):

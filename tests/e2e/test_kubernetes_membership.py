@@ -24,7 +24,7 @@ import pytest
 from services.common.config_file import parse_config
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.ports import free_port
-from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import router_pb2_grpc, scheduler_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import chat_request, sampling_params
 from tests.e2e.conftest import bench_model, run
@@ -78,8 +78,7 @@ def overlay(tmp_path, monkeypatch):
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+    return await cluster.pool_stats()
 
 
 def wait_until(predicate, timeout_s: float, what: str):

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.common.priority import LOW
-from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.proto.qos.v1 import scheduler_pb2
 from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
@@ -24,8 +24,7 @@ def small_cluster(kv_cache_mb: int, **scheduler) -> LocalCluster:
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
-    async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-        return await scheduler_pb2_grpc.SchedulerStub(channel).GetPoolStats(scheduler_pb2.PoolStatsRequest())
+    return await cluster.pool_stats()
 
 
 def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():

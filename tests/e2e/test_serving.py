@@ -4,12 +4,9 @@ from __future__ import annotations
 import asyncio
 import random
 
-import grpc
 import pytest
 
 from services.common.proto.qos.v1 import (
-    scheduler_pb2,
-    scheduler_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
@@ -76,17 +73,16 @@ def test_cancelled_streams_free_their_blocks_and_worker_state(cluster):
             seen = await asyncio.gather(*(read_two_then_cancel(c) for c in calls))
             assert all(s >= 2 for s in seen)
 
-        async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel)
-            for _ in range(100):
-                pool = await stats.GetPoolStats(scheduler_pb2.PoolStatsRequest())
-                if pool.kv_blocks_used == 0:
-                    break
-                await asyncio.sleep(0.05)
-        async with grpc.aio.insecure_channel(cluster.config.pools[0].workers[0].address) as channel:
+        for _ in range(100):
+            pool = await cluster.pool_stats()
+            if pool.kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.05)
+        trust = cluster.trust
+        async with trust.channel(cluster.config.pools[0].workers[0].address, "worker") as channel:
             worker = worker_pb2_grpc.WorkerStub(channel)
             for _ in range(100):   # released with the scheduler's next plan, sent at once
-                info = await worker.Info(worker_pb2.InfoRequest())
+                info = await worker.Info(worker_pb2.InfoRequest(), metadata=trust.metadata)
                 if info.active_sequences == 0:
                     break
                 await asyncio.sleep(0.05)

@@ -11,7 +11,6 @@ import time
 import grpc
 import pytest
 
-from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, cluster_config, run
@@ -57,12 +56,10 @@ def test_killed_worker_fails_streams_fast_and_recovery_follows():
         cluster.start_worker("cpu", 0)
 
         async def serve_again():
-            async with grpc.aio.insecure_channel(cluster.scheduler_address) as channel:
-                stats = scheduler_pb2_grpc.SchedulerStub(channel)
-                for _ in range(600):
-                    if (await stats.GetPoolStats(scheduler_pb2.PoolStatsRequest())).workers == 1:
-                        break
-                    await asyncio.sleep(0.1)
+            for _ in range(600):
+                if (await cluster.pool_stats()).workers == 1:
+                    break
+                await asyncio.sleep(0.1)
             async with RouterClient(cluster.router_address) as client:
                 return await client.generate(chat_request("Hello!", sampling_params(max_tokens=8)),
                                              priority="high")

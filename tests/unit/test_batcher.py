@@ -56,6 +56,9 @@ class SimulatedWorker:
     async def close(self) -> None:
         self.pool = None
 
+    def hold_off(self, seconds: float) -> None:
+        self.held_off = seconds
+
     def restart(self) -> None:
         """Back after a crash: a fresh cache, no sequences (as a restarted worker process)."""
         self.pool = KVBlockPool(self.info.num_blocks, BLOCK)

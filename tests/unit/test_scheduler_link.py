@@ -277,7 +277,7 @@ def relay_path(link_mode: str, port_link: SchedulerLink, channel):
     pools = SimpleNamespace(specs={"p": None})
     accounts = SimpleNamespace(amount=lambda spec, priority, tokens: 0.5)
     path = RequestPath(pools, None, trace.get_tracer("test"), "m", accounts, scheduler_link=link_mode)
-    pool = SimpleNamespace(name="p", peer="stand-in", link=port_link,
+    pool = SimpleNamespace(name="p", peer="stand-in", link=port_link, metadata=(),
                            scheduler=scheduler_pb2_grpc.SchedulerStub(channel))
     return path, pool, RequestHead(Priority.MEDIUM, request_id="q")
 

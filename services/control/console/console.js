@@ -136,6 +136,15 @@ function drawPools(snapshot) {
   }));
 }
 
+function drawProcesses(snapshot) {
+  // Only a supervised local cluster (`qos-serve up`) has rows; elsewhere the platform restarts.
+  const rows = snapshot.processes || [];
+  $("processes-section").hidden = rows.length === 0;
+  $("processes").tBodies[0].replaceChildren(...rows.map((p) => el("tr", {"data-process": p.name},
+    ...[p.name, el("span", {class: `process-${p.state}`}, p.state), p.restarts,
+        p.last_exit_code === null ? "–" : p.last_exit_code].map((c) => el("td", {}, c)))));
+}
+
 function drawAlerts(snapshot) {
   const box = $("alerts");
   const objectives = snapshot.sla.objectives.map((o) => el("div", {class: "facts"},
@@ -182,13 +191,15 @@ function drawRecent(snapshot) {
 function draw(snapshot) {
   $("view").textContent = snapshot.view;
   const cluster = snapshot.scope === "cluster";
-  for (const id of ["classes-section", "charts-section", "pools-section", "rejections-section", "weights-section"]) {
+  for (const id of ["classes-section", "charts-section", "pools-section", "rejections-section", "weights-section",
+                    "processes-section"]) {
     $(id).hidden = !cluster;
   }
   if (cluster) {
     drawClasses(snapshot);
     drawCharts(snapshot);
     drawPools(snapshot);
+    drawProcesses(snapshot);
     drawRejections(snapshot);
     drawWeights(snapshot);
   }

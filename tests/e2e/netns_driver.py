@@ -1,0 +1,79 @@
+"""Run inside a network namespace by tests/e2e/test_network_faults.py (`ip netns exec NS python
+tests/e2e/netns_driver.py FAULT OUT.json`): a local cluster on the namespace's own loopback
+(two workers), greedy streams once without a fault for reference, then again under FAULT, applied
+with iptables in this namespace only; writes what the clients saw to OUT.json.
+
+    loss        2% of every loopback packet dropped (iptables' statistic match), both ways
+    partition   worker 0's port cut off in both directions mid-stream (no FIN, no RST: packets
+                vanish), healed after the streams end; then worker 0 must be back in the pool
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from services.common.config import WorkerConfig  # noqa: E402
+from services.local.cluster import LocalCluster  # noqa: E402
+from services.tools.client import RouterClient  # noqa: E402
+from tests.e2e.conftest import bench_model, cluster_config  # noqa: E402
+from tests.e2e.test_failover import texts  # noqa: E402
+
+LOSS = ["-m", "statistic", "--mode", "random", "--probability", "0.02", "-j", "DROP"]
+
+
+def iptables(*args: str) -> None:
+    subprocess.run(["iptables", *args], check=True)
+
+
+async def under_fault(cluster: LocalCluster, fault: str, out: Path) -> None:
+    port = cluster.config.pools[0].workers[0].port
+    async with RouterClient(cluster.router_address) as client:
+        reference = await texts(client, 8)
+        if fault == "loss":
+            iptables("-A", "INPUT", "-i", "lo", *LOSS)
+            try:
+                during = await texts(client, 8)
+            finally:
+                iptables("-F", "INPUT")
+        else:
+            async def cut():
+                for flag in ("--dport", "--sport"):
+                    iptables("-A", "INPUT", "-p", "tcp", flag, str(port), "-j", "DROP")
+            try:
+                during = await texts(client, 8, cut)
+                stats_cut = await cluster.pool_stats()
+            finally:
+                iptables("-F", "INPUT")
+        workers = 0
+        for _ in range(600):          # healed: worker 0 reconnects
+            workers = (await cluster.pool_stats()).workers
+            if workers == 2:
+                break
+            await asyncio.sleep(0.1)
+        after = await texts(client, 8)
+    stats = await cluster.pool_stats()
+
+    def dump(runs):
+        return [{"tokens": list(tokens), "text": text, "finish_reason": last.finish_reason,
+                 "completion_tokens": last.usage.completion_tokens} for tokens, text, last in runs]
+
+    out.write_text(json.dumps({
+        "fault": fault, "reference": dump(reference), "during": dump(during), "after": dump(after),
+        "workers_after_heal": workers, "failovers": stats.failovers,
+        "workers_while_cut": stats_cut.workers if fault == "partition" else None}))
+
+
+def main(fault: str, out: Path) -> None:
+    config = cluster_config(model=bench_model(), step_timeout_s=10.0)
+    config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
+    with LocalCluster(config, quiet=True) as cluster:
+        asyncio.run(under_fault(cluster, fault, out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
