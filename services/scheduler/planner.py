@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from itertools import chain
 from operator import attrgetter
 
 from services.common.kv_blocks import blocks_for_tokens
@@ -92,9 +93,18 @@ class StepPlanner:
         if builder.first_tokens or (first_turn and after_cut_in):
             # The real-time class has a request waiting for its first token: its work goes ahead of
             # the fair-queueing order (its virtual time is charged all the same, so the others get
-            # the tokens back later).
-            self._serve(worker, builder, work, first, math.inf, active)
-            active.discard(first)
+            # the tokens back later), and when all of that first-token work fits in the step, the
+            # step carries nothing else, not even the class's own decodes: on a busy pool each
+            # running sequence costs a step about as much as a short prompt (the logits and
+            # sampling over the vocabulary alone), so the first token comes from a step about as
+            # short as an idle pool's. Work that does not fit goes with everything else (a long
+            # prompt alone would stall the class's streams for steps).
+            waiting = self._first_token_work(work, first, builder.budget)
+            if waiting is not None and self._serve_first_tokens(worker, builder, waiting, first):
+                active.clear()
+            else:
+                self._serve(worker, builder, work, first, math.inf, active)
+                active.discard(first)
         while builder.budget > 0 and active:
             lane, allowance = policy.pick_lane(active)
             self._serve(worker, builder, work, lane, allowance, active)
@@ -194,6 +204,32 @@ class StepPlanner:
                 request.add_blocks((block,), block_size)
             builder.grant_each(takers, blocks)
         return True
+
+    def _first_token_work(self, work: LaneWork, lane: int, budget: int) -> list[Request] | None:
+        """The lane's running sequences still waiting for their first token, when what is left of
+        their prompts and the lane's queued prompts fit in `budget` tokens together; else None."""
+        waiting = [r for r in chain(work.ready[lane], work.boundary[lane], work.others[lane])
+                   if r.first_token_at is None]
+        tokens = sum(r.pending for r in waiting)
+        for request in self.policy.queue(lane):
+            if tokens > budget:
+                break
+            if request.first_token_at is None:
+                tokens += request.pending
+        return waiting if tokens <= budget else None
+
+    def _serve_first_tokens(self, worker: Worker, builder: StepBuilder, waiting: list[Request], lane: int) -> int:
+        """The lane's first-token turn alone: its sequences still waiting for their first token
+        (`waiting`, from _first_token_work), then its admissions; returns the tokens it took."""
+        taken = self._schedule_each(worker, builder, waiting, lane)
+        if builder.budget > 0:
+            builder.charge_tenants(self.policy, lane)   # admissions next: tenant order must be current
+        admissions: deque[Request] = deque()            # no running sequence: the queue's heads only
+        while builder.budget > 0 and (tokens := self._serve_next_item(worker, builder, admissions, lane)) is not None:
+            taken += tokens
+        if taken:
+            self.policy.charge(lane, taken)
+        return taken
 
     def _schedule_each(self, worker: Worker, builder: StepBuilder, requests: list[Request], lane: int) -> int:
         """_schedule each request still running, in turn; returns the tokens scheduled."""

@@ -526,3 +526,33 @@ def test_the_step_after_a_cut_in_is_planned_as_its_first_token_step_would_have_b
     after = scheduled()
     assert list(after)[0] == high.seq_id and after[high.seq_id] == 1
     assert scheduled()[low.seq_id] > 1                       # the fair-queueing order for the rest
+
+
+def test_a_high_first_token_that_fits_the_step_goes_alone_and_one_that_does_not_goes_with_the_rest():
+    """Medium and Low decode on a busy pool; a short High prompt's step carries nothing but that
+    prompt (the decodes go on in the next step), so its first token comes from a short step. A
+    High prompt longer than the step's budget goes first, with the whole budget."""
+    def busy() -> Harness:
+        h = Harness(max_step_tokens=64, high_cut_in=False)
+        for p in (MEDIUM, LOW):
+            for _ in range(6):
+                h.submit(p, prompt_len=4, max_tokens=500)
+        for _ in range(4):
+            h.step()
+        return h
+
+    def scheduled(h):
+        plan = h.step()[0].plan
+        return dict(zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens))
+
+    h = busy()
+    high = h.submit(HIGH, prompt_len=20, max_tokens=5)
+    assert scheduled(h) == {high.seq_id: 20}
+    assert high.output_ids
+    after = scheduled(h)
+    assert after[high.seq_id] == 1 and len(after) == 13          # the decodes are back, High's among them
+
+    h = busy()
+    long_high = h.submit(HIGH, prompt_len=100, max_tokens=5)
+    first = scheduled(h)
+    assert list(first)[0] == long_high.seq_id and first[long_high.seq_id] == 64
