@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 from services.common.errors import ErrorKind, ServiceError, invalid, unavailable
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
-from services.common.priority import priority_name
+from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import SamplingParams
 from services.common.wire import sampling_from_request
@@ -47,6 +47,13 @@ def pool_limits(infos: Iterable[worker_pb2.WorkerInfo | None], pool: str) -> Poo
     largest = max(seen, key=lambda i: i.num_blocks)
     return PoolLimits(max_context=min(i.max_context for i in seen), block_size=largest.block_size,
                       largest_worker_blocks=largest.num_blocks)
+
+
+def check_priority(priority: int) -> None:
+    """The router always names a class; a caller of the scheduler's own RPCs might not."""
+    if priority not in ORDER:
+        raise invalid(f"priority must be one of {', '.join(f'{int(p)} ({priority_name(p)})' for p in ORDER)}, "
+                      f"got {priority}", field="priority")
 
 
 def check_prompt(prompt_ids: list[int], max_context: int) -> None:
@@ -119,6 +126,7 @@ class Admission:
     def check(self, priority: int, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
               slo_ms: int, limits: PoolLimits) -> SamplingParams:
         """Raises ServiceError for the first check that fails; returns the resolved sampling."""
+        check_priority(priority)
         check_prompt(prompt_ids, limits.max_context)
         resolved = resolve_sampling(sampling, len(prompt_ids), limits.max_context)
         check_kv_cap(priority, len(prompt_ids) + resolved.max_tokens, limits, self.kv_cap(priority),

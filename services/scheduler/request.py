@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from services.common.errors import invalid
 from services.common.step import SamplingParams
 from services.scheduler.detokenizer import IncrementalDetokenizer
 
@@ -118,3 +119,19 @@ class Request:
 
     def ms_since_arrival(self, moment: float | None) -> float:
         return 0.0 if moment is None else (moment - self.arrival) * 1000
+
+
+def resume(request: Request, streamed: list[int], vocab_size: int) -> None:
+    """A request migrated from another pool: continue after the tokens it already streamed. They
+    become output so far (recomputed with the prompt, counted toward max_tokens and the seeded
+    random stream), and the detokenizer reads them without emitting their text again, so what
+    follows is exactly what the first pool would have streamed."""
+    if len(streamed) >= request.sampling.max_tokens:
+        raise invalid(f"resume_token_ids holds {len(streamed)} tokens, max_tokens is "
+                      f"{request.sampling.max_tokens}: nothing left to generate", field="resume_token_ids")
+    if any(not 0 <= t < vocab_size for t in streamed):
+        raise invalid(f"resume_token_ids must be token ids in [0, {vocab_size})", field="resume_token_ids")
+    for token_id in streamed:
+        request.detokenizer.add(token_id)
+    request.set_output(streamed)
+    request.resumed = len(streamed)

@@ -40,7 +40,7 @@ from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
-from services.scheduler.request import Request
+from services.scheduler.request import Request, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
@@ -48,20 +48,6 @@ from services.scheduler.membership import Membership
 from services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
-
-
-def resume(request: Request, streamed: list[int]) -> None:
-    """A request migrated from another pool: continue after the tokens it already streamed. They
-    become output so far (recomputed with the prompt, counted toward max_tokens and the seeded
-    random stream), and the detokenizer reads them without emitting their text again, so what
-    follows is exactly what the first pool would have streamed."""
-    if len(streamed) >= request.sampling.max_tokens:
-        raise invalid(f"resume_token_ids holds {len(streamed)} tokens, max_tokens is "
-                      f"{request.sampling.max_tokens}: nothing left to generate", field="resume_token_ids")
-    for token_id in streamed:
-        request.detokenizer.add(token_id)
-    request.set_output(streamed)
-    request.resumed = len(streamed)
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -163,7 +149,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
             stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1))
         if submit.resume_token_ids:
-            resume(request, list(submit.resume_token_ids))
+            resume(request, list(submit.resume_token_ids), self.tokenizer.vocab_size)
         return request
 
     def adapters(self) -> frozenset[str]:
