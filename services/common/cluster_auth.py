@@ -116,16 +116,17 @@ class ClusterTrust:
 
     def channel(self, address: str, peer_role: str, options=()) -> grpc.aio.Channel:
         """An asyncio channel to a scheduler or worker (`peer_role`)."""
-        if self.certs_dir is None:
-            return grpc.aio.insecure_channel(address, options=list(options))
-        return grpc.aio.secure_channel(address, self._channel_credentials(),
-                                       options=[*options, ("grpc.ssl_target_name_override", role_name(peer_role))])
+        return self._open(grpc.aio, address, peer_role, options)
 
     def sync_channel(self, address: str, peer_role: str, options=()) -> grpc.Channel:
+        return self._open(grpc, address, peer_role, options)
+
+    def _open(self, api, address: str, peer_role: str, options):
+        """`api`: grpc or grpc.aio, which name their channel constructors alike."""
         if self.certs_dir is None:
-            return grpc.insecure_channel(address, options=list(options))
-        return grpc.secure_channel(address, self._channel_credentials(),
-                                   options=[*options, ("grpc.ssl_target_name_override", role_name(peer_role))])
+            return api.insecure_channel(address, options=list(options))
+        return api.secure_channel(address, self._channel_credentials(),
+                                  options=[*options, ("grpc.ssl_target_name_override", role_name(peer_role))])
 
 
 def no_trust(role: str = "admin") -> ClusterTrust:

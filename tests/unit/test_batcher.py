@@ -111,8 +111,9 @@ async def drain(request: Request) -> tuple[list[int], str, object]:
 
 
 async def serve(requests, num_blocks=64, max_running=8, max_step_tokens=16, workers=1, adapters=(),
-                max_loras=1 << 30, answers_per_token=False):
-    links = [SimulatedWorker(i, num_blocks) for i in range(workers)]
+                max_loras=1 << 30, answers_per_token=False, links=None):
+    """`links`: workers made by the caller (e.g. a misbehaving one), instead of `workers` simulated ones."""
+    links = links or [SimulatedWorker(i, num_blocks) for i in range(workers)]
     for link in links:
         link.adapters, link.max_loras = frozenset(adapters), max_loras
         link.answers_per_token = answers_per_token

@@ -13,7 +13,7 @@ from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.policy import create_policy
 from services.scheduler.request import Phase
 from services.scheduler.stats import state_metrics
-from tests.unit.test_batcher import SimulatedWorker, drain, expected_output, make_request
+from tests.unit.test_batcher import SimulatedWorker, expected_output, make_request, serve
 
 
 class BrokenWorker(SimulatedWorker):
@@ -48,20 +48,9 @@ def doubled(plan, result):
 
 @pytest.mark.parametrize("mangle", [empty, unknown_sequence, doubled])
 def test_a_worker_answering_against_its_plans_is_failed_and_its_requests_finish_elsewhere(mangle):
-    async def go():
-        broken, healthy = BrokenWorker(0, 64, mangle), SimulatedWorker(1, 64)
-        batcher = ContinuousBatcher("sim", [broken, healthy], create_policy("fcfs"), 8, 16)
-        loop = asyncio.create_task(batcher.run())
-        requests = [make_request(i, prompt_len=6 + i, max_tokens=6) for i in range(8)]
-        for request in requests:
-            batcher.submit(request)
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*(drain(r) for r in requests)), 10)
-        finally:
-            loop.cancel()
-        return requests, results, batcher, broken
-
-    requests, results, batcher, broken = asyncio.run(go())
+    broken = BrokenWorker(0, 64, mangle)
+    requests = [make_request(i, prompt_len=6 + i, max_tokens=6) for i in range(8)]
+    results, batcher, _ = asyncio.run(serve(requests, links=[broken, SimulatedWorker(1, 64)]))
     for request, (tokens, _, last) in zip(requests, results):
         assert tokens == expected_output(request), request.request_id
     assert broken.held_off == 30.0 and not broken.is_connected
