@@ -30,6 +30,8 @@ app)
     # without one, CPU workers use torch's gather + SDPA and say so in their log.
     if command -v cc >/dev/null 2>&1; then python -m services.engine.paged_attention; fi
     useradd --create-home --uid 10001 --user-group qos
+    # Where compose mounts the routers' store volume: a new named volume takes this folder's owner.
+    install -d -o qos -g qos /var/lib/qos-serve
     ;;
 *)
     echo "usage: $0 deps [TORCH_INDEX_URL] | app [EXTRA]" >&2

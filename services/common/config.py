@@ -269,7 +269,8 @@ class StoreConfig:
 class AuthConfig:
     required: bool = setting(False, "every request needs `authorization: Bearer <key>`")
     admin_key: str = setting("", "the key that sees everything (also from $QOS_ADMIN_KEY)")
-    replicas: int = setting(1, "router replicas sharing the tenants' rpm/tpm/concurrency limits",
+    replicas: int = setting(1, "router replicas; above 1 they share each tenant's rpm/tpm/max_concurrent "
+                            "through the store (one database for all of them)",
                             bounds=Bounds(1))
 
 

@@ -11,21 +11,25 @@
 Windows slide: a refused request is told when the oldest entry leaves the window (retry-after),
 and HTTP responses carry OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens}.
 
-Several router replicas: each enforces `1/replicas` of rpm, tpm and max_concurrent (rounded up),
-so the sum over replicas behind a load balancer holds the tenant's limit; budgets are global (the
-ledger in the shared database, re-read every few seconds).
+Several router replicas: each admits within its share of rpm, tpm and max_concurrent, shares the
+replicas agree through the store twice a second (services/control/limit_shares.py), so the sum
+over replicas behind a load balancer holds the tenant's limit; budgets are global (what each
+tenant spent, re-read from the store with every exchange).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.wire import prompt_chars
+from services.control.limit_shares import SYNC_S, SharedLimits
 from services.store.store import Tenant
 
 WINDOW_S = 60.0
+RESHARE_S = 4 * SYNC_S        # a replica over its share: retry within this (shares move meanwhile)
 CHARS_PER_TOKEN = 4           # prompt tokens are estimated from the text's length until usage is known
 DEFAULT_MAX_TOKENS = 256      # what the scheduler gives a request that names no max_tokens
 
@@ -72,14 +76,28 @@ class Reservation:
 
 
 class Limiter:
-    def __init__(self, replicas: int = 1):
-        self.replicas = max(1, replicas)
+    def __init__(self, shares: SharedLimits | None = None):
+        self.shares = shares          # None: this router is the only one and enforces the whole limits
         self.requests: dict[str, Window] = {}
         self.tokens: dict[str, Window] = {}
         self.open: dict[str, int] = {}
 
-    def share(self, limit: int | None) -> int | None:
-        return None if limit is None else math.ceil(limit / self.replicas)
+    def _held(self):
+        return self.shares.lock if self.shares is not None else contextlib.nullcontext()
+
+    def used(self, tenant: str, kind: str, now: float) -> int:
+        """What this router has of a tenant's limit in use: requests or tokens in the window, open streams."""
+        if kind == "concurrent":
+            return self.open.get(tenant, 0)
+        window = (self.requests if kind == "rpm" else self.tokens).setdefault(tenant, Window())
+        window.trim(now)
+        return window.total
+
+    def _allowance(self, tenant: str, kind: str, limit: int | None, amount: int, now: float) -> int | None:
+        if limit is None or self.shares is None:
+            return limit
+        self.shares.ask(tenant, kind, amount)
+        return self.shares.allowance(tenant, kind, now)
 
     def admit(self, tenant: Tenant, priority: str, tokens: int, spent: float, now: float) -> Reservation:
         """Check every limit; raises ServiceError for the first one exceeded, else reserves."""
@@ -92,49 +110,63 @@ class Limiter:
                                f"tenant {tenant.name} has spent {spent:.1f} of its budget of "
                                f"{tenant.budget:.1f} cost units; raise it with `qos-serve tenants set "
                                f"{tenant.name} --budget N`", reason="insufficient_quota")
-        requests = self.requests.setdefault(tenant.name, Window())
-        token_window = self.tokens.setdefault(tenant.name, Window())
-        requests.trim(now)
-        token_window.trim(now)
-        rpm, tpm, concurrent = self.share(tenant.rpm), self.share(tenant.tpm), self.share(tenant.max_concurrent)
-        if rpm is not None and requests.total + 1 > rpm:
-            raise self._over(tenant, "requests per minute", rpm, requests.reset_in(now), "rate_limit_requests")
-        if tpm is not None and token_window.total + tokens > tpm:
-            if tokens > tpm:
-                raise ServiceError(ErrorKind.TOO_LARGE, f"the request may use {tokens} tokens (prompt + "
-                                   f"max_tokens) but tenant {tenant.name} has {tpm} tokens per minute",
-                                   field="max_tokens", reason="rate_limit_tokens")
-            raise self._over(tenant, "tokens per minute", tpm, token_window.reset_in(now), "rate_limit_tokens")
-        if concurrent is not None and self.open.get(tenant.name, 0) >= concurrent:
-            raise ServiceError(ErrorKind.EXHAUSTED, f"tenant {tenant.name} has {concurrent} streams open "
-                               "(max_concurrent); retry when one ends", retry_after_ms=1000,
-                               reason="rate_limit_concurrency")
-        requests.add(now, 1)
-        self.open[tenant.name] = self.open.get(tenant.name, 0) + 1
-        return Reservation(tenant.name, token_window.add(now, tokens))
+        if tenant.tpm is not None and tokens > tenant.tpm:
+            raise ServiceError(ErrorKind.TOO_LARGE, f"the request may use {tokens} tokens (prompt + "
+                               f"max_tokens) but tenant {tenant.name} has {tenant.tpm} tokens per minute",
+                               field="max_tokens", reason="rate_limit_tokens")
+        name = tenant.name
+        with self._held():
+            rpm = self._allowance(name, "rpm", tenant.rpm, 1, now)
+            tpm = self._allowance(name, "tpm", tenant.tpm, tokens, now)
+            concurrent = self._allowance(name, "concurrent", tenant.max_concurrent, 1, now)
+            if rpm is not None and self.used(name, "rpm", now) + 1 > rpm:
+                raise self._over(tenant, "rpm", tenant.rpm, rpm, self.requests[name].reset_in(now))
+            if tpm is not None and self.used(name, "tpm", now) + tokens > tpm:
+                raise self._over(tenant, "tpm", tenant.tpm, tpm, self.tokens[name].reset_in(now))
+            if concurrent is not None and self.open.get(name, 0) >= concurrent:
+                raise ServiceError(ErrorKind.EXHAUSTED, f"tenant {name} has {self.open.get(name, 0)} streams "
+                                   f"open {self._of(tenant.max_concurrent, concurrent)}(max_concurrent "
+                                   f"{tenant.max_concurrent}); retry when one ends", retry_after_ms=1000,
+                                   reason="rate_limit_concurrency")
+            self.requests.setdefault(name, Window()).add(now, 1)
+            self.open[name] = self.open.get(name, 0) + 1
+            return Reservation(name, self.tokens.setdefault(name, Window()).add(now, tokens))
 
     @staticmethod
-    def _over(tenant: Tenant, what: str, limit: int, reset_s: float, reason: str) -> ServiceError:
+    def _of(limit: int, allowance: int) -> str:
+        """Where replicas share the limit, the part this one holds."""
+        return "" if allowance >= limit else f"on this router, whose share is {allowance} "
+
+    def _over(self, tenant: Tenant, kind: str, limit: int, allowance: int, reset_s: float) -> ServiceError:
+        what = {"rpm": "requests per minute", "tpm": "tokens per minute"}[kind]
+        reason = {"rpm": "rate_limit_requests", "tpm": "rate_limit_tokens"}[kind]
+        if allowance < limit and self.shares is not None:
+            # Only this replica's share is spent. Shares move within a second or two, and when the
+            # other replicas' entries leave the window is theirs to know: ask again in 2 s at most.
+            reset_s = min(reset_s, RESHARE_S) if reset_s > 0 else RESHARE_S
         retry_ms = max(1, math.ceil(reset_s * 1000))
-        return ServiceError(ErrorKind.EXHAUSTED, f"tenant {tenant.name} is over its {limit} {what}; "
-                            f"retry after {retry_ms} ms", retry_after_ms=retry_ms, reason=reason)
+        share = self._of(limit, allowance).strip()
+        return ServiceError(ErrorKind.EXHAUSTED, f"tenant {tenant.name} is over its {limit} {what}"
+                            f"{' ' + share if share else ''}; retry after {retry_ms} ms",
+                            retry_after_ms=retry_ms, reason=reason)
 
     def release(self, reservation: Reservation, used_tokens: int | None) -> None:
         """The request ended: its stream closes; its reserved tokens become what it really used."""
-        self.open[reservation.tenant] = max(0, self.open.get(reservation.tenant, 1) - 1)
-        if used_tokens is not None and reservation.tokens is not None:
-            self.tokens[reservation.tenant].correct(reservation.tokens, used_tokens)
+        with self._held():
+            self.open[reservation.tenant] = max(0, self.open.get(reservation.tenant, 1) - 1)
+            if used_tokens is not None and reservation.tokens is not None:
+                self.tokens[reservation.tenant].correct(reservation.tokens, used_tokens)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
         """OpenAI's x-ratelimit-* response headers for the tenant's request and token windows."""
         out = {}
-        for kind, limit, window in (("requests", self.share(tenant.rpm), self.requests.get(tenant.name)),
-                                    ("tokens", self.share(tenant.tpm), self.tokens.get(tenant.name))):
-            if limit is None:
-                continue
-            window = window or Window()
-            window.trim(now)
-            out[f"x-ratelimit-limit-{kind}"] = str(limit)
-            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, limit - window.total))
-            out[f"x-ratelimit-reset-{kind}"] = f"{window.reset_in(now):.3f}s"
+        with self._held():
+            for kind, name, limit in (("requests", "rpm", tenant.rpm), ("tokens", "tpm", tenant.tpm)):
+                if limit is None:
+                    continue
+                allowance = limit if self.shares is None else self.shares.granted.get((tenant.name, name), 0)
+                window = (self.requests if name == "rpm" else self.tokens).setdefault(tenant.name, Window())
+                out[f"x-ratelimit-limit-{kind}"] = str(limit)
+                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, allowance - self.used(tenant.name, name, now)))
+                out[f"x-ratelimit-reset-{kind}"] = f"{window.reset_in(now):.3f}s"
         return out

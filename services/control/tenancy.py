@@ -4,7 +4,9 @@ when it ends, its line in the billing ledger (services/control/ledger.py).
 
 The router never queries the database on the request path: keys, tenants and what each tenant
 has spent are cached here and re-read from the store every REFRESH_S seconds (in a helper thread),
-so `qos-serve tenants|keys` changes apply within that time.
+so `qos-serve tenants|keys` changes apply within that time. With [auth] replicas above 1, the
+replicas also exchange their shares of the limits, and what each tenant spent, every SYNC_S
+(services/control/limit_shares.py).
 
     [auth] required = false   a request without a known key is the `anonymous` tenant (or the
                               tenant its x-tenant header names), with that tenant's limits if it
@@ -18,11 +20,14 @@ import asyncio
 import hmac
 import logging
 import os
+import secrets
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import priority_name
+from services.control.limit_shares import FORGET_S, KINDS, SYNC_S, SharedLimits, ShareRow
 from services.control.limits import Limiter, Reservation
 from services.store.store import Store, Tenant, hash_key
 
@@ -68,7 +73,8 @@ class TenantBook:
         self.store = store
         self.required = required
         self.admin_key = admin_key or os.environ.get(ADMIN_KEY_ENV, "")
-        self.limiter = Limiter(replicas)
+        self.replica = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.limiter = Limiter(SharedLimits(self.replica) if replicas > 1 else None)
         self.keys: dict[str, tuple[str, str]] = {}      # key hash -> (tenant, prefix)
         self.tenants: dict[str, Tenant] = {}
         self.spent: dict[str, float] = {}
@@ -91,6 +97,53 @@ class TenantBook:
             except Exception as exc:      # the database may be down for a moment: keep the cache
                 log.warning("tenant store %s: %s; keeping the cached tenants", self.store.url, exc)
             await asyncio.sleep(REFRESH_S)
+
+    @property
+    def shared(self) -> bool:
+        return self.limiter.shares is not None
+
+    def _exchange(self) -> None:
+        """One exchange of this replica's limit shares with the others (in a helper thread)."""
+        shares = self.limiter.shares
+        limits = {(t.name, kind): limit for t in self.tenants.values()
+                  for kind, limit in zip(KINDS, (t.rpm, t.tpm, t.max_concurrent)) if limit is not None}
+        started, now = time.monotonic(), time.time()
+
+        def decide(others: list[dict]) -> list[dict]:
+            used = lambda tenant, kind: self.limiter.used(tenant, kind, time.monotonic())  # noqa: E731
+            return [asdict(row) for row in shares.decide(limits, used, [ShareRow(**o) for o in others], now)]
+
+        spent = self.store.exchange_shares(self.replica, now - FORGET_S, decide)
+        shares.committed(started)      # the lease runs from before the transaction: never longer
+        self.spent = {name: max(amount, self.spent.get(name, 0.0)) for name, amount in spent.items()} | \
+            {name: amount for name, amount in self.spent.items() if name not in spent}
+
+    async def exchange_shares(self) -> None:
+        await asyncio.to_thread(self._exchange)
+
+    async def keep_shared(self) -> None:
+        """Replicas only: exchange shares every SYNC_S; a store that cannot be reached is logged
+        once per outage (the shares lapse after LEASE_S, see limit_shares.py)."""
+        failing = False
+        while True:
+            await asyncio.sleep(SYNC_S)
+            try:
+                await self.exchange_shares()
+                if failing:
+                    log.warning("limits store %s reachable again", self.store.url)
+                failing = False
+            except Exception as exc:
+                if not failing:
+                    log.warning("limits store %s: %s; this replica's shares lapse if it lasts", self.store.url, exc)
+                failing = True
+
+    async def release_shares(self) -> None:
+        if self.shared:
+            try:
+                await asyncio.to_thread(self.store.release_shares, self.replica)
+            except Exception as exc:
+                log.warning("could not give back this replica's limit shares (%s); they lapse in %.0f s",
+                            exc, FORGET_S)
 
     def authenticate(self, authorization: str | None, tenant_header: str = "") -> Caller:
         """The caller behind a request's authorization header. With auth off, a request without

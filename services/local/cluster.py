@@ -45,28 +45,54 @@ def resolve_model(model: str, progress: bool = True) -> str:
     return str(Path(model).resolve())
 
 
-def resolve_ports(config: ClusterConfig) -> ClusterConfig:
-    """Port 0 -> a free port, a different one for each: a port freed a moment ago may be handed
-    out again by the next bind(0)."""
-    config = dataclasses.replace(config)
-    sections = [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]
-    taken = {s.port for s in sections} | {s.metrics_port for s in sections} \
-        | {config.router.http_port}
+class PortPicker:
+    """Free ports, a different one for each: a port freed a moment ago may be handed out again by
+    the next bind(0)."""
 
-    def fresh(host: str) -> int:
-        while (port := free_port(host)) in taken:
+    def __init__(self, config: ClusterConfig):
+        sections = [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]
+        self.taken = {s.port for s in sections} | {s.metrics_port for s in sections} | {config.router.http_port}
+
+    def fresh(self, host: str) -> int:
+        while (port := free_port(host)) in self.taken:
             pass
-        taken.add(port)
+        self.taken.add(port)
         return port
 
-    for section in sections:
+
+def resolve_ports(config: ClusterConfig) -> ClusterConfig:
+    """Port 0 -> a free port."""
+    config = dataclasses.replace(config)
+    picker = PortPicker(config)
+    for section in [config.router] + [s for pool in config.pools for s in (pool.scheduler, *pool.workers)]:
         if section.port == 0:
-            section.port = fresh(section.host)
+            section.port = picker.fresh(section.host)
         if section.metrics_port == 0:
-            section.metrics_port = fresh(section.host)
+            section.metrics_port = picker.fresh(section.host)
     if config.router.http_port == 0:
-        config.router.http_port = fresh(config.router.host)
+        config.router.http_port = picker.fresh(config.router.host)
     return config
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RouterReplica:
+    """A router beyond the first ([auth] replicas > 1): the same config, its own ports."""
+    name: str
+    port: int
+    http_port: int
+    metrics_port: int | None
+
+    def args(self) -> tuple[str, ...]:
+        return ("router", "--port", str(self.port), "--http-port", str(self.http_port),
+                *(("--metrics-port", str(self.metrics_port)) if self.metrics_port is not None else ()))
+
+
+def router_replicas(config: ClusterConfig) -> list[RouterReplica]:
+    picker, host = PortPicker(config), config.router.host
+    return [RouterReplica(f"router-{i + 1}", picker.fresh(host),
+                          picker.fresh(host) if config.router.http_port >= 0 else -1,
+                          picker.fresh(host) if config.router.metrics_port is not None else None)
+            for i in range(1, config.auth.replicas)]
 
 
 PARENT_PID_ENV = "QOS_SERVE_PARENT_PID"
@@ -101,6 +127,7 @@ class LocalCluster:
                  autoscale: bool = False, supervise: bool = False, restart_policy=None):
         self.config = resolve_ports(config)
         self.config.model = resolve_model(self.config.model, progress=not quiet)
+        self.replicas = router_replicas(self.config)      # routers beyond the first
         self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
         self.config_path = Path(self._tmp.name) / "cluster.json"
         if not self.config.security.token_file and not os.environ.get(TOKEN_ENV):
@@ -130,6 +157,16 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return self.config.router.address
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router replica's gRPC address, the first one's first."""
+        return [self.router_address] + [f"{self.config.router.host}:{r.port}" for r in self.replicas]
+
+    @property
+    def router_http_addresses(self) -> list[str]:
+        return [f"{self.config.router.host}:{port}" for port in
+                [self.config.router.http_port] + [r.http_port for r in self.replicas] if port >= 0]
 
     @property
     def scheduler_address(self) -> str:
@@ -170,6 +207,8 @@ class LocalCluster:
                     self.start_worker(pool.name, i)
                 self.start_scheduler(pool.name)
             self._spawn("router", "router")
+            for replica in self.replicas:
+                self._spawn(replica.name, *replica.args())
             asyncio.run(self._wait_ready())
             if self.supervise:
                 self._start_supervisor()
@@ -203,10 +242,11 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"pool {pool.name}: the scheduler did not connect to all its workers")
                     await asyncio.sleep(0.1)
-        # The router reports SERVING once it knows every pool's model and limits.
-        if not await wait_healthy(self.router_address, timeout=deadline - time.monotonic(),
-                                  ca_file=self.config.router.tls_cert or None):
-            raise TimeoutError(f"router at {self.router_address} did not become healthy")
+        # A router reports SERVING once it knows every pool's model and limits.
+        for address in self.router_addresses:
+            if not await wait_healthy(address, timeout=deadline - time.monotonic(),
+                                      ca_file=self.config.router.tls_cert or None):
+                raise TimeoutError(f"router at {address} did not become healthy")
 
     def _start_supervisor(self) -> None:
         from services.local.supervisor import RestartPolicy, Supervisor
@@ -284,7 +324,7 @@ def run_until_signal(cluster: LocalCluster) -> None:
     with cluster:
         pools = ", ".join(f"{p.name} ({p.device}, scheduler {p.scheduler.address}, "
                           f"{len(p.workers)} worker(s))" for p in cluster.config.pools)
-        print(f"qos-serve up: router {cluster.router_address}; "
+        print(f"qos-serve up: router {', '.join(cluster.router_addresses)}; "
               f"pools: {pools}; model "
               f"{Path(cluster.config.model).name}. Ctrl-C stops.", flush=True)
         while not stop:      # the supervisor restarts what exits; only a signal stops the cluster

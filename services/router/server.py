@@ -65,12 +65,16 @@ class RouterService:
 
     async def start(self) -> None:
         await self.book.refresh()          # keys and tenants known before the first request
+        if self.book.shared:
+            await self.book.exchange_shares()     # ... and this replica's shares of their limits
         self.pools.start()
         self.tasks = [asyncio.create_task(self.path.admissions.run()),
                       asyncio.create_task(self.book.keep_fresh()),
                       asyncio.create_task(self.ledger.run()),
                       asyncio.create_task(self.sla.run()),
                       asyncio.create_task(self.console.run())]
+        if self.book.shared:
+            self.tasks.append(asyncio.create_task(self.book.keep_shared()))
 
     async def stop(self) -> None:
         """After the drain: the background tasks and the pools' channels go, the ledger's last
@@ -78,6 +82,7 @@ class RouterService:
         for task in self.tasks:
             task.cancel()
         await self.ledger.flush()
+        await self.book.release_shares()
         await self.sla.webhooks.flush()
         await self.pools.close()
         self.book.store.close()

@@ -5,6 +5,10 @@ and its version.
     api_keys      one row per key: only a SHA-256 of the key and a short display prefix are
                   stored; revoked keys keep their row (revoked_at set)
     ledger        one row per request that ended having produced tokens (or completed): the bill
+    tenant_spend  each tenant's running total of the ledger's amounts (kept with every ledger write,
+                  so router replicas can re-read what a tenant spent twice a second, cheaply)
+    limit_shares  router replicas' shares of each tenant's rpm/tpm/max_concurrent
+                  (services/control/limit_shares.py): one row per replica, tenant and limit
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -15,7 +19,7 @@ from __future__ import annotations
 from sqlalchemy import (Column, Float, ForeignKey, Integer, MetaData, String, Table,
                         UniqueConstraint)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 metadata = MetaData()
 
 schema_info = Table(
@@ -67,9 +71,29 @@ ledger = Table(
     UniqueConstraint("request_id", name="ledger_request_id"),
 )
 
-# version -> the statements that bring a database from version-1 to it (none yet: version 1 is
-# created whole by metadata.create_all).
-MIGRATIONS: dict[int, list[str]] = {}
+tenant_spend = Table(
+    "tenant_spend", metadata,
+    Column("tenant", String(64), primary_key=True),
+    Column("amount", Float, nullable=False),                 # the sum of the tenant's ledger amounts
+)
+
+limit_shares = Table(
+    "limit_shares", metadata,
+    Column("replica", String(64), primary_key=True),         # a router replica's id (host-pid-random)
+    Column("tenant", String(64), primary_key=True),
+    Column("kind", String(16), primary_key=True),            # rpm | tpm | concurrent
+    Column("share", Integer, nullable=False),                # what this replica may admit of the limit
+    Column("used", Integer, nullable=False),                 # what it had used when it wrote the row
+    Column("demand", Float, nullable=False),                 # its recent asks (admitted + refused)
+    Column("heartbeat", Float, nullable=False),              # unix seconds of its last exchange
+)
+
+# version -> the statements that bring a database from version-1 to it (metadata.create_all has
+# already created any missing table when they run).
+MIGRATIONS: dict[int, list[str]] = {
+    2: ["DELETE FROM tenant_spend",
+        "INSERT INTO tenant_spend (tenant, amount) SELECT tenant, SUM(amount) FROM ledger GROUP BY tenant"],
+}
 
 # Column sizes a caller must respect (they are checked before any write).
 TENANT_NAME_MAX = 64

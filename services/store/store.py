@@ -11,7 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import create_engine, event, func, insert, select, update
+from sqlalchemy import create_engine, delete, event, insert, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
@@ -23,8 +23,10 @@ from services.store.schema import (
     TENANT_NAME_MAX,
     api_keys,
     ledger,
+    limit_shares,
     metadata,
     schema_info,
+    tenant_spend,
     tenants,
 )
 
@@ -205,26 +207,60 @@ class Store:
 
     # --- the ledger ------------------------------------------------------------------------------
 
-    def write_ledger(self, rows: list[dict]) -> int:
-        """Insert rows; a request id already there is skipped (never two rows for one request).
-        Returns how many were new."""
-        if not rows:
-            return 0
-        dialect = self.engine.dialect.name
-        if dialect == "postgresql":
+    def _upsert(self):
+        if self.engine.dialect.name == "postgresql":
             from sqlalchemy.dialects.postgresql import insert as upsert
         else:
             from sqlalchemy.dialects.sqlite import insert as upsert
+        return upsert
+
+    def write_ledger(self, rows: list[dict]) -> int:
+        """Insert rows; a request id already there is skipped (never two rows for one request).
+        Each tenant's running total moves in the same transaction. Returns how many were new."""
+        if not rows:
+            return 0
+        upsert = self._upsert()
         statement = upsert(ledger).on_conflict_do_nothing(index_elements=["request_id"]) \
-            .returning(ledger.c.request_id)        # rowcount of a batch is not reliable everywhere
+            .returning(ledger.c.tenant, ledger.c.amount)     # rowcount of a batch is not reliable everywhere
         with self.engine.begin() as db:
-            return len(db.execute(statement, rows).all())
+            new = db.execute(statement, rows).all()
+            added: dict[str, float] = {}
+            for row in new:
+                added[row.tenant] = added.get(row.tenant, 0.0) + row.amount
+            for tenant, amount in sorted(added.items()):    # one order: two writers never deadlock
+                total = upsert(tenant_spend).values(tenant=tenant, amount=amount)
+                db.execute(total.on_conflict_do_update(index_elements=["tenant"],
+                                                       set_={"amount": tenant_spend.c.amount + amount}))
+            return len(new)
 
     def spent(self) -> dict[str, float]:
         """Cost units each tenant has spent, all time."""
         with self.engine.connect() as db:
-            return {r.tenant: r.amount for r in db.execute(
-                select(ledger.c.tenant, func.sum(ledger.c.amount).label("amount")).group_by(ledger.c.tenant))}
+            return {r.tenant: r.amount for r in db.execute(select(tenant_spend))}
+
+    # --- router replicas' shares of the limits (services/control/limit_shares.py) ------------------
+
+    def exchange_shares(self, replica: str, forget_before: float, decide) -> dict[str, float]:
+        """One transaction, holding the shares table against other replicas: drop rows silent since
+        `forget_before`, hand the other replicas' rows to `decide`, store the rows it returns as
+        this replica's. Returns what each tenant has spent (read in the same visit)."""
+        with self.engine.begin() as db:
+            if self.engine.dialect.name == "postgresql":
+                db.exec_driver_sql("LOCK TABLE limit_shares IN EXCLUSIVE MODE")
+            # On SQLite this first write takes the database's write lock for the whole transaction.
+            db.execute(delete(limit_shares).where(limit_shares.c.heartbeat < forget_before))
+            others = [dict(r._mapping) for r in db.execute(
+                select(limit_shares).where(limit_shares.c.replica != replica))]
+            mine = decide(others)
+            db.execute(delete(limit_shares).where(limit_shares.c.replica == replica))
+            if mine:
+                db.execute(insert(limit_shares), mine)
+            return {r.tenant: r.amount for r in db.execute(select(tenant_spend))}
+
+    def release_shares(self, replica: str) -> None:
+        """A replica stopping cleanly: its shares go back to the others at once."""
+        with self.engine.begin() as db:
+            db.execute(delete(limit_shares).where(limit_shares.c.replica == replica))
 
     def ledger_rows(self, tenant: str | None = None, since: float | None = None,
                     request_id: str | None = None) -> list[dict]:

@@ -158,6 +158,9 @@ def cmd_router(args) -> int:
     config = load_config(args.config)
     if args.listen:
         config.router.host = args.listen
+    for name in ("port", "http_port", "metrics_port"):        # another replica beside the configured one
+        if getattr(args, name) is not None:
+            setattr(config.router, name, getattr(args, name))
     from services.local.cluster import resolve_model
     from services.router.server import serve_router
     asyncio.run(serve_router(config, Path(resolve_model(config.model)).name))
@@ -313,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "stays the address the others connect to")
         if name in ("worker", "scheduler"):
             p.add_argument("--pool", help="which pool (default: the first)")
+        if name == "router":
+            p.add_argument("--port", type=int, help="gRPC port instead of the configured one (a second replica)")
+            p.add_argument("--http-port", type=int, help="HTTP port instead of the configured one (-1: off)")
+            p.add_argument("--metrics-port", type=int, help="/metrics port instead of the configured one")
         if name == "worker":
             p.add_argument("--index", type=int, default=0, help="which of the pool's workers to run")
             p.add_argument("--port", type=int, help="serve on this port instead of the configured one "

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 CLUSTER_CONFIG = ROOT / "configs" / "compose.toml"
 PROFILES = {None: set(), "gpu": {"gpu-scheduler", "gpu-worker"}, "npu": {"npu-scheduler", "npu-worker"}}
-ALWAYS = {"jaeger", "router", "scheduler", "cpu-worker"}
+ALWAYS = {"jaeger", "router", "router-2", "scheduler", "cpu-worker"}
 DAVINCI = {"/dev/davinci0", "/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"}
 ASCEND_HOST_MOUNTS = {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"}
 
@@ -115,8 +115,14 @@ def test_compose_file_and_cluster_config_agree():
     found = qos_services(services("gpu", "npu"))
     hosts = {config.router.host} | {h for p in config.pools
                                     for h in (p.scheduler.host, *(w.host for w in p.workers))}
-    assert set(found) == hosts
+    replicas = {name for name, service in found.items() if service["command"][0] == "router"} - {config.router.host}
+    assert len(replicas) == config.auth.replicas - 1      # routers beyond the configured one
+    assert set(found) - replicas == hosts
     for name, service in found.items():
+        if name in replicas:
+            assert service["command"] == found[config.router.host]["command"], name
+            assert service["environment"]["QOS_STORE_URL"] == found[config.router.host]["environment"]["QOS_STORE_URL"]
+            continue
         command = service["command"]
         role, pool = command[0], config.pool(option(command, "--pool"))
         section = {"router": config.router, "scheduler": pool.scheduler,

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text, update
 
 from services.store.billing import parse_since, report
-from services.store.schema import schema_info
+from services.store.schema import SCHEMA_VERSION, schema_info
 from services.store.store import Store, StoreError, Tenant
 from tests.postgres import database_url
 
@@ -23,7 +23,7 @@ def url(request, tmp_path_factory):
 def store(url):
     store = Store(url)
     with store.engine.begin() as db:       # each test starts empty
-        for table in ("ledger", "api_keys", "tenants"):
+        for table in ("ledger", "tenant_spend", "limit_shares", "api_keys", "tenants"):
             db.execute(text(f"DELETE FROM {table}"))
     yield store
     store.close()
@@ -103,5 +103,26 @@ def test_a_newer_schema_is_refused_with_a_message(url):
         from services.store.store import _engine
         fix.engine = _engine(url)
         with fix.engine.begin() as db:
-            db.execute(update(schema_info).values(version=1))
+            db.execute(update(schema_info).values(version=SCHEMA_VERSION))
         fix.engine.dispose()
+
+
+def test_a_version_1_database_is_upgraded_with_each_tenants_spending_summed(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        db.execute(text("DELETE FROM ledger"))
+    store.write_ledger([row("u1", amount=1.5), row("u2", amount=2.0), row("u3", tenant="beta", amount=0.25)])
+    with store.engine.begin() as db:        # as version 1 left it: no running totals
+        db.execute(text("DROP TABLE tenant_spend"))
+        db.execute(update(schema_info).values(version=1))
+    store.close()
+    store = Store(url)
+    try:
+        assert store.spent() == {"acme": 3.5, "beta": 0.25}
+        store.write_ledger([row("u4", amount=1.0)])
+        assert store.spent()["acme"] == 4.5
+    finally:
+        with store.engine.begin() as db:
+            db.execute(text("DELETE FROM ledger"))
+            db.execute(text("DELETE FROM tenant_spend"))
+        store.close()
