@@ -5,11 +5,14 @@ Synchronous SQLAlchemy: the router calls it from a helper thread, never on its e
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import create_engine, delete, event, insert, select, update
 from sqlalchemy.engine import Engine
@@ -51,6 +54,7 @@ class Tenant:
 
 
 STORE_URL_ENV = "QOS_STORE_URL"
+PREPARE_LOCK = 0x51_05_5E_54       # PostgreSQL advisory lock held while a process prepares the schema
 
 
 def default_url() -> str:
@@ -66,7 +70,6 @@ def _engine(url: str) -> Engine:
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+psycopg://" + url.split("://", 1)[1]      # the driver we install
     if url.startswith("sqlite:///"):
-        from pathlib import Path
         Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30})
 
@@ -109,9 +112,27 @@ class Store:
     def close(self) -> None:
         self.engine.dispose()
 
+    @contextlib.contextmanager
+    def _preparing(self):
+        """SQLite: an exclusive lock on a file beside the database while one process prepares it."""
+        path = self.url.removeprefix("sqlite:///") if self.url.startswith("sqlite:///") else ""
+        if path in ("", ":memory:"):
+            yield
+            return
+        with open(Path(path).expanduser().with_name(Path(path).name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
     def _prepare(self) -> None:
-        """Create a new database, upgrade an older one, refuse a newer one."""
-        with self.engine.begin() as db:
+        """Create a new database, upgrade an older one, refuse a newer one. Router replicas start
+        together: one prepares while the others wait (checking for a table and creating it are
+        two statements, so two at once could both try to create it)."""
+        with self._preparing(), self.engine.begin() as db:
+            if self.engine.dialect.name == "postgresql":
+                db.exec_driver_sql(f"SELECT pg_advisory_xact_lock({PREPARE_LOCK})")
             metadata.create_all(db)
             version = db.execute(select(schema_info.c.version)).scalar()
             if version is None:

@@ -42,3 +42,20 @@ def test_cluster_ports_left_to_the_system_are_all_different(monkeypatch):
     ports = [p for s in sections for p in (s.port, s.metrics_port)] + [config.router.http_port]
     assert len(set(ports)) == len(ports) == 7 and min(ports) >= 5001
 
+
+
+def test_router_replicas_get_their_own_ports_and_the_same_config(monkeypatch):
+    """[auth] replicas = 3: two more routers, each on ports of its own, none clashing with the configured ones."""
+    from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+    from services.local import cluster
+    handed_out = iter([50051, 7001, 7002, 7003, 8000, 7004, 7005, 7006])
+    monkeypatch.setattr(cluster, "free_port", lambda host="127.0.0.1": next(handed_out))
+    config = single_pool(router=RouterConfig(port=50051, http_port=8000, metrics_port=9091),
+                         scheduler=SchedulerConfig(port=50052), workers=[WorkerConfig(port=50053)])
+    config.auth.replicas = 3
+    replicas = cluster.router_replicas(config)
+    assert [r.name for r in replicas] == ["router-2", "router-3"]
+    ports = [p for r in replicas for p in (r.port, r.http_port, r.metrics_port)]
+    assert ports == [7001, 7002, 7003, 7004, 7005, 7006]       # 50051 and 8000 were taken: skipped
+    assert replicas[0].args() == ("router", "--port", "7001", "--http-port", "7002", "--metrics-port", "7003")
+    assert cluster.router_replicas(single_pool()) == []

@@ -126,3 +126,27 @@ def test_a_version_1_database_is_upgraded_with_each_tenants_spending_summed(url)
             db.execute(text("DELETE FROM ledger"))
             db.execute(text("DELETE FROM tenant_spend"))
         store.close()
+
+
+def _open_store(url: str) -> int:
+    Store(url).close()
+    return 0
+
+
+def test_router_replicas_starting_together_prepare_a_fresh_database_once(tmp_path, url):
+    """Six processes open a database no one has created yet, at once (as replicas at start-up)."""
+    import multiprocessing
+    fresh = f"sqlite:///{tmp_path}/fresh.db" if url.startswith("sqlite") else url
+    if not url.startswith("sqlite"):            # an empty PostgreSQL schema: drop what the fixture made
+        store = Store(url)
+        from services.store.schema import metadata
+        metadata.drop_all(store.engine)
+        store.close()
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        assert pool.map(_open_store, [fresh] * 6) == [0] * 6
+    store = Store(fresh)
+    try:
+        with store.engine.connect() as db:
+            assert db.execute(text("SELECT version FROM schema_info")).scalars().all() == [SCHEMA_VERSION]
+    finally:
+        store.close()
