@@ -22,6 +22,7 @@ from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
+from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder, PagedDecodes
 from services.engine.paged_attention import DecodeKernel, load_decode_kernel
@@ -104,6 +105,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.backend)
         if self.device.type == "cpu":
             keep_freed_memory()          # activations live in host memory (services/engine/host_memory.py)
+            bound_onednn_caches()        # before the first primitive (services/engine/linear.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         self.decode_kernel = self._decode_kernel()
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),

@@ -5,15 +5,35 @@ On the 2-core AMD EPYC we develop on, torch's default CPU matmul (MKL) runs the 
 1.30 ms vs 0.57 ms; the 49152-row output head 33 ms vs 11 ms). The prepacked path is used on
 CPU when this torch build has it and it reproduces F.linear on a probe input; otherwise, and on
 accelerators, plain F.linear.
+
+oneDNN, and ideep (torch's wrapper around it), also cache one compiled primitive per input shape,
+1,024 of each by default, and a step's token count is anything from 1 to the step budget: a CPU
+worker's resident memory grew with every shape it met (about 0.5 MB per cached primitive; 14%
+over a 20-minute soak of bench/chaos.py, still rising). bound_onednn_caches() keeps CACHE_CAPACITY
+of each; bench/onednn_cache.py measures what that costs in step time (paired runs).
 """
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
+
+CACHE_CAPACITY = 128
+_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")   # oneDNN's, ideep's
+
+
+def bound_onednn_caches(capacity: int = CACHE_CAPACITY) -> dict[str, str]:
+    """Bound oneDNN's and ideep's primitive caches; a value already in the environment (the
+    operator's) is kept. Both libraries read it when they first build a primitive, so this must
+    run before the first oneDNN call of the process (the engine calls it before loading weights).
+    Returns the capacities in effect."""
+    for name in _CACHE_VARIABLES:
+        os.environ.setdefault(name, str(capacity))
+    return {name: os.environ[name] for name in _CACHE_VARIABLES}
 
 
 def _onednn_available() -> bool:
