@@ -6,6 +6,9 @@ with iptables in this namespace only; writes what the clients saw to OUT.json.
     loss        2% of every loopback packet dropped (iptables' statistic match), both ways
     partition   worker 0's port cut off in both directions mid-stream (no FIN, no RST: packets
                 vanish), healed after the streams end; then worker 0 must be back in the pool
+    delay       50 ms added each way between the scheduler and worker 0 (and jitter up to 20 ms),
+                by bench/delay_proxy.py on that hop: this kernel has no sch_netem, so
+                `tc netem delay` cannot be used
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.delay_proxy import ProxiedCluster  # noqa: E402
 from services.common.config import WorkerConfig  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
 from services.tools.client import RouterClient  # noqa: E402
@@ -40,6 +44,13 @@ async def under_fault(cluster: LocalCluster, fault: str, out: Path) -> None:
                 during = await texts(client, 8)
             finally:
                 iptables("-F", "INPUT")
+        elif fault == "delay":
+            proxy = cluster.proxies[cluster.worker_name(cluster.config.pools[0].name, 0)]
+            proxy.set(0.05, 0.02)
+            try:
+                during = await texts(client, 8)
+            finally:
+                proxy.set(0.0)
         else:
             async def cut():
                 for flag in ("--dport", "--sport"):
@@ -65,13 +76,18 @@ async def under_fault(cluster: LocalCluster, fault: str, out: Path) -> None:
     out.write_text(json.dumps({
         "fault": fault, "reference": dump(reference), "during": dump(during), "after": dump(after),
         "workers_after_heal": workers, "failovers": stats.failovers,
-        "workers_while_cut": stats_cut.workers if fault == "partition" else None}))
+        "workers_while_cut": stats_cut.workers if fault == "partition" else None,
+        "chunks_delayed": sum(p.held for p in cluster.proxies.values()) if fault == "delay" else None}))
 
 
 def main(fault: str, out: Path) -> None:
     config = cluster_config(model=bench_model(), step_timeout_s=10.0)
     config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
-    with LocalCluster(config, quiet=True) as cluster:
+    if fault == "delay":
+        cluster = ProxiedCluster(config, [(config.pools[0].name, 0)], quiet=True)
+    else:
+        cluster = LocalCluster(config, quiet=True)
+    with cluster:
         asyncio.run(under_fault(cluster, fault, out))
 
 

@@ -4,9 +4,10 @@ between the scheduler and one worker, then healed. No request is lost, no token 
 every text equals the fault-free run's; after the partition heals the worker is back.
 
 The cluster runs in tests/e2e/netns_driver.py under `ip netns exec`. Faults are iptables rules
-in that namespace (Debian's iptables; `.ci/run` installs it). Delay is not tried: this machine's
-kernel has no `sch_netem` (tc answers "Specified qdisc kind is unknown"). Skips, saying why,
-where namespaces cannot be made (not root, no iproute2 or iptables)."""
+in that namespace (Debian's iptables; `.ci/run` installs it). Delay comes from a proxy on the
+scheduler-worker hop (50 ms each way, up to 20 ms jitter): this machine's kernel has no
+`sch_netem` (tc answers "Specified qdisc kind is unknown"). Skips, saying why, where namespaces
+cannot be made (not root, no iproute2 or iptables)."""
 from __future__ import annotations
 
 import json
@@ -74,4 +75,11 @@ def test_a_partition_between_scheduler_and_worker_then_healed(namespace, tmp_pat
     result = run_fault(namespace, "partition", tmp_path)
     assert_same_texts(result)
     assert result["workers_while_cut"] == 1 and result["failovers"] > 0
+    assert result["workers_after_heal"] == 2
+
+
+def test_delay_and_jitter_between_scheduler_and_worker(namespace, tmp_path):
+    result = run_fault(namespace, "delay", tmp_path)
+    assert result["chunks_delayed"] > 0
+    assert_same_texts(result)
     assert result["workers_after_heal"] == 2
