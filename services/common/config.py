@@ -167,6 +167,15 @@ class SchedulerConfig(ServiceConfig):
     orphan_grace_s: float = setting(10.0, "with no worker left, how long requests wait for one to (re)join "
                                     "before they go back to the router (UNAVAILABLE) to move pools",
                                     bounds=POSITIVE)
+    prefix_caching: bool = setting(True, "a new request shares the KV blocks of its longest prefix a worker has "
+                                   "computed before (its own after a preemption) instead of computing them")
+    cache_idle_shares: list = setting(doc="prefix caching: the most of a worker's KV blocks each class's idle "
+                                      "cached blocks keep (idle blocks go when blocks run short all the same, "
+                                      "Low's first)", factory=lambda: [1.0, 0.5, 0.2], per_class=True, bounds=SHARE)
+    cache_affinity_margin: float = setting(0.25, "prefix caching: a request goes to the worker holding the longest "
+                                           "cached prefix of it unless that worker runs more sequences than the "
+                                           "least loaded one by more than this share of max_running",
+                                           bounds=Bounds(0, 1))
     step_timeout_s: float = setting(30.0, "a worker slower than this to answer one step (idle ones get a "
                                     "heartbeat step every 0.5 s) counts as hung: its sequences are "
                                     "recomputed elsewhere and its stream is closed", bounds=POSITIVE)
@@ -288,6 +297,8 @@ class BillingConfig:
     multipliers: list = setting(doc="cost units = tokens x the pool's cost per token x this, per class",
                                 factory=lambda: [3.0, 1.5, 1.0], per_class=True, bounds=NON_NEGATIVE)
     flush_seconds: float = setting(1.0, "ledger rows are written in batches this often", bounds=POSITIVE)
+    cached_prompt_fraction: float = setting(0.5, "a prompt token served from the prefix cache costs this share "
+                                            "of a computed one", bounds=Bounds(0, 1))
 
 
 SLA_OBJECTIVES = ("ttft_p99_ms", "e2e_p99_ms", "tpot_p99_ms", "success_rate")

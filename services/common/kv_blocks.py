@@ -16,6 +16,14 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def take_from_end(free: list[int], count: int) -> list[int]:
+    """Pop `count` (> 0) block ids off the end of a free list, in the order popped: recently
+    freed blocks are reused first."""
+    taken = free[:-count - 1:-1]
+    del free[-count:]
+    return taken
+
+
 def cap_blocks(num_blocks: int, share: float) -> int:
     """The most blocks a class may hold when its cap is `share` of `num_blocks` (rounded down,
     so a cap is never exceeded; the epsilon keeps 0.3 * 10 from flooring to 2)."""
@@ -64,9 +72,7 @@ class KVBlockPool:
             return None
         if not num_blocks:
             return []
-        free = self._free
-        taken = free[:-num_blocks - 1:-1]       # popped from the end, in that order
-        del free[-num_blocks:]
+        taken = take_from_end(self._free, num_blocks)
         self._owner_of.update(zip(taken, repeat(owner)))
         self._held[owner] += num_blocks
         return taken
@@ -87,3 +93,9 @@ class KVBlockPool:
             del self._owner_of[block]
             self._free.append(block)
         self._held[owner] -= len(blocks)
+
+    def releasable(self, owner: Hashable, blocks: Iterable[int]) -> tuple[int, int]:
+        """What freeing `blocks` would give back: to the pool, and off `owner`'s count (all of
+        them: nothing is shared here; services/common/prefix_blocks.py shares)."""
+        count = len(blocks) if isinstance(blocks, (list, tuple)) else sum(1 for _ in blocks)
+        return count, count

@@ -32,6 +32,7 @@ class PricedPool(Protocol):
 class Usage(Protocol):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int        # of prompt_tokens, from the prefix cache
     outcome: str              # "completed", "failed" or "cancelled"; "" before it ended
     started_wall: float
 
@@ -55,10 +56,12 @@ def not_found(request_id: str) -> ServiceError:
 
 
 class Accounts:
-    def __init__(self, book: TenantBook, ledger: LedgerWriter, multipliers: list[float]):
+    def __init__(self, book: TenantBook, ledger: LedgerWriter, multipliers: list[float],
+                 cached_fraction: float = 0.5):
         self.book = book
         self.ledger = ledger
         self.multipliers = dict(zip(ORDER, map(float, multipliers)))
+        self.cached_fraction = cached_fraction      # of a computed prompt token's price
         self.in_flight: dict[str, InFlight] = {}
 
     # --- one request ---------------------------------------------------------------------------------
@@ -69,17 +72,20 @@ class Accounts:
                                                    asyncio.current_task(), time.time())
         return ticket
 
-    def amount(self, spec: PricedPool, priority: int, tokens: int) -> float:
-        """What `tokens` (prompt + completion) cost on that pool in that class (cost units)."""
-        return tokens * spec.cost * self.multipliers[priority]
+    def amount(self, spec: PricedPool, priority: int, tokens: int, cached: int = 0) -> float:
+        """What `tokens` (prompt + completion) cost on that pool in that class (cost units), of
+        which `cached` prompt tokens came from the prefix cache (at cached_fraction of the price)."""
+        return (tokens - cached * (1.0 - self.cached_fraction)) * spec.cost * self.multipliers[priority]
 
     def _row(self, ticket: Pass, head: Head, tally: Usage, spec: PricedPool, model: str) -> dict:
         return {"request_id": head.request_id, "tenant": ticket.caller.name,
                 "key_prefix": ticket.caller.key_prefix, "priority": priority_name(head.priority),
                 "pool": spec.name, "device": spec.device, "model": model,
                 "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
+                "cached_tokens": tally.cached_tokens, "cached_fraction": self.cached_fraction,
                 "price_per_token": spec.cost, "multiplier": self.multipliers[head.priority],
-                "amount": self.amount(spec, head.priority, tally.prompt_tokens + tally.completion_tokens),
+                "amount": self.amount(spec, head.priority, tally.prompt_tokens + tally.completion_tokens,
+                                      tally.cached_tokens),
                 "outcome": tally.outcome or "cancelled", "started_at": tally.started_wall,
                 "finished_at": time.time()}
 
@@ -104,7 +110,7 @@ class Accounts:
             return
         tokens = tally.prompt_tokens + tally.completion_tokens
         billable = spec is not None and (tally.completion_tokens > 0 or tally.outcome == "completed")
-        amount = self.amount(spec, head.priority, tokens) if billable else 0.0
+        amount = self.amount(spec, head.priority, tokens, tally.cached_tokens) if billable else 0.0
         self.book.release(ticket, tokens if tally.outcome else None, amount)
         if billable and not (entry is not None and entry.billed):
             self.ledger.record(self._row(ticket, head, tally, spec, model))

@@ -30,6 +30,12 @@ def _pct(values: list[float], q: float) -> float:
     return round(percentile(values, q), 1)
 
 
+
+def hit_rate(classes) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up (None: none looked up)."""
+    queried = sum(c.cache_queried_tokens for c in classes)
+    return round(sum(c.cache_hit_tokens for c in classes) / queried, 3) if queried else None
+
 class ConsoleFeed:
     def __init__(self, router, interval_s: float = 1.0):
         self.router = router                  # RouterService: totals, pools, sla, book
@@ -137,6 +143,7 @@ class ConsoleFeed:
                 "kv_total": kv_total, "kv_cap": per_pool[0].kv_cap if per_pool else 0.0,
                 "weight": round(per_pool[0].weight, 2) if per_pool else 0.0,
                 "preempted": sum(c.preempted for c in per_pool), "requests": counters.requests,
+                "cache_hit_rate": hit_rate(per_pool),
                 "completed": counters.completed, "failed": counters.failed,
                 **latest.get(name, {"ttft_p50": 0, "ttft_p99": 0, "e2e_p50": 0, "e2e_p99": 0, "tok_s": 0.0})})
         return rows
@@ -153,7 +160,8 @@ class ConsoleFeed:
             "kv_used": s.kv_blocks_used, "kv_total": s.kv_blocks_total, "preemptions": s.preemptions,
             "failovers": s.failovers, "utilization": round(s.utilization, 3),
             "classes": [{"priority": priority_name(c.priority), "waiting": c.waiting, "running": c.running,
-                         "kv_blocks": c.kv_blocks, "kv_cap": c.kv_cap, "weight": round(c.weight, 2)}
+                         "kv_blocks": c.kv_blocks, "kv_cap": c.kv_cap, "weight": round(c.weight, 2),
+                         "cache_hit_rate": hit_rate([c]), "cache_idle_blocks": c.cache_idle_blocks}
                         for c in s.classes],
             "weight_changes": [{"at": w.at_unix_s, "priority": priority_name(w.priority), "old": w.old_weight,
                                 "new": w.new_weight, "utilization": w.utilization, "free_kv": w.free_kv}

@@ -22,7 +22,8 @@ def finish_label(value: int) -> str | None:
 def usage_of(chunk: common_pb2.GenerateChunk) -> dict:
     u = chunk.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 class OpenAIResponse:

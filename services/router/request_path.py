@@ -185,7 +185,8 @@ class RequestPath:
                     if chunk.finish_reason:
                         finished = True
                         chunk.cost_units = self.accounts.amount(
-                            spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens)
+                            spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens,
+                            chunk.usage.cached_tokens)
                         tally.on_done(chunk)
                     yield chunk
                 if not finished:    # the call ended with OK but no last chunk: never leave a client hanging

@@ -56,7 +56,7 @@ class RouterService:
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
         self.ledger = LedgerWriter(store, billing.flush_seconds)
         registry.register(StateCollector(lambda: ledger_metrics(self.ledger)))
-        self.accounts = Accounts(self.book, self.ledger, billing.multipliers)
+        self.accounts = Accounts(self.book, self.ledger, billing.multipliers, billing.cached_prompt_fraction)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
                                 router.admission, router.migration_limit, router.scheduler_link)
         self.drain = drain or Drain("router")

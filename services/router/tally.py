@@ -130,6 +130,7 @@ class Tally:
         self.first_token_s: float | None = None
         self.predicted_ttft_ms: float | None = None         # the pool's latency model's prediction
         self.prompt_tokens = self.completion_tokens = 0    # as far as known (usage comes first)
+        self.cached_tokens = 0                              # of prompt_tokens, from the prefix cache
         self.outcome = ""                                   # completed | failed | cancelled
         self.groups = [totals.by_priority[priority],
                        totals.by_tenant.setdefault(tenant, Counters())]
@@ -148,6 +149,7 @@ class Tally:
     def on_chunk(self, chunk: common_pb2.GenerateChunk) -> None:
         if chunk.usage.prompt_tokens:
             self.prompt_tokens = chunk.usage.prompt_tokens
+            self.cached_tokens = chunk.usage.cached_tokens
         if not chunk.token_ids:
             return
         self.completion_tokens += len(chunk.token_ids)
@@ -163,6 +165,7 @@ class Tally:
     def on_done(self, chunk: common_pb2.GenerateChunk) -> None:
         self.outcome = "completed"
         self.completion_tokens = chunk.usage.completion_tokens
+        self.cached_tokens = chunk.usage.cached_tokens
         elapsed_s = time.perf_counter() - self.started
         for group in self.groups:
             group.completed += 1
@@ -175,6 +178,7 @@ class Tally:
         self.totals.metrics.finished((self.name, self.pool), ttft_s, elapsed_s,
                                      chunk.usage.completion_tokens)
         self.span.set_attributes({"qos.prompt_tokens": chunk.usage.prompt_tokens,
+                                  "qos.cached_tokens": chunk.usage.cached_tokens,
                                   "qos.output_tokens": chunk.usage.completion_tokens,
                                   "qos.cost_units": chunk.cost_units, "qos.ttft_ms": ttft_s * 1000})
         tokens = chunk.usage.completion_tokens

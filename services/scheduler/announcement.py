@@ -28,9 +28,12 @@ def prompt_announcement(request: Request) -> worker_pb2.NewSequence:
 
 def announce(plan: worker_pb2.StepPlan, request: Request) -> None:
     """Tell the worker of the request in this plan: every token it knows (prompt, then output so
-    far, all computed again), and how many of them it generated already."""
+    far), how many of them it generated already, and how many its first blocks hold already
+    (prefix caching; the rest are computed)."""
     new = plan.new_sequences.add()      # built in place (append would copy it in)
     new.CopyFrom(prompt_announcement(request))
     if request.output_ids:
         new.prompt_token_ids.extend(request.output_ids)
         new.num_generated = len(request.output_ids)
+    if request.computed:
+        new.cached_tokens = request.computed     # its first blocks hold them (prefix caching)

@@ -25,6 +25,7 @@ from services.scheduler.failover import WorkerChanges
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import charge_decodes
 from services.scheduler.stream_out import SampledText, StreamOut
@@ -44,12 +45,18 @@ class ContinuousBatcher(WorkerChanges):
                  max_running: int, max_step_tokens: int, monitor: ResourceMonitor | None = None,
                  orphan_grace_s: float = ORPHAN_GRACE_SECONDS,
                  step_timeout_s: float = STEP_TIMEOUT_SECONDS,
-                 stream_max_hold_s: float = STREAM_MAX_HOLD_SECONDS):
+                 stream_max_hold_s: float = STREAM_MAX_HOLD_SECONDS,
+                 prefix_cache: PrefixCache | None = None):
         self.pool_name = pool_name
         self.workers = WorkerSet(links)
         self.policy = policy
         self.monitor = monitor
-        self.planner = StepPlanner(policy, max_running, max_step_tokens)
+        # Prefix caching (prefix_cache.py): pools from make_pool; placement follows the cache.
+        self.prefix_cache = prefix_cache
+        self.make_pool = prefix_cache.make_pool if prefix_cache is not None else KVBlockPool
+        self.planner = StepPlanner(policy, max_running, max_step_tokens, prefix_cache)
+        if prefix_cache is not None:
+            self.planner.may_place = prefix_cache.placer(self.workers, self.planner, lambda: self.steps)
         for link in links:
             self.planner.add_worker(link.index)
         self.orphan_grace_s = orphan_grace_s
@@ -306,6 +313,8 @@ class ContinuousBatcher(WorkerChanges):
         for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
             if request.phase is Phase.RUNNING:
                 request.advance(num_tokens)
+                if request.computed >= request.next_name_at:    # it filled a block: name it
+                    self.prefix_cache.name_computed(link.pool, request)
         problem = answer_mismatch(builder.scheduled_requests, sampled_seq_ids(result))
         if problem is not None:
             return problem

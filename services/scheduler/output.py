@@ -24,7 +24,7 @@ def timings(request: Request, now: float | None = None) -> common_pb2.Timings:
 
 def usage(request: Request) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=len(request.prompt_ids),
-                            completion_tokens=len(request.output_ids))
+                            completion_tokens=len(request.output_ids), cached_tokens=request.cached_tokens)
 
 
 def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | None, pool: str,
@@ -44,6 +44,7 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
             # and the queueing and TTFT so far. Later chunks repeat neither: they would say the
             # same on every token (a message each, built and sent per token) until the last.
             chunk.usage.prompt_tokens = len(request.prompt_ids)
+            chunk.usage.cached_tokens = request.cached_tokens
             chunk.timings.CopyFrom(timings(request))
         return chunk
     if not detok.stopped:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter
 
@@ -23,6 +24,7 @@ from services.common.priority import ORDER
 from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
 from services.scheduler.policy import SchedulingPolicy
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Phase, Request
 from services.scheduler.room import Room
 from services.scheduler.step_builder import StepBuilder
@@ -36,8 +38,10 @@ _PRIORITY = attrgetter("priority")
 class StepPlanner:
     """The sequences running on each worker, and the planning of their steps."""
 
-    def __init__(self, policy: SchedulingPolicy, max_running: int, max_step_tokens: int):
+    def __init__(self, policy: SchedulingPolicy, max_running: int, max_step_tokens: int,
+                 prefix_cache: PrefixCache | None = None):
         self.policy = policy
+        self.prefix_cache = prefix_cache      # None: no prefix caching (every prompt computed)
         self.max_running = max_running
         # Running slots beyond max_running that High cut-ins may take (policy's high_cut_in_slots).
         # A cut-in cannot preempt, and under a burst every slot is taken: without these, High
@@ -59,7 +63,11 @@ class StepPlanner:
         # Workers that ran a cut-in during their last step: the next plan gives the first-token
         # lane the turn the cut-in took from it (plan_cut_in).
         self.after_cut_in: set[int] = set()
-        self.room = Room(policy, self.running, self.running_by_class, self.preempt)
+        # Prefix caching over several workers: whether a worker may admit a request now (the
+        # batcher's may_place: the one holding its longest cached prefix, unless load wins).
+        self.may_place: Callable[[Worker, Request], bool] | None = None
+        self.room = Room(policy, self.running, self.running_by_class, self.preempt,
+                         prefix_cache.work_lost if prefix_cache is not None else None)
 
     def lanes_running(self) -> set[int]:
         """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
@@ -134,7 +142,8 @@ class StepPlanner:
         builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
         taken = 0
         slots = self.max_running + self.cut_in_slots
-        while (head := queue.peek()) is not None and not head.lora and len(running) < slots:
+        while (head := queue.peek()) is not None and not head.lora and len(running) < slots \
+                and (self.may_place is None or self.may_place(worker, head)):
             if head.num_tokens > builder.budget or \
                     blocks_for_tokens(head.num_tokens + 1, pool.block_size) > self.room.free_for(pool, head.priority):
                 break
@@ -265,6 +274,8 @@ class StepPlanner:
             return None
         if head.lora and not self._lora_fits(worker, head.lora):
             return None
+        if self.may_place is not None and not self.may_place(worker, head):
+            return None         # another worker holds more of it in its cache
         if len(self.running[worker.index]) >= self.max_running \
                 and not self.room.free_slot(worker, builder, head):
             return None
@@ -282,14 +293,23 @@ class StepPlanner:
 
     def _admit(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         # Admit only when the whole known sequence (+1 for its next token) fits now, so admitted
-        # prompts rarely need to preempt others to finish their prefill.
-        need = blocks_for_tokens(request.num_tokens + 1, worker.pool.block_size)
+        # prompts rarely need to preempt others to finish their prefill. Blocks the worker holds
+        # of its prefix (prefix caching) are shared first: they need no room of their own.
+        pool, cache = worker.pool, self.prefix_cache
+        cached = cache.take_cached(pool, request) if cache is not None else ()
+        need = blocks_for_tokens(request.num_tokens + 1, pool.block_size) - len(cached)
         if not self.room.make_room(worker, builder, request, need, admitting=True):
+            if cached:
+                pool.free(request.priority, cached, cache.last_woken)
             return False
         self.policy.remove(request)
         request.phase = Phase.RUNNING
         request.worker = worker.index
         request.reset_cache()
+        if cache is not None:
+            if cached:
+                request.start_cached(cached, pool.block_size)
+            cache.admitted(request, cached, pool.block_size, first=request.first_scheduled_at is None)
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)

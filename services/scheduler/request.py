@@ -72,6 +72,14 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # What a worker is told of it on admission, prompt part, converted once (announcement.py)
     prompt_announcement: NewSequence | None = None
+    # Prefix caching (prefix_cache.py): the names of its full blocks so far (and the adapter key
+    # they were made under), the tokens its worker computed from cache at its first admission
+    # (usage), and when its next block fills up (its `computed` count then), to be named.
+    block_names: list[bytes] = field(default_factory=list)
+    names_key: str = ""
+    cached_tokens: int = 0
+    next_name_at: int = 1 << 62      # never, while no cache names its blocks
+    placement: tuple[int, int | None] | None = None   # (step, the worker it should go to or None: any)
 
     def __post_init__(self) -> None:
         # One str object per tenant, shared by all its requests: a plan counts tokens by tenant
@@ -106,6 +114,25 @@ class Request:
         self.blocks, self.new_blocks = [], []
         self.computed = self.capacity = self.room = 0
         self.pending = self.num_tokens
+        self.next_name_at = 1 << 62
+
+    def start_cached(self, blocks: list[int], block_size: int) -> None:
+        """Just admitted with `blocks` already holding its first tokens' K/V (prefix caching):
+        they are its first blocks, sent to the worker with the admission, and computed."""
+        self.blocks, self.new_blocks = list(blocks), list(blocks)
+        self.computed = self.capacity = len(blocks) * block_size
+        self.room = 0
+        self.pending = self.num_tokens - self.computed
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Its known tokens [start, end): prompt, then output."""
+        prompt = self.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        output = self.output_ids
+        if start >= len(prompt):
+            return output[start - len(prompt):end - len(prompt)]
+        return prompt[start:] + output[:end - len(prompt)]
 
     def set_output(self, token_ids: list[int]) -> None:
         """Output so far, as another pool streamed it (a resumed request)."""

@@ -23,8 +23,12 @@ class Room:
     """Blocks and slots for requests on the workers' running lists (shared with the planner)."""
 
     def __init__(self, policy: SchedulingPolicy, running: dict[int, list[Request]],
-                 running_by_class: dict[int, dict[int, list[Request]]], preempt: Callable[[Worker, Request], None]):
+                 running_by_class: dict[int, dict[int, list[Request]]], preempt: Callable[[Worker, Request], None],
+                 work_lost: Callable[[Request, int], int] | None = None):
         self.policy = policy
+        # With prefix caching: the tokens a victim would compute again (prefix_cache.work_lost),
+        # for VictimOrder; None: all it computed.
+        self.work_lost = work_lost
         self.running = running
         self.running_by_class = running_by_class       # per worker and priority: its running sequences
         self._preempt = preempt
@@ -34,7 +38,10 @@ class Room:
         """Candidates for preemption by `requester`, in VictimOrder: under a policy that preempts
         by class, only its lower classes (and its own when not admitting); else every class."""
         if builder.victims is None:
-            builder.victims = VictimOrder(self.running_by_class[worker.index])
+            lost = self.work_lost
+            block_size = worker.pool.block_size
+            builder.victims = VictimOrder(self.running_by_class[worker.index],
+                                          None if lost is None else lambda r: lost(r, block_size))
         if not self.policy.preempts_by_class:
             return builder.victims.down_to(builder.scheduled_set(), min(ORDER))
         return builder.victims.down_to(builder.scheduled_set(), requester.priority, inclusive=not admitting)
@@ -114,10 +121,12 @@ class Room:
             same_class = victim.priority == request.priority
             if short_pool <= 0 and not same_class:
                 continue   # only the cap binds, and other classes' blocks do not count against it
+            # What it gives back: with prefix caching, blocks others hold too stay held.
+            to_pool, to_class = pool.releasable(victim.priority, victim.blocks)
             victims.append(victim)
-            short_pool -= len(victim.blocks)
+            short_pool -= to_pool
             if same_class:
-                short_cap -= len(victim.blocks)
+                short_cap -= to_class
         if short_pool > 0 or short_cap > 0:
             return False
         for victim in victims:

@@ -40,6 +40,7 @@ from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
@@ -69,9 +70,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                          config.max_step_tokens, self.monitor,
                                          orphan_grace_s=config.orphan_grace_s,
                                          step_timeout_s=config.step_timeout_s,
-                                         stream_max_hold_s=config.stream_max_hold_ms / 1000)
+                                         stream_max_hold_s=config.stream_max_hold_ms / 1000,
+                                         prefix_cache=PrefixCache(dict(zip(ORDER, map(float, config.cache_idle_shares))),
+                                                                  config.cache_affinity_margin)
+                                         if config.prefix_caching else None)
         self.stream_intervals = dict(zip(ORDER, config.stream_intervals))
-        self.membership = Membership(self.batcher, lambda index, address: WorkerLink(index, address, trust),
+        self.membership = Membership(self.batcher,
+                                     lambda index, address: WorkerLink(index, address, trust, self.batcher.make_pool),
                                      dns_interval_s=config.workers_dns_interval_s)
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
                                    self.batcher.estimated_wait_ms, config.max_queue, config.retry_after_ms)
@@ -302,6 +307,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if not links:
             raise ServiceError(ErrorKind.UNAVAILABLE, f"pool {self.pool_name} has no worker to load "
                                "the adapter on", retry_after_ms=1000, reason="no_worker")
+        if self.batcher.prefix_cache is not None:     # maybe new weights under the name: new block names
+            self.batcher.prefix_cache.adapter_loaded(request.name)
         results = await asyncio.gather(*(l.load_adapter(request.name, request.path) for l in links),
                                        return_exceptions=True)
         failed = [(l, r) for l, r in zip(links, results) if isinstance(r, BaseException)]

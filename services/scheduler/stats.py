@@ -26,6 +26,18 @@ def kv_blocks_by_priority(b: ContinuousBatcher) -> Counter:
 def running_by_priority(b: ContinuousBatcher) -> Counter:
     return Counter(r.priority for requests in b.running.values() for r in requests)
 
+
+def cache_by_priority(b: ContinuousBatcher) -> tuple[Counter, Counter]:
+    """Prefix caching, over the pool's workers: evictions since they connected and idle cached
+    blocks now, per class (the class that held the block last). Empty with caching off."""
+    evictions, idle = Counter(), Counter()
+    if b.prefix_cache is not None:
+        for link in b.workers:
+            if link.pool is not None:
+                evictions.update(link.pool.evictions)
+                idle.update({p: link.pool.idle(p) for p in ORDER})
+    return evictions, idle
+
 def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: ResourceMonitor | None,
                rejected: Counter, draining: bool, advisor: ScaleAdvisor) -> scheduler_pb2.PoolStats:
     b, policy = batcher, batcher.policy
@@ -35,6 +47,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
     weights = policy.weights()
     info = next((l.info for l in b.links if l.info is not None), None)
     prefill_left = prefill_backlog(b)
+    evictions, idle = cache_by_priority(b)
+    cache = b.prefix_cache
     return scheduler_pb2.PoolStats(
         pool=name, model=model, policy=policy.name, draining=draining,
         device=info.device_type if info else "", workers=len(connected),
@@ -57,7 +71,9 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             served_tokens=b.served_tokens[p], kv_blocks_peak=b.kv_peak[p],
             rejected=rejected[p], preempted=b.preempted_by_priority[p],
             recomputed_tokens=b.planner.recomputed_tokens[p],
-            waiting_tokens=prefill_left[p]) for p in ORDER],
+            waiting_tokens=prefill_left[p],
+            cache_queried_tokens=cache.queried[p] if cache else 0, cache_hit_tokens=cache.hits[p] if cache else 0,
+            cache_evictions=evictions[p], cache_idle_blocks=idle[p]) for p in ORDER],
         weight_changes=[scheduler_pb2.WeightChange(
             at_unix_s=c.at, priority=c.priority, old_weight=c.old, new_weight=c.new,
             utilization=c.utilization, free_kv=c.free_kv)
@@ -121,6 +137,11 @@ def state_metrics(batcher: ContinuousBatcher):
         "qos_weight": ("Fair-queueing weight", lambda p: weights[p]),
         "qos_kv_cap_share": ("KV cap, share of a worker's blocks", lambda p: policy.kv_cap(p)),
     }
+    evictions, idle = cache_by_priority(b)
+    cache = b.prefix_cache
+    if cache is not None:
+        gauges["qos_cache_idle_blocks"] = ("Idle cached KV blocks (prefix caching), by the class that held "
+                                           "them last", lambda p: idle[p])
     for name, (text, read) in gauges.items():
         family = GaugeMetricFamily(name, text, labels=["priority"])
         for p in ORDER:
@@ -129,7 +150,13 @@ def state_metrics(batcher: ContinuousBatcher):
     for name, text, values in [("qos_tokens_served", "Prefill + decode tokens computed", b.served_tokens),
                                ("qos_preemptions", "Sequences preempted", b.preempted_by_priority),
                                ("qos_tokens_recomputed", "Tokens preempted sequences had computed, "
-                                "to be computed again", b.planner.recomputed_tokens)]:
+                                "to be computed again", b.planner.recomputed_tokens),
+                               *([("qos_cache_queried_tokens", "Prompt tokens looked up in the prefix cache "
+                                   "(first admissions)", cache.queried),
+                                  ("qos_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
+                                   "computed)", cache.hits),
+                                  ("qos_cache_evictions", "Idle cached KV blocks evicted, by the class that "
+                                   "held them last", evictions)] if cache is not None else [])]:
         family = CounterMetricFamily(name, text, labels=["priority"])
         for p in ORDER:
             family.add_metric([priority_name(p)], values[p])

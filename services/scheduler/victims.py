@@ -21,15 +21,17 @@ def add_running(running_by_class: dict[int, list[Request]], request: Request) ->
 class VictimOrder:
     """One worker's running sequences in preemption order: lowest class first; inside a class,
     the sequence that loses the least work (the fewest tokens in its KV cache, all of which are
-    computed again when it resumes), newest first among equals.
+    computed again when it resumes; with prefix caching, the fewest past its named blocks, which
+    stay cached for its return unless evicted), newest first among equals.
 
     Sorted a class at a time, as far as a caller needs: an admitted High that displaces a Low, the
     common case, sorts only the Low ones. Made once per plan (StepBuilder.victims): the order does
     not change while planning, and callers skip those preempted or scheduled meanwhile. A class
     sorted later in the plan also holds sequences admitted since (scheduled, so skipped as well)."""
 
-    def __init__(self, running_by_class: dict[int, list[Request]]):
+    def __init__(self, running_by_class: dict[int, list[Request]], work_lost=None):
         self._running_by_class = running_by_class
+        self._work_lost = work_lost or _COMPUTED      # with prefix caching: what it computes again
         self._unsorted = sorted(ORDER, reverse=True)      # lowest class (largest value) first
         self._order: list[Request] = []
 
@@ -47,5 +49,5 @@ class VictimOrder:
             # running sequence of the worker, and a second sort for the ties, cost half of it.
             newest_first = reversed(self._running_by_class[cls])
             unscheduled = filterfalse(scheduled.__contains__, newest_first)
-            self._order += sorted(unscheduled, key=_COMPUTED)
+            self._order += sorted(unscheduled, key=self._work_lost)
         return self._order

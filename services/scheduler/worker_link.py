@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -25,8 +26,10 @@ RECONNECT_INTERVAL_SECONDS = 0.5
 
 
 class WorkerLink:
-    def __init__(self, index: int, address: str, trust: ClusterTrust | None = None):
+    def __init__(self, index: int, address: str, trust: ClusterTrust | None = None,
+                 make_pool: Callable[[int, int], KVBlockPool] = KVBlockPool):
         self.index = index
+        self.make_pool = make_pool      # a fresh pool per connection: a reconnected worker's cache is unknown
         self.address = address
         self.trust = trust or no_trust("scheduler")   # token and certificates for every call
         self.info: worker_pb2.WorkerInfo | None = None
@@ -73,7 +76,7 @@ class WorkerLink:
             raise WorkerGone(f"worker {self.address}: {detail}") from exc
         self.info = info
         self.adapters = frozenset(a.name for a in info.adapters)
-        self.pool = KVBlockPool(info.num_blocks, info.block_size)
+        self.pool = self.make_pool(info.num_blocks, info.block_size)
         self._reader = asyncio.create_task(self._read_answers(self._results))
         self.connected.set()
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,

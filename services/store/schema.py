@@ -19,7 +19,7 @@ from __future__ import annotations
 from sqlalchemy import (Column, Float, ForeignKey, Integer, MetaData, String, Table,
                         UniqueConstraint)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 metadata = MetaData()
 
 schema_info = Table(
@@ -62,9 +62,12 @@ ledger = Table(
     Column("model", String(128), nullable=False),
     Column("prompt_tokens", Integer, nullable=False),
     Column("completion_tokens", Integer, nullable=False),
+    Column("cached_tokens", Integer, nullable=False, default=0),   # of prompt_tokens: from the prefix cache
     Column("price_per_token", Float, nullable=False),
     Column("multiplier", Float, nullable=False),
-    Column("amount", Float, nullable=False),                 # (prompt + completion) x price x multiplier
+    # (prompt - cached + cached x cached_fraction + completion) x price x multiplier
+    Column("amount", Float, nullable=False),
+    Column("cached_fraction", Float, nullable=False, default=1.0),
     Column("outcome", String(16), nullable=False),           # completed | cancelled | failed
     Column("started_at", Float, nullable=False),             # unix seconds
     Column("finished_at", Float, nullable=False, index=True),
@@ -93,6 +96,14 @@ limit_shares = Table(
 MIGRATIONS: dict[int, list[str]] = {
     2: ["DELETE FROM tenant_spend",
         "INSERT INTO tenant_spend (tenant, amount) SELECT tenant, SUM(amount) FROM ledger GROUP BY tenant"],
+}
+
+# version -> columns it added to existing tables (table, column, type and default), added by the
+# upgrade where missing: rows written before have the default.
+ADDED_COLUMNS: dict[int, list[tuple[str, str, str]]] = {
+    # prefix caching: rows before it had no cached tokens and were billed in full
+    3: [("ledger", "cached_tokens", "INTEGER NOT NULL DEFAULT 0"),
+        ("ledger", "cached_fraction", "FLOAT NOT NULL DEFAULT 1.0")],
 }
 
 # Column sizes a caller must respect (they are checked before any write).

@@ -14,13 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, insert, select, update
+from sqlalchemy import create_engine, delete, event, insert, inspect, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 
 from services.common.paths import cache_root
 from services.common.priority import LABELS
 from services.store.schema import (
+    ADDED_COLUMNS,
     MIGRATIONS,
     SCHEMA_VERSION,
     TENANT_NAME_MAX,
@@ -142,6 +143,9 @@ class Store:
                 raise StoreError(f"the database at {self.url} has schema version {version}, newer than "
                                  f"this qos-serve knows ({SCHEMA_VERSION}); upgrade qos-serve")
             for step in range(version + 1, SCHEMA_VERSION + 1):
+                for table, column, kind in ADDED_COLUMNS.get(step, []):
+                    if column not in {c["name"] for c in inspect(db).get_columns(table)}:
+                        db.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
                 for statement in MIGRATIONS.get(step, []):
                     db.exec_driver_sql(statement)
             db.execute(update(schema_info).values(version=SCHEMA_VERSION))

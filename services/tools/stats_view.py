@@ -12,22 +12,31 @@ from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc
 
 
+def share(part: int, whole: int) -> str:
+    """A percentage, or '-' when there is nothing to divide (prefix caching off, no request yet)."""
+    return f"{part / whole:.0%}" if whole else "-"
+
+
 def render(stats: router_pb2.RouterStats) -> str:
     """The table: one row per priority, then one line per pool."""
     pools = list(stats.pools)
     waiting = {p: 0 for p in ORDER}
     held = {p: 0 for p in ORDER}
     rejected = {p: 0 for p in ORDER}
+    queried = {p: 0 for p in ORDER}
+    hits = {p: 0 for p in ORDER}
     total_blocks = sum(pool.kv_blocks_total for pool in pools) or 1
     for pool in pools:
         for c in pool.classes:
             waiting[c.priority] += c.waiting
             held[c.priority] += c.kv_blocks
             rejected[c.priority] += c.rejected
+            queried[c.priority] += c.cache_queried_tokens
+            hits[c.priority] += c.cache_hit_tokens
     weights = {c.priority: c.weight for c in pools[0].classes} if pools else {}
     header = (f"{'priority':<8} {'requests':>8} {'ok':>6} {'failed':>6} {'cancel':>6} "
               f"{'TTFT p50':>9} {'p95':>7} {'p99':>7} {'e2e p50':>8} {'p95':>7} {'p99':>7} "
-              f"{'queue':>5} {'KV':>5} {'weight':>6} {'rejected':>8} {'cost':>8}")
+              f"{'queue':>5} {'KV':>5} {'weight':>6} {'rejected':>8} {'cost':>8} {'cached':>6}")
     lines = [header]
     for s in stats.priorities:
         p = s.priority
@@ -36,14 +45,16 @@ def render(stats: router_pb2.RouterStats) -> str:
             f"{s.ttft_p50_ms:>7.0f}ms {s.ttft_p95_ms:>5.0f}ms {s.ttft_p99_ms:>5.0f}ms "
             f"{s.e2e_p50_ms:>6.0f}ms {s.e2e_p95_ms:>5.0f}ms {s.e2e_p99_ms:>5.0f}ms "
             f"{waiting[p]:>5} {held[p] / total_blocks:>5.0%} {weights.get(p, 0):>6g} "
-            f"{rejected[p]:>8} {s.cost_units:>8.1f}")
+            f"{rejected[p]:>8} {s.cost_units:>8.1f} {share(hits[p], queried[p]):>6}")
     for pool in pools:
         scaling = (f" (wants {pool.desired_workers} of {pool.min_workers}..{pool.max_workers}: {pool.scale_reason})"
                    if pool.max_workers > pool.min_workers else "")
         lines.append(f"pool {pool.pool}: {pool.device or '?'} x{pool.workers}{scaling}, policy {pool.policy}, "
                      f"KV {pool.kv_blocks_used}/{pool.kv_blocks_total} blocks, "
                      f"{pool.preemptions} preemptions, {pool.steps} steps, TTFT p90 "
-                     f"{pool.ttft_p90_ms:.0f} ms, weight changes {len(pool.weight_changes)}")
+                     f"{pool.ttft_p90_ms:.0f} ms, weight changes {len(pool.weight_changes)}, prefix cache hits "
+                     + " / ".join(share(c.cache_hit_tokens, c.cache_queried_tokens) for c in pool.classes)
+                     + " (high / medium / low)")
     lines.append(f"overflow threshold: {stats.overflow_threshold:g} queued")
     return "\n".join(lines)
 

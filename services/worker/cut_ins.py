@@ -20,6 +20,7 @@ plan (it then runs as a step of its own, which nothing cuts into).
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import StepBatch
@@ -27,7 +28,8 @@ from services.worker.sequences import PlanError
 
 
 class CutIns:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
         self._lock = threading.Lock()
         self._host: StepBatch | None = None
         self._waiting: list[worker_pb2.StepPlan] = []
@@ -105,7 +107,20 @@ class CutIns:
                    or busy.intersection(new.seq_id for new in plan.new_sequences))
         if touched:
             raise PlanError(f"cut-in step {plan.step_id} touches sequence {min(touched)} of the step in flight")
-        shared = held.intersection(plan.granted_block_ids)
+        # A new sequence's first blocks may be cached ones (prefix caching): it only reads them,
+        # and so may the step in flight. Only the blocks it writes must be its own.
+        read_only = {new.seq_id: new.cached_tokens // self.block_size for new in plan.new_sequences
+                     if new.cached_tokens}
+        granted = plan.granted_block_ids
+        if read_only:
+            index = Counter()
+            writes = []
+            for seq_id, block in zip(plan.granted_seq_ids, granted):
+                index[seq_id] += 1
+                if index[seq_id] > read_only.get(seq_id, 0):
+                    writes.append(block)
+            granted = writes
+        shared = held.intersection(granted)
         if shared:
             raise PlanError(f"cut-in step {plan.step_id} grants block {min(shared)}, held by a sequence "
                             "of the step in flight")

@@ -6,6 +6,7 @@ token counts and new block ids.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from services.common.proto.qos.v1 import worker_pb2
@@ -31,8 +32,9 @@ class SequenceState:
 
 
 class SequenceTable:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 16) -> None:
         self.sequences: dict[int, SequenceState] = {}
+        self.block_size = block_size
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -50,7 +52,7 @@ class SequenceTable:
             self.sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
                 sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
-                traceparent=new.traceparent, lora=new.lora)
+                traceparent=new.traceparent, lora=new.lora, computed=new.cached_tokens)
         sequences = self.sequences
         for seq_id, block_id in zip(plan.granted_seq_ids, plan.granted_block_ids):
             sequences[seq_id].block_table.append(block_id)
@@ -69,11 +71,18 @@ class SequenceTable:
     def _check(self, plan: worker_pb2.StepPlan) -> None:
         released = set(plan.released_seq_ids)
         known = set(self.sequences) - released
+        granted = Counter(plan.granted_seq_ids)
         for new in plan.new_sequences:
             if new.seq_id in known:
                 raise PlanError(f"sequence {new.seq_id} announced twice")
             if not new.prompt_token_ids:
                 raise PlanError(f"sequence {new.seq_id} has an empty prompt")
+            if new.cached_tokens >= len(new.prompt_token_ids):
+                raise PlanError(f"sequence {new.seq_id}: {new.cached_tokens} cached tokens of "
+                                f"{len(new.prompt_token_ids)}; at least one must be computed")
+            if new.cached_tokens > granted[new.seq_id] * self.block_size:
+                raise PlanError(f"sequence {new.seq_id}: {new.cached_tokens} cached tokens but "
+                                f"{granted[new.seq_id]} blocks granted")
             known.add(new.seq_id)
         if len(plan.scheduled_seq_ids) != len(plan.scheduled_num_tokens):
             raise PlanError("scheduled_seq_ids and scheduled_num_tokens differ in length")
@@ -85,12 +94,13 @@ class SequenceTable:
             if seq_id not in known:
                 raise PlanError(f"blocks granted to sequence {seq_id}, unknown to this worker")
         lengths = {n.seq_id: len(n.prompt_token_ids) for n in plan.new_sequences}
+        cached = {n.seq_id: n.cached_tokens for n in plan.new_sequences}
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
             if seq_id not in known:
                 raise PlanError(f"sequence {seq_id} is not known to this worker")
             seq = self.sequences.get(seq_id) if seq_id not in lengths else None
             total = lengths.get(seq_id, len(seq.tokens) if seq else 0)
-            computed = seq.computed if seq else 0
+            computed = seq.computed if seq else cached.get(seq_id, 0)
             if num_tokens < 1 or computed + num_tokens > total:
                 raise PlanError(f"sequence {seq_id}: {num_tokens} tokens scheduled but "
                                 f"{total - computed} are ready to compute")

@@ -62,9 +62,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, drain: Drain):
         self.engine = engine
         self.drain = drain
-        self.table = SequenceTable()
+        self.table = SequenceTable(engine.kv_spec.block_size)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.cut_ins = CutIns()
+        self.cut_ins = CutIns(engine.kv_spec.block_size)
         self.busy = BusyTracker()
         self.stream_open = False
         self.registry = CollectorRegistry()

@@ -69,15 +69,22 @@ def assert_same(reference, got) -> None:
 
 
 def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins():
-    config = cluster_config(model=bench_model())
+    # Prefix caching sends requests to the worker holding their prefix (here the chat template's
+    # opening, shared by all) until load wins; at margin 0 any difference in load wins, so the
+    # streams spread over the workers, the newcomer's included.
+    config = cluster_config(model=bench_model(), cache_affinity_margin=0.0)
     config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
     with LocalCluster(config, quiet=True) as cluster:
         async def go():
             async with RouterClient(cluster.router_address) as client:
                 reference = await texts(client, 16)
 
-                async def kill_one():
-                    cluster.processes["cpu/worker-1"].send_signal(signal.SIGKILL)
+                async def kill_one():       # the worker with the most streams on it
+                    members = (await pool_stats(cluster)).members
+                    busiest = max(members, key=lambda m: m.running)
+                    assert busiest.running, "no stream on any worker"
+                    index = [w.address for w in config.pools[0].workers].index(busiest.address)
+                    cluster.processes[f"cpu/worker-{index}"].send_signal(signal.SIGKILL)
 
                 got = await texts(client, 16, kill_one)
                 stats = await pool_stats(cluster)

@@ -48,6 +48,9 @@ def overlay(tmp_path, monkeypatch):
     pool.scheduler.host, pool.scheduler.port = "127.0.0.1", free_port()
     pool.scheduler.workers_dns = f"{service}:{worker_port}"
     pool.scheduler.workers_dns_interval_s = 1.0          # the overlay's 5 s, shortened for the test
+    # Every prompt here opens with the chat template's tokens, cached on the first worker: at
+    # margin 0 any difference in load wins, so the worker that joins takes streams at once.
+    pool.scheduler.cache_affinity_margin = 0.0
     pool.workers[0].host, pool.workers[0].port, pool.workers[0].metrics_port = "127.0.0.1", worker_port, None
     config.store.url, config.auth.admin_key = f"sqlite:///{tmp_path}/store.db", ADMIN
     config.model = bench_model()                        # membership is under test, not the text

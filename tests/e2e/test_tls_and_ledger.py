@@ -161,7 +161,7 @@ def test_every_completion_a_client_saw_is_billed_even_when_the_router_is_killed(
                 return
             if last is not None and last.finish_reason:
                 completed.append((last.request_id, last.usage.prompt_tokens, last.usage.completion_tokens,
-                                  last.cost_units))
+                                  last.cost_units, last.usage.cached_tokens))
 
         async def killed_under_load():
             async with RouterClient(cluster.router_address) as client:
@@ -176,11 +176,14 @@ def test_every_completion_a_client_saw_is_billed_even_when_the_router_is_killed(
     rows = {r["request_id"]: r for r in store.ledger_rows()}
     store.close()
     assert len(completed) >= 5 and broken
-    for request_id, prompt_tokens, completion_tokens, cost in completed:
+    for request_id, prompt_tokens, completion_tokens, cost, cached in completed:
         row = rows[request_id]
-        assert (row["prompt_tokens"], row["completion_tokens"], row["outcome"]) == \
-            (prompt_tokens, completion_tokens, "completed")
+        assert (row["prompt_tokens"], row["completion_tokens"], row["cached_tokens"], row["outcome"]) == \
+            (prompt_tokens, completion_tokens, cached, "completed")
         assert row["amount"] == pytest.approx(cost)
+    # The chat template's opening is shared by every prompt: later requests find it cached, and
+    # pay half for those tokens ([billing] cached_prompt_fraction).
+    assert any(cached for *_, cached in completed)
     # A row whose final chunk the kill cut off is possible (committed, then killed before sending),
     # but no more of them than the streams the kill broke.
     assert len(set(rows) - {c[0] for c in completed}) <= len(broken)

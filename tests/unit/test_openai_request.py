@@ -114,7 +114,8 @@ def test_chat_stream_events_role_first_finish_last_usage_alone():
     assert [e["choices"][0]["delta"] if e["choices"] else None for e in events] == \
         [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}, None]
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, None, "length"]
-    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(e["usage"] is None for e in events[:-1])
     assert {(e["id"], e["object"], e["service_tier"]) for e in events} == \
         {("chatcmpl-abc", "chat.completion.chunk", "priority")}

@@ -275,7 +275,7 @@ def relay_path(link_mode: str, port_link: SchedulerLink, channel):
     from services.router.request_path import RequestPath
     from services.router.validation import RequestHead
     pools = SimpleNamespace(specs={"p": None})
-    accounts = SimpleNamespace(amount=lambda spec, priority, tokens: 0.5)
+    accounts = SimpleNamespace(amount=lambda spec, priority, tokens, cached=0: 0.5)
     path = RequestPath(pools, None, trace.get_tracer("test"), "m", accounts, scheduler_link=link_mode)
     pool = SimpleNamespace(name="p", peer="stand-in", link=port_link, metadata=(),
                            scheduler=scheduler_pb2_grpc.SchedulerStub(channel))

@@ -128,6 +128,31 @@ def test_a_version_1_database_is_upgraded_with_each_tenants_spending_summed(url)
         store.close()
 
 
+def test_a_version_2_ledger_gains_cached_tokens_and_its_rows_stay_billed_in_full(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        db.execute(text("DELETE FROM ledger"))
+        db.execute(text("DELETE FROM tenant_spend"))
+    store.write_ledger([row("v1", amount=1.5)])
+    with store.engine.begin() as db:        # as version 2 left it
+        db.execute(text("ALTER TABLE ledger DROP COLUMN cached_tokens"))
+        db.execute(text("ALTER TABLE ledger DROP COLUMN cached_fraction"))
+        db.execute(update(schema_info).values(version=2))
+    store.close()
+    store = Store(url)
+    try:
+        store.write_ledger([row("v2", amount=0.75, cached_tokens=12, cached_fraction=0.5)])
+        rows = {r["request_id"]: r for r in store.ledger_rows()}
+        assert (rows["v1"]["cached_tokens"], rows["v1"]["cached_fraction"]) == (0, 1.0)
+        assert (rows["v2"]["cached_tokens"], rows["v2"]["cached_fraction"]) == (12, 0.5)
+        assert store.spent() == {"acme": 2.25}
+    finally:
+        with store.engine.begin() as db:
+            db.execute(text("DELETE FROM ledger"))
+            db.execute(text("DELETE FROM tenant_spend"))
+        store.close()
+
+
 def _open_store(url: str) -> int:
     Store(url).close()
     return 0

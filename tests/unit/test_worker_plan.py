@@ -47,3 +47,38 @@ def test_an_answer_carries_each_sampled_token_and_why_it_ended_in_either_form(pa
     wire = worker_pb2.StepResult.FromString(answer.SerializeToString())
     assert bool(wire.tokens) is not packed and bool(wire.sampled_seq_ids) is packed   # the form asked for
     assert sampled_tokens(wire) == tokens
+
+
+def test_a_new_sequence_starts_at_its_cached_tokens_and_refuses_more_than_its_blocks_hold():
+    table = SequenceTable(block_size=4)
+    new = announce(1, 10)
+    new.cached_tokens = 8                       # its first two blocks hold 8 tokens already
+    batch = table.apply(worker_pb2.StepPlan(step_id=1, new_sequences=[new], scheduled_seq_ids=[1],
+                                            scheduled_num_tokens=[2], granted_seq_ids=[1, 1, 1],
+                                            granted_block_ids=[5, 6, 7]))
+    assert [(w.position, len(w.token_ids)) for w in batch.sequences] == [(8, 2)]
+    for cached, blocks, message in [(10, [5, 6, 7], "at least one must be computed"),
+                                    (8, [5], "8 cached tokens but 1 blocks granted")]:
+        wrong = announce(2, 10)
+        wrong.cached_tokens = cached
+        with pytest.raises(PlanError, match=message):
+            table.apply(worker_pb2.StepPlan(step_id=2, new_sequences=[wrong], granted_seq_ids=[2] * len(blocks),
+                                            granted_block_ids=blocks))
+
+
+def test_a_cut_in_may_read_the_cached_blocks_the_step_in_flight_holds_but_not_write_them():
+    from services.common.step import SequenceWork, StepBatch
+    from services.worker.cut_ins import CutIns
+    cut_ins = CutIns(block_size=4)
+    cut_ins.host(StepBatch([SequenceWork(1, [3] * 4, 8, [10, 11, 12])]))
+    reader = announce(2, 10)
+    reader.cached_tokens = 8                    # blocks 10 and 11: the host's cached prefix
+    cut_ins.check(worker_pb2.StepPlan(step_id=5, cut_in=True, new_sequences=[reader], scheduled_seq_ids=[2],
+                                      scheduled_num_tokens=[2], granted_seq_ids=[2, 2, 2],
+                                      granted_block_ids=[10, 11, 20]))
+    writer = announce(3, 10)
+    writer.cached_tokens = 4                    # it would write block 11
+    with pytest.raises(PlanError, match="grants block 11, held by a sequence of the step in flight"):
+        cut_ins.check(worker_pb2.StepPlan(step_id=6, cut_in=True, new_sequences=[writer], scheduled_seq_ids=[3],
+                                          scheduled_num_tokens=[6], granted_seq_ids=[3, 3, 3],
+                                          granted_block_ids=[10, 11, 20]))

@@ -44,6 +44,11 @@ function kvBar(priority, held, total, cap) {
     `${(share * 100).toFixed(1)}% (cap ${Math.round(cap * 100)}%)`));
 }
 
+function percent(share) {
+  // a share in [0, 1], or null when there is nothing to divide (prefix caching off, no request yet)
+  return share === null || share === undefined ? "–" : `${Math.round(share * 100)}%`;
+}
+
 function fillRows(tbody, rows) {
   tbody.replaceChildren(...rows.map((cells) => el("tr", {}, ...cells.map((c) => el("td", {}, c)))));
 }
@@ -62,8 +67,9 @@ function drawClasses(snapshot) {
       `${ms(c.e2e_p50)} / ${ms(c.e2e_p99)}`,
       `${c.completed} / ${c.failed}`,
       c.preempted,
+      percent(c.cache_hit_rate),
     ];
-    const optional = new Set([4, 5, 6, 7, 8, 9]);   // hidden at phone width (the charts have them)
+    const optional = new Set([4, 5, 6, 7, 8, 9, 10]);   // hidden at phone width (the charts have them)
     row.append(...cells.map((c, i) => el("td", optional.has(i) ? {class: "opt"} : {}, c)));
     return row;
   });
@@ -124,7 +130,7 @@ function drawPools(snapshot) {
       ? `; wants ${p.desired_workers} (${p.min_workers}..${p.max_workers}): ${p.scale_reason}` : "";
     const state = p.draining ? " — DRAINING" : (p.workers === 0 ? " — NO WORKER" : "");
     const classes = p.classes.map((c) => el("div", {class: "facts"}, className(c.priority),
-      ` queue ${c.waiting}, running ${c.running}, weight ${c.weight} `,
+      ` queue ${c.waiting}, running ${c.running}, weight ${c.weight}, cache hits ${percent(c.cache_hit_rate)} `,
       kvBar(c.priority, c.kv_blocks, p.kv_total, c.kv_cap)));
     return el("div", {class: "pool", id: `pool-${p.name}`},
       el("div", {class: "head"}, `${p.name} (${p.device || "?"})${state}`),

@@ -106,7 +106,7 @@ class PoolStatsRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class ClassStats(_message.Message):
-    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted", "recomputed_tokens", "waiting_tokens")
+    __slots__ = ("priority", "waiting", "running", "kv_blocks", "output_tokens", "weight", "kv_cap", "served_tokens", "kv_blocks_peak", "rejected", "preempted", "recomputed_tokens", "waiting_tokens", "cache_queried_tokens", "cache_hit_tokens", "cache_evictions", "cache_idle_blocks")
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,10 @@ class ClassStats(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_IDLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     priority: _common_pb2.Priority
     waiting: int
     running: int
@@ -133,7 +137,11 @@ class ClassStats(_message.Message):
     preempted: int
     recomputed_tokens: int
     waiting_tokens: int
-    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ...) -> None: ...
+    cache_queried_tokens: int
+    cache_hit_tokens: int
+    cache_evictions: int
+    cache_idle_blocks: int
+    def __init__(self, priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., output_tokens: _Optional[int] = ..., weight: _Optional[float] = ..., kv_cap: _Optional[float] = ..., served_tokens: _Optional[int] = ..., kv_blocks_peak: _Optional[int] = ..., rejected: _Optional[int] = ..., preempted: _Optional[int] = ..., recomputed_tokens: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., cache_queried_tokens: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_evictions: _Optional[int] = ..., cache_idle_blocks: _Optional[int] = ...) -> None: ...
 
 class WeightChange(_message.Message):
     __slots__ = ("at_unix_s", "priority", "old_weight", "new_weight", "utilization", "free_kv")

@@ -114,20 +114,22 @@ class AdapterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_generated", "traceparent", "lora")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_generated", "traceparent", "lora", "cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
     num_generated: int
     traceparent: str
     lora: str
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results")

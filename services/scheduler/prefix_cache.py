@@ -1,0 +1,128 @@
+"""The scheduler's side of prefix caching; the blocks' bookkeeping is services/common/prefix_blocks.py.
+
+- Admission to a worker (planner._admit): the longest run of the request's leading full blocks
+  that the worker's pool has named is shared; they become its first blocks and the worker starts
+  computing at the first token after them (NewSequence.cached_tokens). At least one token is
+  always computed, for the logits of the last: only blocks wholly before the last known token are
+  taken. A resumed (preempted) sequence finds its own blocks this way, if they were not evicted.
+- After each step (batcher.postprocess): the blocks a sequence filled with computed K/V are named,
+  so that later sequences, and this one after a preemption, can share them.
+- Placement (placement(), asked through placer()): a request goes to the worker of the pool holding the longest
+  cached prefix of it, unless that worker runs more sequences than the least loaded one by more
+  than `affinity_margin` of max_running (then load wins: any worker may take it, the emptiest
+  first), or has no running slot free.
+- Per class: prompt tokens looked up and found at first admission (the hit rate), and the pools'
+  evictions, for /metrics, `qos-serve stats` and the console.
+
+A block's name includes the adapter and its load generation: a LoRA adapter loaded again under the
+same name (new weights) names new blocks (adapter_loaded). Pure Python, no torch.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from services.common.kv_blocks import cap_blocks
+from services.common.prefix_blocks import PrefixCachingPool, block_name
+from services.common.priority import ORDER
+from services.scheduler.request import Request
+
+
+class PrefixCache:
+    def __init__(self, idle_shares: dict[int, float], affinity_margin: float = 0.25):
+        self.idle_shares = idle_shares        # per class: the most of a pool its idle blocks keep
+        self.affinity_margin = affinity_margin
+        self.queried: Counter = Counter()     # per class: prompt tokens at first admission
+        self.hits: Counter = Counter()        # per class: of those, computed from cache
+        self.adapter_generation: Counter = Counter()
+        self.last_woken: dict = {}            # take_cached's idle blocks, to undo it (pool.free)
+
+    def make_pool(self, num_blocks: int, block_size: int) -> PrefixCachingPool:
+        """A worker's pool: idle blocks evicted lowest class first, each class's bounded."""
+        return PrefixCachingPool(num_blocks, block_size, eviction_order=sorted(ORDER, reverse=True),
+                                 idle_limits={priority: cap_blocks(num_blocks, share)
+                                              for priority, share in self.idle_shares.items()})
+
+    def adapter_loaded(self, name: str) -> None:
+        """`name` was (re)loaded on a worker: its blocks from before are no longer its K/V."""
+        self.adapter_generation[name] += 1
+
+    def names(self, request: Request, count: int, block_size: int) -> list[bytes]:
+        """The names of the request's first `count` full blocks (computed once, kept on it)."""
+        key = f"{request.lora}#{self.adapter_generation[request.lora]}" if request.lora else ""
+        if key != request.names_key:
+            request.block_names, request.names_key = [], key
+        names = request.block_names
+        while len(names) < count:
+            start = len(names) * block_size
+            names.append(block_name(names[-1] if names else None, request.token_ids(start, start + block_size), key))
+        return names
+
+    def take_cached(self, pool: PrefixCachingPool, request: Request) -> list[int]:
+        """The pool's blocks holding the request's longest cached prefix, now referenced for its
+        class (undo with pool.free if it is not admitted after all)."""
+        usable = (request.num_tokens - 1) // pool.block_size
+        if usable <= 0:
+            return []
+        blocks = pool.lookup(self.names(request, usable, pool.block_size)[:usable])
+        self.last_woken = pool.share(request.priority, blocks) if blocks else {}
+        return blocks
+
+    def cached_blocks(self, pool: PrefixCachingPool, request: Request) -> int:
+        """How many of the request's leading blocks the pool would give it now (take_cached,
+        without taking them)."""
+        usable = (request.num_tokens - 1) // pool.block_size
+        return len(pool.lookup(self.names(request, usable, pool.block_size)[:usable])) if usable > 0 else 0
+
+    def admitted(self, request: Request, cached: list[int], block_size: int, first: bool) -> None:
+        """Admitted with `cached` blocks; `first`: its first admission (counted for the hit rate
+        and reported in its usage)."""
+        if first:
+            prompt = len(request.prompt_ids)
+            request.cached_tokens = min(len(cached) * block_size, prompt)
+            self.queried[request.priority] += prompt
+            self.hits[request.priority] += request.cached_tokens
+        request.next_name_at = (len(cached) + 1) * block_size
+
+    def name_computed(self, pool: PrefixCachingPool, request: Request) -> None:
+        """After a step that took the request past `next_name_at`: name the blocks it filled."""
+        block_size = pool.block_size
+        full = request.computed // block_size
+        names = self.names(request, full, block_size)
+        blocks = request.blocks
+        for index in range(request.next_name_at // block_size - 1, full):
+            pool.name(blocks[index], names[index])
+        request.next_name_at = (full + 1) * block_size
+
+    def placer(self, workers, planner, step: Callable[[], int]) -> Callable[[object, Request], bool]:
+        """The planner's may_place(worker, request) for a pool's WorkerSet: may that worker admit
+        the request now? Decided by placement() once per request and step (`step()`)."""
+        def may_place(worker, request: Request) -> bool:
+            placed = request.placement
+            if placed is None or placed[0] != step():
+                open_workers = [w for w in workers if w.is_connected and w.pool is not None and workers.admits(w)]
+                placed = request.placement = (step(), self.placement(request, open_workers, planner.running,
+                                                                     planner.max_running))
+            return placed[1] is None or placed[1] == worker.index
+        return may_place
+
+    def placement(self, request: Request, workers: list, running: dict[int, list], max_running: int) -> int | None:
+        """The index of the worker among `workers` (those taking new sequences) that should admit
+        the request, or None for any: nothing cached anywhere, every worker holds as much, or
+        load wins (the best one's running sequences exceed the least loaded one's by more than
+        the margin, or it has no slot free)."""
+        if len(workers) < 2:
+            return None
+        loads = {w.index: len(running.get(w.index, ())) / max_running for w in workers}
+        cached = {w.index: self.cached_blocks(w.pool, request) for w in workers}
+        best = max(workers, key=lambda w: (cached[w.index], -loads[w.index])).index
+        if cached[best] == min(cached.values()) or loads[best] >= 1.0 \
+                or loads[best] - min(loads.values()) > self.affinity_margin:
+            return None
+        return best
+
+    @staticmethod
+    def work_lost(request: Request, block_size: int) -> int:
+        """Tokens a preempted sequence computes again if its named blocks stay cached: those past
+        its last named block (VictimOrder's key when caching is on)."""
+        return request.computed - min(request.computed, (request.next_name_at // block_size - 1) * block_size)
