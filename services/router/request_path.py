@@ -26,6 +26,7 @@ from services.common.tracing import inject_metadata, traceparent
 from services.control.accounts import Accounts
 from services.control.limits import estimated_prompt_tokens
 from services.control.tenancy import Caller
+from services.router.cache_affinity import affinity_key
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.scheduler_link import LinkUnsupported
@@ -141,7 +142,8 @@ class RequestPath:
         router = self.pools.router
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
         request = RouteRequest(body.model or self.model_name, head.priority, head.lora,
-                               head.slo_ms or None, exclude, estimated_prompt_tokens(body))
+                               head.slo_ms or None, exclude, estimated_prompt_tokens(body),
+                               affinity_key(body.prompt, body.messages))
         try:
             decision = router.route(request)
         except NoPoolError as exc:

@@ -50,6 +50,7 @@ class RouteRequest:
     slo_ms: float | None = None
     exclude: frozenset[str] = frozenset()   # pools that already failed this request (migration)
     prompt_tokens: int = 0               # estimated (the router does not tokenize)
+    affinity: int = 0                    # its opening's key (cache_affinity.py); 0: none
 
 
 class Decision(NamedTuple):

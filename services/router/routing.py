@@ -10,6 +10,9 @@ Rules, in order (../shared/DESIGN.md, Routing semantics):
   4. otherwise                 -> the cheapest pool with free capacity whose observed time to first
                                   token meets the request's SLO (x-slo-ms, or its class default);
   5. otherwise                 -> queue on the primary.
+Prefix caching: where the rules accept several pools (an overflow pool with room, one of several
+GPU pools), the one the request's conversation or system prompt went to last comes first
+(cache_affinity.py); rules "overflow-cache-affinity" and "high-to-primary" then name it.
 The overflow threshold adapts: it drops while the cheap pools idle and the primary queues, and
 rises while the cheap pools back up.
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from services.common.config import ROUTING_MODES
 from services.common.priority import HIGH, MEDIUM
+from services.router.cache_affinity import QUEUE_SLACK, CacheAffinity
 from services.router.latency_model import LatencyModel
 from services.router.route_types import (DEFAULT_COST, DEFAULT_SLO_MS, Decision, NoPoolError,  # noqa: F401
                                          PoolLoad, PoolSpec, RouteRequest)
@@ -62,6 +66,7 @@ class PoolRouter:
     lazy_models: bool = False            # latency models refreshed at the next prediction (simulator)
     max_queue_for_overflow: int = 4      # a cheap pool queueing more than this is backed up
     loads: dict[str, PoolLoad] = field(default_factory=dict)
+    affinity: CacheAffinity = field(default_factory=CacheAffinity)   # where each opening went last
     _by_model: dict[str, list[PoolSpec]] = field(default_factory=dict)
     _by_cost: list[PoolSpec] = field(default_factory=list)
     models: dict[str, LatencyModel] = field(default_factory=dict)
@@ -124,10 +129,11 @@ class PoolRouter:
     def note_dispatch(self, name: str, request: RouteRequest | None = None) -> None:
         """A request was just sent to `name`: count it as queued (and its prompt as work ahead of
         the next of its class) until the pool's next stats, so a burst arriving between two
-        stats updates does not all land on one pool."""
+        stats updates does not all land on one pool; and remember where its opening went."""
         self.loads[name].queued += 1
         if request is not None:
             self.models[name].dispatched(request.priority, request.prompt_tokens)
+            self.affinity.remember(request.affinity, name)
 
     def predict_ttft_ms(self, name: str, request: RouteRequest) -> float | None:
         """The pool's model's prediction for the request (None before its first step sample)."""
@@ -216,7 +222,7 @@ class PoolRouter:
         loads = self.loads
         healthy = candidates.healthy
         if request.priority == HIGH or self.mode != "slo-cost":
-            primary = candidates.fixed_primary or self._least_queued(candidates.gpus)
+            primary = candidates.fixed_primary or self._least_queued(candidates.gpus, request.affinity)
             if request.priority == HIGH:
                 return self._decision(primary, "high-to-primary")
             if self.mode == "primary":
@@ -230,6 +236,10 @@ class PoolRouter:
             return cheapest_meeting_slo(self, request, candidates.tiers, slo)
         if loads[primary.name].queued < self.threshold.value:
             return self._decision(primary, "primary-under-threshold")
+        cached = self.affinity.pool(request.affinity)
+        for pool in healthy:                       # where its conversation went, if it has room
+            if pool.name == cached and pool is not primary and self.has_room_by_rule(pool, slo):
+                return self._decision(pool, "overflow-cache-affinity")
         for pool in healthy:                       # cheapest first
             if pool is not primary and self.has_room_by_rule(pool, slo):
                 return self._decision(pool, "overflow-cheapest")
@@ -241,11 +251,17 @@ class PoolRouter:
         return load.free_kv >= self.min_free_kv and load.queued <= self.max_queue_for_overflow \
             and load.ttft_ms <= slo
 
-    def _least_queued(self, gpus: list[PoolSpec]) -> PoolSpec:
-        """The primary among GPU pools: the least queued (the first among equals)."""
+    def _least_queued(self, gpus: list[PoolSpec], affinity: int = 0) -> PoolSpec:
+        """The primary among GPU pools: the least queued (the first among equals), unless the
+        request's conversation went to another that is at most QUEUE_SLACK requests behind it."""
         loads = self.loads
         best = gpus[0]
         for pool in gpus[1:]:
             if loads[pool.name].queued < loads[best.name].queued:
                 best = pool
+        cached = self.affinity.pool(affinity)
+        if cached is not None and cached != best.name:
+            for pool in gpus:
+                if pool.name == cached and loads[pool.name].queued <= loads[best.name].queued + QUEUE_SLACK:
+                    return pool
         return best

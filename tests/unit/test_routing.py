@@ -145,3 +145,32 @@ def test_primary_mode_keeps_everything_on_the_primary():
     assert r.route(RouteRequest(M, LOW)).pool == "gpu"
     with pytest.raises(ValueError, match="routing mode"):
         PoolRouter([GPU], mode="random")
+
+
+def test_a_conversation_overflows_to_the_pool_that_holds_its_cache_while_the_rules_allow():
+    from services.router.cache_affinity import affinity_key
+    from services.common.proto.qos.v1 import common_pb2
+    npu_cheaper = PoolSpec("npu", "npu", frozenset({M}), cost_per_token=0.05)
+    r = router([GPU, npu_cheaper, CPU], gpu=BUSY_GPU, npu=load(), cpu=load())
+    turn = lambda *texts: [common_pb2.ChatMessage(role=role, content=text)          # noqa: E731
+                           for role, text in zip(("system", "user", "assistant", "user"), texts)]
+    first = RouteRequest(M, LOW, affinity=affinity_key("", turn("be brief", "hello")))
+    assert r.route(first).pool == "npu"                     # the cheapest with room
+    r.note_dispatch("cpu", first)                           # say it went to the CPU pool
+    later = RouteRequest(M, LOW, affinity=affinity_key("", turn("be brief", "hello", "hi!", "and then?")))
+    assert later.affinity == first.affinity                 # the same conversation's opening
+    assert r.route(later) == ("cpu", "overflow-cache-affinity", 0.0)
+    other = RouteRequest(M, LOW, affinity=affinity_key("", turn("be brief", "something else")))
+    assert r.route(other).pool == "npu"
+    r.loads["cpu"] = load(free_kv=0.01)                     # no room there any more: the rules win
+    assert r.route(later) == ("npu", "overflow-cheapest", 0.0)
+
+
+def test_among_gpu_pools_a_conversation_stays_unless_its_pool_queues_more_than_the_slack():
+    gpu2 = PoolSpec("gpu2", "cuda", frozenset({M}))
+    r = router([GPU, gpu2], gpu=load(queued=3), gpu2=load(queued=0))
+    request = RouteRequest(M, HIGH, affinity=42)
+    r.affinity.remember(42, "gpu")
+    assert r.route(request).pool == "gpu"                   # 3 more queued: within the slack of 4
+    r.loads["gpu"] = load(queued=5)
+    assert r.route(request).pool == "gpu2"
