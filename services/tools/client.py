@@ -20,6 +20,7 @@ class Answer:
     pool: str = ""
     cost_units: float = 0.0
     total_tokens: int = 0     # usage: prompt + completion tokens
+    cached_tokens: int = 0    # usage: prompt tokens the prefix cache served
 
 
 def sampling_params(max_tokens: int | None = None, temperature: float | None = None, **extra):
@@ -78,6 +79,7 @@ class RouterClient:
                 answer.server_timings = chunk.timings
                 answer.cost_units = chunk.cost_units
                 answer.total_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+                answer.cached_tokens = chunk.usage.cached_tokens
         answer.e2e_ms = (time.perf_counter() - started) * 1000
         return answer
 

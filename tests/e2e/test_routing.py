@@ -49,9 +49,12 @@ def test_low_burst_overflows_to_the_cheaper_pool_and_high_stays_on_the_primary()
         assert all(a.pool == "big" for a in highs)
         assert all(a.finish_reason == "length" for a in lows + highs)
         cost = {"big": 0.2, "small": 0.05}
-        # tokens x the pool's cost per token x the class's billing multiplier (High 3, Low 1)
+        # tokens x the pool's cost per token x the class's billing multiplier (High 3, Low 1), the
+        # prompt tokens the prefix cache served (the chat template's opening) at half price
         for answer, multiplier in [(a, 1.0) for a in lows] + [(a, 3.0) for a in highs]:
-            assert answer.cost_units == pytest.approx(answer.total_tokens * cost[answer.pool] * multiplier)
+            assert answer.cost_units == pytest.approx(
+                (answer.total_tokens - 0.5 * answer.cached_tokens) * cost[answer.pool] * multiplier)
+        assert any(a.cached_tokens for a in lows)
 
         by_pool = {g.name: g for g in stats.by_pool}
         assert by_pool["small"].requests == low_pools.count("small")
