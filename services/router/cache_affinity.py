@@ -6,8 +6,9 @@ computed the first. The router does not tokenize, so it keys a request by its op
 chat, the system message(s) and the first user message (what every turn of a conversation resends
 unchanged); for a plain prompt, its first OPENING_CHARS characters. It remembers the pool each key
 went to last (the most recent KEYS keys), and the routing rules prefer that pool wherever they
-would accept it (services/router/routing.py): an overflow pool that still has room by the rules,
-or, among several GPU pools, one at most QUEUE_SLACK requests more queued than the least queued.
+would accept it: an overflow pool that still has room by the rules, or, among several GPU pools,
+one at most QUEUE_SLACK requests more queued than the least queued (services/router/routing.py);
+in slo-cost, within a price, the pool predicted to meet the SLO (services/router/slo_cost.py).
 Pure Python.
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ Rules, in order (../shared/DESIGN.md, Routing semantics):
                                   token meets the request's SLO (x-slo-ms, or its class default);
   5. otherwise                 -> queue on the primary.
 Prefix caching: where the rules accept several pools (an overflow pool with room, one of several
-GPU pools), the one the request's conversation or system prompt went to last comes first
-(cache_affinity.py); rules "overflow-cache-affinity" and "high-to-primary" then name it.
+GPU pools; in slo-cost, within a price), the one the request's conversation or system prompt
+went to last comes first (cache_affinity.py).
 The overflow threshold adapts: it drops while the cheap pools idle and the primary queues, and
 rises while the cheap pools back up.
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.priority import LOW, MEDIUM
+from services.router.cache_affinity import CacheAffinity
 from services.router.latency_model import LatencyModel
 from services.router.route_types import Decision, PoolLoad, PoolSpec, RouteRequest
 
@@ -25,6 +26,7 @@ class PoolRouter(Protocol):
     models: dict[str, LatencyModel]
     loads: dict[str, PoolLoad]
     min_free_kv: float
+    affinity: CacheAffinity
 
     def has_room_by_rule(self, pool: PoolSpec, slo: float) -> bool: ...
 
@@ -65,6 +67,9 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
         if bound > slo:
             skipped.append((bound, tier))
             continue
+        cached = _cached_pool(router, tier, request, slo)
+        if cached is not None:
+            return cached
         chosen, tier_fastest, tier_ms = _scan(router, tier, priority, prompt, slo)
         if chosen is not None:
             return chosen
@@ -92,6 +97,25 @@ def cheapest_meeting_slo(router: PoolRouter, request: RouteRequest, tiers: list[
     if fastest is None:                        # no pool measured and none with room
         return Decision(tiers[-1].members[0][0].name, "slo-fastest")
     return Decision(fastest.name, "slo-fastest", fastest_ms / router.models[fastest.name].margin)
+
+
+def _cached_pool(router: PoolRouter, tier: PriceTier, request: RouteRequest, slo: float) -> Decision | None:
+    """The pool of this tier the request's conversation or system prompt went to last
+    (cache_affinity.py), when it meets the SLO with KV room as _scan would judge it: within a
+    price, the pool that holds the request's cache comes before the turn order."""
+    name = router.affinity.pool(request.affinity)
+    if name is None:
+        return None
+    for pool, model in tier.members:
+        if pool.name != name:
+            continue
+        if not model.known:
+            return Decision(name, "slo-cost-cache-affinity") if router.has_room_by_rule(pool, slo) else None
+        predicted = model.ttft_ms(request.priority, request.prompt_tokens)
+        if predicted * model.margin <= slo and router.loads[name].free_kv >= router.min_free_kv:
+            return Decision(name, "slo-cost-cache-affinity", predicted)
+        return None
+    return None
 
 
 def _scan(router: PoolRouter, tier: PriceTier, priority: int, prompt: int,

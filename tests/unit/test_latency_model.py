@@ -183,3 +183,21 @@ def test_an_unmeasured_pool_is_judged_by_the_overflow_rule():
     assert router.route(RouteRequest(M, LOW, prompt_tokens=10)).rule == "slo-cost-unmeasured"
     router.update("cpu1", PoolLoad(healthy=True, queued=50, free_kv=0.9))
     assert router.route(RouteRequest(M, LOW, prompt_tokens=10)).pool == "gpu"
+
+
+def test_within_a_price_a_conversation_goes_back_to_the_pool_that_holds_its_cache():
+    router = slo_router([GPU, NPU, CPU1, CPU2], SPEEDS)
+    request = RouteRequest(M, LOW, prompt_tokens=100, slo_ms=5_000, affinity=7)
+    first = router.route(request)
+    router.note_dispatch(first.pool, request)              # remembered where it went
+    other = "cpu2" if first.pool == "cpu1" else "cpu1"
+    assert router.route(RouteRequest(M, LOW, prompt_tokens=100, slo_ms=5_000)).pool == other   # turn order
+    again = router.route(request)
+    assert (again.pool, again.rule) == (first.pool, "slo-cost-cache-affinity")
+    # Never a pricier pool for its cache: remembered on the NPU, it still takes the cheapest that meets the SLO.
+    router.affinity.remember(7, "npu")
+    assert router.route(request).pool in ("cpu1", "cpu2")
+    # Nor one that misses the SLO: the turn order goes on.
+    router.affinity.remember(7, first.pool)
+    assert router.route(RouteRequest(M, LOW, prompt_tokens=100, slo_ms=150, affinity=7)).rule != \
+        "slo-cost-cache-affinity"
