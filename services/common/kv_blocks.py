@@ -94,8 +94,7 @@ class KVBlockPool:
             self._free.append(block)
         self._held[owner] -= len(blocks)
 
-    def releasable(self, owner: Hashable, blocks: Iterable[int]) -> tuple[int, int]:
+    def releasable(self, owner: Hashable, blocks: list[int]) -> tuple[int, int]:
         """What freeing `blocks` would give back: to the pool, and off `owner`'s count (all of
         them: nothing is shared here; services/common/prefix_blocks.py shares)."""
-        count = len(blocks) if isinstance(blocks, (list, tuple)) else sum(1 for _ in blocks)
-        return count, count
+        return len(blocks), len(blocks)

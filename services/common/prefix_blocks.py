@@ -5,9 +5,8 @@ then skips computing them.
 A block's name (block_hashes) covers its parent block's name, its token ids and the LoRA adapter
 (with the adapter's load generation, so reloading a name under new weights names new blocks):
 two blocks with one name hold the same K/V, since a position's K/V depend only on the tokens up
-to it. The name is a 128-bit blake2b digest: deterministic across processes (the router names a
-prompt's first blocks the same way to keep a conversation on one pool) and, unlike Python's
-hash(), never equal for two different contents in practice.
+to it. The name is a 128-bit blake2b digest: unlike Python's hash(), the same in every process
+and never equal for two different contents in practice.
 
 PrefixCachingPool keeps KVBlockPool's interface (the planner allocates and frees through it) and
 adds sharing:
@@ -203,9 +202,6 @@ class PrefixCachingPool:
         self._name_of[block] = name
         return True
 
-    def is_named(self, block: int) -> bool:
-        return block in self._name_of
-
     def idle(self, owner: Hashable) -> int:
         """Idle named blocks last held by `owner`."""
         idle = self._idle.get(owner)
@@ -215,12 +211,6 @@ class PrefixCachingPool:
     def num_named(self) -> int:
         return len(self._name_of)
 
-    def clear_idle(self) -> int:
-        """Forget every idle named block (e.g. its worker's KV is gone); returns how many."""
-        count = self._idle_count
-        self._evict(count, counted=False)
-        return count
-
     # --- eviction --------------------------------------------------------------------------------
 
     def _keep_within_limit(self, owner: Hashable) -> None:
@@ -229,20 +219,19 @@ class PrefixCachingPool:
         while limit is not None and len(idle) > limit:
             self._drop(owner, idle.popitem(last=False)[0])
 
-    def _evict(self, count: int, counted: bool = True) -> None:
+    def _evict(self, count: int) -> None:
         """Reclaim `count` idle blocks onto the free list, by eviction order, LRU within a class."""
         for owner in (*self.eviction_order, *(o for o in self._idle if o not in self.eviction_order)):
             idle = self._idle.get(owner)
             while count > 0 and idle:
-                self._drop(owner, idle.popitem(last=False)[0], counted)
+                self._drop(owner, idle.popitem(last=False)[0])
                 count -= 1
             if count <= 0:
                 return
 
-    def _drop(self, owner: Hashable, block: int, counted: bool = True) -> None:
+    def _drop(self, owner: Hashable, block: int) -> None:
         del self._block_of[self._name_of.pop(block)]
         del self._idle_owner[block]
         self._idle_count -= 1
         self._free.append(block)
-        if counted:
-            self.evictions[owner] += 1
+        self.evictions[owner] += 1

@@ -63,8 +63,8 @@ class StepPlanner:
         # Workers that ran a cut-in during their last step: the next plan gives the first-token
         # lane the turn the cut-in took from it (plan_cut_in).
         self.after_cut_in: set[int] = set()
-        # Prefix caching over several workers: whether a worker may admit a request now (the
-        # batcher's may_place: the one holding its longest cached prefix, unless load wins).
+        # Prefix caching over several workers: whether a worker may admit a request now
+        # (PrefixCache.placer: the one holding its longest cached prefix, unless load wins).
         self.may_place: Callable[[Worker, Request], bool] | None = None
         self.room = Room(policy, self.running, self.running_by_class, self.preempt,
                          prefix_cache.work_lost if prefix_cache is not None else None)
@@ -296,11 +296,11 @@ class StepPlanner:
         # prompts rarely need to preempt others to finish their prefill. Blocks the worker holds
         # of its prefix (prefix caching) are shared first: they need no room of their own.
         pool, cache = worker.pool, self.prefix_cache
-        cached = cache.take_cached(pool, request) if cache is not None else ()
+        cached, woken = cache.take_cached(pool, request) if cache is not None else ((), None)
         need = blocks_for_tokens(request.num_tokens + 1, pool.block_size) - len(cached)
         if not self.room.make_room(worker, builder, request, need, admitting=True):
             if cached:
-                pool.free(request.priority, cached, cache.last_woken)
+                pool.free(request.priority, cached, woken)
             return False
         self.policy.remove(request)
         request.phase = Phase.RUNNING

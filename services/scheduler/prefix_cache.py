@@ -7,10 +7,10 @@
   taken. A resumed (preempted) sequence finds its own blocks this way, if they were not evicted.
 - After each step (batcher.postprocess): the blocks a sequence filled with computed K/V are named,
   so that later sequences, and this one after a preemption, can share them.
-- Placement (placement(), asked through placer()): a request goes to the worker of the pool holding the longest
-  cached prefix of it, unless that worker runs more sequences than the least loaded one by more
-  than `affinity_margin` of max_running (then load wins: any worker may take it, the emptiest
-  first), or has no running slot free.
+- Placement (placement(), asked through placer()): a request goes to the worker of the pool
+  holding the longest cached prefix of it, unless that worker runs more sequences than the least
+  loaded one by more than `affinity_margin` of max_running (then load wins: any worker may take
+  it, the emptiest first), or has no running slot free.
 - Per class: prompt tokens looked up and found at first admission (the hit rate), and the pools'
   evictions, for /metrics, `qos-serve stats` and the console.
 
@@ -35,7 +35,6 @@ class PrefixCache:
         self.queried: Counter = Counter()     # per class: prompt tokens at first admission
         self.hits: Counter = Counter()        # per class: of those, computed from cache
         self.adapter_generation: Counter = Counter()
-        self.last_woken: dict = {}            # take_cached's idle blocks, to undo it (pool.free)
 
     def make_pool(self, num_blocks: int, block_size: int) -> PrefixCachingPool:
         """A worker's pool: idle blocks evicted lowest class first, each class's bounded."""
@@ -58,21 +57,22 @@ class PrefixCache:
             names.append(block_name(names[-1] if names else None, request.token_ids(start, start + block_size), key))
         return names
 
-    def take_cached(self, pool: PrefixCachingPool, request: Request) -> list[int]:
-        """The pool's blocks holding the request's longest cached prefix, now referenced for its
-        class (undo with pool.free if it is not admitted after all)."""
+    def _cached_prefix(self, pool: PrefixCachingPool, request: Request) -> list[int]:
+        """The pool's blocks holding the request's longest cached prefix, within the blocks wholly
+        before its last known token (that one is always computed, for its logits)."""
         usable = (request.num_tokens - 1) // pool.block_size
-        if usable <= 0:
-            return []
-        blocks = pool.lookup(self.names(request, usable, pool.block_size)[:usable])
-        self.last_woken = pool.share(request.priority, blocks) if blocks else {}
-        return blocks
+        return pool.lookup(self.names(request, usable, pool.block_size)[:usable]) if usable > 0 else []
+
+    def take_cached(self, pool: PrefixCachingPool, request: Request) -> tuple[list[int], dict]:
+        """The request's cached prefix on the pool, now referenced for its class, and the blocks
+        that were idle (pass both to pool.free to undo it, if it is not admitted after all)."""
+        blocks = self._cached_prefix(pool, request)
+        return blocks, (pool.share(request.priority, blocks) if blocks else {})
 
     def cached_blocks(self, pool: PrefixCachingPool, request: Request) -> int:
         """How many of the request's leading blocks the pool would give it now (take_cached,
         without taking them)."""
-        usable = (request.num_tokens - 1) // pool.block_size
-        return len(pool.lookup(self.names(request, usable, pool.block_size)[:usable])) if usable > 0 else 0
+        return len(self._cached_prefix(pool, request))
 
     def admitted(self, request: Request, cached: list[int], block_size: int, first: bool) -> None:
         """Admitted with `cached` blocks; `first`: its first admission (counted for the hit rate
