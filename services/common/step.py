@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from services.common.proto.qos.v1 import common_pb2
+from services.common.stream_window import StreamWindow
 
 
 class FinishReason(IntEnum):
@@ -58,11 +59,15 @@ class SequenceWork:
     seq_id: int
     token_ids: list[int]              # tokens to compute now (a prefill chunk, or the last token)
     position: int                     # position of token_ids[0]; the rest follow contiguously
-    block_table: list[int]            # KV block ids covering positions 0 .. position+len-1
+    block_table: list[int]            # KV block ids covering positions 0 .. position+len-1 (dense)
     sampling: SamplingParams = GREEDY
     num_generated: int = 0            # output tokens the sequence already has
     sample: bool = True               # False for a prefill chunk that does not end the prompt
     lora: str = ""                    # the LoRA adapter its projections add ("": the base model)
+    # Streaming mode (services/common/stream_window.py): the window it attends, and how many of its
+    # text blocks after the sink block were dropped from the front of block_table. None: dense.
+    window: StreamWindow | None = None
+    dropped_blocks: int = 0
 
     @property
     def end(self) -> int:

@@ -28,6 +28,7 @@ from services.engine.model import AttentionLayout, ContextAttention, LlamaDecode
 from services.engine.paged_attention import DecodeKernel, load_decode_kernel
 from services.engine.sampler import sample
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
+from services.common.stream_window import kept_blocks, table_index
 from services.engine.weights import load_safetensors
 
 log = logging.getLogger(__name__)
@@ -211,8 +212,9 @@ class Engine:
         if token_id in params.stop_token_ids or (
                 not params.ignore_eos and token_id in self.model_config.eos_token_ids):
             return FinishReason.STOP
-        # The new token would sit at position seq.end: past the window it could never be fed back.
-        if seq.num_generated + 1 >= params.max_tokens or seq.end >= self.max_context:
+        # The new token would sit at position seq.end: past the window it could never be fed back
+        # (streaming mode has no such end).
+        if seq.num_generated + 1 >= params.max_tokens or (seq.window is None and seq.end >= self.max_context):
             return FinishReason.LENGTH
         return None
 
@@ -241,14 +243,17 @@ class Engine:
                 raise InvalidStepError(f"{name} has no tokens to compute")
             if seq.position < 0:
                 raise InvalidStepError(f"{name} starts at negative position {seq.position}")
-            if seq.end > self.max_context:
-                raise InvalidStepError(
-                    f"{name} would reach position {seq.end - 1}, beyond the model's context window "
-                    f"of {self.max_context} tokens")
             bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidStepError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
-            needed = blocks_for(seq.end, block_size)
+            if seq.window is None:
+                if seq.end > self.max_context:
+                    raise InvalidStepError(
+                        f"{name} would reach position {seq.end - 1}, beyond the model's context window "
+                        f"of {self.max_context} tokens")
+                needed, first_block = blocks_for(seq.end, block_size), seq.position // block_size
+            else:
+                needed, first_block = self._check_window(seq, name)
             if len(seq.block_table) < needed:
                 raise InvalidStepError(
                     f"{name} needs {needed} KV blocks for positions 0..{seq.end - 1} but its block "
@@ -258,13 +263,28 @@ class Engine:
                 raise InvalidStepError(f"{name} has block id {bad} outside [0, {num_blocks})")
             if len(set(seq.block_table[:needed])) != needed:
                 raise InvalidStepError(f"{name} lists the same KV block twice in its block table")
-            first_block, last_block = seq.position // block_size, (seq.end - 1) // block_size
-            for block in seq.block_table[first_block:last_block + 1]:
+            for block in seq.block_table[first_block:needed]:
                 # Two sequences writing the same block in one step would corrupt each other.
                 if block in written:
                     raise InvalidStepError(
                         f"{name} writes KV block {block}, which another sequence writes this step")
                 written.add(block)
+
+    def _check_window(self, seq: SequenceWork, name: str) -> tuple[int, int]:
+        """A streaming entry's window fits the model and its dropped blocks are ones it no longer
+        reads; returns (block table entries it needs, the first it writes)."""
+        block_size = self.kv_spec.block_size
+        try:
+            seq.window.check(self.max_context, block_size)
+        except ValueError as exc:
+            raise InvalidStepError(f"{name}: {exc}") from None
+        dropped = seq.dropped_blocks
+        first_read = seq.window.first_kept_block(seq.position, block_size)
+        if dropped < 0 or (dropped and first_read <= dropped):
+            raise InvalidStepError(f"{name} dropped {dropped} KV blocks but its window still reads "
+                                   f"text block {first_read}")
+        return (kept_blocks(seq.end, dropped, block_size),
+                table_index(seq.position, dropped, block_size))
 
     def _prepare(self, batch: StepBatch) -> tuple[list[SequenceWork], torch.Tensor, AttentionLayout]:
         """Order the step's entries for the model and describe their attention.
@@ -273,9 +293,10 @@ class Engine:
         start one (their own K/V are their whole context, no gather needed)."""
         self._validate(batch)
         block_size = self.kv_spec.block_size
-        decodes = [s for s in batch.sequences if len(s.token_ids) == 1]
-        continued = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position > 0]
-        fresh = [s for s in batch.sequences if len(s.token_ids) > 1 and s.position == 0]
+        dense = [s for s in batch.sequences if s.window is None]
+        decodes = [s for s in dense if len(s.token_ids) == 1]
+        continued = [s for s in dense if len(s.token_ids) > 1 and s.position > 0]
+        fresh = [s for s in dense if len(s.token_ids) > 1 and s.position == 0]
 
         ordered: list[SequenceWork] = []
         cached: list[ContextAttention] = []
@@ -289,6 +310,10 @@ class Engine:
             cached.append(self._context_attention(members, len_before=sum(
                 len(s.token_ids) for s in ordered)))
             ordered.extend(members)
+        for members in self._streaming_groups([s for s in batch.sequences if s.window is not None]):
+            cached.append(self._windowed_attention(members, len_before=sum(
+                len(s.token_ids) for s in ordered)))
+            ordered.extend(members)
         fresh_spans = []
         for seq in fresh:
             fresh_spans.append((sum(len(s.token_ids) for s in ordered), len(seq.token_ids)))
@@ -299,14 +324,28 @@ class Engine:
         slots: list[int] = []
         for seq in ordered:
             token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.position, seq.end))
+            table, dropped = seq.block_table, seq.dropped_blocks
             for pos in range(seq.position, seq.end):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+                slots.append(table[table_index(pos, dropped, block_size)] * block_size + pos % block_size)
         device = self.device
         layout = AttentionLayout(positions=torch.tensor(positions, device=device),
                                  slots=torch.tensor(slots, device=device),
-                                 cached=cached, fresh=fresh_spans, decodes=paged)
+                                 cached=cached, fresh=fresh_spans, decodes=paged,
+                                 max_position=max(positions))
         return ordered, torch.tensor(token_ids, device=device), layout
+
+    @staticmethod
+    def _streaming_groups(streaming: list[SequenceWork]) -> list[list[SequenceWork]]:
+        """Streaming decodes with the same window attend together; each chunk alone."""
+        decodes: dict = {}
+        groups = []
+        for seq in streaming:
+            if len(seq.token_ids) == 1:
+                decodes.setdefault(seq.window, []).append(seq)
+            else:
+                groups.append([seq])
+        return [*decodes.values(), *groups]
 
     def _paged_decodes(self, decodes: list[SequenceWork]) -> PagedDecodes:
         block_size = self.kv_spec.block_size
@@ -314,6 +353,29 @@ class Engine:
         tables = [(s.block_table + [0] * widest)[:widest] for s in decodes]
         return PagedDecodes(num_seqs=len(decodes), block_tables=torch.tensor(tables, dtype=torch.int64),
                             context_lens=torch.tensor([s.end for s in decodes], dtype=torch.int64))
+
+    def _windowed_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
+        """Attention of streaming sequences (one chunk, or decodes sharing a window) over the blocks
+        they keep: the mask is the window rule of services/common/stream_window.py, by the text
+        position of every gathered slot."""
+        block_size, device = self.kv_spec.block_size, self.device
+        window = members[0].window
+        num_blocks = max(kept_blocks(s.end, s.dropped_blocks, block_size) for s in members)
+        block_ids = [b for s in members for b in (s.block_table + [0] * num_blocks)[:num_blocks]]
+        slots = torch.arange(num_blocks * block_size, device=device)
+        dropped = torch.tensor([[s.dropped_blocks * block_size] for s in members], device=device)
+        # Slot i of a row holds text position i in the sink block, i + dropped blocks after it.
+        keys = torch.where(slots < block_size, slots, slots + dropped).unsqueeze(1)      # [seqs, 1, K]
+        queries = torch.tensor([list(range(s.position, s.end)) for s in members], device=device)
+        query_positions = queries.unsqueeze(-1)                                          # [seqs, Q, 1]
+        mask = (keys <= query_positions) & (
+            (keys < window.sink_tokens) | (keys > query_positions - window.window_tokens))
+        return ContextAttention(
+            start=len_before, num_queries=sum(len(s.token_ids) for s in members),
+            num_seqs=len(members), num_blocks=num_blocks,
+            block_ids=torch.tensor(block_ids, device=device), mask=mask.unsqueeze(1),
+            sinks=window.sink_tokens,
+            sink_positions=queries.flatten().clamp(max=window.cache_tokens - 1))
 
     def _context_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
         """Attention over cached context for one decode group or one continued prefill chunk."""

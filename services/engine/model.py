@@ -44,6 +44,11 @@ class ContextAttention:
     num_blocks: int               # blocks gathered per sequence (the longest context, padded)
     block_ids: torch.Tensor       # [num_seqs * num_blocks] block ids, row by row
     mask: torch.Tensor            # [num_seqs, 1, queries per seq, num_blocks * block_size] bool
+    # Streaming mode (services/common/stream_window.py): the first `sinks` keys of every row are
+    # attention sinks, scored by the query rotated to its cache position (sink_positions, one per
+    # query); the other keys, rotated by text position like the query itself, need nothing more.
+    sinks: int = 0
+    sink_positions: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +71,7 @@ class AttentionLayout:
     cached: list[ContextAttention]
     fresh: list[tuple[int, int]]
     decodes: PagedDecodes | None = None
+    max_position: int = 0         # the largest of `positions` (streaming mode: may pass the context)
 
 
 @dataclass(slots=True)
@@ -106,6 +112,29 @@ def _fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
     if any(p is None for p in parts):
         raise UnsupportedModelError("q/k/v projections must all have a bias or none")
     return torch.cat(parts)
+
+
+def windowed_attention(query: torch.Tensor, sink_query: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, mask: torch.Tensor, sinks: int) -> torch.Tensor:
+    """Attention of streaming mode: query and sink_query [seqs, heads, Q, D] (rotated by text and
+    by cache position), keys and values [seqs, kv_heads, K, D], mask [seqs, 1, Q, K]; the first
+    `sinks` keys are scored with sink_query. Returns [seqs, Q, heads * D] in query order.
+
+    Written out (two score matrices, one softmax) because SDPA takes one query per row; every
+    query sees at least its own key, so no row is all masked."""
+    seqs, heads, num_queries, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads          # query heads h*group .. h*group+group-1 read kv head h
+    rows = (seqs, kv_heads, group * num_queries, dim)
+    scores = torch.matmul(query.reshape(rows), keys.transpose(-1, -2))
+    if sinks:
+        scores[..., :sinks] = torch.matmul(sink_query.reshape(rows), keys[:, :, :sinks].transpose(-1, -2))
+    scores.mul_(dim ** -0.5)
+    visible = mask.unsqueeze(2).expand(seqs, 1, group, num_queries, mask.shape[-1])
+    scores.masked_fill_(~visible.reshape(seqs, 1, group * num_queries, -1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.matmul(weights, values).view(seqs, heads, num_queries, dim)
+    return out.transpose(1, 2).reshape(seqs, num_queries, heads * dim)
 
 
 class LlamaDecoder:
@@ -179,9 +208,11 @@ class LlamaDecoder:
         cut-in), since all this step's state is local and the cache slots it writes are its own."""
         c = self.config
         num_tokens, qk_width = token_ids.shape[0], self._qk_width
-        cos, sin = self.rotary.lookup(layout.positions)
+        cos, sin = self.rotary.lookup(layout.positions, layout.max_position)
         # One pair of gather buffers per attention group, reused by every layer.
         buffers = [cache.new_gather_buffers(g.num_seqs * g.num_blocks) for g in layout.cached]
+        sink_rotations = [None if g.sink_positions is None else self.rotary.lookup(g.sink_positions)
+                          for g in layout.cached]
         x = self.embed[token_ids]
         for index, layer in self._layers(pause):
             h = self._norm(x, layer.input_norm)
@@ -192,7 +223,8 @@ class LlamaDecoder:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, qk_width:].view(num_tokens, c.num_kv_heads, c.head_dim)
             cache.write(index, layout.slots, k, v)
-            attended = self._attention(q, k, v, layout, cache, index, buffers, pause)
+            attended = self._attention(q, k, v, layout, cache, index, buffers, pause,
+                                       qkv[:, :c.num_heads * c.head_dim], sink_rotations)
             if lora is None:
                 x = x + layer.out(attended)
                 gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
@@ -223,7 +255,10 @@ class LlamaDecoder:
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).float()
 
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
-                   buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None) -> torch.Tensor:
+                   buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None,
+                   raw_q: torch.Tensor | None = None, sink_rotations: list | None = None) -> torch.Tensor:
+        """`raw_q` [T, heads * head_dim]: queries before rotation; `sink_rotations`: per cached
+        group, cos and sin of its sink positions (streaming groups) or None."""
         c = self.config
         width = c.num_heads * c.head_dim
         outputs = []
@@ -233,13 +268,26 @@ class LlamaDecoder:
                                      cache.keys[layer], cache.values[layer], layout.decodes.block_tables,
                                      layout.decodes.context_lens, cache.block_size, c.head_dim ** -0.5)
             outputs.append(out.view(n, width))
-        for group, (key_buffer, value_buffer) in zip(layout.cached, buffers):
+        for index, (group, (key_buffer, value_buffer)) in enumerate(zip(layout.cached, buffers)):
             cache.gather_blocks(layer, group.block_ids, key_buffer, value_buffer)
             rows = (group.num_seqs, -1, c.num_kv_heads, c.head_dim)
             keys = key_buffer.view(rows).transpose(1, 2)      # [seqs, kv_heads, context, D]
             values = value_buffer.view(rows).transpose(1, 2)
             end = group.start + group.num_queries
             per_seq = group.num_queries // group.num_seqs
+            if group.sink_positions is not None:
+                per_query = (group.num_seqs, per_seq, c.num_heads, c.head_dim)
+                query = q[group.start:end].view(per_query).transpose(1, 2)
+                sink_query = apply_rotary(raw_q[group.start:end].view(-1, c.num_heads, c.head_dim),
+                                          *sink_rotations[index]).view(per_query).transpose(1, 2)
+                piece = max(1, ATTENTION_PIECE_SCORES // keys.shape[2])
+                for first in range(0, per_seq, piece):
+                    out = windowed_attention(query[:, :, first:first + piece], sink_query[:, :, first:first + piece],
+                                             keys, values, group.mask[:, :, first:first + piece], group.sinks)
+                    outputs.append(out.reshape(-1, width))
+                    if pause is not None:
+                        pause()
+                continue
             if per_seq == 1:
                 # Decodes: a kv head's query heads become its query rows, so each kv head's keys
                 # are read once by one small matmul rather than once per query head

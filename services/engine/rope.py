@@ -1,4 +1,9 @@
-"""Rotary position embeddings: the cos/sin tables, built once per model, looked up by position."""
+"""Rotary position embeddings: the cos/sin tables, built once per model, looked up by position.
+
+Positions past the model's context window occur only in streaming mode (the text position of a
+long document's token: services/common/stream_window.py); their angles are computed when asked,
+in float64, since an fp32 product of a large position and a frequency is off by up to ~1e-3 rad.
+"""
 from __future__ import annotations
 
 import math
@@ -34,6 +39,8 @@ class RotaryTable:
 
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         inv_freq = inverse_frequencies(config)
+        self._inv_freq64 = inv_freq.double().to(device)
+        self.dtype = dtype
         positions = torch.arange(config.max_context, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
@@ -44,9 +51,21 @@ class RotaryTable:
         half = sin.shape[-1] // 2
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, max_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over heads.
+        `max_position`: the largest of them, when it may lie past the table."""
+        length = self.cos.shape[0]
+        if max_position < length:
+            return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+        cos, sin = self.cos[positions.clamp(max=length - 1)], self.signed_sin[positions.clamp(max=length - 1)]
+        far = positions >= length
+        freqs = positions[far].double().unsqueeze(1) * self._inv_freq64
+        angles = torch.cat((freqs, freqs), dim=-1)
+        half = angles.shape[-1] // 2
+        signed = angles.sin()
+        signed[:, :half].neg_()
+        cos[far], sin[far] = angles.cos().to(self.dtype), signed.to(self.dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
