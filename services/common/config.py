@@ -38,6 +38,7 @@ POLICIES = ("qos", "fcfs")
 ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
+LONG_PROMPTS = ("refuse", "stream")                 # SchedulerConfig.long_prompts
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
 DEVICES = ("cuda", "npu", "cpu")
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
@@ -176,6 +177,20 @@ class SchedulerConfig(ServiceConfig):
                                            "cached prefix of it unless that worker runs more sequences than the "
                                            "least loaded one by more than this share of max_running",
                                            bounds=Bounds(0, 1))
+    long_prompts: list = setting(doc="per class, a request whose prompt + max_tokens pass the model's context "
+                                 "and that names no context_mode: refused (refuse) or served in streaming "
+                                 "mode (stream: attention sinks + a recent window)",
+                                 factory=lambda: ["refuse", "refuse", "stream"], kind=str, per_class=True,
+                                 choices=LONG_PROMPTS)
+    stream_sink_tokens: int = setting(4, "streaming mode: the first tokens every token attends (attention "
+                                      "sinks)", bounds=Bounds(0), note="<= the workers' block_size")
+    stream_window_tokens: int = setting(2048, "streaming mode: the most recent tokens every token attends",
+                                        bounds=Bounds(1), note="sinks + window <= the model's context")
+    stream_chunk_tokens: int = setting(256, "streaming mode: the largest prompt chunk of one step (a sequence "
+                                       "holds at most the sink block and the blocks of window + chunk)",
+                                       bounds=Bounds(1))
+    stream_max_tokens: int = setting(131072, "streaming mode: the longest prompt + max_tokens accepted",
+                                     bounds=Bounds(1))
     step_timeout_s: float = setting(30.0, "a worker slower than this to answer one step (idle ones get a "
                                     "heartbeat step every 0.5 s) counts as hung: its sequences are "
                                     "recomputed elsewhere and its stream is closed", bounds=POSITIVE)

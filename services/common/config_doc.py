@@ -47,7 +47,9 @@ def default_of(f: Field) -> str:
 def values_of(f: Field) -> str:
     meta = f.metadata
     kind = meta["kind"]
-    if meta["per_class"]:
+    if meta["per_class"] and meta["choices"]:
+        text = "high, medium, low: each " + " or ".join(f"`{c}`" for c in meta["choices"])
+    elif meta["per_class"]:
         element = "integers" if kind is int else "numbers"
         text = f"high, medium, low: {element}" + (f" {meta['bounds']}" if meta["bounds"] else "")
     elif meta["choices"]:

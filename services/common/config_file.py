@@ -51,6 +51,10 @@ def _is(value, kind: type) -> bool:
 def check_value(meta, value, key: str) -> None:
     """`value` against a key's setting(): its type, its choices, its bounds (each of three, per class)."""
     kind, bounds, choices = meta["kind"], meta["bounds"], meta["choices"]
+    if meta["per_class"] and choices:
+        if not (isinstance(value, list) and len(value) == 3 and all(v in choices for v in value)):
+            raise ConfigError(f"{key} must be 3 of {', '.join(choices)} (high, medium, low), got {value!r}")
+        return
     if meta["per_class"]:
         element = kind if kind in (int, float) else float
         if not (isinstance(value, list) and len(value) == 3 and all(_is(v, element) for v in value)

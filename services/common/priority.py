@@ -16,6 +16,10 @@ TENANT_HEADER = "x-tenant"
 SLO_HEADER = "x-slo-ms"
 LORA_HEADER = "x-lora"
 STREAM_INTERVAL_HEADER = "x-stream-interval"
+CONTEXT_MODE_HEADER = "x-context-mode"
+# x-context-mode values (and the HTTP body's context_mode) -> qos.v1.ContextMode
+CONTEXT_MODES = {"auto": common_pb2.CONTEXT_MODE_AUTO, "dense": common_pb2.CONTEXT_MODE_DENSE,
+                 "streaming": common_pb2.CONTEXT_MODE_STREAMING}
 # Stream intervals go as a uint32; a request that is not streamed asks for the largest, and then
 # gets its first token's chunk, one every max hold (the scheduler's stream_max_hold_ms) and the last.
 MAX_STREAM_INTERVAL = 2**31 - 1
@@ -54,6 +58,17 @@ def parse_priority(value: str | None) -> Priority:
 def priority_name(priority: int) -> str:
     """The label of a priority value (a wire int or a Priority); "medium" for anything else."""
     return _LABELS.get(priority, DEFAULT_PRIORITY.label)
+
+
+def parse_context_mode(value: str | None, name: str = CONTEXT_MODE_HEADER) -> int:
+    """`x-context-mode` value -> qos.v1.ContextMode; missing means auto. Raises ValueError naming
+    the value for anything else."""
+    if value is None:
+        return common_pb2.CONTEXT_MODE_AUTO
+    try:
+        return CONTEXT_MODES[value.strip().lower()]
+    except KeyError:
+        raise ValueError(f"invalid {name} {value!r}: use auto, dense or streaming") from None
 
 
 def parse_slo_ms(value: str | None) -> int:

@@ -30,8 +30,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.config import RouterConfig
-from services.common.errors import ErrorKind, ServiceError
-from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
+from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.priority import CONTEXT_MODE_HEADER, MAX_STREAM_INTERVAL, PRIORITY_HEADER
 from services.common.tracing import extract_metadata
 from services.common.wire import prompt_chars
 from services.control import adapter_admin
@@ -45,7 +45,8 @@ CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name,
     ("index.html", "text/html; charset=utf-8"), ("console.js", "text/javascript; charset=utf-8"),
     ("console.css", "text/css; charset=utf-8"))}
 
-HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "x-stream-interval", "authorization")
+HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "x-stream-interval", "x-context-mode",
+           "authorization")
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,11 @@ class HttpFront:
             headers = {k: http.headers[k] for k in HEADERS if k in http.headers}
             if PRIORITY_HEADER not in headers and request.tier is not None:
                 headers[PRIORITY_HEADER] = request.tier.label      # the header wins over the body
+            if request.context_mode is not None:
+                sent = headers.setdefault(CONTEXT_MODE_HEADER, request.context_mode)
+                if sent.strip().lower() != request.context_mode:
+                    raise invalid(f"context_mode {request.context_mode!r} and the x-context-mode header "
+                                  f"{sent!r} differ: send one of them", "context_mode")
             head, caller = self.router.let_in(headers)
             if not request.stream and not head.stream_interval:
                 # The answer goes out whole: tokens come from the scheduler in as few chunks as

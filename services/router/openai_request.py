@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import invalid
-from services.common.priority import HIGH, LOW, MEDIUM, Priority
+from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT, COMPLETION = "chat", "completion"
@@ -28,7 +28,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (c
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
           "service_tier", "stream", "stream_options",
-          "top_k", "ignore_eos", "stop_token_ids"}       # the last three as vLLM takes them
+          "top_k", "ignore_eos", "stop_token_ids",        # these three as vLLM takes them
+          "context_mode"}                                 # ours: auto, dense or streaming attention
 # Identifiers and caching hints: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier", "prompt_cache_key"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens"},
@@ -55,6 +56,7 @@ class OpenAIRequest:
     tier: Priority | None = None         # from service_tier; the X-Priority header wins over it
     user: str = ""
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
+    context_mode: str | None = None      # as sent (the x-context-mode header must agree)
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
@@ -256,6 +258,12 @@ def _options(body: dict, request: OpenAIRequest) -> None:
         request.tier = TIERS[tier]
     if body.get("user") is not None:
         request.user = _text(body["user"], "user")
+    if body.get("context_mode") is not None:
+        request.context_mode = _text(body["context_mode"], "context_mode").strip().lower()
+        try:
+            parse_context_mode(request.context_mode, "context_mode")
+        except ValueError as exc:
+            raise invalid(str(exc), "context_mode") from None
     for hint in HINTS:
         if body.get(hint) is not None:
             _text(body[hint], hint)

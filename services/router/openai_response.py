@@ -20,10 +20,15 @@ def finish_label(value: int) -> str | None:
 
 
 def usage_of(chunk: common_pb2.GenerateChunk) -> dict:
+    """OpenAI's usage object; `streaming` (ours) when streaming mode served the request: the model
+    attended the first sink_tokens and the window_tokens most recent at each token, not the whole."""
     u = chunk.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "total_tokens": u.prompt_tokens + u.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if u.HasField("streaming"):
+        usage["streaming"] = {"sink_tokens": u.streaming.sink_tokens, "window_tokens": u.streaming.window_tokens}
+    return usage
 
 
 class OpenAIResponse:

@@ -76,7 +76,7 @@ class RequestPath:
             await self.admissions.admit(None, head.priority)
             tally = self.totals.start(head.priority, head.tenant, span, head.request_id)
             try:
-                body = read_body(self.pools.max_context())
+                body = read_body(self.pools.max_context() if head.context_checked else None)
                 model = body.model or model
                 if body.model and body.model != self.model_name and not head.lora \
                         and body.model in self.pools.adapter_names():
@@ -173,7 +173,7 @@ class RequestPath:
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
-            stream_interval=head.stream_interval)
+            stream_interval=head.stream_interval, context_mode=head.context_mode)
         context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported

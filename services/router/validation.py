@@ -1,7 +1,8 @@
 """Checks on a Generate request that need no tokenizer, each failing with a ServiceError of kind
 INVALID whose message and `field` name what is wrong. Pure Python.
 
-    parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora, x-stream-interval -> RequestHead
+    parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora, x-stream-interval,
+                                    x-context-mode -> RequestHead
     decode_request(raw, context)    the body, parsed with its bytes twin -> GenerateRequest
 """
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from services.common.errors import invalid
-from services.common.priority import (LORA_HEADER, PRIORITY_HEADER, SLO_HEADER, STREAM_INTERVAL_HEADER,
-                                      TENANT_HEADER, Priority, parse_priority, parse_slo_ms,
-                                      parse_stream_interval)
+from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY_HEADER, SLO_HEADER,
+                                      STREAM_INTERVAL_HEADER, TENANT_HEADER, Priority, parse_context_mode,
+                                      parse_priority, parse_slo_ms, parse_stream_interval)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -31,13 +32,21 @@ class RequestHead:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     tenant_weight: float = 1.0       # the tenant's share inside its class (from its record)
     stream_interval: int = 0         # tokens per chunk after the first; 0: the pool's setting
+    context_mode: int = common_pb2.CONTEXT_MODE_AUTO    # dense or streaming attention (qos.v1.ContextMode)
+
+    @property
+    def context_checked(self) -> bool:
+        """Whether the router may refuse max_tokens past the model's context itself: only a dense
+        request's; streaming (asked for, or the class's default) has no such bound."""
+        return self.context_mode == common_pb2.CONTEXT_MODE_DENSE
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
     """gRPC metadata (or HTTP headers, lower-cased) -> RequestHead."""
     return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority), metadata.get(TENANT_HEADER, ""),
                        _header(metadata, SLO_HEADER, parse_slo_ms), metadata.get(LORA_HEADER) or None,
-                       stream_interval=_header(metadata, STREAM_INTERVAL_HEADER, parse_stream_interval))
+                       stream_interval=_header(metadata, STREAM_INTERVAL_HEADER, parse_stream_interval),
+                       context_mode=_header(metadata, CONTEXT_MODE_HEADER, parse_context_mode))
 
 
 def _header(metadata: Mapping[str, str], header: str, parse):

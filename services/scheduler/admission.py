@@ -4,8 +4,10 @@ Pure functions over plain values (no server, no tokenizer), so each refusal is u
 (tests/unit/test_admission.py). Every refusal is a ServiceError naming the field or the limit;
 limits that pass say when to retry (`retry_after_ms`), limits that never pass say what to change.
 
-    invalid    empty prompt, prompt or max_tokens beyond the context window, bad sampling values
-    too_large  prompt + max_tokens need more KV blocks than the class may ever hold (its cap)
+    invalid    empty prompt, prompt or max_tokens beyond the context window (streaming mode: beyond
+               stream_max_tokens), bad sampling values
+    too_large  prompt + max_tokens (streaming mode: its window's blocks) need more KV blocks than
+               the class may ever hold (its cap)
     exhausted  the class's queue is full (retry after the configured time), or the estimated wait
                for the first token already exceeds the request's x-slo-ms (retry after the excess)
     unavailable  no worker of the pool has connected yet
@@ -21,7 +23,9 @@ from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.priority import ORDER, priority_name
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import SamplingParams
+from services.common.stream_window import StreamWindow
 from services.common.wire import sampling_from_request
+from services.scheduler.long_context import StreamSettings, too_long_hint
 
 DEFAULT_MAX_TOKENS = 256
 # A refused SLO request is told to come back when the backlog ahead of it should have shrunk
@@ -56,21 +60,23 @@ def check_priority(priority: int) -> None:
                       f"got {priority}", field="priority")
 
 
-def check_prompt(prompt_ids: list[int], max_context: int) -> None:
+def check_prompt(prompt_ids: list[int], max_context: int, hint: str = "",
+                 limit: str = "the context window") -> None:
     if not prompt_ids:
         raise invalid("prompt is empty after tokenization", field="prompt")
     if len(prompt_ids) >= max_context:
-        raise invalid(f"prompt is {len(prompt_ids)} tokens; the context window is {max_context} "
-                      "tokens and must leave room for at least one generated token", field="prompt")
+        raise invalid(f"prompt is {len(prompt_ids)} tokens; {limit} is {max_context} "
+                      f"tokens and must leave room for at least one generated token{hint}", field="prompt")
 
 
-def resolve_sampling(s: common_pb2.SamplingParams, prompt_len: int, max_context: int) -> SamplingParams:
+def resolve_sampling(s: common_pb2.SamplingParams, prompt_len: int, max_context: int, hint: str = "",
+                     limit: str = "the context window") -> SamplingParams:
     """The request's sampling with defaults applied; max_tokens defaults to what fits."""
     room = max_context - prompt_len
     if s.HasField("max_tokens"):
         if s.max_tokens > room:
             raise invalid(f"sampling.max_tokens={s.max_tokens} does not fit: the prompt is "
-                          f"{prompt_len} tokens and the context window {max_context}, leaving {room}",
+                          f"{prompt_len} tokens and {limit} {max_context}, leaving {room}{hint}",
                           field="sampling.max_tokens")
         max_tokens = s.max_tokens
     else:
@@ -81,14 +87,17 @@ def resolve_sampling(s: common_pb2.SamplingParams, prompt_len: int, max_context:
         raise invalid(f"sampling.{exc}", field=f"sampling.{str(exc).split()[0]}") from exc
 
 
-def check_kv_cap(priority: int, tokens: int, limits: PoolLimits, cap_share: float, pool: str) -> None:
-    """A request whose whole sequence could never fit under its class's cap is refused for good."""
-    need = blocks_for_tokens(tokens, limits.block_size)
+def check_kv_cap(priority: int, tokens: int, limits: PoolLimits, cap_share: float, pool: str,
+                 need: int | None = None) -> None:
+    """A request whose whole sequence (`need` blocks where given) could never fit under its
+    class's cap is refused for good."""
+    what = f"prompt + max_tokens = {tokens} tokens" if need is None else "its streaming window's"
+    need = blocks_for_tokens(tokens, limits.block_size) if need is None else need
     cap = cap_blocks(limits.largest_worker_blocks, cap_share)
     if need > cap:
         raise ServiceError(
             ErrorKind.TOO_LARGE,
-            f"the request needs {need} KV blocks (prompt + max_tokens = {tokens} tokens) but the "
+            f"the request needs {need} KV blocks ({what}) but the "
             f"{priority_name(priority)} class may hold at most {cap} ({cap_share:.0%} of the largest "
             f"worker's {limits.largest_worker_blocks} blocks of pool {pool}); lower "
             "sampling.max_tokens or shorten the prompt", field="sampling.max_tokens", reason="kv_cap")
@@ -122,15 +131,26 @@ class Admission:
     estimated_wait_ms: Callable[[int, int], float]   # (priority, prompt tokens) -> ms
     max_queue: int
     retry_after_ms: int
+    streaming: StreamSettings | None = None
 
     def check(self, priority: int, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
-              slo_ms: int, limits: PoolLimits) -> SamplingParams:
-        """Raises ServiceError for the first check that fails; returns the resolved sampling."""
+              slo_ms: int, limits: PoolLimits, window: StreamWindow | None = None) -> SamplingParams:
+        """Raises ServiceError for the first check that fails; returns the resolved sampling.
+        `window`: streaming mode serves it (long_context.choose_window)."""
         check_priority(priority)
-        check_prompt(prompt_ids, limits.max_context)
-        resolved = resolve_sampling(sampling, len(prompt_ids), limits.max_context)
+        if window is None:
+            hint = too_long_hint(priority, self.streaming)
+            check_prompt(prompt_ids, limits.max_context, hint)
+            resolved = resolve_sampling(sampling, len(prompt_ids), limits.max_context, hint)
+            need = None
+        else:
+            limit = "streaming mode's limit (stream_max_tokens)"
+            check_prompt(prompt_ids, self.streaming.max_tokens, limit=limit)
+            resolved = resolve_sampling(sampling, len(prompt_ids), self.streaming.max_tokens, limit=limit)
+            need = min(blocks_for_tokens(len(prompt_ids) + resolved.max_tokens, limits.block_size),
+                       window.max_blocks(self.streaming.chunk_tokens, limits.block_size))
         check_kv_cap(priority, len(prompt_ids) + resolved.max_tokens, limits, self.kv_cap(priority),
-                     self.pool)
+                     self.pool, need)
         check_queue(priority, self.waiting(priority), self.max_queue, self.retry_after_ms, self.pool)
         check_slo(slo_ms, self.estimated_wait_ms(priority, len(prompt_ids)) if slo_ms else 0.0)
         return resolved

@@ -23,6 +23,9 @@ def prompt_announcement(request: Request) -> worker_pb2.NewSequence:
         announcement = request.prompt_announcement = worker_pb2.NewSequence(
             seq_id=request.seq_id, prompt_token_ids=request.prompt_ids,
             sampling=engine_sampling(request.sampling), traceparent=request.traceparent, lora=request.lora)
+        if request.window is not None:
+            announcement.sink_tokens = request.window.sink_tokens
+            announcement.window_tokens = request.window.window_tokens
     return announcement
 
 

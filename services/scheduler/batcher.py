@@ -310,11 +310,7 @@ class ContinuousBatcher(WorkerChanges):
             return None
         if self.monitor is not None and link.pool is not None:
             self.monitor.observe(result.device.utilization, link.pool.num_free / link.pool.num_blocks)
-        for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
-            if request.phase is Phase.RUNNING:
-                request.advance(num_tokens)
-                if request.computed >= request.next_name_at:    # it filled a block: name it
-                    self.prefix_cache.name_computed(link.pool, request)
+        self.planner.computed(link, builder)
         problem = answer_mismatch(builder.scheduled_requests, sampled_seq_ids(result))
         if problem is not None:
             return problem

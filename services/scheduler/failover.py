@@ -69,6 +69,7 @@ class WorkerChanges:
         self.workers.forget(link)
         if not link.is_connected:   # a worker that comes back starts empty: nothing to release
             self.planner.to_release[link.index].clear()
+            self.planner.passed.forget(link.index)
         self.wakeup.set()
 
     async def quarantine(self, link: Worker, reason: str) -> None:

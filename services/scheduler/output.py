@@ -23,8 +23,16 @@ def timings(request: Request, now: float | None = None) -> common_pb2.Timings:
 
 
 def usage(request: Request) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=len(request.prompt_ids),
-                            completion_tokens=len(request.output_ids), cached_tokens=request.cached_tokens)
+    return common_pb2.Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=len(request.output_ids),
+                            cached_tokens=request.cached_tokens, streaming=streaming_usage(request))
+
+
+def streaming_usage(request: Request) -> common_pb2.StreamingUsage | None:
+    """Set when streaming mode serves the request (clients must know the model did not attend the
+    whole text at once)."""
+    window = request.window
+    return None if window is None else common_pb2.StreamingUsage(
+        sink_tokens=window.sink_tokens, window_tokens=window.window_tokens)
 
 
 def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | None, pool: str,
@@ -45,6 +53,8 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
             # same on every token (a message each, built and sent per token) until the last.
             chunk.usage.prompt_tokens = len(request.prompt_ids)
             chunk.usage.cached_tokens = request.cached_tokens
+            if request.window is not None:
+                chunk.usage.streaming.CopyFrom(streaming_usage(request))
             chunk.timings.CopyFrom(timings(request))
         return chunk
     if not detok.stopped:

@@ -23,6 +23,7 @@ from services.common.kv_blocks import blocks_for_tokens
 from services.common.priority import ORDER
 from services.scheduler.announcement import announce
 from services.scheduler.lane_work import LaneWork
+from services.scheduler.long_context import PassedBlocks
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Phase, Request
@@ -52,6 +53,8 @@ class StepPlanner:
         self.max_step_tokens = max_step_tokens
         self.running: dict[int, list[Request]] = {}
         self.to_release: dict[int, list[int]] = {}     # seq ids the worker must drop next step
+        self.passed = PassedBlocks()    # streaming sequences' blocks no later token reads
+        self.stream_chunk = 1 << 30     # the largest prompt chunk of a streaming sequence (config)
         self.served_tokens: Counter = Counter()       # prefill + decode, per priority
         self.admitted: Counter = Counter()            # sequences placed on each worker
         self.preempted_by_priority: Counter = Counter()
@@ -84,6 +87,7 @@ class StepPlanner:
         self.running.pop(index, None)
         self.running_by_class.pop(index, None)
         self.to_release.pop(index, None)
+        self.passed.forget(index)
         self.after_cut_in.discard(index)
 
     def plan(self, worker: Worker, step_id: int, admits: bool = True) -> StepBuilder:
@@ -123,7 +127,19 @@ class StepPlanner:
         # drop them first, in the same plan.
         builder.finish(self.to_release[worker.index])
         self.to_release[worker.index] = []
+        self.passed.into(builder.plan, worker.index)
         return builder
+
+    def computed(self, worker: Worker, builder: StepBuilder) -> None:
+        """The worker computed the plan: its running sequences advance; blocks they filled are
+        named (prefix caching), blocks streaming ones passed go (long_context.PassedBlocks)."""
+        for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
+            if request.phase is Phase.RUNNING:
+                request.advance(num_tokens)
+                if request.computed >= request.next_name_at:    # it filled a block: name it
+                    self.prefix_cache.name_computed(worker.pool, request)
+                if request.window is not None:
+                    self.passed.after_step(worker, request)
 
     def plan_cut_in(self, worker: Worker, step_id: int, budget: int | None = None) -> StepBuilder | None:
         """A step for the worker to run inside the one it is computing (StepPlan.cut_in), or None
@@ -142,7 +158,8 @@ class StepPlanner:
         builder.charge_tenants(self.policy, lane)       # admissions: tenant order must be current
         taken = 0
         slots = self.max_running + self.cut_in_slots
-        while (head := queue.peek()) is not None and not head.lora and len(running) < slots \
+        while (head := queue.peek()) is not None and not head.lora and head.window is None \
+                and len(running) < slots \
                 and (self.may_place is None or self.may_place(worker, head)):
             if head.num_tokens > builder.budget or \
                     blocks_for_tokens(head.num_tokens + 1, pool.block_size) > self.room.free_for(pool, head.priority):
@@ -178,7 +195,7 @@ class StepPlanner:
                 if not ready:
                     continue
             if ready:
-                if boundary and not self._grant_blocks(worker, builder, ready, lane):
+                if boundary and not self.room.grant_blocks(worker, builder, ready, lane):
                     taken += self._schedule_each(worker, builder, ready, lane)   # short of room
                     continue
                 taken += builder.add_decodes(ready, lane, self.policy.lane_is_class)
@@ -193,26 +210,6 @@ class StepPlanner:
         if taken:
             self.policy.charge(lane, taken)
         return taken
-
-    def _grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request], lane: int) -> bool:
-        """A block each for decodes whose next token starts one (all of `lane`), all at once, when
-        the pool and every class's cap have room for all of them (the common case); else False,
-        nothing taken: then each goes through _schedule, which preempts or yields as the policy allows."""
-        pool = worker.pool
-        if len(decodes) > pool.num_free:
-            return False
-        by_class = {lane: len(decodes)} if self.policy.lane_is_class else Counter(map(_PRIORITY, decodes))
-        for priority, count in by_class.items():
-            if count > self.room.free_for(pool, priority):
-                return False
-        block_size = pool.block_size
-        for priority, count in by_class.items():
-            takers = decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]
-            blocks = pool.allocate(priority, count)
-            for request, block in zip(takers, blocks):
-                request.add_blocks((block,), block_size)
-            builder.grant_each(takers, blocks)
-        return True
 
     def _first_token_work(self, work: LaneWork, lane: int, budget: int) -> list[Request] | None:
         """The lane's running sequences still waiting for their first token, when what is left of
@@ -296,8 +293,12 @@ class StepPlanner:
         # prompts rarely need to preempt others to finish their prefill. Blocks the worker holds
         # of its prefix (prefix caching) are shared first: they need no room of their own.
         pool, cache = worker.pool, self.prefix_cache
+        if request.window is not None:
+            cache = None        # streaming KV is not a dense prefix's: neither shared nor named
         cached, woken = cache.take_cached(pool, request) if cache is not None else ((), None)
         need = blocks_for_tokens(request.num_tokens + 1, pool.block_size) - len(cached)
+        if request.window is not None:      # it keeps at most its window's blocks
+            need = min(need, request.window.max_blocks(self.stream_chunk, pool.block_size))
         if not self.room.make_room(worker, builder, request, need, admitting=True):
             if cached:
                 pool.free(request.priority, cached, woken)
@@ -323,17 +324,19 @@ class StepPlanner:
         pool = worker.pool
         pending = request.pending
         num_tokens = pending if pending < builder.budget else builder.budget
-        need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
+        held = len(request.blocks) + request.dropped_blocks     # dropped: streaming mode's passed blocks
+        if request.window is not None:
+            num_tokens = min(num_tokens, self.stream_chunk)
+        need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - held
         if need > 0 and not self.room.make_room(worker, builder, request, need, admitting=False):
             # Shrink the chunk to the blocks there are; with none, this request yields itself.
             room = self.room.free_for(pool, request.priority)
-            num_tokens = min((len(request.blocks) + max(room, 0)) * pool.block_size - request.computed,
-                             pending, builder.budget)
+            num_tokens = min((held + max(room, 0)) * pool.block_size - request.computed, num_tokens)
             if num_tokens <= 0:
                 self.preempt(worker, request)
                 builder.note_victim(request)
                 return 0
-            need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - len(request.blocks)
+            need = blocks_for_tokens(request.computed + num_tokens, pool.block_size) - held
         if need > 0:
             blocks = pool.allocate(request.priority, need)
             request.add_blocks(blocks, pool.block_size)

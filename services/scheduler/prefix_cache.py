@@ -111,7 +111,7 @@ class PrefixCache:
         the request, or None for any: nothing cached anywhere, every worker holds as much, or
         load wins (the best one's running sequences exceed the least loaded one's by more than
         the margin, or it has no slot free)."""
-        if len(workers) < 2:
+        if len(workers) < 2 or request.window is not None:   # streaming mode shares no cache
             return None
         loads = {w.index: len(running.get(w.index, ())) / max_running for w in workers}
         cached = {w.index: self.cached_blocks(w.pool, request) for w in workers}
@@ -124,5 +124,7 @@ class PrefixCache:
     @staticmethod
     def work_lost(request: Request, block_size: int) -> int:
         """Tokens a preempted sequence computes again if its named blocks stay cached: those past
-        its last named block (VictimOrder's key when caching is on)."""
+        its last named block (VictimOrder's key when caching is on); all of a streaming one's."""
+        if request.window is not None:
+            return request.computed
         return request.computed - min(request.computed, (request.next_name_at // block_size - 1) * block_size)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from services.common.errors import invalid
 from services.common.step import SamplingParams
+from services.common.stream_window import StreamWindow
 from services.scheduler.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -80,6 +81,10 @@ class Request:
     cached_tokens: int = 0
     next_name_at: int = 1 << 62      # never, while no cache names its blocks
     placement: tuple[int, int | None] | None = None   # (step, the worker it should go to or None: any)
+    # Streaming mode (services/common/stream_window.py): the window it attends, and how many text
+    # blocks after its sink block it let go (they count in `capacity`, no longer in `blocks`).
+    window: StreamWindow | None = None
+    dropped_blocks: int = 0
 
     def __post_init__(self) -> None:
         # One str object per tenant, shared by all its requests: a plan counts tokens by tenant
@@ -105,14 +110,14 @@ class Request:
     def add_blocks(self, blocks: list[int] | tuple[int, ...], block_size: int) -> None:
         """KV blocks granted to it, `capacity` kept in step."""
         self.blocks.extend(blocks)
-        self.capacity = len(self.blocks) * block_size
+        self.capacity = (len(self.blocks) + self.dropped_blocks) * block_size
         self.room = self.capacity - self.computed
 
     def reset_cache(self) -> None:
         """Nothing of it in a worker's KV cache any more, and no blocks (admitted anew, released,
         preempted): every known token is pending again."""
         self.blocks, self.new_blocks = [], []
-        self.computed = self.capacity = self.room = 0
+        self.computed = self.capacity = self.room = self.dropped_blocks = 0
         self.pending = self.num_tokens
         self.next_name_at = 1 << 62
 
@@ -123,6 +128,15 @@ class Request:
         self.computed = self.capacity = len(blocks) * block_size
         self.room = 0
         self.pending = self.num_tokens - self.computed
+
+    def drop_blocks(self, block_size: int) -> list[int]:
+        """Streaming mode, after a step: the blocks after its sink block that no later token reads,
+        taken off its list (capacity unchanged: they still count as passed)."""
+        count = self.window.droppable(self.computed, self.dropped_blocks, block_size)
+        dropped = self.blocks[1:1 + count]
+        del self.blocks[1:1 + count]
+        self.dropped_blocks += count
+        return dropped
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Its known tokens [start, end): prompt, then output."""

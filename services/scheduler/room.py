@@ -1,5 +1,6 @@
 """Room for a sequence on one worker: KV blocks within its class's cap (strict or elastic), a
-running slot, and the preemption of what the policy allows when there is not enough.
+running slot, and the preemption of what the policy allows when there is not enough; blocks for a
+step's decodes that start one, all at once.
 
 The planner (planner.py) asks while it fills a step; the preempting itself (blocks back to the
 pool, the request back at the front of its queue) is the planner's, which owns the running lists.
@@ -8,7 +9,9 @@ least work (victims.py). Pure Python, tested through the planner (tests/unit/tes
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from operator import attrgetter
 
 from services.common.kv_blocks import KVBlockPool, cap_blocks
 from services.common.priority import ORDER
@@ -17,6 +20,8 @@ from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import StepBuilder
 from services.scheduler.victims import VictimOrder
 from services.scheduler.worker_view import Worker
+
+_PRIORITY = attrgetter("priority")
 
 
 class Room:
@@ -45,6 +50,27 @@ class Room:
         if not self.policy.preempts_by_class:
             return builder.victims.down_to(builder.scheduled_set(), min(ORDER))
         return builder.victims.down_to(builder.scheduled_set(), requester.priority, inclusive=not admitting)
+
+    def grant_blocks(self, worker: Worker, builder: StepBuilder, decodes: list[Request], lane: int) -> bool:
+        """A block each for decodes whose next token starts one (all of `lane`), all at once, when
+        the pool and every class's cap have room for all of them (the common case); else False,
+        nothing taken: then each goes through the planner's _schedule, which preempts or yields as
+        the policy allows."""
+        pool = worker.pool
+        if len(decodes) > pool.num_free:
+            return False
+        by_class = {lane: len(decodes)} if self.policy.lane_is_class else Counter(map(_PRIORITY, decodes))
+        for priority, count in by_class.items():
+            if count > self.free_for(pool, priority):
+                return False
+        block_size = pool.block_size
+        for priority, count in by_class.items():
+            takers = decodes if len(by_class) == 1 else [r for r in decodes if r.priority == priority]
+            blocks = pool.allocate(priority, count)
+            for request, block in zip(takers, blocks):
+                request.add_blocks((block,), block_size)
+            builder.grant_each(takers, blocks)
+        return True
 
     def free_slot(self, worker: Worker, builder: StepBuilder, request: Request) -> bool:
         """All running slots are taken: preempt one sequence the policy lets `request` displace,

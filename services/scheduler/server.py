@@ -34,6 +34,8 @@ from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
 from services.scheduler.admission import Admission, pool_limits
+from services.scheduler.long_context import StreamSettings, choose_window
+from services.scheduler.request_trace import end_request_trace
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.link_session import LinkSession
@@ -78,8 +80,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.membership = Membership(self.batcher,
                                      lambda index, address: WorkerLink(index, address, trust, self.batcher.make_pool),
                                      dns_interval_s=config.workers_dns_interval_s)
+        self.streaming = StreamSettings.from_config(config)
+        self.batcher.planner.stream_chunk = config.stream_chunk_tokens
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
-                                   self.batcher.estimated_wait_ms, config.max_queue, config.retry_after_ms)
+                                   self.batcher.estimated_wait_ms, config.max_queue, config.retry_after_ms,
+                                   self.streaming)
         self.drain = Drain(f"scheduler of pool {pool_name}", config.drain_seconds)
         self.rejected: Counter = Counter()
         n = len(worker_addresses) or 1
@@ -144,15 +149,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         else:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
+        limits = self._limits()
+        window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
+                               limits.max_context, limits.block_size, self.streaming)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
-                                        self._limits())
+                                        limits, window)
         request = Request(
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
-            stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1))
+            stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
+            window=window)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids), self.tokenizer.vocab_size)
         return request
@@ -238,7 +247,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             # Runs when the stream ends for any reason, the client's cancellation included.
             self.batcher.cancel(request)
-            self._end_trace(span, request, outcome)
+            end_request_trace(self.tracer, span, request, outcome)
 
     def _count_refusal(self, priority: int, refused: ServiceError, span) -> None:
         if refused.kind in (ErrorKind.EXHAUSTED, ErrorKind.TOO_LARGE):
@@ -247,25 +256,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         span.set_attribute("qos.rejected", refused.reason)
         span.set_status(Status(StatusCode.ERROR, refused.message))
         span.end()
-
-    def _end_trace(self, span, request: Request, outcome: str) -> None:
-        """Queue, prefill and decode as child spans of the request's span, from its timestamps."""
-        end = request.finished_at or time.perf_counter()
-        parent = trace.set_span_in_context(span)
-        phases = [("scheduler.queue", request.arrival, request.first_scheduled_at or end),
-                  ("scheduler.prefill", request.first_scheduled_at, request.first_token_at or end),
-                  ("scheduler.decode", request.first_token_at, end)]
-        for name, start, stop in phases:
-            if start is not None:
-                self.tracer.start_span(name, context=parent, start_time=request.wall_ns(start)) \
-                    .end(end_time=request.wall_ns(max(start, stop)))
-        for at, why, address in request.failovers:
-            span.add_event("failover", {"qos.failover.reason": why, "qos.failover.worker": address},
-                           timestamp=request.wall_ns(at))
-        span.set_attributes({"qos.output_tokens": len(request.output_ids), "qos.outcome": outcome,
-                             "qos.preempted": request.preemptions, "qos.failovers": len(request.failovers),
-                             "qos.resumed_tokens": request.resumed})
-        span.end(end_time=request.wall_ns(end))
 
     def _record_finished(self, request: Request, now: float) -> None:
         ttft_s = request.first_token_at - request.arrival

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.grpc_server import open_channel
-from services.common.priority import PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER
+from services.common.priority import CONTEXT_MODE_HEADER, PRIORITY_HEADER, SLO_HEADER, TENANT_HEADER
 from services.common.proto.qos.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -21,6 +21,10 @@ class Answer:
     cost_units: float = 0.0
     total_tokens: int = 0     # usage: prompt + completion tokens
     cached_tokens: int = 0    # usage: prompt tokens the prefix cache served
+    prompt_tokens: int = 0
+    # usage: set when streaming mode served it, (sink_tokens, window_tokens): each token attended
+    # only those, not the whole text
+    streaming: tuple[int, int] | None = None
 
 
 def sampling_params(max_tokens: int | None = None, temperature: float | None = None, **extra):
@@ -49,9 +53,12 @@ class RouterClient:
         await self.close()
 
     def stream(self, request: router_pb2.GenerateRequest, priority: str | None = None,
-               tenant: str | None = None, slo_ms: int | None = None):
-        """The raw call: iterate it for chunks, cancel() it to stop."""
+               tenant: str | None = None, slo_ms: int | None = None, context_mode: str | None = None):
+        """The raw call: iterate it for chunks, cancel() it to stop. `context_mode`: auto, dense
+        or streaming (x-context-mode)."""
         metadata = list(self.auth)
+        if context_mode is not None:
+            metadata.append((CONTEXT_MODE_HEADER, context_mode))
         if slo_ms is not None:
             metadata.append((SLO_HEADER, str(slo_ms)))
         if priority is not None:
@@ -61,11 +68,12 @@ class RouterClient:
         return self.stub.Generate(request, metadata=metadata)
 
     async def generate(self, request: router_pb2.GenerateRequest, priority: str | None = None,
-                       tenant: str | None = None, on_text=None, slo_ms: int | None = None) -> Answer:
+                       tenant: str | None = None, on_text=None, slo_ms: int | None = None,
+                       context_mode: str | None = None) -> Answer:
         """Stream a whole answer; `on_text(delta)` sees the text as it arrives."""
         answer = Answer()
         started = time.perf_counter()
-        async for chunk in self.stream(request, priority, tenant, slo_ms):
+        async for chunk in self.stream(request, priority, tenant, slo_ms, context_mode):
             if chunk.token_ids and not answer.token_ids:
                 answer.ttft_ms = (time.perf_counter() - started) * 1000
             answer.text += chunk.text
@@ -80,6 +88,9 @@ class RouterClient:
                 answer.cost_units = chunk.cost_units
                 answer.total_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
                 answer.cached_tokens = chunk.usage.cached_tokens
+                answer.prompt_tokens = chunk.usage.prompt_tokens
+                if chunk.usage.HasField("streaming"):
+                    answer.streaming = (chunk.usage.streaming.sink_tokens, chunk.usage.streaming.window_tokens)
         answer.e2e_ms = (time.perf_counter() - started) * 1000
         return answer
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import SampledToken, SamplingParams, SequenceWork, StepBatch
+from services.common.stream_window import StreamWindow
 from services.common.wire import sampling_from_engine
 
 
@@ -29,6 +30,8 @@ class SequenceState:
     traceparent: str = ""         # the request's trace context, for step-span links
     lora: str = ""                # LoRA adapter ("": the base model)
     span_context: object = None   # traceparent parsed once, by the server, when tracing is on
+    window: StreamWindow | None = None    # streaming mode (services/common/stream_window.py)
+    dropped_blocks: int = 0       # blocks after the sink block let go from the table's front
 
 
 class SequenceTable:
@@ -46,14 +49,20 @@ class SequenceTable:
         """Update state from the plan and return the engine's work. Raises PlanError, leaving the
         table unchanged, when the plan does not fit the state."""
         self._check(plan)
+        sequences = self.sequences
+        for seq_id, count in zip(plan.dropped_seq_ids, plan.dropped_block_counts):
+            seq = sequences.get(seq_id)     # absent: it finished in the step that passed them
+            if seq is not None:
+                del seq.block_table[1:1 + count]
+                seq.dropped_blocks += count
         for seq_id in plan.released_seq_ids:
-            self.sequences.pop(seq_id, None)
+            sequences.pop(seq_id, None)
         for new in plan.new_sequences:
-            self.sequences[new.seq_id] = SequenceState(
+            sequences[new.seq_id] = SequenceState(
                 tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
                 sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
-                traceparent=new.traceparent, lora=new.lora, computed=new.cached_tokens)
-        sequences = self.sequences
+                traceparent=new.traceparent, lora=new.lora, computed=new.cached_tokens,
+                window=StreamWindow(new.sink_tokens, new.window_tokens) if new.window_tokens else None)
         for seq_id, block_id in zip(plan.granted_seq_ids, plan.granted_block_ids):
             sequences[seq_id].block_table.append(block_id)
         work = []
@@ -65,7 +74,8 @@ class SequenceTable:
                 seq_id=seq_id, token_ids=seq.tokens[start:end], position=start,
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
-                sample=end == len(seq.tokens), lora=seq.lora))
+                sample=end == len(seq.tokens), lora=seq.lora, window=seq.window,
+                dropped_blocks=seq.dropped_blocks))
         return StepBatch(work)
 
     def _check(self, plan: worker_pb2.StepPlan) -> None:
@@ -90,6 +100,14 @@ class SequenceTable:
             raise PlanError("a sequence is scheduled twice in one step")
         if len(plan.granted_seq_ids) != len(plan.granted_block_ids):
             raise PlanError("granted_seq_ids and granted_block_ids differ in length")
+        if len(plan.dropped_seq_ids) != len(plan.dropped_block_counts):
+            raise PlanError("dropped_seq_ids and dropped_block_counts differ in length")
+        for seq_id, count in zip(plan.dropped_seq_ids, plan.dropped_block_counts):
+            seq = self.sequences.get(seq_id)
+            if seq is not None and (seq.window is None or count >= len(seq.block_table)):
+                raise PlanError(f"sequence {seq_id}: {count} blocks dropped, but it "
+                                + ("is not in streaming mode" if seq.window is None else
+                                   f"holds {len(seq.block_table)} (its sink block stays)"))
         for seq_id in set(plan.granted_seq_ids):
             if seq_id not in known:
                 raise PlanError(f"blocks granted to sequence {seq_id}, unknown to this worker")

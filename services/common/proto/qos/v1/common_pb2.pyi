@@ -14,6 +14,12 @@ class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRIORITY_MEDIUM: _ClassVar[Priority]
     PRIORITY_LOW: _ClassVar[Priority]
 
+class ContextMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTEXT_MODE_AUTO: _ClassVar[ContextMode]
+    CONTEXT_MODE_DENSE: _ClassVar[ContextMode]
+    CONTEXT_MODE_STREAMING: _ClassVar[ContextMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -25,6 +31,9 @@ PRIORITY_UNSPECIFIED: Priority
 PRIORITY_HIGH: Priority
 PRIORITY_MEDIUM: Priority
 PRIORITY_LOW: Priority
+CONTEXT_MODE_AUTO: ContextMode
+CONTEXT_MODE_DENSE: ContextMode
+CONTEXT_MODE_STREAMING: ContextMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -60,14 +69,24 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "streaming")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    streaming: StreamingUsage
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., streaming: _Optional[_Union[StreamingUsage, _Mapping]] = ...) -> None: ...
+
+class StreamingUsage(_message.Message):
+    __slots__ = ("sink_tokens", "window_tokens")
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sink_tokens: int
+    window_tokens: int
+    def __init__(self, sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_ms", "ttft_ms", "e2e_ms")

@@ -114,7 +114,7 @@ class AdapterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_generated", "traceparent", "lora", "cached_tokens")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_generated", "traceparent", "lora", "cached_tokens", "sink_tokens", "window_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,8 @@ class NewSequence(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSampling
@@ -129,10 +131,12 @@ class NewSequence(_message.Message):
     traceparent: str
     lora: str
     cached_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    sink_tokens: int
+    window_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results")
+    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results", "dropped_seq_ids", "dropped_block_counts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +146,8 @@ class StepPlan(_message.Message):
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CUT_IN_FIELD_NUMBER: _ClassVar[int]
     PACKED_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +157,9 @@ class StepPlan(_message.Message):
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     cut_in: bool
     packed_results: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ..., packed_results: _Optional[bool] = ...) -> None: ...
+    dropped_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    dropped_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ..., packed_results: _Optional[bool] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., dropped_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "finish_reason")
