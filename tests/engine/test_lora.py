@@ -29,7 +29,7 @@ ADAPTERS = {
 }
 
 
-def make_adapter(model_dir, folder, seed: int, **config):
+def make_adapter(model_dir, folder, seed: int, b_scale: float = 5.0, **config):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -37,7 +37,7 @@ def make_adapter(model_dir, folder, seed: int, **config):
     with torch.no_grad():                       # B starts random too, but small: make the update count
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.mul_(5.0)
+                param.mul_(b_scale)
     model.save_pretrained(folder)
     return folder
 
@@ -173,3 +173,28 @@ def test_past_max_cpu_loras_the_least_recently_used_idle_adapter_goes(setup):
     assert list(engine.adapters) == [first.name, third.name]
     with pytest.raises(AdapterError, match="max_cpu_loras is 2"):
         engine.add_adapter(second, in_use={first.name, third.name})
+
+
+def test_streaming_mode_with_an_adapter_matches_the_reference(setup):
+    """LoRA changes projections only, so streaming mode (tests/engine/test_streaming.py) serves an
+    adapter unchanged: its logits are the streaming reference's run over PEFT's modules. (B as
+    initialised here, not 5x: with the 5x adapters two dense references already differ by 7.7e-5
+    over 500 tokens, as much as the tolerance.)"""
+    from services.common.stream_window import StreamWindow
+    from tests.engine.test_streaming import StreamingSequence, reference_logits as streaming_reference, split
+    model_dir, adapters = setup
+    adapter = make_adapter(model_dir, adapters["all-r8"].parent / "streaming", 7, b_scale=1.0, **ADAPTERS["all-r8"])
+    engine = make_engine(model_dir, num_blocks=24)
+    engine.load_adapter("streaming", adapter)
+    rng = random.Random(13)
+    ids = [rng.randrange(3, 512) for _ in range(600)]        # past the tiny models' 512 positions
+    window = StreamWindow(4, 48)
+    seq = StreamingSequence(1, ids, window, list(range(engine.kv_spec.num_blocks)))
+    got = []
+    for count in split(len(ids), 100):
+        work = seq.work(count)
+        work.lora = "streaming"
+        got.append(engine.compute_logits(StepBatch([work]))[1])
+        seq.advance(count)
+    with_adapter = peft_reference(model_dir, adapter).base_model.model
+    assert (torch.cat(got) - streaming_reference(with_adapter, ids, window)).abs().max().item() < 1e-4
