@@ -40,7 +40,11 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
     (router_pb2.GenerateRequest(prompt="word " * 9000), [], "context window is 8192 tokens"),
     (ask(max_tokens=0), [], "sampling.max_tokens must be > 0"),
     (ask(max_tokens=-3), [], "sampling.max_tokens must be > 0"),
-    (ask(max_tokens=10_000), [], "sampling.max_tokens=10000 exceeds the model's context window"),
+    # The router refuses max_tokens past the context itself only for a dense request: a request
+    # left to its class's default may be served in streaming mode (the scheduler decides).
+    (ask(max_tokens=10_000), [("x-context-mode", "dense")], "sampling.max_tokens=10000 exceeds the model's context window"),
+    (ask(max_tokens=10_000), [], "sampling.max_tokens=10000 does not fit"),
+    (ask(max_tokens=4), [("x-context-mode", "sliding")], "x-context-mode 'sliding'"),
     (ask(max_tokens=8180), [], "sampling.max_tokens=8180 does not fit"),
     (ask(temperature=-0.5), [], "sampling.temperature"),
     (ask(top_p=0.0), [], "sampling.top_p"),
