@@ -2,6 +2,7 @@
 
     qos-serve up [--config FILE]                 router + scheduler + worker(s) on loopback
     qos-serve generate --priority high "prompt"  stream an answer through the router
+                                                 (--file DOC appends a document to the prompt)
     qos-serve demo                               a local cluster serving a mixed-priority burst
     qos-serve stats [--watch]                    the cluster per priority
     qos-serve drain worker HOST:PORT [--wait]    a worker finishes what it holds and leaves
@@ -174,21 +175,27 @@ def cmd_generate(args) -> int:
     from services.tools.client import RouterClient, chat_request, sampling_params
     address = args.router or load_config(args.config).router.address
     sampling = sampling_params(max_tokens=args.max_tokens, temperature=args.temperature)
-    request = (router_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling) if args.raw
-               else chat_request(args.prompt, sampling))
+    prompt = args.prompt
+    if args.file:       # a document after the prompt (e.g. "Summarise this." --file report.txt)
+        prompt += "\n\n" + (sys.stdin.read() if args.file == "-" else Path(args.file).read_text())
+    request = (router_pb2.GenerateRequest(prompt=prompt, sampling=sampling) if args.raw
+               else chat_request(prompt, sampling))
 
     async def run() -> int:
         async with RouterClient(address, args.api_key, args.tls_ca) as client:
             try:
                 answer = await client.generate(request, priority=args.priority, tenant=args.tenant,
-                                               on_text=lambda t: print(t, end="", flush=True))
+                                               on_text=lambda t: print(t, end="", flush=True),
+                                               context_mode=args.context_mode)
             except grpc.aio.AioRpcError as exc:
                 print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1
         print()
         print(f"[{args.priority or 'medium'} | pool {answer.pool} | cost {answer.cost_units:.1f} | "
               f"{len(answer.token_ids)} tokens | "
-              f"TTFT {answer.ttft_ms:.0f} ms | total {answer.e2e_ms:.0f} ms | {answer.finish_reason}]",
+              f"TTFT {answer.ttft_ms:.0f} ms | total {answer.e2e_ms:.0f} ms | {answer.finish_reason}"
+              + (f" | streaming mode: {answer.streaming[0]} sinks + a {answer.streaming[1]}-token window"
+                 if answer.streaming else "") + "]",
               file=sys.stderr)
         return 0
 
@@ -248,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--file", metavar="PATH", help="append this file's text to the prompt (-: standard input)")
+    p.add_argument("--context-mode", choices=["auto", "dense", "streaming"],
+                   help="attention for prompts longer than the context (x-context-mode; default auto)")
     _client_args(p)
     p.set_defaults(func=cmd_generate)
 

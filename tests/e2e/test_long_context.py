@@ -100,3 +100,16 @@ def test_http_body_asks_for_streaming_and_usage_says_so(cluster, client):
     short = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, extra_headers={"x-priority": "low"})
     assert "streaming" not in (short.usage.model_extra or {}), "a short Low request is served dense"
+
+
+def test_the_command_line_sends_a_document_and_says_it_streamed(cluster, tmp_path):
+    import subprocess
+    import sys
+    document = tmp_path / "log.txt"
+    document.write_text(DOCUMENT)
+    result = subprocess.run([sys.executable, "-m", "services.tools.cli", "generate", "--router",
+                             cluster.router_address, "--priority", "low", "--max-tokens", "4",
+                             "--file", str(document), "Summarise this log."],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "streaming mode: 4 sinks + a 256-token window" in result.stderr
