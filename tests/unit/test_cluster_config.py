@@ -124,6 +124,10 @@ def test_bad_router_settings_name_the_key(router, message):
     ({"stream_intervals": [1, 0, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_intervals": [1, 2.5, 16]}, "pool.scheduler.stream_intervals must be 3 whole numbers"),
     ({"stream_max_hold_ms": -1}, "pool.scheduler.stream_max_hold_ms must be in 0..60000, got -1"),
+    ({"long_prompts": ["refuse", "stream"]}, "pool.scheduler.long_prompts must be 3 of refuse, stream \\(high, medium, low\\)"),
+    ({"long_prompts": ["refuse", "sliding", "stream"]}, "pool.scheduler.long_prompts must be 3 of refuse, stream"),
+    ({"stream_window_tokens": 0}, "pool.scheduler.stream_window_tokens must be >= 1, got 0"),
+    ({"stream_sink_tokens": -1}, "pool.scheduler.stream_sink_tokens must be >= 0, got -1"),
 ])
 def test_bad_scheduler_settings_name_the_key(scheduler, message):
     with pytest.raises(ConfigError, match=message):
