@@ -64,7 +64,18 @@ compose-config: venv
 		echo "docker-compose.yml, profile $${profile:-default}"; \
 		QOS_CLUSTER_TOKEN=$${QOS_CLUSTER_TOKEN:-check-only} "$$compose" -f docker-compose.yml --project-directory . \
 			$${profile:+--profile $$profile} config --quiet || exit 1; \
-	done
+	done; \
+	echo "docker-compose.yml + docker-compose.host.yml"; \
+	QOS_CLUSTER_TOKEN=$${QOS_CLUSTER_TOKEN:-check-only} "$$compose" -f docker-compose.yml -f docker-compose.host.yml \
+		--project-directory . config --quiet
+
+# The compose cluster for real (tests/compose/test_compose_cluster.py): dockerd started when none
+# runs (--bridge=none --iptables=false), a Debian base made here (scripts/local_base_image.sh),
+# the CPU image built, the cluster up on the loopback (docker-compose.host.yml) and checked from
+# outside. Needs root, Debian's docker.io and debootstrap (.ci/run installs them).
+.PHONY: compose-test
+compose-test: venv
+	QOS_COMPOSE_TEST=1 $(PY) -m pytest -q tests/compose
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -88,6 +88,8 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.to_json_file(str(staging / "generation_config.json"))
         tokenizer.save_pretrained(staging)
+        for written in staging.iterdir():
+            written.chmod(0o644)   # safetensors writes 0600: unreadable to the user an image runs as
         try:
             os.replace(staging, target)
         except OSError:

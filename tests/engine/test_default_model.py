@@ -67,3 +67,14 @@ def test_greedy_batch_equals_transformers_generate(model_dir, tokenizer):
         assert len(result.token_ids) >= 32, text
         assert result.token_ids == expected, (text, tokenizer.decode(result.token_ids),
                                               tokenizer.decode(expected))
+
+
+def test_the_converted_folder_is_readable_by_every_user(tmp_path):
+    """An image converts the model as root and runs as user qos: every file must be readable by
+    all (safetensors writes 0600; the first CPU image built failed on exactly this)."""
+    from services.engine.default_model import convert_gguf, find_default_gguf
+    target = tmp_path / "model"
+    convert_gguf(find_default_gguf(), target, progress=False)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in target.iterdir()}
+    assert "model.safetensors" in modes
+    assert all(int(mode, 8) & 0o444 == 0o444 for mode in modes.values()), modes
