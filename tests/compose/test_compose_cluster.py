@@ -16,18 +16,13 @@ import secrets
 import shutil
 import subprocess
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import openai
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
-from services.common.ports import free_port
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import run
-from tests.e2e.test_tracing import Receiver
+from tests.e2e.test_tracing import start_receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "qos-compose-test"
@@ -103,13 +98,7 @@ def image(report):
 
 @pytest.fixture(scope="module")
 def receiver():
-    port = free_port()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    collector = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    collector.endpoint = f"http://127.0.0.1:{port}"
+    collector, server, collector.endpoint = start_receiver()
     yield collector
     server.stop(0)
 

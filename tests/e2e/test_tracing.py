@@ -38,15 +38,21 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-@pytest.fixture
-def receiver(monkeypatch):
+def start_receiver() -> tuple[Receiver, grpc.Server, str]:
+    """A Receiver serving on a free loopback port: (it, its server, its OTLP endpoint)."""
     port = free_port()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     collector = Receiver()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    return collector, server, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def receiver(monkeypatch):
+    collector, server, endpoint = start_receiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
     yield collector
