@@ -139,7 +139,7 @@ class Admission:
         `window`: streaming mode serves it (long_context.choose_window)."""
         check_priority(priority)
         if window is None:
-            hint = too_long_hint(priority, self.streaming)
+            hint = too_long_hint(self.streaming)
             check_prompt(prompt_ids, limits.max_context, hint)
             resolved = resolve_sampling(sampling, len(prompt_ids), limits.max_context, hint)
             need = None

@@ -56,7 +56,7 @@ def choose_window(context_mode: int, priority: int, prompt_len: int, sampling: c
     return window
 
 
-def too_long_hint(priority: int, settings: StreamSettings | None) -> str:
+def too_long_hint(settings: StreamSettings | None) -> str:
     """What a refused over-long dense request may do instead."""
     if settings is None:
         return ""
