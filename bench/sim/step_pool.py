@@ -5,16 +5,24 @@ its step takes the accelerator's step time (bench/sim/accelerators.py) for the t
 computes and the KV tokens it holds, and samples token 7 for every sequence that reached the end
 of its known tokens.
 
+High cut-ins as the batcher sends them (services/scheduler/cut_in_dispatch.py): a High request
+arriving while a step without first tokens computes is planned by the real planner's plan_cut_in
+and runs inside that step (the step in flight pauses for it: its end moves by the cut-in's step
+time); its token comes when the cut-in's own step ends. So the pool's next event is the end of
+its step or of a cut-in (next_event; step_end handles whichever is due).
+
 Exact, and slow (the planner's Python per step): for small clusters and for checking
 bench/sim/fast_pool.py (bench/simulate.py --validate).
 """
 from __future__ import annotations
 
+import heapq
+
 from bench.sim.accelerators import BLOCK_TOKENS, Accelerator
 from bench.sim.pool_base import PoolBase
 from bench.sim.workload import SimRequest
 from services.common.kv_blocks import KVBlockPool
-from services.common.priority import ORDER
+from services.common.priority import HIGH, ORDER
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason, SampledToken, SamplingParams
 from services.common.wire import answer_tokens, sampled_tokens
@@ -75,43 +83,89 @@ class SimWorker:
 
 
 class StepPool(PoolBase):
-    def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None):
+    def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None,
+                 policy: str = "qos"):
         super().__init__(name, accelerator)
         self.worker = SimWorker(accelerator.kv_blocks, accelerator.device)
-        self.batcher = ContinuousBatcher(name, [self.worker], create_policy("qos", settings or QoSSettings()),
+        self.now = 0.0                           # simulated seconds: the batcher's clock
+        self.batcher = ContinuousBatcher(name, [self.worker], create_policy(policy, settings or QoSSettings()),
                                          max_running=accelerator.max_running,
-                                         max_step_tokens=accelerator.max_step_tokens)
+                                         max_step_tokens=accelerator.max_step_tokens, clock=lambda: self.now)
         self.requests: dict[int, SimRequest] = {}
         self.plans = {}
+        self.cut_in_steps = 0
+        self._cut_ins: list[tuple[float, int, object]] = []   # (done at, order, builder)
+        self._cut_ins_free_at = 0.0
 
     def submit(self, request: SimRequest, now: float) -> float | None:
         seq_id = request.request_id + 1
-        prompt = [3] * request.prompt_tokens
+        # Tokens its prefix cache served in a replayed run are not computed (their blocks are shared).
+        prompt = [3] * max(1, request.prompt_tokens - request.cached_tokens)
         self.requests[seq_id] = request
         self.batcher.submit(Request(
-            request_id=str(seq_id), seq_id=seq_id, priority=request.priority, tenant="", prompt_ids=prompt,
+            request_id=str(seq_id), seq_id=seq_id, priority=request.priority, tenant=request.tenant, prompt_ids=prompt,
             sampling=SamplingParams(temperature=0.0, max_tokens=request.output_tokens),
             detokenizer=IncrementalDetokenizer(NullDecoder(), prompt)))
-        return self._plan(now) if self.busy_until is None else None
+        if self.busy_until is None:
+            return self._plan(now)
+        if request.priority == HIGH and self.batcher.policy.cut_in and self._cut_in(now):
+            return self.next_event()
+        return None
+
+    def next_event(self) -> float | None:
+        """When the step in flight or the next cut-in inside it ends."""
+        return min(self._cut_ins[0][0], self.busy_until) if self._cut_ins else self.busy_until
 
     def step_end(self, now: float) -> float | None:
-        batcher = self.batcher
+        """The pool's event at `now`: a cut-in's end, or the step's. Returns the next one."""
+        if self._cut_ins and self._cut_ins[0][0] <= now:
+            _, _, builder = heapq.heappop(self._cut_ins)
+            self._answer(builder, now, at_once=True)
+            return self.next_event()
         for builder in self.plans.values():
-            result = self.worker.answer(builder.plan)
-            batcher.postprocess(self.worker, builder, result)
-            for token in sampled_tokens(result):
-                request = self.requests.get(token.seq_id)
-                if request is None:
-                    continue
-                if request.first_token_at is None:
-                    self.first_token(request, now)
-                if token.finish_reason:
-                    self.finish(self.requests.pop(token.seq_id), now)
+            self._answer(builder, now)
         self.plans = {}
         self.busy_until = None
         return self._plan(now)
 
+    def _answer(self, builder, now: float, at_once: bool = False) -> None:
+        result = self.worker.answer(builder.plan)
+        self.batcher.postprocess(self.worker, builder, result, at_once=at_once)
+        for token in sampled_tokens(result):
+            request = self.requests.get(token.seq_id)
+            if request is None:
+                continue
+            if request.first_token_at is None:
+                self.first_token(request, now)
+            if token.finish_reason:
+                self.finish(self.requests.pop(token.seq_id), now)
+
+    def _cut_in(self, now: float) -> bool:
+        """As CutInDispatch.dispatch: only into a step with work and no first tokens of its own."""
+        if not self.plans or any(b.first_tokens or not b.has_work for b in self.plans.values()):
+            return False
+        batcher = self.batcher
+        builder = batcher.planner.plan_cut_in(self.worker, batcher._next_step_id())
+        if builder is None:
+            return False
+        # Only new sequences: the KV it reads is its own prompt, not what the pool holds.
+        step_s = self.step_s(builder.num_tokens, builder.num_tokens, now)
+        start = max(now, self._cut_ins_free_at)
+        self._cut_ins_free_at = start + step_s
+        heapq.heappush(self._cut_ins, (start + step_s, self.cut_in_steps, builder))
+        self.cut_in_steps += 1
+        self.busy_until += step_s               # the step in flight waits while the cut-in runs
+        self.busy_s += step_s
+        self.step_seconds += step_s
+        self.step_tokens += builder.num_tokens
+        self.cut_in_started(builder, now)
+        return True
+
+    def cut_in_started(self, builder, now: float) -> None:
+        """A cut-in was planned (for subclasses that measure)."""
+
     def _plan(self, now: float) -> float | None:
+        self.now = now
         plans = self.batcher.plan_step()
         tokens = sum(b.num_tokens for b in plans.values())
         if not tokens:

@@ -25,6 +25,7 @@ class SimRequest:
     prompt_tokens: int
     output_tokens: int
     pool: str = ""                   # where the router sent it (set beforehand: sent there)
+    tenant: str = ""
     first_token_at: float | None = None
     finished_at: float | None = None
     predicted_ttft_ms: float | None = None
@@ -33,6 +34,8 @@ class SimRequest:
     # router, gRPC hops), which the router's TTFT includes and the simulated pools do not.
     routed_prompt_tokens: int = 0
     outside_ms: float = 0.0
+    # ... and the prompt tokens its prefix cache served there: not computed, billed at a discount.
+    cached_tokens: int = 0
 
     @property
     def pool_ttft_ms(self) -> float | None:

@@ -46,8 +46,11 @@ class ContinuousBatcher(WorkerChanges):
                  orphan_grace_s: float = ORPHAN_GRACE_SECONDS,
                  step_timeout_s: float = STEP_TIMEOUT_SECONDS,
                  stream_max_hold_s: float = STREAM_MAX_HOLD_SECONDS,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, clock: Callable[[], float] = time.perf_counter):
         self.pool_name = pool_name
+        # The clock of the policy's window of shares (QoSPolicy.backlog_changed): a simulator's
+        # virtual one in bench/sim, so that its scheduling does not depend on how fast the host is.
+        self.clock = clock
         self.workers = WorkerSet(links)
         self.policy = policy
         self.monitor = monitor
@@ -212,7 +215,7 @@ class ContinuousBatcher(WorkerChanges):
         policy = self.policy
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
         backlogged |= self.planner.lanes_running()
-        policy.backlog_changed(backlogged, now)
+        policy.backlog_changed(backlogged, self.clock())
         builders = {}
         # Admit to a worker with a free running slot first (a request it takes preempts nobody,
         # where a full worker would have to), then to the emptiest, so load spreads.
