@@ -88,6 +88,8 @@ async def run_workload(address: str, requests, bar, started: float) -> list[dict
                         # the scheduler's own: from arrival there (tokenized) to the first token
                         "scheduler_ttft_ms": answer.server_timings.ttft_ms if answer.server_timings else None,
                         "prompt_tokens": answer.total_tokens - len(answer.token_ids),
+                        # of which the prefix cache served (not computed, billed at a discount)
+                        "cached_tokens": answer.cached_tokens,
                         # what the router routed by: its estimate from the text (limits.py)
                         "routed_prompt_tokens": estimated_prompt_tokens(request),
                         "output_tokens": len(answer.token_ids)}

@@ -26,6 +26,7 @@ from services.scheduler.policy import QoSSettings
 
 MODEL = "llama-3-8b"
 MULTIPLIERS = dict(zip(ORDER, BillingConfig().multipliers))    # the ledger's, by class
+CACHED_FRACTION = BillingConfig().cached_prompt_fraction      # a cached prompt token's share of the price
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,8 +165,8 @@ class SimCluster:
         result = SimResult(self.mode, len(requests), 0.0, simulated_s=span, wall_s=wall_s)
         for r in requests:
             if r.finished_at is not None:
-                result.cost_units += (r.prompt_tokens + r.output_tokens) * self.specs[r.pool].cost \
-                    * MULTIPLIERS[r.priority]
+                billed = r.prompt_tokens + r.output_tokens - r.cached_tokens * (1 - CACHED_FRACTION)
+                result.cost_units += billed * self.specs[r.pool].cost * MULTIPLIERS[r.priority]
             else:
                 result.unfinished += 1
         for p in ORDER:

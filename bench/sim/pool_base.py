@@ -35,6 +35,10 @@ class PoolBase:
         self._last_report_at = 0.0
         self.pace = None                       # t -> step-time factor (bench/sim/pace.py); None: 1
 
+    def next_event(self) -> float | None:
+        """When the pool's next event (the end of its step) comes; None: idle."""
+        return self.busy_until
+
     def step_s(self, tokens: float, kv_tokens: float, now: float) -> float:
         """One step's duration on this pool's accelerator, at the machine's pace at `now`."""
         seconds = self.accelerator.step_ms(tokens, kv_tokens) / 1000

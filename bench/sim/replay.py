@@ -53,7 +53,8 @@ def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | No
         plans.append(PoolPlan(name, accelerator, cost, primary=name == real["primary"], pace=pace))
     requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
                            pool=r["pool"] if real_routes else "", routed_prompt_tokens=r["routed_prompt_tokens"],
-                           outside_ms=r["ttft_ms"] - r["scheduler_ttft_ms"]) for i, r in enumerate(done)]
+                           outside_ms=r["ttft_ms"] - r["scheduler_ttft_ms"], cached_tokens=r.get("cached_tokens", 0))
+                for i, r in enumerate(done)]
     cluster = SimCluster(plans, mode, pool_kind="step")
     result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
     return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}

@@ -22,12 +22,12 @@ SIMPLE = Accelerator("simple", "cuda", fixed_ms=10.0, ms_per_token=0.1, ms_per_k
 def run_pool(pool, requests: list[SimRequest]) -> None:
     """Feed arrivals and step ends in time order until the pool is idle."""
     pending = sorted(requests, key=lambda r: r.arrival)
-    while pending or pool.busy_until is not None:
-        if pending and (pool.busy_until is None or pending[0].arrival <= pool.busy_until):
+    while pending or pool.next_event() is not None:
+        if pending and (pool.next_event() is None or pending[0].arrival <= pool.next_event()):
             request = pending.pop(0)
             pool.submit(request, request.arrival)
         else:
-            pool.step_end(pool.busy_until)
+            pool.step_end(pool.next_event())
 
 
 @pytest.mark.parametrize("kind", [FastPool, StepPool])
@@ -150,6 +150,20 @@ def test_a_replayed_request_is_routed_by_the_routers_estimate_and_its_outside_ti
     later = slice(5, None)                                     # once the pool has reported a step
     assert all(e.predicted_ttft_ms < p.predicted_ttft_ms for e, p in zip(estimated[later], plain[later]))
     assert estimated_margin > 2 * plain_margin                 # a quarter of the prompt seen: the margin makes up
+
+
+def test_prompt_tokens_a_replayed_run_served_from_its_prefix_cache_are_not_computed_and_bill_at_the_discount():
+    def run(cached: int) -> tuple[SimRequest, float]:
+        cluster = SimCluster([PoolPlan("gpu0", SIMPLE, 1.0, primary=True)], "primary", pool_kind="step")
+        request = SimRequest(0, 0.0, MEDIUM, prompt_tokens=128, output_tokens=1, cached_tokens=cached)
+        return request, cluster.run([request], 1).cost_units
+
+    plain, plain_cost = run(0)
+    cached, cached_cost = run(64)
+    assert plain.ttft_ms == pytest.approx(2 * 10 + 12.8)          # two chunks of 64
+    assert cached.ttft_ms == pytest.approx(10 + 6.4)              # the uncached 64 only
+    multiplier = plain_cost / 129
+    assert cached_cost == pytest.approx((129 - 64 * (1 - 0.5)) * multiplier)
 
 
 def test_trace_replay_arrives_at_the_asked_rate_and_classes_follow_the_lengths():
