@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Output tokens/s of our engine against Hugging Face transformers generate(), in one run.
+"""Output tokens/s of our engine against Hugging Face transformers generate(), and the engine's
+roofline, per dtype, in one run.
 
-Same model folder, same machine, same torch thread count, same device and dtype (fp32 on CPU by
-default; `--device cuda --dtype bfloat16` on a GPU), identical prompts and output lengths (EOS cannot end a request early on either side). Two phases:
+Same model folder, same machine, same torch thread count, same device, identical prompts and
+output lengths (EOS cannot end a request early on either side). For each of --dtypes (default
+float32,bfloat16 on CPU; `--device cuda --dtypes bfloat16` on a GPU), two phases:
 
   b1   the first --requests-b1 requests one at a time (engine: BatchRunner with max_running=1;
        HF: generate() on a batch of one).
@@ -10,10 +12,20 @@ default; `--device cuda --dtype bfloat16` on a GPU), identical prompts and outpu
        HF: static batches of 32 consecutive requests, left-padded, every row generating the
        batch's longest requested output, since that is what static batching does).
 
+HF runs in the first dtype only (ratio_b1, ratio_b32). Where bf16 is emulated (a CPU without
+avx512_bf16 or amx_bf16: about 5x slower than fp32) its phases run fewer requests by default
+(--bf16-requests-b1, --bf16-requests-b32), and the first dtype's engine also runs that smaller b32
+workload, so that the bf16/fp32 speedup compares the same requests.
+
 tokens/s = requested output tokens (the sum of each request's length; HF's extra tokens in a
 static batch are not counted) / wall seconds of the whole phase, prefill included.
 
-    python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] [--device cuda] ...
+Roofline (bench/roofline.py, same process and threads): the matmul peak per dtype (F.linear or
+the engine's prepacked oneDNN linear, whichever is faster, on the model's own shapes at 32 rows
+and at a prefill step's rows, best of 5), the memory bandwidth (reading 512 MiB), and each
+engine phase's achieved GFLOPS and GB/s, its bound (compute or bandwidth) and its share of it.
+
+    python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] [--dtypes float32] ...
 """
 from __future__ import annotations
 
@@ -22,7 +34,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Run as a script: put the repo root on sys.path, for `services` and `bench.harness`.
@@ -35,12 +47,13 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from bench.harness import cpu_name, make_parser, progress, write_json  # noqa: E402
+from bench.roofline import matmul_peak, memory_bandwidth, phase_roofline, step_work  # noqa: E402
 from services.common.config import DECODE_ATTENTION  # noqa: E402
-from services.common.step import SamplingParams  # noqa: E402
+from services.common.step import SamplingParams, StepBatch  # noqa: E402
 from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
-from services.engine.config import load_model_config  # noqa: E402
+from services.engine.config import ModelConfig, load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
-from services.engine.device import DTYPES, open_backend, set_cpu_threads  # noqa: E402
+from services.engine.device import DTYPES, DeviceBackend, cpu_has_native_bf16, open_backend, set_cpu_threads  # noqa: E402
 from services.engine.engine import Engine, EngineConfig  # noqa: E402
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, bytes_per_block  # noqa: E402
 
@@ -52,6 +65,10 @@ ENGINE_MAX_STEP_TOKENS = 512
 FIRST_PLAIN_TOKEN_ID = 100    # SmolLM2-style vocabularies keep special tokens (BOS, EOS...) below
 PROMPT_RANGE = (16, 256)      # default prompt and output lengths, tokens (--min/--max-prompt, -output)
 OUTPUT_RANGE = (16, 128)
+EMULATED_BF16_REQUESTS = (1, 32)   # default b1 and b32 requests where bf16 is emulated (one full batch)
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+BF16_SPEEDUP_TARGET = 1.6     # the issue's targets: bf16 b32 tok/s over fp32's,
+PEAK_SHARE_TARGET = 0.5       # and b32 achieved GFLOPS over the dtype's matmul peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +127,22 @@ def run_engine(engine: Engine, requests: list[Request], max_running: int,
         if len(output) != request.output_len:   # the comparison would be meaningless
             raise RuntimeError(f"engine gave request {i} {len(output)} tokens, not {request.output_len}")
     return elapsed, outputs
+
+
+class StepRecorder:
+    """The engine as BatchRunner uses it, noting each step's (position, tokens, samples) per
+    sequence: the roofline's work (bench/roofline.py)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.steps: list[list[tuple[int, int, bool]]] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def step(self, batch: StepBatch):
+        self.steps.append([(s.position, len(s.token_ids), s.sample) for s in batch.sequences])
+        return self.engine.step(batch)
 
 
 # --- Hugging Face transformers -------------------------------------------------------------------
@@ -175,16 +208,74 @@ def compare_greedy(engine_out: list[list[int]], hf_out: list[list[int]], eos_ids
     return problems
 
 
-def print_report(report: dict, seconds: dict) -> None:
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two dtypes' greedy outputs for the same requests agree: the tokens before each
+    request's first difference (after one, the contexts differ and so may everything after), and
+    the requests identical throughout."""
+    same_prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
+                      for x, y in zip(ours, theirs))
+    return {"tokens_before_first_difference": same_prefix, "tokens": sum(len(x) for x in ours),
+            "identical_requests": sum(x == y for x, y in zip(ours, theirs)), "requests": len(ours)}
+
+
+# --- one dtype -----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Phase:
+    """One engine phase's run: its requests, wall seconds, engine steps and outputs."""
+    requests: list[Request]
+    seconds: float
+    steps: list[list[tuple[int, int, bool]]]     # StepRecorder's
+    outputs: list[list[int]]
+
+    @property
+    def tok_s(self) -> float:
+        return useful_tokens(self.requests) / self.seconds
+
+
+def run_phase(engine: Engine, label: str, requests: list[Request], batch: int) -> Phase:
+    recorder = StepRecorder(engine)
+    with progress(useful_tokens(requests), f"{label:<16}", unit="tok") as bar:
+        seconds, outputs = run_engine(recorder, requests, batch, bar)
+    return Phase(requests, seconds, recorder.steps, outputs)
+
+
+def same_workload(phases: dict[str, Phase]) -> Phase:
+    """The b32 phase that every dtype ran on the same requests."""
+    return phases.get("b32_same", phases["b32"])
+
+
+def bf16_is_emulated(dtype: torch.dtype, backend: DeviceBackend) -> bool:
+    return dtype == torch.bfloat16 and backend.kind == "cpu" and not cpu_has_native_bf16(backend.flags)
+
+
+def roofline(config: ModelConfig, phases: dict[str, Phase], dtype: torch.dtype, backend: DeviceBackend,
+             bandwidth: float, report: dict) -> None:
+    """Measure the dtype's matmul peak and put each phase on the roofline, into `report`."""
+    name = SHORT_NAMES[dtype]
+    peak = matmul_peak(config, dtype, backend.device, backend.synchronize,
+                       rows=(BATCH, ENGINE_MAX_STEP_TOKENS))
+    report[f"peak_gflops_{name}"] = peak.gflops
+    report[f"peak_rows_{name}"] = peak.rows
+    report[f"peak_gflops_by_rows_{name}"] = peak.by_rows
+    report[f"matmul_gflops_by_shape_{name}"] = peak.by_shape
+    for phase_name, phase in phases.items():
+        point = phase_roofline([step_work(config, entries, dtype) for entries in phase.steps],
+                               phase.seconds, peak.gflops, bandwidth)
+        key = f"{phase_name}_{name}"
+        report[f"tok_s_{key}"] = phase.tok_s
+        report[f"requests_{key}"] = len(phase.requests)
+        report[f"steps_{key}"] = len(phase.steps)
+        report[f"seconds_{key}"] = phase.seconds
+        report.update({f"{field}_{key}": value for field, value in asdict(point).items()})
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def print_hf_table(report: dict, seconds: dict) -> None:
     w = report["workload"]
-    m = report["machine"]
-    print(f"\nmodel {report['model']} | {m['device']} ({m['device_name']}) | CPU {m['cpu']} | "
-          f"{report['threads']} threads | torch {m['torch']}, transformers {m['transformers']} | {report['dtype']} | "
-          f"decode attention: {report['decode_attention']}")
-    print(f"workload: seed {w['seed']}; b1 {w['requests_b1']} requests, b32 {w['requests_b32']} requests; "
-          f"prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, output {w['output_len'][0]}-"
-          f"{w['output_len'][1]} tokens (forced); engine max_step_tokens {w['engine_max_step_tokens']}")
-    print(f"\n{'phase':<6}{'out tok':>9}{'engine s':>10}{'HF s':>9}{'engine tok/s':>14}{'HF tok/s':>10}"
+    print(f"\nengine against HF transformers ({report['hf_dtype']})")
+    print(f"{'phase':<6}{'out tok':>9}{'engine s':>10}{'HF s':>9}{'engine tok/s':>14}{'HF tok/s':>10}"
           f"{'engine/HF':>11}")
     for phase in ("b1", "b32"):
         print(f"{phase:<6}{w[f'useful_tokens_{phase}']:>9}{seconds[f'engine_{phase}']:>10.1f}"
@@ -192,16 +283,63 @@ def print_report(report: dict, seconds: dict) -> None:
               f"{report[f'hf_tok_s_{phase}']:>10.1f}{report[f'ratio_{phase}']:>10.2f}x")
 
 
+def print_roofline(report: dict, names: list[str]) -> None:
+    print(f"\nroofline: memory bandwidth {report['bandwidth_gb_s']:.1f} GB/s (reading 512 MiB); matmul "
+          f"peak per dtype on the model's shapes, FLOP-weighted over a step's linears")
+    for name in names:
+        by_rows = ", ".join(f"{rows} rows {g:.1f}" for rows, g in report[f"peak_gflops_by_rows_{name}"].items())
+        ridge = report[f"peak_gflops_{name}"] / report["bandwidth_gb_s"]
+        print(f"  {name}: peak {report[f'peak_gflops_{name}']:.1f} GFLOPS ({by_rows}); "
+              f"ridge {ridge:.1f} FLOP/byte")
+    print(f"{'dtype':<6}{'phase':<10}{'reqs':>5}{'steps':>6}{'tok/s':>8}{'GFLOPS':>8}{'of peak':>8}{'GB/s':>7}"
+          f"{'FLOP/B':>8}  {'bound':<10}{'roof GFLOPS':>12}{'of roof':>8}")
+    for name in names:
+        for phase in ("b1", "b32", "b32_same"):
+            key = f"{phase}_{name}"
+            if f"tok_s_{key}" not in report:
+                continue
+            print(f"{name:<6}{phase:<10}{report[f'requests_{key}']:>5}{report[f'steps_{key}']:>6}"
+                  f"{report[f'tok_s_{key}']:>8.1f}{report[f'achieved_gflops_{key}']:>8.1f}"
+                  f"{report[f'of_peak_{key}']:>8.0%}{report[f'achieved_gb_s_{key}']:>7.1f}"
+                  f"{report[f'flop_per_byte_{key}']:>8.1f}  {report[f'bound_{key}']:<10}"
+                  f"{report[f'roof_gflops_{key}']:>12.1f}{report[f'of_roof_{key}']:>8.0%}")
+    print("(GFLOPS: useful FLOPs, bench/roofline.py; roof: each step at the slower of its FLOPs at the "
+          "peak and its bytes at the bandwidth)")
+
+
+def judge_targets(report: dict, names: list[str]) -> list[str]:
+    """The issue's targets, each as a line with PASS or FAIL (and the same into `report`)."""
+    lines = []
+    if "tok_s_b32_bf16" in report and "tok_s_b32_fp32" in report:
+        bf16, fp32 = (report.get(f"tok_s_b32_same_{n}", report[f"tok_s_b32_{n}"]) for n in ("bf16", "fp32"))
+        speedup = bf16 / fp32
+        report["bf16_speedup_b32"] = speedup
+        report["target_bf16_speedup_pass"] = speedup >= BF16_SPEEDUP_TARGET
+        lines.append(f"bf16 b32 tok/s / fp32's on the same requests: {speedup:.2f}x (target >= "
+                     f"{BF16_SPEEDUP_TARGET}x): {'PASS' if speedup >= BF16_SPEEDUP_TARGET else 'FAIL'}")
+    for name in names:
+        share = report[f"of_peak_b32_{name}"]
+        report[f"target_peak_share_{name}_pass"] = share >= PEAK_SHARE_TARGET
+        lines.append(f"{name} b32 achieved / matmul peak: {share:.0%} (target >= {PEAK_SHARE_TARGET:.0%}): "
+                     f"{'PASS' if share >= PEAK_SHARE_TARGET else 'FAIL'}")
+    return lines
+
+
 def parse_args() -> argparse.Namespace:
     parser = make_parser(__doc__, seed=True)
     parser.add_argument("--model", help="Hugging Face model folder (default: embedded SmolLM2-135M)")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = all cores)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or npu[:N] (both sides)")
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="both sides")
+    parser.add_argument("--dtypes", default="float32,bfloat16",
+                        help="engine dtypes, comma-separated; HF runs in the first only")
     parser.add_argument("--decode-attention", default="auto", choices=DECODE_ATTENTION,
                         help="the engine's decode attention: the paged C kernel (CPU) or gather + SDPA")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
+    parser.add_argument("--bf16-requests-b32", type=int, help="bf16's b32 requests (default: as --requests-b32; "
+                        f"where bf16 is emulated, {EMULATED_BF16_REQUESTS[1]})")
+    parser.add_argument("--bf16-requests-b1", type=int, help="bf16's b1 requests (default: as --requests-b1; "
+                        f"where bf16 is emulated, {EMULATED_BF16_REQUESTS[0]})")
     parser.add_argument("--min-prompt", type=int, default=PROMPT_RANGE[0])
     parser.add_argument("--max-prompt", type=int, default=PROMPT_RANGE[1])
     parser.add_argument("--min-output", type=int, default=OUTPUT_RANGE[0])
@@ -209,76 +347,179 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         parser.error("need 1 <= min <= max for both prompt and output lengths")
-    if args.requests_b1 < 1 or args.requests_b32 < 1 or args.threads < 0:
+    counts = [args.requests_b1, args.requests_b32, args.bf16_requests_b1, args.bf16_requests_b32]
+    if min(c for c in counts if c is not None) < 1 or args.threads < 0:
         parser.error("request counts must be >= 1 and --threads >= 0")
+    args.dtypes = args.dtypes.split(",")
+    unknown = [d for d in args.dtypes if d not in DTYPES]
+    if unknown or len({DTYPES[d] for d in args.dtypes}) != len(args.dtypes):
+        parser.error(f"--dtypes: distinct names among {', '.join(DTYPES)}")
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    # Before any model loads, so both sides run with the same intra-op thread count.
+def dtype_requests(args: argparse.Namespace, dtype: torch.dtype, backend: DeviceBackend) -> tuple[int, int]:
+    """(b1, b32) request counts for one dtype."""
+    b1, b32 = args.requests_b1, args.requests_b32
+    if dtype != torch.bfloat16:
+        return b1, b32
+    if bf16_is_emulated(dtype, backend):
+        b1, b32 = min(b1, EMULATED_BF16_REQUESTS[0]), min(b32, EMULATED_BF16_REQUESTS[1])
+    return args.bf16_requests_b1 or b1, args.bf16_requests_b32 or b32
+
+
+def run_hf_phases(model_dir: str, dtype: torch.dtype, backend: DeviceBackend, config: ModelConfig,
+                  warmup: list[Request], phases: dict[str, list[Request]]) -> tuple[dict, dict]:
+    """HF transformers' seconds and outputs per phase, in `dtype`."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(backend.device).eval()
+    pad_id = hf.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = config.eos_token_ids[0]
+    hf_generate(hf, warmup, pad_id)
+    seconds, outputs = {}, {}
+    for phase, requests in phases.items():
+        with progress(useful_tokens(requests), f"{'HF ' + phase:<16}", unit="tok") as bar:
+            seconds[phase], outputs[phase] = run_hf(hf, requests, 1 if phase == "b1" else BATCH, pad_id, bar)
+    return seconds, outputs
+
+
+@dataclass(slots=True)
+class Setup:
+    """What every dtype's run shares."""
+    args: argparse.Namespace
+    model_dir: str
+    config: ModelConfig
+    backend: DeviceBackend
+    threads: int
+    dtypes: list[torch.dtype]
+    counts: dict[torch.dtype, tuple[int, int]]    # (b1, b32) requests per dtype
+    workload: list[Request]                       # each phase runs its first requests
+    warmup: list[Request]
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    # Before any model loads, so every side and every probe runs with the same intra-op threads.
     threads = set_cpu_threads(args.threads)
     model_dir = args.model or str(default_model_dir())
     config = load_model_config(model_dir)
     if args.max_prompt + args.max_output > config.max_context:
         sys.exit(f"prompt + output of up to {args.max_prompt + args.max_output} tokens exceed the "
                  f"model's {config.max_context}-token context")
-    prompt_range, output_range = (args.min_prompt, args.max_prompt), (args.min_output, args.max_output)
-    workload = make_workload(max(args.requests_b1, args.requests_b32), args.seed, config.vocab_size,
-                             prompt_range, output_range)
-    b1, b32 = workload[:args.requests_b1], workload[:args.requests_b32]
-
     backend = open_backend(args.device)
-    print(f"loading {model_dir} on {backend.device} ({backend.name}, {args.dtype}, {threads} threads)",
-          file=sys.stderr)
-    engine = load_engine(model_dir, threads, args.max_prompt, args.max_output, args.device, args.dtype,
-                         args.decode_attention)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[args.dtype]).to(backend.device).eval()
-    pad_id = hf.generation_config.pad_token_id
-    if pad_id is None:
-        pad_id = config.eos_token_ids[0]
+    dtypes = [DTYPES[d] for d in args.dtypes]
+    counts = {d: dtype_requests(args, d, backend) for d in dtypes}
+    workload = make_workload(max(max(c) for c in counts.values()), args.seed, config.vocab_size,
+                             (args.min_prompt, args.max_prompt), (args.min_output, args.max_output))
+    return Setup(args, model_dir, config, backend, threads, dtypes, counts, workload,
+                 warmup_workload(args.seed, config.vocab_size))
 
-    # Warm-up outside the timed phases (allocator, kernel selection, lazy imports in generate()).
-    warmup = warmup_workload(args.seed, config.vocab_size)
-    print("warming up", file=sys.stderr)
-    run_engine(engine, warmup, max_running=2)
-    hf_generate(hf, warmup, pad_id)
 
-    seconds, outputs = {}, {}
-    for phase, requests, batch in (("b1", b1, 1), ("b32", b32, BATCH)):
-        with progress(useful_tokens(requests), f"{'engine ' + phase:<10}", unit="tok") as bar:
-            seconds[f"engine_{phase}"], outputs[f"engine_{phase}"] = run_engine(engine, requests, batch, bar)
-        with progress(useful_tokens(requests), f"{'HF ' + phase:<10}", unit="tok") as bar:
-            seconds[f"hf_{phase}"], outputs[f"hf_{phase}"] = run_hf(hf, requests, batch, pad_id, bar)
-
-    report = {
-        "model": Path(model_dir).name,
+def base_report(setup: Setup) -> dict:
+    args, backend, first = setup.args, setup.backend, setup.dtypes[0]
+    b1, b32 = setup.counts[first]
+    return {
+        "model": Path(setup.model_dir).name,
         "machine": {"cpu": cpu_name(), "torch": torch.__version__,
                     "transformers": transformers.__version__, "device": str(backend.device),
                     "device_name": backend.name},
-        "threads": threads, "dtype": args.dtype,
-        "decode_attention": "paged C kernel" if engine.decode_kernel is not None else "gather + SDPA",
-        "workload": {"seed": args.seed, "requests_b1": len(b1), "requests_b32": len(b32),
-                     "prompt_len": list(prompt_range), "output_len": list(output_range),
-                     "useful_tokens_b1": useful_tokens(b1), "useful_tokens_b32": useful_tokens(b32),
+        "threads": setup.threads, "dtypes": [SHORT_NAMES[d] for d in setup.dtypes], "hf_dtype": SHORT_NAMES[first],
+        "cpu_native_bf16": backend.kind == "cpu" and cpu_has_native_bf16(backend.flags),
+        "default_dtype": SHORT_NAMES[backend.preferred_dtype], "default_dtype_reason": backend.dtype_reason,
+        "workload": {"seed": args.seed, "requests_b1": b1, "requests_b32": b32,
+                     "requests": {SHORT_NAMES[d]: list(c) for d, c in setup.counts.items()},
+                     "prompt_len": [args.min_prompt, args.max_prompt],
+                     "output_len": [args.min_output, args.max_output],
+                     "useful_tokens_b1": useful_tokens(setup.workload[:b1]),
+                     "useful_tokens_b32": useful_tokens(setup.workload[:b32]),
                      "batch": BATCH, "engine_max_step_tokens": ENGINE_MAX_STEP_TOKENS},
     }
-    for phase, requests in (("b1", b1), ("b32", b32)):
-        report[f"engine_tok_s_{phase}"] = useful_tokens(requests) / seconds[f"engine_{phase}"]
-        report[f"hf_tok_s_{phase}"] = useful_tokens(requests) / seconds[f"hf_{phase}"]
+
+
+def run_dtype(setup: Setup, dtype: torch.dtype, report: dict) -> dict[str, Phase]:
+    """The engine's phases in one dtype, then that dtype's matmul peak and roofline (into `report`)."""
+    name, args = SHORT_NAMES[dtype], setup.args
+    print(f"loading {setup.model_dir} on {setup.backend.device} ({setup.backend.name}, {name}, "
+          f"{setup.threads} threads)", file=sys.stderr)
+    engine = load_engine(setup.model_dir, setup.threads, args.max_prompt, args.max_output, args.device,
+                         args.dtypes[setup.dtypes.index(dtype)], args.decode_attention)
+    report[f"decode_attention_{name}"] = "paged C kernel" if engine.decode_kernel is not None else "gather + SDPA"
+    run_engine(engine, setup.warmup, max_running=2)     # allocator, kernel selection, lazy imports
+    b1, b32 = setup.counts[dtype]
+    workload = setup.workload
+    phases = {"b1": run_phase(engine, f"engine {name} b1", workload[:b1], 1),
+              "b32": run_phase(engine, f"engine {name} b32", workload[:b32], BATCH)}
+    smallest = min(c[1] for c in setup.counts.values())
+    if smallest < b32:
+        # Another dtype's smaller b32 workload too, for a speedup over the same requests.
+        phases["b32_same"] = run_phase(engine, f"engine {name} b32 x{smallest}", workload[:smallest], BATCH)
+    del engine
+    print(f"measuring the {name} matmul peak", file=sys.stderr)
+    roofline(setup.config, phases, dtype, setup.backend, report["bandwidth_gb_s"], report)
+    return phases
+
+
+def compare_with_hf(setup: Setup, engine_phases: dict[str, Phase], report: dict) -> tuple[dict, list[str]]:
+    """HF in the first dtype on the same phases: seconds of both sides, and the b1 greedy check's
+    problems (the two sides did the same work only if their greedy tokens agree)."""
+    hf_seconds, hf_outputs = run_hf_phases(setup.model_dir, setup.dtypes[0], setup.backend, setup.config,
+                                           setup.warmup, {p: engine_phases[p].requests for p in ("b1", "b32")})
+    seconds = {}
+    for phase in ("b1", "b32"):
+        seconds[f"engine_{phase}"], seconds[f"hf_{phase}"] = engine_phases[phase].seconds, hf_seconds[phase]
+        report[f"engine_tok_s_{phase}"] = engine_phases[phase].tok_s
+        report[f"hf_tok_s_{phase}"] = useful_tokens(engine_phases[phase].requests) / hf_seconds[phase]
         report[f"ratio_{phase}"] = report[f"engine_tok_s_{phase}"] / report[f"hf_tok_s_{phase}"]
     report.update({f"{k}_seconds": v for k, v in seconds.items()})
-
-    # Sanity check that both sides did the same work: greedy tokens must agree on the b1 requests.
-    problems = compare_greedy(outputs["engine_b1"], outputs["hf_b1"], set(config.eos_token_ids))
+    problems = compare_greedy(engine_phases["b1"].outputs, hf_outputs["b1"], set(setup.config.eos_token_ids))
     report["b1_greedy_match"] = not problems
-    print_report(report, seconds)
+    return seconds, problems
+
+
+def print_header(setup: Setup, report: dict, runs: dict[torch.dtype, dict[str, Phase]]) -> None:
+    w, backend = report["workload"], setup.backend
+    print(f"\nmodel {report['model']} | {backend.device} ({backend.name}) | CPU {cpu_name()} | "
+          f"{setup.threads} threads | torch {torch.__version__}, transformers {transformers.__version__} | "
+          "decode attention: " + ", ".join(f"{n} {report[f'decode_attention_{n}']}" for n in report["dtypes"]))
+    print(f"workload: seed {w['seed']}; prompt {w['prompt_len'][0]}-{w['prompt_len'][1]} tokens, output "
+          f"{w['output_len'][0]}-{w['output_len'][1]} tokens (forced); engine max_step_tokens "
+          f"{ENGINE_MAX_STEP_TOKENS}; " + "; ".join(f"{n}: b1 {b1}, b32 {b32} requests"
+                                                    for n, (b1, b32) in w["requests"].items()))
+    print(f"this machine's default dtype: {report['default_dtype']} ({report['default_dtype_reason']})")
+    if torch.bfloat16 in runs and bf16_is_emulated(torch.bfloat16, backend):
+        b1, b32 = setup.counts[torch.bfloat16]
+        print(f"bf16 is emulated on this CPU: its phases run at most {EMULATED_BF16_REQUESTS[0]} and "
+              f"{EMULATED_BF16_REQUESTS[1]} requests unless told (--bf16-requests-b1/-b32), here {b1} and "
+              f"{b32}; tokens/s is a rate, and the bf16/fp32 speedup compares the same "
+              f"{len(same_workload(runs[torch.bfloat16]).requests)} b32 requests in both dtypes")
+
+
+def main() -> None:
+    setup = prepare(parse_args())
+    report = base_report(setup)
+    print(f"measuring memory bandwidth ({setup.threads} threads)", file=sys.stderr)
+    report["bandwidth_gb_s"] = memory_bandwidth(setup.backend.device, setup.backend.synchronize)
+    runs = {dtype: run_dtype(setup, dtype, report) for dtype in setup.dtypes}
+    first = setup.dtypes[0]
+    seconds, problems = compare_with_hf(setup, runs[first], report)
+    for dtype in setup.dtypes[1:]:
+        report[f"greedy_agreement_{SHORT_NAMES[dtype]}_vs_{SHORT_NAMES[first]}"] = greedy_agreement(
+            same_workload(runs[dtype]).outputs, same_workload(runs[first]).outputs)
+
+    print_header(setup, report, runs)
+    print_hf_table(report, seconds)
     for problem in problems:
         print(f"WARNING: engine and HF greedy tokens differ on b1 {problem}")
     if not problems:
-        print(f"check: engine greedy tokens equal HF's on all {len(b1)} b1 requests")
-
-    write_json(args.json, report)
+        print(f"check: engine greedy tokens equal HF's on all {len(runs[first]['b1'].requests)} b1 requests")
+    for key, agreement in report.items():
+        if key.startswith("greedy_agreement_"):
+            print(f"{key.removeprefix('greedy_agreement_').replace('_', ' ')} greedy, b32: "
+                  f"{agreement['tokens_before_first_difference']}/{agreement['tokens']} tokens before the "
+                  f"first difference, {agreement['identical_requests']}/{agreement['requests']} requests identical")
+    print_roofline(report, report["dtypes"])
+    print()
+    for line in judge_targets(report, report["dtypes"]):
+        print(f"target: {line}")
+    write_json(setup.args.json, report)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ QOS_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/engine/test_reference_logits.py tests/engine/test_devices.py -k "not npu"
 
 echo "== 3. engine vs HF throughput on $DEVICE (bf16)"
-"$PY" bench/engine_throughput.py --device "$DEVICE" --dtype bfloat16 --threads 4 \
+"$PY" bench/engine_throughput.py --device "$DEVICE" --dtypes bfloat16 --threads 4 \
   --json bench/results/engine_throughput_cuda.json
 
 echo "== 4. a GPU + CPU cluster serves High from the GPU pool"

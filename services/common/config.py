@@ -201,8 +201,9 @@ class WorkerConfig(ServiceConfig):
     port: int = setting(50053, "gRPC port of the worker", bounds=PORT)
     device: str = setting("cpu", "what it runs on: cpu, cuda[:N] or npu[:N] (default: its pool's device)",
                           note="cpu, cuda[:N], npu[:N]")
-    dtype: str | None = setting(None, "weights' and KV cache's dtype (default: fp32 on CPU, bf16 on CUDA, "
-                                "fp16 on NPU)", kind=str, choices=DTYPES)
+    dtype: str | None = setting(None, "weights' and KV cache's dtype (default: bf16 where the device computes "
+                                "it natively, CPUs with avx512_bf16 or amx_bf16 included; else fp32 on CPU, "
+                                "fp16 on GPU/NPU)", kind=str, choices=DTYPES)
     threads: int = setting(1, "torch CPU threads, set explicitly in every worker", bounds=NON_NEGATIVE)
     kv_cache_mb: int | None = setting(None, "KV cache budget in MiB (unset: 256 on CPU, else by fraction)",
                                       kind=int, bounds=Bounds(1))

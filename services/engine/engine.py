@@ -19,7 +19,7 @@ import torch
 from services.common.config import DECODE_ATTENTION
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
-from services.engine.device import DeviceBackend, open_backend, resolve_dtype, set_cpu_threads
+from services.engine.device import DeviceBackend, dtype_reason, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.linear import bound_onednn_caches
@@ -69,7 +69,7 @@ def group_decodes(decodes: list[SequenceWork], block_size: int) -> list[list[Seq
 class EngineConfig:
     model_dir: str
     device: str = "cpu"
-    dtype: str | None = None                # None: the device's choice (fp32 on CPU, bf16 on GPUs that have it)
+    dtype: str | None = None                # None: the device's choice (bf16 where it has native bf16, else fp32/fp16)
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_bytes: int | None = None       # explicit KV budget; overrides the fraction
     kv_cache_fraction: float = 0.1          # of free device memory, after the weights are loaded
@@ -115,12 +115,12 @@ class Engine:
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
-        log.info("engine ready: %s on %s, %s (%s, %d threads); %s; decode attention: %s",
-                 self.model_config.architecture, self.device, self.backend.name, self.dtype, self.threads,
-                 self.kv_spec.describe(), "paged C kernel" if self.decode_kernel else "gather + SDPA")
+        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s",
+                 self.model_config.architecture, self.device, self.backend.name, self.threads, self.dtype,
+                 dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
+                 "paged C kernel" if self.decode_kernel else "gather + SDPA")
 
     def _decode_kernel(self) -> DecodeKernel | None:
         choice = self.config.decode_attention

@@ -66,7 +66,8 @@ def without_eos(tokens: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(adapter):
-    worker = lambda: [WorkerConfig(port=0, threads=1, kv_cache_mb=128)]     # noqa: E731
+    # fp32 like the reference, also on a CPU with native bf16 (where a worker's default is bf16).
+    worker = lambda: [WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype="fp32")]     # noqa: E731
     config = ClusterConfig(router=RouterConfig(port=0, http_port=0), pools=[
         PoolConfig(name="main", device="cpu", primary=True, scheduler=SchedulerConfig(port=0), workers=worker()),
         PoolConfig(name="adapters", device="cpu", lora=True, scheduler=SchedulerConfig(port=0), workers=worker(),

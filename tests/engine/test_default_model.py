@@ -52,8 +52,8 @@ def test_chat_template_matches_transformers(model_dir, tokenizer):
 def test_greedy_batch_equals_transformers_generate(model_dir, tokenizer):
     from transformers import AutoModelForCausalLM
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    engine = Engine(EngineConfig(model_dir=str(model_dir), num_threads=1,
-                                 kv_cache_bytes=64 * 2**20))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), num_threads=1, dtype="float32",
+                                 kv_cache_bytes=64 * 2**20))     # fp32 like the reference, on any CPU
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     results = BatchRunner(engine, max_running=len(prompts)).run(
         [GenerationRequest(p, params) for p in prompts])

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from services.common.step import SequenceWork, StepBatch
-from services.engine.device import CpuBackend, DeviceUnavailableError, open_backend, parse_device
+from services.engine.device import (CpuBackend, DeviceUnavailableError, cpu_has_native_bf16, open_backend,
+                                    parse_device)
 from tests.tiny_models import make_engine, reference_logits
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +25,8 @@ NPU_WHEEL_DIR = Path(os.environ.get("QOS_SERVE_NPU_WHEEL_DIR", Path(sys.prefix) 
 def test_cpu_backend_reports_what_the_engine_needs():
     cpu = open_backend("cpu")
     assert isinstance(cpu, CpuBackend) and cpu.device == torch.device("cpu")
-    assert cpu.preferred_dtype == torch.float32
+    assert cpu.preferred_dtype == (torch.bfloat16 if cpu_has_native_bf16(cpu.flags) else torch.float32)
+    assert cpu.dtype_reason
     memory = cpu.memory()
     assert 0 < memory.free_bytes <= memory.total_bytes
     assert cpu.name and cpu.utilization() is None
@@ -140,7 +142,7 @@ def test_accelerator_half_precision_logits_track_the_fp32_reference(kind, tiny_m
     engine = make_engine(tiny_model_dir, device=kind, dtype=None)   # the device's own dtype
     tokens = [random.Random(3).randrange(3, 512) for _ in range(64)]
     got = engine.compute_logits(StepBatch([SequenceWork(1, tokens, 0, list(range(4)))]))[1]
-    assert got.dtype == backend.preferred_dtype
+    assert engine.dtype == backend.preferred_dtype     # the logits themselves come back in fp32
     want = reference_logits(tiny_reference, tokens)
     relative = ((got.float().cpu() - want).abs().max() / want.abs().max()).item()
     assert relative < 0.05, f"{backend.preferred_dtype}: max diff {relative:.3g} of the largest logit"

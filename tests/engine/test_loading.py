@@ -69,7 +69,8 @@ def test_folder_without_config_refused(tmp_path):
 def test_devices_and_dtypes():
     cpu = open_backend("cpu")
     assert resolve_device("cpu").type == "cpu"
-    assert resolve_dtype(None, cpu) == torch.float32
+    assert resolve_dtype(None, cpu) == cpu.preferred_dtype     # by the CPU's flags (test_bf16.py)
+    assert resolve_dtype("fp32", cpu) == torch.float32
     assert resolve_dtype("bf16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="unsupported device 'tpu'"):
         resolve_device("tpu")
