@@ -29,7 +29,7 @@ Low >= 0.85x FCFS, Low KV peak <= 30%; datacenter profiles: QoS High P99 TTFT < 
 local-cpu profile next to the real run's figures (High P99 TTFT at the scheduler and at the
 client, Low tok/s), with the difference.
 
-    python bench/qos_virtual.py --json bench/results/qos_virtual.json [--profiles local-cpu,h100,910b]
+    python bench/qos_virtual.py --json bench/results/qos_virtual.json [--profiles local-cpu,h100,a100,910b]
     python bench/qos_virtual.py --real bench/results/qos_burst.json
 """
 from __future__ import annotations
@@ -208,7 +208,7 @@ def print_real(comparison: dict) -> None:
 
 def main() -> None:
     parser = make_parser(__doc__, seed=True)
-    parser.add_argument("--profiles", default="local-cpu,h100,910b")
+    parser.add_argument("--profiles", default="local-cpu,h100,a100,910b")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every request count")
     parser.add_argument("--high-rate", type=float, default=10.0, help="High arrivals per second")
     parser.add_argument("--flood-seconds", type=float, default=1.0)
