@@ -211,5 +211,8 @@ def test_worker_drain_fuzz_on_a_cluster_of_its_own():
             @given(request=message(method.input_type), metadata=METADATA)
             def check(request, metadata):
                 code = call_once(channel, "qos.v1.Worker", method, request, [*cluster.trust.metadata, *metadata])
-                assert code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE), code
+                # The first Drain stops the worker: a later call is refused (UNAVAILABLE) once the port
+                # is closed, or, landing while the server stops, cancelled by gRPC itself (seen once
+                # in a loaded run): never an error of the handler.
+                assert code in (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), code
             check()
