@@ -44,9 +44,11 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from bench.engine_report import (compare_greedy, greedy_agreement, judge_targets, print_hf_table,  # noqa: E402
+                                 print_roofline)
 from bench.harness import cpu_name, make_parser, progress, write_json  # noqa: E402
+from bench.hf_baseline import hf_generate, run_hf  # noqa: E402
 from bench.roofline import matmul_peak, memory_bandwidth, phase_roofline, step_work  # noqa: E402
 from services.common.config import DECODE_ATTENTION  # noqa: E402
 from services.common.step import SamplingParams, StepBatch  # noqa: E402
@@ -67,8 +69,6 @@ PROMPT_RANGE = (16, 256)      # default prompt and output lengths, tokens (--min
 OUTPUT_RANGE = (16, 128)
 EMULATED_BF16_REQUESTS = (1, 32)   # default b1 and b32 requests where bf16 is emulated (one full batch)
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-BF16_SPEEDUP_TARGET = 1.6     # the issue's targets: bf16 b32 tok/s over fp32's,
-PEAK_SHARE_TARGET = 0.5       # and b32 achieved GFLOPS over the dtype's matmul peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,79 +145,6 @@ class StepRecorder:
         return self.engine.step(batch)
 
 
-# --- Hugging Face transformers -------------------------------------------------------------------
-
-class _StepProgress(BaseStreamer):
-    """Advances the bar each decoding step by the rows still inside their requested length."""
-
-    def __init__(self, bar: tqdm, output_lens: list[int]):
-        self.bar, self.output_lens, self.step = bar, output_lens, -1   # the first put is the prompt
-
-    def put(self, value: torch.Tensor) -> None:
-        self.step += 1
-        if self.step == 0:
-            return
-        self.bar.update(sum(1 for n in self.output_lens if n >= self.step))
-
-    def end(self) -> None:
-        pass
-
-
-def hf_generate(model, requests: list[Request], pad_id: int,
-                bar: tqdm | None = None) -> list[list[int]]:
-    """One static batch: left-padded prompts, every row decoding the longest requested length."""
-    width = max(len(r.prompt) for r in requests)
-    input_ids = torch.full((len(requests), width), pad_id, dtype=torch.long, device=model.device)
-    attention_mask = torch.zeros((len(requests), width), dtype=torch.long, device=model.device)
-    for row, request in enumerate(requests):
-        input_ids[row, width - len(request.prompt):] = torch.tensor(request.prompt)
-        attention_mask[row, width - len(request.prompt):] = 1
-    new_tokens = max(r.output_len for r in requests)
-    streamer = _StepProgress(bar, [r.output_len for r in requests]) if bar is not None else None
-    # min_new_tokens = max_new_tokens: EOS can never end a row early, like ignore_eos on our side.
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                         max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id,
-                         streamer=streamer)
-    return [out[row, width:width + r.output_len].tolist() for row, r in enumerate(requests)]
-
-
-def run_hf(model, requests: list[Request], batch_size: int, pad_id: int,
-           bar: tqdm | None = None) -> tuple[float, list[list[int]]]:
-    """Wall seconds and output tokens of static batches of `batch_size` consecutive requests."""
-    outputs: list[list[int]] = []
-    started = time.perf_counter()
-    for first in range(0, len(requests), batch_size):
-        outputs += hf_generate(model, requests[first:first + batch_size], pad_id, bar)
-    return time.perf_counter() - started, outputs
-
-
-# --- checks and report ---------------------------------------------------------------------------
-
-def compare_greedy(engine_out: list[list[int]], hf_out: list[list[int]], eos_ids: set[int]) -> list[str]:
-    """Mismatch descriptions (empty if the two sides agree).
-
-    Compared up to the engine's first EOS only: with ignore_eos the engine may emit EOS as the
-    argmax and go on, while HF's min_new_tokens masks EOS and takes the runner-up from there."""
-    problems = []
-    for i, (ours, theirs) in enumerate(zip(engine_out, hf_out)):
-        end = next((pos for pos, token in enumerate(ours) if token in eos_ids), len(ours))
-        diff = next((pos for pos in range(end) if ours[pos] != theirs[pos]), None)
-        if diff is not None:
-            problems.append(f"request {i}: first difference at output token {diff} of {end} compared "
-                            f"(engine {ours[diff]}, HF {theirs[diff]})")
-    return problems
-
-
-def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    """How far two dtypes' greedy outputs for the same requests agree: the tokens before each
-    request's first difference (after one, the contexts differ and so may everything after), and
-    the requests identical throughout."""
-    same_prefix = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x))
-                      for x, y in zip(ours, theirs))
-    return {"tokens_before_first_difference": same_prefix, "tokens": sum(len(x) for x in ours),
-            "identical_requests": sum(x == y for x, y in zip(ours, theirs)), "requests": len(ours)}
-
-
 # --- one dtype -----------------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -268,61 +195,6 @@ def roofline(config: ModelConfig, phases: dict[str, Phase], dtype: torch.dtype, 
         report[f"steps_{key}"] = len(phase.steps)
         report[f"seconds_{key}"] = phase.seconds
         report.update({f"{field}_{key}": value for field, value in asdict(point).items()})
-
-
-# --- report --------------------------------------------------------------------------------------
-
-def print_hf_table(report: dict, seconds: dict) -> None:
-    w = report["workload"]
-    print(f"\nengine against HF transformers ({report['hf_dtype']})")
-    print(f"{'phase':<6}{'out tok':>9}{'engine s':>10}{'HF s':>9}{'engine tok/s':>14}{'HF tok/s':>10}"
-          f"{'engine/HF':>11}")
-    for phase in ("b1", "b32"):
-        print(f"{phase:<6}{w[f'useful_tokens_{phase}']:>9}{seconds[f'engine_{phase}']:>10.1f}"
-              f"{seconds[f'hf_{phase}']:>9.1f}{report[f'engine_tok_s_{phase}']:>14.1f}"
-              f"{report[f'hf_tok_s_{phase}']:>10.1f}{report[f'ratio_{phase}']:>10.2f}x")
-
-
-def print_roofline(report: dict, names: list[str]) -> None:
-    print(f"\nroofline: memory bandwidth {report['bandwidth_gb_s']:.1f} GB/s (reading 512 MiB); matmul "
-          f"peak per dtype on the model's shapes, FLOP-weighted over a step's linears")
-    for name in names:
-        by_rows = ", ".join(f"{rows} rows {g:.1f}" for rows, g in report[f"peak_gflops_by_rows_{name}"].items())
-        ridge = report[f"peak_gflops_{name}"] / report["bandwidth_gb_s"]
-        print(f"  {name}: peak {report[f'peak_gflops_{name}']:.1f} GFLOPS ({by_rows}); "
-              f"ridge {ridge:.1f} FLOP/byte")
-    print(f"{'dtype':<6}{'phase':<10}{'reqs':>5}{'steps':>6}{'tok/s':>8}{'GFLOPS':>8}{'of peak':>8}{'GB/s':>7}"
-          f"{'FLOP/B':>8}  {'bound':<10}{'roof GFLOPS':>12}{'of roof':>8}")
-    for name in names:
-        for phase in ("b1", "b32", "b32_same"):
-            key = f"{phase}_{name}"
-            if f"tok_s_{key}" not in report:
-                continue
-            print(f"{name:<6}{phase:<10}{report[f'requests_{key}']:>5}{report[f'steps_{key}']:>6}"
-                  f"{report[f'tok_s_{key}']:>8.1f}{report[f'achieved_gflops_{key}']:>8.1f}"
-                  f"{report[f'of_peak_{key}']:>8.0%}{report[f'achieved_gb_s_{key}']:>7.1f}"
-                  f"{report[f'flop_per_byte_{key}']:>8.1f}  {report[f'bound_{key}']:<10}"
-                  f"{report[f'roof_gflops_{key}']:>12.1f}{report[f'of_roof_{key}']:>8.0%}")
-    print("(GFLOPS: useful FLOPs, bench/roofline.py; roof: each step at the slower of its FLOPs at the "
-          "peak and its bytes at the bandwidth)")
-
-
-def judge_targets(report: dict, names: list[str]) -> list[str]:
-    """The issue's targets, each as a line with PASS or FAIL (and the same into `report`)."""
-    lines = []
-    if "tok_s_b32_bf16" in report and "tok_s_b32_fp32" in report:
-        bf16, fp32 = (report.get(f"tok_s_b32_same_{n}", report[f"tok_s_b32_{n}"]) for n in ("bf16", "fp32"))
-        speedup = bf16 / fp32
-        report["bf16_speedup_b32"] = speedup
-        report["target_bf16_speedup_pass"] = speedup >= BF16_SPEEDUP_TARGET
-        lines.append(f"bf16 b32 tok/s / fp32's on the same requests: {speedup:.2f}x (target >= "
-                     f"{BF16_SPEEDUP_TARGET}x): {'PASS' if speedup >= BF16_SPEEDUP_TARGET else 'FAIL'}")
-    for name in names:
-        share = report[f"of_peak_b32_{name}"]
-        report[f"target_peak_share_{name}_pass"] = share >= PEAK_SHARE_TARGET
-        lines.append(f"{name} b32 achieved / matmul peak: {share:.0%} (target >= {PEAK_SHARE_TARGET:.0%}): "
-                     f"{'PASS' if share >= PEAK_SHARE_TARGET else 'FAIL'}")
-    return lines
 
 
 def parse_args() -> argparse.Namespace:
