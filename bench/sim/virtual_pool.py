@@ -34,9 +34,9 @@ class VirtualPool(StepPool):
 
     # --- the event loop -----------------------------------------------------------------------------
 
-    def run(self, requests: Iterable[SimRequest], until: float = float("inf")) -> float:
-        """Every request arrives at its time; runs until nothing is left to do (or `until`).
-        Returns the virtual time at the end."""
+    def run(self, requests: Iterable[SimRequest]) -> float:
+        """Every request arrives at its time; runs until nothing is left to do. Returns the
+        virtual time at the end."""
         arrivals = sorted(requests, key=lambda r: r.arrival)
         i, now = 0, 0.0
         while True:
@@ -45,8 +45,6 @@ class VirtualPool(StepPool):
             if next_arrival is None and next_event is None:
                 return now
             now = min(t for t in (next_arrival, next_event) if t is not None)
-            if now > until:
-                return until
             if next_event is not None and next_event <= now:
                 self.step_end(now)
             else:
@@ -57,9 +55,7 @@ class VirtualPool(StepPool):
 
     def submit(self, request: SimRequest, now: float) -> float | None:
         self.steps_before[request.request_id + 1] = self.steps
-        end = super().submit(request, now)
-        self._note_kv()
-        return end
+        return super().submit(request, now)         # blocks move only in a plan or a cut-in: noted there
 
     def _plan(self, now: float) -> float | None:
         end = super()._plan(now)
