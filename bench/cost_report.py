@@ -87,6 +87,8 @@ async def run_workload(address: str, requests, bar, started: float) -> list[dict
                         "cost": answer.cost_units, "ttft_ms": answer.ttft_ms, "e2e_ms": answer.e2e_ms,
                         # the scheduler's own: from arrival there (tokenized) to the first token
                         "scheduler_ttft_ms": answer.server_timings.ttft_ms if answer.server_timings else None,
+                        # ... of which queued: until a step (or a cut-in) first computed it
+                        "scheduler_queue_ms": answer.server_timings.queue_ms if answer.server_timings else None,
                         "prompt_tokens": answer.total_tokens - len(answer.token_ids),
                         # of which the prefix cache served (not computed, billed at a discount)
                         "cached_tokens": answer.cached_tokens,
@@ -138,7 +140,7 @@ async def watch_pools(cluster: LocalCluster, models: dict[str, LatencyModel], kv
                                                                                      metadata=trust.metadata)
                 load = pool_load(stats)
                 samples[name].append([round(time.perf_counter() - started, 3), stats.step_seconds, stats.worker_steps,
-                                      stats.step_tokens, stats.step_kv_tokens])
+                                      stats.step_tokens, stats.step_kv_tokens, stats.cut_ins])
                 if load.report is not None:
                     models[name].report(load.report)
                     kv_tokens[name] = stats.kv_blocks_total * stats.block_size

@@ -63,7 +63,8 @@ class SimResult:
 class SimCluster:
     def __init__(self, plans: list[PoolPlan], mode: str, pool_kind: str = "fast",
                  stats_interval_s: float = 0.2, settings: QoSSettings | None = None,
-                 slo_ms: dict | None = None):
+                 slo_ms: dict | None = None, prefix_caching: bool = False):
+        """prefix_caching: step pools run the scheduler's prefix cache (requests with prompt_ids)."""
         self.plans = plans
         self.mode = mode
         self.stats_interval_s = stats_interval_s
@@ -72,8 +73,12 @@ class SimCluster:
                  for p in plans]
         self.router = PoolRouter(specs, mode=mode, lazy_models=True)
         self.specs = {s.name: s for s in specs}
-        kind = {"fast": FastPool, "step": StepPool}[pool_kind]
-        self.pools = [kind(p.name, p.accelerator, settings) for p in plans]
+        if pool_kind == "step":
+            self.pools = [StepPool(p.name, p.accelerator, settings, prefix_caching=prefix_caching) for p in plans]
+        elif pool_kind == "fast" and not prefix_caching:
+            self.pools = [FastPool(p.name, p.accelerator, settings) for p in plans]
+        else:
+            raise ValueError(f"pool kind {pool_kind!r}{' with prefix caching' if prefix_caching else ''} is not simulated")
         for pool, plan in zip(self.pools, plans):
             pool.pace = plan.pace
         self.index = {pool.name: i for i, pool in enumerate(self.pools)}

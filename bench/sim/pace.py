@@ -29,7 +29,7 @@ class MachinePace:
 
     @classmethod
     def measured(cls, samples: dict[str, list], fits: dict[str, dict], window_s: float = WINDOW_S) -> MachinePace:
-        """samples: pool -> [[t_s, step_seconds, worker_steps, step_tokens, step_kv_tokens], ...]
+        """samples: pool -> [[t_s, step_seconds, worker_steps, step_tokens, step_kv_tokens(, cut_ins)], ...]
         (cumulative counters, as reported); fits: pool -> {fixed_ms, ms_per_token, ms_per_kv_token}.
         All pools of the run share one pace: they share the machine."""
         actual: dict[int, float] = {}

@@ -38,12 +38,21 @@ from services.common.priority import parse_priority
 CLASSES = ("high", "medium", "low")
 TOLERANCE = 0.20          # cost and P99 TTFT per class within 20% of the real run
 VARIANTS = (("simulated", True, False), ("real routes", True, True), ("mean pace", False, False))
+# The scheduler's TTFT split where the run recorded it: queued (until a step or cut-in first computed
+# the request) and computing (from then to its first token). Not judged: where a P99 misses, which.
+SPLIT_ROWS = ((0.5, "scheduler_queue_ms", "P50 queued", False), (0.5, "compute_ms", "P50 computing", False))
+REAL_VALUES = {"ttft_ms": lambda r: r["ttft_ms"], "scheduler_ttft_ms": lambda r: r["scheduler_ttft_ms"],
+               "scheduler_queue_ms": lambda r: r["scheduler_queue_ms"],
+               "compute_ms": lambda r: r["scheduler_ttft_ms"] - r["scheduler_queue_ms"]}
+SIM_VALUES = {"ttft_ms": lambda s: s.ttft_ms, "scheduler_ttft_ms": lambda s: s.pool_ttft_ms,
+              "scheduler_queue_ms": lambda s: s.pool_queue_ms,
+              "compute_ms": lambda s: s.pool_ttft_ms - s.pool_queue_ms}
 
 
 def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | None,
                  real_routes: bool) -> tuple[list[SimRequest], float, dict]:
     """The run's completed requests (`done`, by arrival) simulated: their simulated twins, the
-    simulated cost units, the simulated router's margin per pool at the end."""
+    simulated cost units, the simulated router's margin per pool at the end, each pool's cut-ins."""
     fits = real["modes"][mode]["step_fits"]
     plans = []
     for name, cost in real["pools"].items():
@@ -53,11 +62,13 @@ def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | No
         plans.append(PoolPlan(name, accelerator, cost, primary=name == real["primary"], pace=pace))
     requests = [SimRequest(i, r["arrival_s"], parse_priority(r["priority"]), r["prompt_tokens"], r["output_tokens"],
                            pool=r["pool"] if real_routes else "", routed_prompt_tokens=r["routed_prompt_tokens"],
-                           outside_ms=r["ttft_ms"] - r["scheduler_ttft_ms"], cached_tokens=r.get("cached_tokens", 0))
+                           outside_ms=r["ttft_ms"] - r["scheduler_ttft_ms"], cached_tokens=r.get("cached_tokens", 0),
+                           prompt_ids=r.get("prompt_ids"))
                 for i, r in enumerate(done)]
-    cluster = SimCluster(plans, mode, pool_kind="step")
+    cluster = SimCluster(plans, mode, pool_kind="step", prefix_caching=all(r.prompt_ids for r in requests))
     result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
-    return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}
+    cut_ins = {pool.name: pool.cut_in_steps for pool in cluster.pools}
+    return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}, cut_ins
 
 
 def with_routed_prompts(real: dict, records: list[dict]) -> list[dict]:
@@ -75,6 +86,26 @@ def with_routed_prompts(real: dict, records: list[dict]) -> list[dict]:
             for r, (_, _, prompt) in zip(records, prompts, strict=True)]
 
 
+def with_prompt_ids(real: dict, records: list[dict]) -> list[dict]:
+    """The records, each with its prompt's token ids as the scheduler made them (the model's chat
+    template and tokenizer on the seed's workload), so that the simulated pools' prefix caches share
+    what the real ones shared: the blocks a cached prefix holds count in the KV each step reads (the
+    step-time fit's KV term was measured on them). A record whose ids come out another length than it
+    reported keeps none: the whole run is then replayed with cached tokens counted instead."""
+    from bench.cost_report import workload
+    from services.common.tokenizer import TextTokenizer
+    from services.engine.default_model import default_model_dir
+    tokenizer = TextTokenizer.from_model_dir(default_model_dir())
+    ids = {}
+    for at, _, prompt in workload(real["requests"], real["rate"], real["seed"]):
+        ids[round(at, 6)] = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    out = [{**r, "prompt_ids": ids.get(round(r["arrival_s"], 6))} for r in records]
+    if any(r["prompt_ids"] is None or len(r["prompt_ids"]) != r["prompt_tokens"] for r in out):
+        print("the run's prompts do not tokenize to the lengths it recorded: replayed with cached tokens counted")
+        return records
+    return out
+
+
 def _pct(a: float, b: float) -> float:
     return a / b - 1 if b else 0.0
 
@@ -90,7 +121,8 @@ def replay(path: Path) -> dict:
     for mode, run in real["modes"].items():
         if not run["step_fits"]:
             raise SystemExit(f"mode {mode} has no step-time fit (no pool computed a step)")
-        done = sorted((r for r in with_routed_prompts(real, run["requests"]) if r["ok"]), key=lambda r: r["arrival_s"])
+        done = sorted((r for r in with_prompt_ids(real, with_routed_prompts(real, run["requests"])) if r["ok"]),
+                      key=lambda r: r["arrival_s"])
         pace = MachinePace.measured(run["pace_samples"], run["step_fits"]) if run.get("pace_samples") else None
         sims = {v: simulate_run(real, mode, done, pace if paced else None, routes) for v, paced, routes in VARIANTS}
         outside = median([r["ttft_ms"] - r["scheduler_ttft_ms"] for r in done])
@@ -107,14 +139,21 @@ def replay(path: Path) -> dict:
             print(f"{mode:<10}router margins at the end, real / simulated: " + ", ".join(
                 f"{pool} {real_end.get(pool, float('nan')):.2f} / {simulated_end.get(pool, float('nan')):.2f}"
                 for pool in real["pools"]))
+        samples = run.get("pace_samples") or {}
+        if all(series and len(series[-1]) > 5 for series in samples.values()):
+            real_cut_ins = {pool: series[-1][5] for pool, series in samples.items()}
+            out[mode]["cut_ins"] = {"real": real_cut_ins, "simulated": sims["simulated"][3]}
+            print(f"{mode:<10}High cut-ins, real / simulated: " + ", ".join(
+                f"{pool} {n} / {sims['simulated'][3].get(pool, 0)}" for pool, n in real_cut_ins.items()))
         rows = [("cost units", run["total_cost_units"], {v: s[1] for v, s in sims.items()}, None, True)]
         for q, key, name, judged in ((0.99, "ttft_ms", "P99 TTFT", True), (0.5, "ttft_ms", "P50 TTFT", False),
-                                     (0.99, "scheduler_ttft_ms", "P99 sched.", False)):
+                                     (0.99, "scheduler_ttft_ms", "P99 sched.", False), *SPLIT_ROWS):
+            if (q, key, name, judged) in SPLIT_ROWS and any(r.get("scheduler_queue_ms") is None for r in done):
+                continue                        # a run recorded before cost_report kept queue times
             for c in CLASSES:
                 mine = [i for i, r in enumerate(done) if r["priority"] == c]
-                values = [done[i][key] for i in mine]
-                attribute = "ttft_ms" if key == "ttft_ms" else "pool_ttft_ms"
-                predicted = {v: quantile([getattr(s[0][i], attribute) for i in mine], q) for v, s in sims.items()}
+                values = [REAL_VALUES[key](done[i]) for i in mine]
+                predicted = {v: quantile([SIM_VALUES[key](s[0][i]) for i in mine], q) for v, s in sims.items()}
                 interval = bootstrap_interval(values, q) if judged else None
                 rows.append((f"{c} {name} ms", quantile(values, q), predicted, interval, judged))
         for label, measured, predicted, interval, judged in rows:

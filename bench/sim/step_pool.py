@@ -21,6 +21,7 @@ import heapq
 from bench.sim.accelerators import BLOCK_TOKENS, Accelerator
 from bench.sim.pool_base import PoolBase
 from bench.sim.workload import SimRequest
+from services.common.config import SchedulerConfig
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH, ORDER
 from services.common.proto.qos.v1 import worker_pb2
@@ -29,6 +30,7 @@ from services.common.wire import answer_tokens, sampled_tokens
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.policy import QoSSettings, create_policy
+from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
 from services.scheduler.stats import prefill_backlog
 
@@ -47,11 +49,12 @@ class SimWorker:
     that reaches the end of its known tokens gets token 7, and one that reaches its max_tokens is
     finished (LENGTH). Also bench/scheduler_overhead.py's instant worker."""
 
-    def __init__(self, num_blocks: int, device_type: str = "", address: str = "simulated"):
+    def __init__(self, num_blocks: int, device_type: str = "", address: str = "simulated",
+                 make_pool=KVBlockPool):
         self.index, self.address = 0, address
         self.info = worker_pb2.WorkerInfo(num_blocks=num_blocks, block_size=BLOCK_TOKENS,
                                           max_context=1 << 20, device_type=device_type)
-        self.pool = KVBlockPool(num_blocks, BLOCK_TOKENS)
+        self.pool = make_pool(num_blocks, BLOCK_TOKENS)
         self.adapters: frozenset[str] = frozenset()
         self.max_loras = 0
         self.is_connected = True
@@ -61,7 +64,8 @@ class SimWorker:
         for seq_id in plan.released_seq_ids:
             self.known.pop(seq_id, None)
         for new in plan.new_sequences:
-            self.known[new.seq_id] = [len(new.prompt_token_ids), 0, new.sampling.max_tokens - new.num_generated]
+            self.known[new.seq_id] = [len(new.prompt_token_ids), new.cached_tokens,
+                                      new.sampling.max_tokens - new.num_generated]
         tokens = []
         for seq_id, num_tokens in zip(plan.scheduled_seq_ids, plan.scheduled_num_tokens):
             state = self.known[seq_id]
@@ -83,15 +87,24 @@ class SimWorker:
 
 
 class StepPool(PoolBase):
+    """prefix_caching: the scheduler's prefix cache (its default settings), for requests that
+    carry their prompt_ids (a replayed run): shared blocks are held once and count in the KV the
+    step time reads, as in the real pool."""
+
     def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None,
-                 policy: str = "qos"):
+                 policy: str = "qos", prefix_caching: bool = False):
         super().__init__(name, accelerator)
-        self.worker = SimWorker(accelerator.kv_blocks, accelerator.device)
+        cache = PrefixCache(dict(zip(ORDER, map(float, SchedulerConfig().cache_idle_shares))),
+                            SchedulerConfig().cache_affinity_margin) if prefix_caching else None
+        self.worker = SimWorker(accelerator.kv_blocks, accelerator.device,
+                                make_pool=cache.make_pool if cache else KVBlockPool)
         self.now = 0.0                           # simulated seconds: the batcher's clock
         self.batcher = ContinuousBatcher(name, [self.worker], create_policy(policy, settings or QoSSettings()),
                                          max_running=accelerator.max_running,
-                                         max_step_tokens=accelerator.max_step_tokens, clock=lambda: self.now)
+                                         max_step_tokens=accelerator.max_step_tokens, clock=lambda: self.now,
+                                         prefix_cache=cache)
         self.requests: dict[int, SimRequest] = {}
+        self.admitted: dict[int, Request] = {}   # seq id -> the scheduler's request (its cached tokens)
         self.plans = {}
         self.cut_in_steps = 0
         self._cut_ins: list[tuple[float, int, object]] = []   # (done at, order, builder)
@@ -99,13 +112,16 @@ class StepPool(PoolBase):
 
     def submit(self, request: SimRequest, now: float) -> float | None:
         seq_id = request.request_id + 1
-        # Tokens its prefix cache served in a replayed run are not computed (their blocks are shared).
-        prompt = [3] * max(1, request.prompt_tokens - request.cached_tokens)
+        if request.prompt_ids is not None:
+            prompt = list(request.prompt_ids)
+        else:   # tokens a replayed run's prefix cache served, when only their count is known: not computed
+            prompt = [3] * max(1, request.prompt_tokens - request.cached_tokens)
         self.requests[seq_id] = request
-        self.batcher.submit(Request(
+        admitted = self.admitted[seq_id] = Request(
             request_id=str(seq_id), seq_id=seq_id, priority=request.priority, tenant=request.tenant, prompt_ids=prompt,
             sampling=SamplingParams(temperature=0.0, max_tokens=request.output_tokens),
-            detokenizer=IncrementalDetokenizer(NullDecoder(), prompt)))
+            detokenizer=IncrementalDetokenizer(NullDecoder(), prompt))
+        self.batcher.submit(admitted)
         if self.busy_until is None:
             return self._plan(now)
         if request.priority == HIGH and self.batcher.policy.cut_in and self._cut_in(now):
@@ -136,8 +152,11 @@ class StepPool(PoolBase):
             if request is None:
                 continue
             if request.first_token_at is None:
+                if request.prompt_ids is not None:      # what this pool's cache served
+                    request.cached_tokens = self.admitted[token.seq_id].cached_tokens
                 self.first_token(request, now)
             if token.finish_reason:
+                self.admitted.pop(token.seq_id, None)
                 self.finish(self.requests.pop(token.seq_id), now)
 
     def _cut_in(self, now: float) -> bool:
@@ -154,6 +173,7 @@ class StepPool(PoolBase):
         self._cut_ins_free_at = start + step_s
         heapq.heappush(self._cut_ins, (start + step_s, self.cut_in_steps, builder))
         self.cut_in_steps += 1
+        self._scheduled([builder], start)
         self.busy_until += step_s               # the step in flight waits while the cut-in runs
         self.busy_s += step_s
         self.step_seconds += step_s
@@ -173,6 +193,7 @@ class StepPool(PoolBase):
                 self.batcher.postprocess(self.worker, builder, self.worker.answer(builder.plan))
             return None
         step_s = self.step_s(tokens, self.kv_used(), now)
+        self._scheduled(plans.values(), now)
         self.plans = plans
         self.steps += 1
         self.step_tokens += tokens
@@ -181,6 +202,14 @@ class StepPool(PoolBase):
         self.busy_s += step_s
         self.busy_until = now + step_s
         return self.busy_until
+
+    def _scheduled(self, builders, start: float) -> None:
+        """Requests computed for the first time in a step starting at `start`."""
+        for builder in builders:
+            for new in builder.plan.new_sequences:
+                request = self.requests.get(new.seq_id)
+                if request is not None and request.scheduled_at is None:
+                    request.scheduled_at = start
 
     # --- state for reports --------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class SimRequest:
     output_tokens: int
     pool: str = ""                   # where the router sent it (set beforehand: sent there)
     tenant: str = ""
+    scheduled_at: float | None = None        # the first step (or cut-in) computing it began
     first_token_at: float | None = None
     finished_at: float | None = None
     predicted_ttft_ms: float | None = None
@@ -36,11 +37,19 @@ class SimRequest:
     outside_ms: float = 0.0
     # ... and the prompt tokens its prefix cache served there: not computed, billed at a discount.
     cached_tokens: int = 0
+    # ... or, where the run's prompts are known, their token ids: a pool with prefix caching then
+    # finds what they share itself (and sets cached_tokens), holding the shared blocks as it would.
+    prompt_ids: list[int] | None = None
 
     @property
     def pool_ttft_ms(self) -> float | None:
         """From arrival at the pool to the first token (what a scheduler measures)."""
         return None if self.first_token_at is None else (self.first_token_at - self.arrival) * 1000
+
+    @property
+    def pool_queue_ms(self) -> float | None:
+        """From arrival at the pool until a step first computed it (the scheduler's queue_ms)."""
+        return None if self.scheduled_at is None else (self.scheduled_at - self.arrival) * 1000
 
     @property
     def ttft_ms(self) -> float | None:

@@ -166,6 +166,39 @@ def test_prompt_tokens_a_replayed_run_served_from_its_prefix_cache_are_not_compu
     assert cached_cost == pytest.approx((129 - 64 * (1 - 0.5)) * multiplier)
 
 
+def test_a_step_pool_with_prefix_caching_shares_a_replayed_prompt_prefix_and_reads_its_blocks_once():
+    # The real pool's step-time fit was measured on the KV blocks it held: a prefix cached for many
+    # sequences is held once, and its blocks count in every step's KV. A replayed run's pool holds
+    # them the same way (the scheduler's own prefix cache), and says what it served.
+    kv_bound = Accelerator("kv", "cpu", fixed_ms=10.0, ms_per_token=0.1, ms_per_kv_token=0.01, kv_tokens=100_000,
+                           max_running=8, max_step_tokens=64)
+    shared = list(range(100, 132))                                     # two full blocks
+    first = SimRequest(0, 0.0, MEDIUM, 36, 4, prompt_ids=shared + [1, 2, 3, 4])
+    second = SimRequest(1, 0.001, MEDIUM, 36, 40, prompt_ids=shared + [5, 6, 7, 8])
+    third = SimRequest(2, 0.2, MEDIUM, 36, 4, prompt_ids=shared + [9, 10, 11, 12])
+    pool = StepPool("p", kv_bound, prefix_caching=True)
+    shared_steps = []
+    plan = pool._plan
+
+    def recording_plan(now):
+        ends = plan(now)
+        running = pool.batcher.running[0]
+        if pool.plans and len(running) > 1:
+            shared_steps.append((pool.kv_used(), sum(len(r.blocks) for r in running), len(running)))
+        return ends
+    pool._plan = recording_plan
+    run_pool(pool, [first, second, third])
+    assert (first.cached_tokens, third.cached_tokens) == (0, 32)      # found by the pool, not given
+    assert shared_steps
+    # Every sequence references the same two prefix blocks; the pool holds (and a step reads) them once.
+    for kv_tokens, referenced, running in shared_steps:
+        assert kv_tokens == (referenced - 2 * (running - 1)) * 16
+    plain = StepPool("p", kv_bound)
+    copies = [SimRequest(r.request_id, r.arrival, MEDIUM, 36, r.output_tokens) for r in (first, second, third)]
+    run_pool(plain, copies)
+    assert copies[2].ttft_ms > third.ttft_ms                          # its 32 cached tokens not computed
+
+
 def test_trace_replay_arrives_at_the_asked_rate_and_classes_follow_the_lengths():
     rows = 19_366                                          # bench/traces/azure2023_conv.csv
     requests = trace_replay("azure-conv", rate=100, duration_s=rows / 100)   # the whole trace, once
