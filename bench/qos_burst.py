@@ -277,6 +277,8 @@ def main() -> None:
         workload = f"burst (Low and Medium over {args.flood_seconds:g} s, High {args.high_rate:g}/s)"
     report = {"model": Path(model).name, "workload": workload, **steady,
               "requests": ", ".join(f"{counts[p]} {p}" for p in PRIORITIES),
+              # the burst's --scale (bench/qos_virtual.py --real simulates the same burst)
+              **({"scale": args.scale} if not args.trace and args.workload == "burst" else {}),
               "front": args.front,
               "machine": f"{machine()}; worker {args.threads} thread(s), "
                          f"step budget {args.max_step_tokens} tokens, up to {args.max_running} running"}

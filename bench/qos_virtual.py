@@ -158,6 +158,7 @@ def run_profile(name: str, args) -> dict:
 def compare_real(path: Path, args) -> dict:
     """The local-cpu profile on the real run's burst (its scale), beside the real figures."""
     real = json.loads(path.read_text())
+    # Runs recorded before qos_burst.py wrote its scale: from their High count ("30 high, ...").
     scale = real.get("scale") or float(real["requests"].split()[0]) / COUNTS[HIGH]
     accelerator, context = load_profile("local-cpu", args.local_profile)
     requests = burst(context, scale, args.high_rate, args.flood_seconds, args.seed)
