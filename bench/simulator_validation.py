@@ -60,13 +60,12 @@ def comparison(name: str, rate: float, mode: str, path: Path) -> dict:
         row[f"{c}_p99_real_resampled_90"] = cell["real_resampled_90"]
         # the pools' model alone: each request sent where the real router sent it
         row[f"{c}_p99_err_real_routes"] = cell["real routes"]["difference"]
-    # Where a P99 misses: its first-token step (P50 computing, real and simulated) and the cut-ins.
+    # Where a P99 misses: its first-token step (P50 computing, real and simulated); each pool's steps.
     for c in ("high", "medium", "low"):
         cell = predicted.get(f"{c} P50 computing ms")
         if cell is not None:
             row[f"{c}_p50_computing_ms"] = [cell["real"], cell["simulated"]["predicted"]]
-    if "cut_ins" in predicted:
-        row["cut_ins"] = predicted["cut_ins"]
+    row["pools"] = predicted["pools"]
     row["cost_real"] = predicted["cost units"]["real"]
     row["cost_simulated"] = predicted["cost units"]["simulated"]["predicted"]
     row["pass"] = (abs(row["cost_err"]) <= COST_TOLERANCE and abs(row["high_p99_err"]) <= P99_TOLERANCE

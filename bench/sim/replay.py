@@ -52,7 +52,7 @@ SIM_VALUES = {"ttft_ms": lambda s: s.ttft_ms, "scheduler_ttft_ms": lambda s: s.p
 def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | None,
                  real_routes: bool) -> tuple[list[SimRequest], float, dict]:
     """The run's completed requests (`done`, by arrival) simulated: their simulated twins, the
-    simulated cost units, the simulated router's margin per pool at the end, each pool's cut-ins."""
+    simulated cost units, the simulated router's margin per pool at the end, each pool's figures (pool_figures)."""
     fits = real["modes"][mode]["step_fits"]
     plans = []
     for name, cost in real["pools"].items():
@@ -67,8 +67,16 @@ def simulate_run(real: dict, mode: str, done: list[dict], pace: MachinePace | No
                 for i, r in enumerate(done)]
     cluster = SimCluster(plans, mode, pool_kind="step", prefix_caching=all(r.prompt_ids for r in requests))
     result = cluster.run(requests, max(r.arrival for r in requests) + 1, label=f"replay {mode}")
-    cut_ins = {pool.name: pool.cut_in_steps for pool in cluster.pools}
-    return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}, cut_ins
+    pools = {pool.name: pool_figures(pool.steps, pool.step_seconds, pool.step_tokens, pool.step_kv_tokens,
+                                     pool.cut_in_steps) for pool in cluster.pools}
+    return requests, result.cost_units, {name: m.margin for name, m in cluster.router.models.items()}, pools
+
+
+def pool_figures(steps: int, seconds: float, tokens: int, kv_tokens: int, cut_ins: int | None) -> dict:
+    """A pool over a run: its steps, and per step the time, tokens computed and KV tokens held."""
+    per = max(steps, 1)
+    return {"steps": steps, "ms_per_step": seconds * 1000 / per, "tokens_per_step": tokens / per,
+            "kv_tokens_per_step": kv_tokens / per, "cut_ins": cut_ins}
 
 
 def with_routed_prompts(real: dict, records: list[dict]) -> list[dict]:
@@ -139,12 +147,20 @@ def replay(path: Path) -> dict:
             print(f"{mode:<10}router margins at the end, real / simulated: " + ", ".join(
                 f"{pool} {real_end.get(pool, float('nan')):.2f} / {simulated_end.get(pool, float('nan')):.2f}"
                 for pool in real["pools"]))
-        samples = run.get("pace_samples") or {}
-        if all(series and len(series[-1]) > 5 for series in samples.values()):
-            real_cut_ins = {pool: series[-1][5] for pool, series in samples.items()}
-            out[mode]["cut_ins"] = {"real": real_cut_ins, "simulated": sims["simulated"][3]}
-            print(f"{mode:<10}High cut-ins, real / simulated: " + ", ".join(
-                f"{pool} {n} / {sims['simulated'][3].get(pool, 0)}" for pool, n in real_cut_ins.items()))
+        # Each pool as a whole, real (its stats' counters at the end) and simulated: does the pool
+        # model run as many steps, as long, holding as much? (Cut-ins: runs since cost_report kept them.)
+        out[mode]["pools"] = {}
+        for pool, series in (run.get("pace_samples") or {}).items():
+            if not series or not series[-1][2]:
+                continue
+            _, seconds, steps, tokens, kv_tokens, *cut_ins = series[-1]
+            real_pool = pool_figures(steps, seconds, tokens, kv_tokens, cut_ins[0] if cut_ins else None)
+            sim_pool = sims["simulated"][3][pool]
+            out[mode]["pools"][pool] = {"real": real_pool, "simulated": sim_pool}
+            print(f"{mode:<10}pool {pool}, real / simulated: {steps} / {sim_pool['steps']} steps; a step "
+                  + ", ".join(f"{real_pool[k]:.1f} / {sim_pool[k]:.1f} {unit}" for k, unit in
+                              (("ms_per_step", "ms"), ("tokens_per_step", "tokens"), ("kv_tokens_per_step", "KV tokens")))
+                  + (f"; cut-ins {cut_ins[0]} / {sim_pool['cut_ins']}" if cut_ins else ""))
         rows = [("cost units", run["total_cost_units"], {v: s[1] for v, s in sims.items()}, None, True)]
         for q, key, name, judged in ((0.99, "ttft_ms", "P99 TTFT", True), (0.5, "ttft_ms", "P50 TTFT", False),
                                      (0.99, "scheduler_ttft_ms", "P99 sched.", False), *SPLIT_ROWS):
