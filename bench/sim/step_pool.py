@@ -94,8 +94,9 @@ class StepPool(PoolBase):
     def __init__(self, name: str, accelerator: Accelerator, settings: QoSSettings | None = None,
                  policy: str = "qos", prefix_caching: bool = False):
         super().__init__(name, accelerator)
-        cache = PrefixCache(dict(zip(ORDER, map(float, SchedulerConfig().cache_idle_shares))),
-                            SchedulerConfig().cache_affinity_margin) if prefix_caching else None
+        defaults = SchedulerConfig()
+        cache = PrefixCache(dict(zip(ORDER, map(float, defaults.cache_idle_shares))),
+                            defaults.cache_affinity_margin) if prefix_caching else None
         self.worker = SimWorker(accelerator.kv_blocks, accelerator.device,
                                 make_pool=cache.make_pool if cache else KVBlockPool)
         self.now = 0.0                           # simulated seconds: the batcher's clock
