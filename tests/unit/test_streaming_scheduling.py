@@ -12,6 +12,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason, SampledToken, SamplingParams
@@ -28,6 +29,7 @@ BLOCK = 4
 CHUNK = 8
 WINDOW = StreamWindow(2, 10)
 CAPS = {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3}
+POOL_BLOCKS = 48                     # the mixed-traffic test's pool
 
 
 def visible(tokens: list[int], t: int, window: StreamWindow | None) -> list[int]:
@@ -165,10 +167,14 @@ def test_preemption_and_pressure_keep_outputs_exact(specs):
     caps bind, yet every output is what the window rule gives, and no block is lost."""
     requests, arrivals = [], []
     for i, (priority, length, max_tokens, streams, at) in enumerate(specs, start=1):
-        streams = streams or length + max_tokens > 60          # dense ones must fit the pool
+        # Dense ones must fit the pool, and their class's cap as admission requires (too_large):
+        # a dense Low request of 57-60 tokens needs 15 blocks, one more than Low's cap of 48 holds,
+        # and once preempted could never be admitted again.
+        streams = streams or length + max_tokens > 60 \
+            or blocks_for_tokens(length + max_tokens, BLOCK) > cap_blocks(POOL_BLOCKS, CAPS[priority])
         requests.append(request(i, prompt(i, length), max_tokens, priority, WINDOW if streams else None))
         arrivals.append(at)
-    outputs, batcher, worker = asyncio.run(serve(requests, arrivals, num_blocks=48))
+    outputs, batcher, worker = asyncio.run(serve(requests, arrivals, num_blocks=POOL_BLOCKS))
     for r in requests:
         assert outputs[r.seq_id] == expected(r.prompt_ids, r.sampling.max_tokens, r.window), r.request_id
     assert worker.pool.num_free == worker.pool.num_blocks
