@@ -21,7 +21,7 @@ Medium sends --medium API calls (~256-token prompts) and High a Poisson stream o
     python bench/long_context.py --json bench/results/long_context.json [--plot PNG]
 
 JSON keys: low_completed, low_submitted, low_kv_peak (share of the pool), low_kv_cap,
-high_p99_ttft_ms, high_idle_p50_ms, high_p99_over_idle, ppl_dense, ppl_sinks, ppl_window_only,
+high_p99_ttft_ms, high_idle_p50_ms, high_p99_over_idle, the ppl_* keys of bench/stream_perplexity.py,
 tok_s_by_length ([tokens, tok/s] in streaming mode), tok_s_by_length_dense.
 """
 from __future__ import annotations
@@ -148,9 +148,9 @@ def perplexity(args, model: str) -> dict:
     else:
         print(f"no {PERPLEXITY_JSON}: run bench/stream_perplexity.py first, or --perplexity run", file=sys.stderr)
         return {}
-    keys = ("ppl_dense", "ppl_sinks", "ppl_window_only", "ppl_sinks_within_context",
-            "ppl_window_only_within_context", "ppl_dense_past_context", "ppl_sinks_past_context",
-            "ppl_window_only_past_context", "sink_tokens", "window_tokens")
+    keys = ("ppl_dense_within_context", "ppl_sinks_all_tokens", "ppl_window_only_all_tokens",
+            "ppl_sinks_within_context", "ppl_window_only_within_context", "ppl_dense_past_context",
+            "ppl_sinks_past_context", "ppl_window_only_past_context", "sink_tokens", "window_tokens")
     return {**{k: result[k] for k in keys if k in result}, "perplexity_source": source,
             "perplexity_tokens": result.get("tokens")}
 
@@ -190,7 +190,8 @@ def parse_args(argv=None):
                         default=[1024, 2048, 4096, 8192, 16384, 32768])
     parser.add_argument("--threads", type=int, default=2, help="worker torch threads")
     parser.add_argument("--kv-cache-mb", type=int, default=1200,
-                        help="the worker's KV cache (1,200 MB: 1,627 blocks; Low's 30% holds 3 windows)")
+                        help="the worker's KV cache (1,200 MB: 1,706 blocks of SmolLM2-135M; Low's 30%% holds "
+                             "3 windows)")
     parser.add_argument("--max-step-tokens", type=int, default=256)
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--perplexity", choices=["read", "run"], default="read")

@@ -24,13 +24,15 @@ that held more blocks than its window needs would fail rather than pass unnotice
     python bench/stream_perplexity.py [--json PATH] [--plot PNG] [--threads 2] [--tokens N]
                                       [--sinks 4] [--window 2048] [--chunk 256] [--model DIR]
 
-JSON: model, text, tokens (N), context, sink_tokens, window_tokens, chunk, threads; ppl_dense
-(over the dense run's tokens), ppl_sinks and ppl_window_only (over all N), ppl_sinks_within_context
-and ppl_window_only_within_context (over the dense run's tokens); curves: perplexity of consecutive
-buckets of 512 predictions (position: each bucket's first query position; dense only up to its
-end; dense_shifted from position dense_shifted_start); ppl_dense_past_context and
-ppl_sinks_past_context: the dense_shifted run and the sinks run over the same positions past the
-context; seconds: compute wall time of each run (engine loading excluded).
+JSON: model, text, tokens (N), context, sink_tokens, window_tokens, chunk, threads; each key names
+the positions it is over: ppl_dense_within_context, ppl_sinks_within_context and
+ppl_window_only_within_context over the dense run's (the first `context`, like for like);
+ppl_sinks_all_tokens and ppl_window_only_all_tokens over all N (dense cannot run there);
+ppl_dense_past_context (the dense_shifted run), ppl_sinks_past_context and
+ppl_window_only_past_context over the same positions past the context; curves: perplexity of
+consecutive buckets of 512 predictions (position: each bucket's first query position; dense only
+up to its end; dense_shifted from position dense_shifted_start); seconds: compute wall time of
+each run (engine loading excluded).
 
 Other scripts call measure(model_dir, tokens, sinks, window, chunk, threads, progress), which
 returns that dict without writing anything.
@@ -243,9 +245,9 @@ def measure(model_dir: str | None = None, tokens: int | None = None,
     return {
         "model": Path(model_dir).name, "text": TEXT_LABEL, "tokens": count, "context": context,
         "sink_tokens": sinks, "window_tokens": window, "chunk": chunk, "threads": threads,
-        "ppl_dense": perplexity(nll["dense"]),
-        "ppl_sinks": perplexity(nll["sinks"]),
-        "ppl_window_only": perplexity(nll["window_only"]),
+        "ppl_dense_within_context": perplexity(nll["dense"]),
+        "ppl_sinks_all_tokens": perplexity(nll["sinks"]),
+        "ppl_window_only_all_tokens": perplexity(nll["window_only"]),
         "ppl_sinks_within_context": perplexity(nll["sinks"][:dense_count]),
         "ppl_window_only_within_context": perplexity(nll["window_only"][:dense_count]),
         **past,
@@ -265,9 +267,11 @@ def plot(path: Path, result: dict) -> None:
     x = [p + curves["bucket"] / 2 for p in curves["position"]]
     fig, ax = plt.subplots(figsize=(10, 5.5))
     window = result["window_tokens"]
-    styles = (("dense", "#555555", f"dense (ordinary attention, up to the context): {result['ppl_dense']:.2f}"),
-              ("sinks", "#1f618d", f"{result['sink_tokens']} sinks + window {window}: {result['ppl_sinks']:.2f}"),
-              ("window_only", "#c0392b", f"window {window}, no sinks: {result['ppl_window_only']:.2f}"))
+    styles = (("dense", "#555555",
+               f"dense (ordinary attention, up to the context): {result['ppl_dense_within_context']:.2f}"),
+              ("sinks", "#1f618d",
+               f"{result['sink_tokens']} sinks + window {window}: {result['ppl_sinks_all_tokens']:.2f}"),
+              ("window_only", "#c0392b", f"window {window}, no sinks: {result['ppl_window_only_all_tokens']:.2f}"))
     if "dense_shifted" in curves:
         shift, ys = curves["dense_shifted_start"], curves["dense_shifted"]
         ax.plot([shift + curves["bucket"] / 2 + i * curves["bucket"] for i in range(len(ys))], ys, color="#888888",
@@ -307,10 +311,11 @@ def plot(path: Path, result: dict) -> None:
 def print_report(result: dict) -> None:
     print(f"{result['model']}, {result['tokens']} tokens of {result['text']}, context {result['context']}")
     print(f"{'run':<13}{'ppl (its tokens)':>18}{'ppl (dense tokens)':>20}{'seconds':>10}")
-    within = {"dense": result["ppl_dense"], "sinks": result["ppl_sinks_within_context"],
-              "window_only": result["ppl_window_only_within_context"]}
+    own = {"dense": "ppl_dense_within_context", "sinks": "ppl_sinks_all_tokens",
+           "window_only": "ppl_window_only_all_tokens"}
     for name in ("dense", "sinks", "window_only"):
-        print(f"{name:<13}{result['ppl_' + name]:>18.3f}{within[name]:>20.3f}{result['seconds'][name]:>10.1f}")
+        print(f"{name:<13}{result[own[name]]:>18.3f}{result[f'ppl_{name}_within_context']:>20.3f}"
+              f"{result['seconds'][name]:>10.1f}")
     if "ppl_dense_past_context" in result:
         print(f"past the context, the same positions: dense from {result['curves']['dense_shifted_start']} "
               f"{result['ppl_dense_past_context']:.3f}, sinks {result['ppl_sinks_past_context']:.3f}, "
