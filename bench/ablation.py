@@ -21,7 +21,9 @@ With --resume, the mechanisms that --json already holds with --pairs pairs are k
 verdicts made again), and only the others are run.
 
 Other options are bench/qos_burst.py's (--model, --seed, --max-running, ...). The JSON is
-rewritten after every pair, so a long run that is stopped keeps what it measured.
+rewritten after every pair, so a long run that is stopped keeps what it measured. It may not be
+bench/results/ablation_measured.json, the committed run of fifteen mechanisms (docs/performance.md's
+table): the four below would replace it.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from services.local.cluster import LocalCluster  # noqa: E402
 
 WARMUP_PROBES = 3           # High requests sent alone before the flood: the cluster's first calls
 LOW_FLOOR = 0.9             # a mechanism that surely costs Low more than this share of its tok/s is not kept
+MEASURED = Path(__file__).resolve().parent / "results" / "ablation_measured.json"
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ def _router(**values) -> Callable:
 
 
 # The mechanisms the product has now, each with its switch. Those removed after the committed run
-# (bench/results/ablation.json, at the commit it names) were switched the same way: the first-token
+# (bench/results/ablation_measured.json, at the commit it names) were switched the same way: the first-token
 # modes, the first-token hold, the router's High lane, tokenizer thread nice values, tokenizing
 # short Medium and Low prompts on the loop, the router's nice value, short steps, the forward
 # window and CPU binding.
@@ -175,6 +178,9 @@ def main() -> None:
         return
     mine, rest = own.parse_known_args()
     args = parse_args(rest + ["--policies", "qos"])
+    if args.json and args.json.resolve() == MEASURED:
+        sys.exit(f"{MEASURED.name} holds the committed run of fifteen mechanisms: --json elsewhere "
+                 "(e.g. bench/results/ablation_current.json)")
     for key, value in vars(mine).items():
         setattr(args, key, value)
     chosen = [m for m in MECHANISMS if not args.only or m.name in args.only.split(",")]
