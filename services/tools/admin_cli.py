@@ -10,6 +10,8 @@ changes up within seconds (services/control/tenancy.py).
     qos-serve keys revoke PREFIX
     qos-serve keys list
     qos-serve billing report [--tenant T] [--since YYYY-MM-DD] [--by tenant|day|priority|pool|model] [--csv]
+
+Each takes --config FILE before or after its action.
 """
 from __future__ import annotations
 
@@ -94,30 +96,37 @@ def cmd_billing(args) -> int:
 
 
 def add_parsers(sub, config_args) -> None:
+    """tenants, keys and billing; --config and --log-level go before or after the action
+    (`tenants --config F add acme` and `tenants add acme --config F`)."""
+    def action(actions, name: str) -> argparse.ArgumentParser:
+        a = actions.add_parser(name)
+        config_args(a, nested=True)
+        return a
+
     p = sub.add_parser("tenants", help="add, change or list tenants (limits, priorities, budget, weight)")
     config_args(p)
     actions = p.add_subparsers(dest="action", required=True)
-    for action in ("add", "set"):
-        a = actions.add_parser(action)
+    for name in ("add", "set"):
+        a = action(actions, name)
         a.add_argument("name")
         _limits(a)
-        if action == "set":
+        if name == "set":
             a.add_argument("--clear", metavar="FIELDS", help="set these back to no limit: rpm,tpm,max_concurrent,budget")
-    actions.add_parser("list")
+    action(actions, "list")
     p.set_defaults(func=cmd_tenants)
 
     p = sub.add_parser("keys", help="create, revoke or list API keys")
     config_args(p)
     actions = p.add_subparsers(dest="action", required=True)
-    actions.add_parser("create").add_argument("tenant")
-    actions.add_parser("revoke").add_argument("prefix")
-    actions.add_parser("list")
+    action(actions, "create").add_argument("tenant")
+    action(actions, "revoke").add_argument("prefix")
+    action(actions, "list")
     p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("billing", help="the bill, from the ledger")
     config_args(p)
     actions = p.add_subparsers(dest="action", required=True)
-    r = actions.add_parser("report")
+    r = action(actions, "report")
     r.add_argument("--tenant")
     r.add_argument("--since", help="YYYY-MM-DD (UTC) or unix seconds")
     r.add_argument("--by", default="tenant", choices=["tenant", "day", "priority", "pool", "model"])

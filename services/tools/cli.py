@@ -26,7 +26,7 @@ die_with_parent_if_asked()
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path
+from pathlib import Path  # noqa: E402
 
 from services.common.config import ConfigError  # noqa: E402
 from services.common.config_file import load_config  # noqa: E402
@@ -40,9 +40,12 @@ def _client_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", metavar="PEM", help="the router serves TLS: trust this certificate")
 
 
-def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="cluster config (TOML or JSON); default: built-in defaults")
-    parser.add_argument("--log-level", default="INFO")
+def _config_args(parser: argparse.ArgumentParser, *, nested: bool = False) -> None:
+    """--config and --log-level. nested: a sub-subcommand's copy (`tenants add NAME --config F`); its
+    defaults are suppressed, or argparse would overwrite a value given before it (`tenants --config F add`)."""
+    parser.add_argument("--config", default=argparse.SUPPRESS if nested else None,
+                        help="cluster config (TOML or JSON); default: built-in defaults")
+    parser.add_argument("--log-level", default=argparse.SUPPRESS if nested else "INFO")
 
 
 def cluster_trust(config, role: str):
@@ -219,11 +222,19 @@ def cmd_alerts(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """Run bench/qos_burst.py (a script beside the package) with the remaining arguments."""
+    """Run bench/qos_burst.py (in the source checkout, beside services/) with the remaining arguments."""
     import runpy
-    script = Path(__file__).resolve().parent.parent / "bench" / "qos_burst.py"
+
+    from services.common.paths import source_checkout
+    root = source_checkout()
+    if root is None:
+        raise FileNotFoundError(
+            f"installed in {Path(__file__).resolve().parents[2]}, not a source checkout, and the benchmark "
+            "is bench/qos_burst.py of the repository: run it from a clone set up with `make venv` "
+            "(or `pip install -e .`)")
+    script = root / "bench" / "qos_burst.py"
     if not script.is_file():
-        raise FileNotFoundError(f"{script} is missing: `qos-serve bench` runs from a source checkout")
+        raise FileNotFoundError(f"{script} is missing from this checkout")
     sys.argv = [str(script), *args.bench_args]
     runpy.run_path(str(script), run_name="__main__")
     return 0

@@ -59,3 +59,47 @@ def test_router_replicas_get_their_own_ports_and_the_same_config(monkeypatch):
     assert ports == [7001, 7002, 7003, 7004, 7005, 7006]       # 50051 and 8000 were taken: skipped
     assert replicas[0].args() == ("router", "--port", "7001", "--http-port", "7002", "--metrics-port", "7003")
     assert cluster.router_replicas(single_pool()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["tenants", "add", "acme", "--config", "c.toml"],
+    ["tenants", "--config", "c.toml", "add", "acme"],
+    ["keys", "list", "--config", "c.toml"],
+    ["billing", "report", "--by", "day", "--config", "c.toml"],
+    ["drain", "worker", "127.0.0.1:50053", "--config", "c.toml"],
+    ["alerts", "--rules", "--config", "c.toml"],
+])
+def test_config_goes_before_or_after_the_action(argv):
+    assert parse_args(argv).config == "c.toml"
+    assert parse_args(["tenants", "--log-level", "DEBUG", "add", "acme"]).log_level == "DEBUG"
+    assert parse_args(["tenants", "add", "acme"]).config is None
+
+
+def test_tenants_add_with_config_after_the_action_uses_its_store(tmp_path, capsys):
+    from services.store.store import Store
+    from services.tools.cli import main
+    url = f"sqlite:///{tmp_path}/store.db"
+    (tmp_path / "c.toml").write_text(f'[store]\nurl = "{url}"\n')
+    with pytest.raises(SystemExit) as exit:
+        main(["tenants", "add", "acme", "--rpm", "60", "--config", str(tmp_path / "c.toml")])
+    assert exit.value.code == 0, capsys.readouterr().err
+    assert [(t.name, t.rpm) for t in Store(url).tenants()] == [("acme", 60)]
+
+
+def test_bench_finds_its_script_from_any_folder(tmp_path, monkeypatch, capsys):
+    from services.tools.cli import main
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["qos-serve"])
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--help"])
+    assert exit.value.code == 0 and "usage: qos_burst.py" in capsys.readouterr().out
+
+
+def test_bench_without_the_source_tree_says_so(monkeypatch, capsys):
+    from services.common import paths
+    from services.tools.cli import main
+    monkeypatch.setattr(paths, "source_checkout", lambda: None)
+    with pytest.raises(SystemExit) as exit:
+        main(["bench"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "not a source checkout" in err and "bench/qos_burst.py" in err
