@@ -106,6 +106,33 @@ def qos_virtual(result: dict) -> list[list[str]]:
     return rows
 
 
+REAL_FIGURES = (("high_p99_ttft_ms (scheduler)", "High P99 TTFT at the scheduler"),
+                ("high_p99_ttft_ms (client)", "High P99 TTFT at the client"),
+                ("high_p50_ttft_ms", "High P50 TTFT"), ("low_tok_s", "Low tok/s"), ("low_kv_peak", "Low KV peak"))
+
+
+def real_against_simulated(key: str, figure: dict) -> str:
+    real, simulated = figure["real"], figure["simulated"]
+    if key == "low_kv_peak":
+        values = f"{pct(real)} / {pct(simulated)}"
+    elif key == "low_tok_s":
+        values = f"{real:.0f} / {simulated:.0f}"
+    elif min(real, simulated) >= 10_000:
+        values = f"{real / 1000:.1f} / {simulated / 1000:.1f} s"
+    else:
+        values = f"{real:.0f} / {simulated:.0f} ms"
+    return f"{values} ({signed_pct(figure['difference'])})"
+
+
+@table("qos-virtual-real", "qos_virtual.json")
+def qos_virtual_real(result: dict) -> list[list[str]]:
+    real = result["real_comparison"]
+    rows = [["figure", "FCFS: real / simulated", "QoS: real / simulated"]]
+    for key, label in REAL_FIGURES:
+        rows.append([label] + [real_against_simulated(key, real[policy][key]) for policy in ("fcfs", "qos")])
+    return rows
+
+
 @table("engine-roofline", "engine_throughput.json")
 def engine_roofline(result: dict) -> list[list[str]]:
     rows = [["dtype", "phase", "tok/s", "GFLOPS", "of peak", "GB/s", "bound", "of its roof"]]
