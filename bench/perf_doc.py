@@ -60,7 +60,7 @@ def pct(share: float, digits: int = 1) -> str:
 
 
 def signed_pct(error: float) -> str:
-    return f"{100 * error:+.0f}%".replace("+-", "-")
+    return f"{100 * error:+.0f}%"
 
 
 def with_ci(ratio: float, low: float, high: float) -> str:
