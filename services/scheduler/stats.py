@@ -56,7 +56,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
         failovers=sum(b.failovers.values()), members=[scheduler_pb2.WorkerState(
             address=l.address, connected=l.is_connected, draining=l.index in b.workers.draining,
             running=len(b.running.get(l.index, ())), kv_blocks_total=l.pool.num_blocks if l.pool else 0,
-            kv_blocks_used=l.pool.num_used if l.pool else 0, admitted=b.planner.admitted[l.index])
+            kv_blocks_used=l.pool.num_used if l.pool else 0, admitted=b.planner.admitted[l.index],
+            dtype=l.info.dtype if l.info else "")
             for l in b.links],
         max_context=info.max_context if info else 0,
         block_size=info.block_size if info else 0,

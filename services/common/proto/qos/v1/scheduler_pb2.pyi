@@ -230,7 +230,7 @@ class PoolStats(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., model: _Optional[str] = ..., device: _Optional[str] = ..., workers: _Optional[int] = ..., max_context: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., block_size: _Optional[int] = ..., classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., steps: _Optional[int] = ..., policy: _Optional[str] = ..., preemptions: _Optional[int] = ..., utilization: _Optional[float] = ..., weight_changes: _Optional[_Iterable[_Union[WeightChange, _Mapping]]] = ..., ttft_p90_ms: _Optional[float] = ..., draining: _Optional[bool] = ..., workers_draining: _Optional[int] = ..., failovers: _Optional[int] = ..., members: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., desired_workers: _Optional[int] = ..., min_workers: _Optional[int] = ..., max_workers: _Optional[int] = ..., scale_reason: _Optional[str] = ..., adapters: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ..., worker_steps: _Optional[int] = ..., step_tokens: _Optional[int] = ..., max_step_tokens: _Optional[int] = ..., max_running: _Optional[int] = ..., step_kv_tokens: _Optional[int] = ..., finished: _Optional[int] = ..., cut_ins: _Optional[int] = ...) -> None: ...
 
 class WorkerState(_message.Message):
-    __slots__ = ("address", "connected", "draining", "running", "kv_blocks_total", "kv_blocks_used", "admitted")
+    __slots__ = ("address", "connected", "draining", "running", "kv_blocks_total", "kv_blocks_used", "admitted", "dtype")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class WorkerState(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     address: str
     connected: bool
     draining: bool
@@ -245,7 +246,8 @@ class WorkerState(_message.Message):
     kv_blocks_total: int
     kv_blocks_used: int
     admitted: int
-    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., draining: _Optional[bool] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., admitted: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, address: _Optional[str] = ..., connected: _Optional[bool] = ..., draining: _Optional[bool] = ..., running: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., admitted: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class AdaptersReply(_message.Message):
     __slots__ = ("pool", "adapters", "missing_on")
