@@ -3,11 +3,18 @@
 Clusters serve the embedded SmolLM2-135M unless a test only needs load, not text worth reading:
 those pass model=bench_model(), the QoS benchmark's 4-layer random-weight Llama with the same
 tokenizer and architecture (services/engine/bench_model.py), whose steps are ~5x cheaper on one
-thread. That keeps `make test` within its 15 minutes on 2 cores."""
+thread. That keeps `make test` within its 15 minutes on 2 cores.
+
+Dtype: a test cluster's workers run the host's choice (bf16 where the CPU multiplies bf16
+natively, else fp32) unless QOS_TEST_DTYPE names one (fp32 or bf16: .ci/run's dtype legs set it)
+or the test pins it. A test that asserts texts equal to an undisturbed run pins fp32, where the
+numbers are batch-invariant; in bf16 a stream is checked to continue from exactly the tokens the
+client holds (bench/continuation.py)."""
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 
 import pytest
 
@@ -21,10 +28,40 @@ def bench_model() -> str:
     return str(bench_model_dir())
 
 
-def cluster_config(kv_cache_mb: int = 256, model: str = "default", **scheduler) -> ClusterConfig:
+TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None
+
+
+def worker_config(kv_cache_mb: int = 256, dtype: str | None = TEST_DTYPE, **fields) -> WorkerConfig:
+    """One test worker: 1 thread on a free port, in `dtype` (None: the host's choice)."""
+    return WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb, dtype=dtype, **fields)
+
+
+def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,
+                   workers: int = 1, **scheduler) -> ClusterConfig:
     return single_pool(router=RouterConfig(port=0, http_port=0),
                        scheduler=SchedulerConfig(port=0, **scheduler),
-                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb)], model=model)
+                       workers=[worker_config(kv_cache_mb, dtype) for _ in range(workers)], model=model)
+
+
+@functools.cache
+def greedy_checker(model: str, dtype: str):
+    from bench.continuation import GreedyChecker
+    return GreedyChecker(model, dtype)
+
+
+def assert_continues(model: str, dtype: str, prompt_ids, token_ids, name: str = "") -> None:
+    """Every token the client holds is the greedy choice for the prompt and the tokens before it,
+    within the dtype's rounding: no token lost, none repeated, the continuation computed from
+    exactly what was already sent (bench/continuation.py)."""
+    broken = greedy_checker(model, dtype).broken_at(prompt_ids, token_ids)
+    assert broken is None, f"{name}: token {broken} of {list(token_ids)} is no greedy choice after the ones before it"
+
+
+async def worker_dtype(cluster: LocalCluster, pool: str | None = None) -> str:
+    """The dtype the pool's workers report running ("float32", "bfloat16")."""
+    dtypes = {m.dtype for m in (await cluster.pool_stats(pool)).members if m.connected}
+    assert len(dtypes) == 1, dtypes
+    return dtypes.pop()
 
 
 @pytest.fixture(scope="module")

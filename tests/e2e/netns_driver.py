@@ -1,7 +1,8 @@
 """Run inside a network namespace by tests/e2e/test_network_faults.py (`ip netns exec NS python
-tests/e2e/netns_driver.py FAULT OUT.json`): a local cluster on the namespace's own loopback
-(two workers), greedy streams once without a fault for reference, then again under FAULT, applied
-with iptables in this namespace only; writes what the clients saw to OUT.json.
+tests/e2e/netns_driver.py FAULT OUT.json [DTYPE]`): a local cluster on the namespace's own
+loopback (two workers, in DTYPE: fp32 by default; tests/e2e/test_failover.py's FAULT_MODELS says
+which model each dtype runs), greedy streams once without a fault for reference, then again
+under FAULT, applied with iptables in this namespace only; writes what the clients saw to OUT.json.
 
     loss        2% of every loopback packet dropped (iptables' statistic match), both ways
     partition   worker 0's port cut off in both directions mid-stream (no FIN, no RST: packets
@@ -21,11 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.delay_proxy import ProxiedCluster  # noqa: E402
-from services.common.config import WorkerConfig  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
 from services.tools.client import RouterClient  # noqa: E402
-from tests.e2e.conftest import bench_model, cluster_config  # noqa: E402
-from tests.e2e.test_failover import texts  # noqa: E402
+from tests.e2e.test_failover import fault_config, texts  # noqa: E402
 
 LOSS = ["-m", "statistic", "--mode", "random", "--probability", "0.02", "-j", "DROP"]
 
@@ -74,15 +73,14 @@ async def under_fault(cluster: LocalCluster, fault: str, out: Path) -> None:
                  "completion_tokens": last.usage.completion_tokens} for tokens, text, last in runs]
 
     out.write_text(json.dumps({
-        "fault": fault, "reference": dump(reference), "during": dump(during), "after": dump(after),
+        "fault": fault, "model": cluster.config.model, "reference": dump(reference), "during": dump(during), "after": dump(after),
         "workers_after_heal": workers, "failovers": stats.failovers,
         "workers_while_cut": stats_cut.workers if fault == "partition" else None,
         "chunks_delayed": sum(p.held for p in cluster.proxies.values()) if fault == "delay" else None}))
 
 
-def main(fault: str, out: Path) -> None:
-    config = cluster_config(model=bench_model(), step_timeout_s=10.0)
-    config.pools[0].workers = [WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)]
+def main(fault: str, out: Path, dtype: str) -> None:
+    config = fault_config(dtype, step_timeout_s=10.0)
     if fault == "delay":
         cluster = ProxiedCluster(config, [(config.pools[0].name, 0)], quiet=True)
     else:
@@ -92,4 +90,4 @@ def main(fault: str, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "fp32")

@@ -6,9 +6,18 @@ import pytest
 
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.tools.client import chat_request, sampling_params
-from tests.e2e.conftest import run
+from services.local.cluster import LocalCluster
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # 64 MiB of KV: 1,456 tokens of SmolLM2 in fp32, 2,912 in bf16; either way less than the
+    # 8,192-token context, so a request can fit the context and still not the pool.
+    with LocalCluster(cluster_config(kv_cache_mb=64), quiet=True) as running:
+        yield running
 
 
 async def call(address: str, request, metadata=(), serializer=None):
@@ -70,7 +79,9 @@ def test_invalid_utf8_names_the_field(cluster, raw, field):
 
 
 def test_more_kv_than_the_pool_has_is_resource_exhausted(cluster):
-    # Fits the context window, but not the worker's 256 MiB of KV blocks.
+    stats = run(cluster.pool_stats())
+    assert stats.kv_blocks_total * stats.block_size < 8000 < stats.max_context   # what the test needs
+    # Fits the context window, but not the worker's KV blocks.
     code, details = run(call(cluster.router_address, ask(max_tokens=8000)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "KV blocks" in details

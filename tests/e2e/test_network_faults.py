@@ -1,7 +1,8 @@
 """Network faults between the cluster's processes, in a network namespace this test creates (its
 own loopback, 127.0.0.1, nothing else reachable): packet loss on every hop, and a partition
-between the scheduler and one worker, then healed. No request is lost, no token duplicated, and
-every text equals the fault-free run's; after the partition heals the worker is back.
+between the scheduler and one worker, then healed. No request is lost, no token duplicated or
+skipped: every stream continues from exactly the tokens its client holds, and in fp32 every text
+equals the fault-free run's; after the partition heals the worker is back.
 
 The cluster runs in tests/e2e/netns_driver.py under `ip netns exec`. Faults are iptables rules
 in that namespace (Debian's iptables; `.ci/run` installs it). Delay comes from a proxy on the
@@ -16,8 +17,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from tests.e2e.test_failover import DTYPES, assert_held
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,10 +54,10 @@ def namespace():
         subprocess.run(["ip", "netns", "del", name])
 
 
-def run_fault(namespace: str, fault: str, tmp_path: Path) -> dict:
+def run_fault(namespace: str, fault: str, tmp_path: Path, dtype: str = "fp32") -> dict:
     out = tmp_path / f"{fault}.json"
     done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "tests/e2e/netns_driver.py",
-                           fault, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           fault, str(out), dtype], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -65,15 +69,28 @@ def assert_same_texts(result: dict) -> None:
             assert got["tokens"] == ref["tokens"] and got["text"] == ref["text"], phase
 
 
+def assert_streams_held(result: dict, dtype: str) -> None:
+    """fp32: every text the fault-free run's; any dtype: every stream continues exactly."""
+    if dtype == "fp32":
+        assert_same_texts(result)
+        return
+    def last_chunk(r: dict) -> SimpleNamespace:     # what assert_held reads of a stream's last chunk
+        return SimpleNamespace(finish_reason=r["finish_reason"],
+                               usage=SimpleNamespace(completion_tokens=r["completion_tokens"]))
+    for phase in ("during", "after"):
+        assert_held(None, [(r["tokens"], r["text"], last_chunk(r)) for r in result[phase]], result["model"], dtype)
+
+
 def test_packet_loss_on_every_hop(namespace, tmp_path):
     result = run_fault(namespace, "loss", tmp_path)
     assert_same_texts(result)
     assert result["workers_after_heal"] == 2
 
 
-def test_a_partition_between_scheduler_and_worker_then_healed(namespace, tmp_path):
-    result = run_fault(namespace, "partition", tmp_path)
-    assert_same_texts(result)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_partition_between_scheduler_and_worker_then_healed(namespace, tmp_path, dtype):
+    result = run_fault(namespace, "partition", tmp_path, dtype)
+    assert_streams_held(result, dtype)
     assert result["workers_while_cut"] == 1 and result["failovers"] > 0
     assert result["workers_after_heal"] == 2
 

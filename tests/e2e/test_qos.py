@@ -14,24 +14,35 @@ from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from bench.continuation import DTYPE_NAMES
+from services.common.kv_blocks import cap_blocks
+from tests.e2e.conftest import TEST_DTYPE, assert_continues, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
 
-def small_cluster(kv_cache_mb: int, **scheduler) -> LocalCluster:
-    return LocalCluster(cluster_config(kv_cache_mb=kv_cache_mb, **scheduler), quiet=True)
+def small_cluster(kv_cache_mb: int, dtype: str | None = TEST_DTYPE, **scheduler) -> LocalCluster:
+    return LocalCluster(cluster_config(kv_cache_mb=kv_cache_mb, dtype=dtype, **scheduler), quiet=True)
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
     return await cluster.pool_stats()
 
 
-def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():
-    # 8 MiB of KV = 11 blocks of 16 tokens: Low may hold 3, Medium 7. One Low and two Medium
-    # answers hold 9; a High request then needs 3 more and takes them from Low. Without prefix
-    # caching: shared, the chat template's opening blocks would count once and leave room.
-    with small_cluster(kv_cache_mb=8, prefix_caching=False) as cluster:
+# KV budgets that make 11 blocks of 16 tokens of SmolLM2-135M in each dtype (46,080 bytes a token
+# in fp32, half in bf16).
+KV_MB_FOR_11_BLOCKS = {"fp32": 8, "bf16": 4}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_high_preempts_low_and_every_stream_continues_exactly(dtype):
+    """In every dtype the preempted stream continues from exactly the tokens its client holds;
+    in fp32, where the numbers do not depend on the batch, every text also equals the one each
+    request gets alone and unpreempted."""
+    # 11 blocks of 16 tokens: Low may hold 3, Medium 7. One Low and two Medium answers hold 9; a
+    # High request then needs 3 more and takes them from Low. Without prefix caching: shared,
+    # the chat template's opening blocks would count once and leave room.
+    with small_cluster(kv_cache_mb=KV_MB_FOR_11_BLOCKS[dtype], dtype=dtype, prefix_caching=False) as cluster:
         greedy = sampling_params(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = {"low": "Count to five.", "medium": "Name a fruit.", "medium2": "Say something nice.",
                    "high": "Hi!"}
@@ -54,25 +65,30 @@ def test_high_preempts_low_and_every_stream_equals_the_unpreempted_text():
                 return [*await asyncio.gather(*background), high], await pool_stats(cluster)
 
         answers, stats = run(go())
+        assert stats.kv_blocks_total == 11 and {m.dtype for m in stats.members} == {DTYPE_NAMES[dtype]}
         assert stats.preemptions >= 1
         low_stats = next(c for c in stats.classes if c.priority == LOW)
         assert low_stats.preempted >= 1
 
         tokenizer = TextTokenizer.from_model_dir(cluster.config.model)
-        engine = Engine(EngineConfig(model_dir=cluster.config.model, num_threads=1, kv_cache_bytes=32 * 2**20))
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         names = ["low", "medium", "medium2", "high"]
-        direct = BatchRunner(engine, max_running=1).run(
-            [GenerationRequest(tokenizer.encode_chat([{"role": "user", "content": prompts[n]}]), params)
-             for n in names])
-        for name, answer, reference in zip(names, answers, direct):
-            assert answer.token_ids == reference.token_ids, name
-            assert answer.text == tokenizer.decode(reference.token_ids), name
+        prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": prompts[n]}]) for n in names]
+        for name, answer, ids in zip(names, answers, prompt_ids):
+            assert len(answer.token_ids) == 12 and answer.text == tokenizer.decode(answer.token_ids), name
+            assert_continues(cluster.config.model, dtype, ids, answer.token_ids, name)
+        if dtype == "fp32":
+            engine = Engine(EngineConfig(model_dir=cluster.config.model, num_threads=1, dtype="fp32",
+                                         kv_cache_bytes=32 * 2**20))
+            params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+            direct = BatchRunner(engine, max_running=1).run([GenerationRequest(ids, params) for ids in prompt_ids])
+            for name, answer, reference in zip(names, answers, direct):
+                assert answer.token_ids == reference.token_ids, name
 
 
 @pytest.fixture(scope="module")
 def tight_cluster():
-    # 32 MiB = 45 blocks: Low may hold 13 (208 tokens); at most 2 requests wait per class.
+    # 32 MiB = 45 blocks in fp32 (Low may hold 13, 208 tokens), 91 in bf16 (Low 27); at most 2
+    # requests wait per class.
     # Chunks held for their stream interval as long as it takes (test_stream_intervals_...).
     with small_cluster(kv_cache_mb=32, max_queue=2, retry_after_ms=750, stream_max_hold_ms=60_000) as cluster:
         yield cluster
@@ -88,14 +104,18 @@ async def outcome(client, prompt, priority, max_tokens, slo_ms=None):
 
 
 def test_kv_need_over_the_class_cap_is_refused_at_once(tight_cluster):
+    stats = run(pool_stats(tight_cluster))       # the pool's size follows the dtype its worker runs
+    low_cap = cap_blocks(stats.kv_blocks_total, 0.3)
+    over_the_cap = low_cap * stats.block_size    # with the prompt, more tokens than Low's blocks hold
+
     async def go():
         async with RouterClient(tight_cluster.router_address) as client:
-            return (await outcome(client, "Write a long story.", "low", 300),
+            return (await outcome(client, "Write a long story.", "low", over_the_cap),
                     await outcome(client, "Write a long story.", "high", 5))
 
     (code, details, _), (high_code, _, _) = run(go())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "the low class may hold at most 13" in details
+    assert f"the low class may hold at most {low_cap} " in details
     assert high_code == grpc.StatusCode.OK
 
 

@@ -15,7 +15,7 @@ from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.engine import Engine, EngineConfig
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import run
+from tests.e2e.conftest import assert_continues, run, worker_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -31,28 +31,35 @@ def prompts(count: int) -> list[str]:
 
 
 def test_concurrent_mixed_priority_streams_match_the_engine(cluster):
+    """30 greedy streams batched together. In any dtype each is the model's greedy text for its
+    own prompt, up to the dtype's rounding; in fp32 (numbers independent of the batch) each
+    equals, token for token, what the engine gives the prompts in one batch of its own."""
     texts = prompts(30)
     priorities = ["high", "medium", "low"] * 10
 
     async def go():
         async with RouterClient(cluster.router_address) as client:
-            return await asyncio.gather(*[
+            answers = await asyncio.gather(*[
                 client.generate(chat_request(t, sampling_params(max_tokens=MAX_TOKENS, temperature=0.0)),
                                 priority=p, tenant="test") for t, p in zip(texts, priorities)])
+            return answers, await worker_dtype(cluster)
 
-    answers = run(go())
+    answers, dtype = run(go())
     assert all(a.finish_reason in ("stop", "length") for a in answers)
-
-    # The same prompts straight through the engine, in this process.
     tokenizer = TextTokenizer.from_model_dir(cluster.config.model)
-    engine = Engine(EngineConfig(model_dir=cluster.config.model, num_threads=1, kv_cache_bytes=128 * 2**20))
+    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    for text, answer, ids in zip(texts, answers, prompt_ids):
+        assert answer.pool == "cpu" and answer.text == tokenizer.decode(answer.token_ids), text
+        assert_continues(cluster.config.model, dtype, ids, answer.token_ids, text)
+    if dtype != "float32":
+        return
+    # The same prompts straight through the engine, in this process.
+    engine = Engine(EngineConfig(model_dir=cluster.config.model, num_threads=1, dtype="fp32",
+                                 kv_cache_bytes=128 * 2**20))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    direct = BatchRunner(engine, max_running=30).run(
-        [GenerationRequest(tokenizer.encode_chat([{"role": "user", "content": t}]), params) for t in texts])
+    direct = BatchRunner(engine, max_running=30).run([GenerationRequest(ids, params) for ids in prompt_ids])
     for text, answer, reference in zip(texts, answers, direct):
         assert answer.token_ids == reference.token_ids, text
-        assert answer.text == tokenizer.decode(reference.token_ids), text
-        assert answer.pool == "cpu"
 
 
 def test_cancelled_streams_free_their_blocks_and_worker_state(cluster):
