@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench bench-qos model protos up clean
+.PHONY: venv demo test test-fast test-dtype bench bench-qos model protos up clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,15 @@ demo: model
 
 test: model $(NPU_WHEEL_STAMP)
 	$(PY) -m pytest -q --durations=15 tests
+
+# The tests whose clusters run the host's dtype (bf16 where the CPU multiplies it natively, else
+# fp32), again with every such worker in DTYPE (fp32 or bf16): serving, preemption, admission and
+# refusals. Failover, hang, partition and migration tests pin each dtype themselves in `make test`.
+DTYPE_TESTS := tests/e2e/test_serving.py tests/e2e/test_qos.py tests/e2e/test_invalid_input.py \
+	tests/e2e/test_http_api.py tests/e2e/test_worker_failure.py
+test-dtype: model
+	@test -n "$(DTYPE)" || { echo "usage: make test-dtype DTYPE=fp32|bf16"; exit 2; }
+	QOS_TEST_DTYPE=$(DTYPE) $(PY) -m pytest -q $(DTYPE_TESTS)
 
 # Everything not marked slow (no SmolLM2 load, no cluster of real processes): ~1.5 minutes on 2 cores.
 test-fast: venv

@@ -49,21 +49,34 @@ def compose_binary() -> str:
     return str(Path(importlib.util.find_spec("compose").origin).parent / "docker-compose")
 
 
-def ensure_dockerd() -> None:
+@pytest.fixture(scope="module")
+def docker_engine():
+    """A Docker engine for the module: the one running, or dockerd started here and stopped again
+    when the module ends (a test leaves behind nothing it started)."""
     if shutil.which("docker") is None or shutil.which("dockerd") is None:
         pytest.skip("no Docker engine: install Debian's docker.io (.ci/run does, as root)")
     if sh("docker", "info", check=False, timeout=30).returncode == 0:
+        yield
         return
     if os.geteuid() != 0:
         pytest.skip("dockerd is not running and starting it needs root")
-    log = open("/tmp/qos-compose-dockerd.log", "ab")
-    subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false"], stdout=log, stderr=log,
-                     start_new_session=True)
-    deadline = time.monotonic() + 60
-    while sh("docker", "info", check=False, timeout=30).returncode != 0:
-        if time.monotonic() > deadline:
-            pytest.fail("dockerd did not start within 60 s (/tmp/qos-compose-dockerd.log says why)")
-        time.sleep(1)
+    with open("/tmp/qos-compose-dockerd.log", "ab") as log:
+        dockerd = subprocess.Popen(["dockerd", "--bridge=none", "--iptables=false"], stdout=log, stderr=log,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while sh("docker", "info", check=False, timeout=30).returncode != 0:
+            if time.monotonic() > deadline or dockerd.poll() is not None:
+                pytest.fail("dockerd did not start within 60 s (/tmp/qos-compose-dockerd.log says why)")
+            time.sleep(1)
+        yield
+    finally:
+        dockerd.terminate()           # dockerd stops its containerd and containers on SIGTERM
+        try:
+            dockerd.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            dockerd.kill()
+            dockerd.wait()
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +88,7 @@ def report():
 
 
 @pytest.fixture(scope="module")
-def image(report):
-    ensure_dockerd()
+def image(report, docker_engine):
     if shutil.which("debootstrap") is None:
         pytest.skip("no debootstrap: install Debian's debootstrap (.ci/run does, as root)")
     started = time.monotonic()
