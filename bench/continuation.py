@@ -50,7 +50,7 @@ class GreedyChecker:
         self.dtype = DTYPE_NAMES[dtype]
         self.tolerance_ulps = tolerance_ulps
         self._torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, self.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, self.dtype))
         self.model.eval()
 
     def deficits(self, prompt_ids: Sequence[int], token_ids: Sequence[int]) -> list[float]:
