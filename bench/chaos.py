@@ -3,12 +3,16 @@
 --every seconds (20), in a fixed rotation (bench/chaos_faults.py): SIGKILL a worker, a scheduler
 or a router (each restarted --restart-after seconds (2) later), SIGSTOP a worker past the step
 timeout then SIGCONT it, 2% packet loss on every hop, a partition between a scheduler and a
-worker, healed, 50 ms of delay (and 20 ms jitter) each way between a scheduler and a worker. Counts what happened to every request, checks every completed text against a
-fault-free run, and every completion against the billing ledger.
+worker, healed, 50 ms of delay (and 20 ms jitter) each way between a scheduler and a worker.
+Counts what happened to every request; checks that every completed stream continued from exactly
+the tokens its client held (bench/continuation.py: each token the greedy choice after the ones
+before it, in the workers' dtype) and compares its text with a fault-free run (equal wherever the
+numbers are batch-invariant: fp32 on a CPU); and every completion against the billing ledger.
 
 Cluster: two routers sharing the store ([auth] replicas = 2), two pools ("a", the primary, and
-"b"), each a scheduler and two CPU workers (1 thread, step timeout 5 s), the random-weight bench
-model (or --model); every worker behind a delay proxy (bench/delay_proxy.py). Loss and partition need a network namespace: run as root with iproute2 and
+"b"), each a scheduler and two CPU workers (1 thread, step timeout 5 s, --dtype or the host's),
+the random-weight bench model (or --model: its greedy text repeats a token or two, so a lost
+token shows only with a model that writes text, e.g. --model default); every worker behind a delay proxy (bench/delay_proxy.py). Loss and partition need a network namespace: run as root with iproute2 and
 iptables and chaos.py re-runs itself inside one it makes (cluster and load on its own loopback);
 elsewhere those two are left out and the JSON says why.
 
@@ -27,10 +31,12 @@ two minutes) to the end.
 
 Writes: submitted, completed, rejected (RESOURCE_EXHAUSTED: a limit, not a fault), failed (any
 other error), lost (no final chunk and no error within --deadline), failed_on_killed_router,
-migrated, failovers, texts_checked, texts_mismatched, unbilled (completions without their
-ledger row), worker_kills, scheduler_kills, router_kills, hangs, losses, partitions,
+migrated, failovers, dtype, continuations_checked, continuations_broken, texts_identical,
+texts_diverged (and where they first part), texts_checked, texts_mismatched, unbilled
+(completions without their ledger row), worker_kills, scheduler_kills, router_kills, hangs, losses, partitions,
 delays, network_faults, soak_minutes, rss_growth_pct, high_p99_ttft_ms_calm, high_p99_ttft_ms_faults.
-Targets: lost = 0, failed = 0, texts_mismatched = 0, unbilled = 0, rss_growth_pct <= 10.
+Targets: lost = 0, failed = 0, continuations_broken = 0, unbilled = 0, rss_growth_pct <= 10;
+texts_mismatched = 0 in fp32.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,6 +57,7 @@ import grpc  # noqa: E402
 
 from bench.chaos_faults import (KINDS, NETNS_ENV, NETWORK_KINDS, Faults, MemoryWatch, make_namespace,  # noqa: E402
                                 network_unavailable, plot_memory)
+from bench.continuation import GreedyChecker, continuity  # noqa: E402
 from bench.delay_proxy import ProxiedCluster  # noqa: E402
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
@@ -77,18 +84,19 @@ class Result:
     router: int                   # which router it is on (0 or 1); a retry moves it
     status: str = "lost"          # completed, rejected, failed, lost
     text: str = ""
+    tokens: list[int] = field(default_factory=list)
     ttft_ms: float = float("nan")
     detail: str = ""
     request_id: str = ""
     cut_by_router: int = 0        # attempts cut because their router died
 
 
-def cluster_config(model: str, store_url: str) -> ClusterConfig:
+def cluster_config(model: str, store_url: str, dtype: str | None) -> ClusterConfig:
     def pool(name: str) -> PoolConfig:
         return PoolConfig(name=name, device="cpu", primary=name == "a",
                           scheduler=SchedulerConfig(port=0, max_step_tokens=128, orphan_grace_s=20.0,
                                                     step_timeout_s=5.0),
-                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128) for _ in range(2)])
+                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype=dtype) for _ in range(2)])
     config = ClusterConfig(model=model, router=RouterConfig(port=0, http_port=-1), pools=[pool(n) for n in POOLS])
     config.auth.replicas, config.store.url, config.billing.flush_seconds = 2, store_url, 0.5
     return config
@@ -105,6 +113,7 @@ async def one(clients: list[RouterClient], names: list[str], result: Result, pro
             if chunk.token_ids and result.ttft_ms != result.ttft_ms:     # NaN: no token yet
                 result.ttft_ms = (time.perf_counter() - started) * 1000
             result.text += chunk.text
+            result.tokens += chunk.token_ids
             if chunk.finish_reason:
                 result.status, result.request_id = "completed", chunk.request_id
 
@@ -121,6 +130,7 @@ async def one(clients: list[RouterClient], names: list[str], result: Result, pro
                     faults.router_killed(names[result.router], attempt_at - RECONNECT_GRACE_S):
                 result.cut_by_router += 1       # its router died: retry on the other, from the start
                 result.router, result.text, result.ttft_ms = 1 - result.router, "", float("nan")
+                result.tokens = []
                 continue
             result.status, result.detail = "failed", f"{exc.code().name}: {exc.details()}"
             return
@@ -129,12 +139,12 @@ async def one(clients: list[RouterClient], names: list[str], result: Result, pro
             return
 
 
-async def reference_texts(address: str, prompts: list[str]) -> list[str]:
+async def reference_runs(address: str, prompts: list[str]) -> list[Result]:
     async with RouterClient(address) as client:
         results = [Result(i, "medium", 0.0, 0) for i in range(len(prompts))]
         await asyncio.gather(*(one([client], ["router"], r, prompts[r.prompt], 300, None, 0.0) for r in results))
     assert all(r.status == "completed" for r in results), [r.detail for r in results]
-    return [r.text for r in results]
+    return results
 
 
 async def counters(cluster: LocalCluster, name: str) -> tuple[int, int]:
@@ -219,6 +229,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds before a request counts as lost")
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), help="the workers' dtype (default: the host's)")
     parser.add_argument("--plot", type=Path, help="write every service's resident memory over the run as a PNG")
     args = parser.parse_args()
     if (code := in_namespace(sys.argv)) is not None:
@@ -240,10 +251,11 @@ def main() -> None:
     prompts = [text_of_tokens(tokenizer, rng, rng.randint(48, 256))[0] for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="qos-chaos-") as folder:
         store_url = f"sqlite:///{folder}/store.db"
-        config = cluster_config(model, store_url)
+        config = cluster_config(model, store_url, args.dtype)
         every_worker = [(pool.name, i) for pool in config.pools for i in range(len(pool.workers))]
         with ProxiedCluster(config, every_worker, quiet=True) as cluster:
-            reference = asyncio.run(reference_texts(cluster.router_address, prompts))
+            reference = asyncio.run(reference_runs(cluster.router_address, prompts))
+            dtype = {m.dtype for m in asyncio.run(cluster.pool_stats()).members if m.connected}.pop()
             with progress(int(args.minutes * 60 * args.rate), "chaos") as bar:
                 results, faults, memory = asyncio.run(load(cluster, prompts, args, kinds, bar))
             time.sleep(2 * cluster.config.billing.flush_seconds)
@@ -251,11 +263,15 @@ def main() -> None:
                     ["router", *(r.name for r in cluster.replicas), *(f"{p}/scheduler" for p in POOLS)]]
         completed = [r for r in results if r.status == "completed"]
         missing = unbilled(store_url, completed)
-    report(args, results, completed, reference, faults, memory, live, missing, why_not)
+    prompt_ids = [tokenizer.encode(p) for p in prompts]       # as the scheduler tokenizes a prompt
+    print(f"checking {len(completed)} streams against {model} in {dtype} ...")
+    continuations = {"model": Path(model).name, **continuity(GreedyChecker(model, dtype), [
+        (prompt_ids[r.prompt], reference[r.prompt].tokens, r.tokens) for r in completed])}
+    report(args, results, completed, reference, faults, memory, live, missing, why_not, continuations)
 
 
-def report(args, results, completed, reference, faults, memory, live, missing, why_not) -> None:
-    mismatched = [r for r in completed if r.text != reference[r.prompt]]
+def report(args, results, completed, reference, faults, memory, live, missing, why_not, continuations) -> None:
+    mismatched = [r for r in completed if r.text != reference[r.prompt].text]
     first_fault = faults.log[0].at if faults.log else float("inf")
     high = [r for r in completed if r.priority == "high"]
     warm_up = 120.0 if args.soak else args.calm
@@ -269,6 +285,7 @@ def report(args, results, completed, reference, faults, memory, live, missing, w
         "migrated": faults.migrations + sum(m for _, m in live),
         "failovers": faults.failovers + sum(f for f, _ in live),
         "texts_checked": len(completed), "texts_mismatched": len(mismatched), "unbilled": len(missing),
+        **continuations,
         "worker_kills": faults.count("kill-worker"), "scheduler_kills": faults.count("kill-scheduler"),
         "router_kills": faults.count("kill-router"), "hangs": faults.count("hang"),
         "losses": faults.count("loss"), "partitions": faults.count("partition"), "delays": faults.count("delay"),
@@ -282,7 +299,8 @@ def report(args, results, completed, reference, faults, memory, live, missing, w
         "rss_series": memory.labelled()}
     print(f"\n{args.minutes:g} min at {args.rate:g} req/s, {len(faults.log)} faults; {machine()}")
     for key in ("submitted", "completed", "rejected", "failed", "lost", "failed_on_killed_router", "migrated",
-                "failovers", "texts_checked", "texts_mismatched", "unbilled", "worker_kills", "scheduler_kills",
+                "failovers", "continuations_checked", "continuations_broken", "texts_checked", "texts_mismatched",
+                "unbilled", "worker_kills", "scheduler_kills",
                 "router_kills", "hangs", "losses", "partitions", "delays"):
         print(f"  {key:<24}{out[key]:>8}")
     if why_not:
@@ -295,7 +313,12 @@ def report(args, results, completed, reference, faults, memory, live, missing, w
     for r in [r for r in results if r.status in ("failed", "lost")][:5]:
         print(f"  {r.status} at {r.sent_at:.0f}s ({r.priority}): {r.detail}")
     checks = {"lost = 0": not out["lost"], "failed = 0": not out["failed"],
-              "texts_mismatched = 0": not mismatched, "unbilled = 0": not missing}
+              "continuations_broken = 0": not out["continuations_broken"], "unbilled = 0": not missing}
+    if out["dtype"] == "float32":
+        checks["texts_mismatched = 0 (fp32)"] = not mismatched
+    else:
+        print(f"  {out['dtype']}: {out['texts_diverged']} texts parted from the fault-free run's "
+              f"(first at token {out['first_divergence_token_min']}); equal texts hold in fp32 only")
     if args.soak:
         checks["rss_growth_pct <= 10"] = growth is not None and growth <= 10
     print("targets: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, ok in checks.items()))
