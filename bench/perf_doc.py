@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "bench/results"
 PAGES = ("README.md", "docs/performance.md", "docs/operations.md")
 BLOCK = re.compile(r"<!-- table: (?P<name>[\w-]+) .*?-->\n.*?<!-- /table -->", re.DOTALL)
+DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ENGINE_CACHE_CAPACITY = 128     # services/engine/linear.py's CACHE_CAPACITY (the test checks it)
 
 
@@ -235,22 +236,27 @@ def paired_burst(paired: dict) -> list[list[str]]:
     return rows
 
 
-@table("prefix-cache", "prefix_cache.json", "prefix_cache_smollm2.json")
+@table("prefix-cache", "prefix_cache.json", "prefix_cache_bf16.json", "prefix_cache_smollm2.json")
 def prefix_cache(*results: dict) -> list[list[str]]:
-    rows = [["workload, model", "prompt tokens computed, off / on", "hit rate (ideal)", "High TTFT P50, off / on",
-             "High TTFT P99, off / on", "texts mismatched"]]
+    rows = [["workload, model, dtype", "prompt tokens computed, off / on", "hit rate (ideal)",
+             "High TTFT P50, off / on", "High TTFT P99, off / on", "texts differing, off / on",
+             "continuations broken"]]
     for result in results:
         model = "SmolLM2" if result["model"].startswith("SmolLM2") else "bench model"
+        # Runs recorded before the JSON named its dtype ran fp32: the CPU engine had no other then.
+        dtype = DTYPE_LABELS[result.get("dtype", "float32")]
         for suffix, workload in (("", "chat"), ("_api", "API")):
             def get(key):
                 return result[key + suffix]
             off, on = get("prefill_tokens_off"), get("prefill_tokens_on")
             p50_off, p50_on = get("high_ttft_p50_ms_off"), get("high_ttft_p50_ms_on")
-            rows.append([f"{workload}, {model}", f"{num(off)} / {num(on)} ({off / on:.1f}x fewer)",
+            broken = f"{get('continuations_broken')} of {get('continuations_checked')}" \
+                if "continuations_checked" + suffix in result else "not checked (texts compared)"
+            rows.append([f"{workload}, {model}, {dtype}", f"{num(off)} / {num(on)} ({off / on:.1f}x fewer)",
                          f"{pct(get('hit_rate'))} ({pct(get('ideal_hit_rate'))})",
                          f"{num(p50_off)} / {num(p50_on)} ms ({p50_off / p50_on:.1f}x)",
                          f"{num(get('high_ttft_p99_ms_off'))} / {num(get('high_ttft_p99_ms_on'))} ms",
-                         f"{get('texts_mismatched')} of {get('texts_checked')}"])
+                         f"{get('texts_mismatched')} of {get('texts_checked')}", broken])
     return rows
 
 
@@ -318,24 +324,48 @@ FAULTS = (("worker_kills", "worker kills"), ("scheduler_kills", "scheduler kills
           ("hangs", "hangs"), ("losses", "loss"), ("partitions", "partitions"), ("delays", "delays"))
 
 
-@table("chaos", "chaos.json", "chaos_soak.json")
+@table("chaos", "chaos.json", "chaos_bf16.json", "chaos_soak.json")
 def chaos(*runs: dict) -> list[list[str]]:
-    rows = [["run", "faults", "submitted", "completed", "failed", "lost", "cut by a router kill (retried)",
-             "texts mismatched", "unbilled", "largest RSS growth"]]
+    rows = [["run", "dtype, model", "faults", "submitted", "completed", "failed", "lost",
+             "cut by a router kill (retried)", "continuations broken", "texts mismatched", "unbilled",
+             "largest RSS growth"]]
     for run, source in zip(runs, TABLES["chaos"].sources):
         soak = run["soak_minutes"] > 0
         counts = {label: run[key] for key, label in FAULTS}
         if len(set(counts.values())) == 1:
             faults = f"{run['hangs']} each of worker, scheduler and router kills, hangs, loss, partitions, delays"
         else:
-            faults = "; ".join(f"{n} {label}" for label, n in counts.items() if n)
+            faults = ", ".join(f"{label} {n}" for label, n in counts.items() if n)
             if not any(run[key] for key in ("worker_kills", "scheduler_kills", "router_kills")):
                 faults += " (no kills: memory is followed per process)"
         growth = f"{run['rss_growth_pct']:.1f}% ({run['rss_growth_process']})"
+        # Runs recorded before the JSON named its dtype ran fp32: the CPU engine had no other then.
+        dtype = DTYPE_LABELS[run.get("dtype", "float32")]
+        model = "SmolLM2" if "SmolLM2" in run.get("model", "") else "bench model"
+        broken = f"{num(run['continuations_broken'])} of {num(run['continuations_checked'])}" \
+            if "continuations_checked" in run else "not checked (texts compared)"
         rows.append([f"{'soak' if soak else 'default'}, {run['minutes']:g} min ([{source}](../{RESULTS}/{source}))",
-                     faults, *(num(run[key]) for key in ("submitted", "completed", "failed", "lost",
-                                                         "failed_on_killed_router", "texts_mismatched", "unbilled")),
-                     growth if soak else f"{growth}, with processes restarted: not a soak"])
+                     f"{dtype}, {model}", faults,
+                     *(num(run[key]) for key in ("submitted", "completed", "failed", "lost", "failed_on_killed_router")),
+                     broken, num(run["texts_mismatched"]) + ("" if dtype == "fp32" else " (not expected 0)"),
+                     num(run["unbilled"]), growth if soak else f"{growth}, with processes restarted: not a soak"])
+    return rows
+
+
+@table("dtype-divergence", "dtype_divergence.json")
+def dtype_divergence(result: dict) -> list[list[str]]:
+    rows = [["dtype", "disturbance", "texts identical", "texts parted", "first parted at token (min / median)",
+             "continuations broken"]]
+    dtypes = [d for d in ("fp32", "bf16") if d in result]
+    for dtype in dtypes:
+        for kind, what in (("batched", "batched with the others, prompts chunked"),
+                           ("recomputed", "prompt + first k tokens recomputed, then the rest")):
+            r = result[dtype][kind]
+            first = "—" if not r["texts_diverged"] else \
+                f"{r['first_divergence_token_min']} / {r['first_divergence_token_median']}"
+            rows.append([dtype, what, f"{r['texts_identical']} of {r['continuations_checked']}",
+                         num(r["texts_diverged"]), first,
+                         f"{r['continuations_broken']} of {r['continuations_checked']}"])
     return rows
 
 

@@ -31,16 +31,13 @@ def bench_model() -> str:
 TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None
 
 
-def worker_config(kv_cache_mb: int = 256, dtype: str | None = TEST_DTYPE, **fields) -> WorkerConfig:
-    """One test worker: 1 thread on a free port, in `dtype` (None: the host's choice)."""
-    return WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb, dtype=dtype, **fields)
-
-
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,
                    workers: int = 1, **scheduler) -> ClusterConfig:
+    """One pool of `workers` workers (1 thread each, in `dtype`; None: the host's choice)."""
     return single_pool(router=RouterConfig(port=0, http_port=0),
                        scheduler=SchedulerConfig(port=0, **scheduler),
-                       workers=[worker_config(kv_cache_mb, dtype) for _ in range(workers)], model=model)
+                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb, dtype=dtype)
+                                for _ in range(workers)], model=model)
 
 
 @functools.cache
