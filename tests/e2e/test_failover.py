@@ -16,9 +16,9 @@ import pytest
 
 from services.common.config import ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
 from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_pb2
+from services.common.tokenizer import TextTokenizer
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from services.common.tokenizer import TextTokenizer
 from tests.e2e.conftest import assert_continues, bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def test_a_killed_workers_streams_finish_on_the_other_and_a_third_joins(dtype):
 
 
 def test_the_only_worker_restarted_within_the_grace_finishes_every_stream():
-    config = cluster_config(orphan_grace_s=120.0, model=bench_model(), dtype="fp32")   # equal texts: fp32
+    config = cluster_config(orphan_grace_s=120.0, model=bench_model(), dtype="fp32")   # texts compared: fp32
     with LocalCluster(config, quiet=True) as cluster:
         async def go():
             async with RouterClient(cluster.router_address) as client:
@@ -197,7 +197,7 @@ def test_a_dead_schedulers_requests_move_to_the_other_pool_with_what_they_stream
 
 
 def test_qos_serve_drain_worker_scales_in_without_losing_a_stream():
-    config = fault_config("fp32")        # nothing recomputed: texts equal wherever fp32 holds them equal
+    config = fault_config("fp32")       # texts compared with a run batched otherwise: fp32
     with LocalCluster(config, quiet=True) as cluster:
         address = cluster.config.pools[0].workers[1].address
         drained = {}
