@@ -162,7 +162,8 @@ def cluster_config(name: str, model: str, args):
                                          **ROUTER_VARIANTS.get(variant, {})),
         scheduler=SchedulerConfig(port=0, policy=policy, max_step_tokens=args.max_step_tokens,
                                   max_running=args.max_running, **settings),
-        workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb)])
+        workers=[WorkerConfig(port=0, threads=args.threads, kv_cache_mb=args.kv_cache_mb,
+                              dtype=getattr(args, "dtype", None))])
     return config
 
 
@@ -200,6 +201,7 @@ def run_policy(policy: str, model: str, jobs: list[Job], args, during=None) -> t
     summary["cut_ins"] = stats.cut_ins - before.cut_ins
     summary.update(idle)
     summary["high_p99_ttft_over_idle"] = summary["high_p99_ttft_ms"] / idle["idle_high_p50_ttft_ms"]
+    summary["dtype"] = stats.members[0].dtype          # what the worker computed in
     # Work preemption threw away: tokens preempted sequences had computed (done again later),
     # over all tokens computed during the workload.
     computed = sum(c.served_tokens for c in stats.classes) - sum(c.served_tokens for c in before.classes)
@@ -216,6 +218,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--flood-seconds", type=float, default=1.0,
                         help="Low and Medium arrive at uniform random times in [0, this) (0: all at once)")
     parser.add_argument("--threads", type=int, default=1, help="worker torch threads")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), help="the worker's dtype (default: the host's)")
     parser.add_argument("--kv-cache-mb", type=int, default=1024)
     parser.add_argument("--max-step-tokens", type=int, default=128,
                         help="scheduler's tokens per step (bounds a step's time, so High's wait)")
