@@ -81,14 +81,14 @@ def markdown(rows: list[list[str]]) -> str:
 
 # README.md
 
-@table("burst-summary", "paired_burst.json")
-def burst_summary(paired: dict) -> list[list[str]]:
-    new = {key: median(figure["new"]) for key, figure in paired["figures"].items()}
+@table("burst-summary", "qos_burst_bf16.json")
+def burst_summary(run: dict) -> list[list[str]]:
+    fcfs, qos = run["fcfs"], run["qos"]
     return [["", "FCFS", "QoS"],
-            ["High P99 time to first token", f"{new['fcfs_high_p99_ttft_ms'] / 1000:.0f} s",
-             f"{new['qos_high_p99_ttft_ms']:.0f} ms ({new['qos_high_p99_over_idle']:.1f}x its idle P50)"],
-            ["Low throughput", f"{new['fcfs_low_tok_s']:.1f} tok/s", f"{new['qos_low_tok_s']:.1f} tok/s"],
-            ["Low's peak share of KV blocks (QoS cap 30%)", "no cap", pct(new["qos_low_kv_peak_frac"])]]
+            ["High P99 time to first token", f"{fcfs['high_p99_ttft_ms'] / 1000:.0f} s",
+             f"{qos['high_p99_ttft_ms']:.0f} ms ({qos['high_p99_ttft_over_idle']:.1f}x its idle P50)"],
+            ["Low throughput", f"{fcfs['low_tok_s']:.1f} tok/s", f"{qos['low_tok_s']:.1f} tok/s"],
+            ["Low's peak share of KV blocks (QoS cap 30%)", "no cap", pct(qos["low_kv_peak_frac"])]]
 
 
 # docs/performance.md
