@@ -123,6 +123,10 @@ class RouterConfig(ServiceConfig):
                                    "(with the tokens already streamed)", bounds=Bounds(0, 100))
     scheduler_link: str = setting("stream", "how requests reach a scheduler: one long-lived SubmitLink stream "
                                   "(stream) or a Submit call each (calls)", choices=SCHEDULER_LINKS)
+    cache_scope: str = setting("tenant", "who shares cached prompt KV: requests of one tenant only (tenant; "
+                               "the tenant the caller's key names when auth is on), or of every tenant "
+                               "(cluster: a cache hit then tells a tenant that another sent that prefix); "
+                               "a request's cache_salt narrows either", choices=("tenant", "cluster"))
     tls_cert: str = setting("", "PEM certificate for TLS on the gRPC and HTTP fronts (with tls_key; both "
                             "empty: plaintext)", note="a file")
     tls_key: str = setting("", "PEM private key for tls_cert", note="a file")

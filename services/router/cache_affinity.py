@@ -9,10 +9,17 @@ went to last (the most recent KEYS keys), and the routing rules prefer that pool
 would accept it: an overflow pool that still has room by the rules, or, among several GPU pools,
 one at most QUEUE_SLACK requests more queued than the least queued (services/router/routing.py);
 in slo-cost, within a price, the pool predicted to meet the SLO (services/router/slo_cost.py).
-Pure Python.
+
+Sharing is kept within a request's cache scope (request_scope): by default its tenant, as the
+router knows it (from the caller's key when auth is on), narrowed by the request's cache_salt.
+The scheduler names cached blocks within the scope, so a tenant never finds, or learns by a
+cached-token count, a discount or a faster first token, that another tenant sent a prefix
+(vLLM's cache_salt answers the same leak); the opening's key carries the scope too, so placement
+follows it. Pure Python.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 
 OPENING_CHARS = 1024
@@ -20,17 +27,25 @@ KEYS = 65_536
 QUEUE_SLACK = 4
 
 
-def affinity_key(prompt: str, messages=()) -> int:
-    """A key for the request's opening (0: none): chat messages up to the first user message, or
-    the prompt's first OPENING_CHARS characters."""
+def request_scope(setting: str, tenant: str, salt: str) -> str:
+    """The prefix-cache scope of a request: its tenant (setting "tenant") or none ("cluster"),
+    and its salt; "" when it shares with every request. Written so that no two (tenant, salt)
+    pairs give one scope."""
+    parts = {**({"tenant": tenant} if setting == "tenant" else {}), **({"salt": salt} if salt else {})}
+    return json.dumps(parts, separators=(",", ":")) if parts else ""
+
+
+def affinity_key(prompt: str, messages=(), scope: str = "") -> int:
+    """A key for the request's opening within its cache scope (0: none): chat messages up to the
+    first user message, or the prompt's first OPENING_CHARS characters."""
     if messages:
         opening = []
         for message in messages:
             opening.append((message.role, message.content))
             if message.role == "user":
                 break
-        return hash(tuple(opening)) or 1
-    return hash(prompt[:OPENING_CHARS]) or 1 if prompt else 0
+        return hash((scope, tuple(opening))) or 1
+    return hash((scope, prompt[:OPENING_CHARS])) or 1 if prompt else 0
 
 
 class CacheAffinity:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.router.validation import check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
 # service_tier as OpenAI names its tiers -> our classes, and back for the response.
@@ -29,9 +30,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (c
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
           "service_tier", "stream", "stream_options",
           "top_k", "ignore_eos", "stop_token_ids",        # these three as vLLM takes them
-          "context_mode"}                                 # ours: auto, dense or streaming attention
-# Identifiers and caching hints: they never change an answer, so they are only checked to be strings.
-HINTS = {"safety_identifier", "prompt_cache_key"}
+          "context_mode",                                 # ours: auto, dense or streaming attention
+          "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
+# Identifiers: they never change an answer, so they are only checked to be strings.
+HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens"},
           COMPLETION: COMMON | HINTS | {"prompt"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
@@ -267,3 +269,8 @@ def _options(body: dict, request: OpenAIRequest) -> None:
     for hint in HINTS:
         if body.get(hint) is not None:
             _text(body[hint], hint)
+    # vLLM's cache_salt and OpenAI's prompt_cache_key each narrow who shares cached KV with the
+    # request (inside its tenant, by default): both given, both must match.
+    salts = [check_cache_salt(_text(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
+             if body.get(name) is not None]
+    request.body.cache_salt = "\x1f".join(salts) if len(salts) > 1 else "".join(salts)

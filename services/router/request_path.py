@@ -26,7 +26,7 @@ from services.common.tracing import inject_metadata, traceparent
 from services.control.accounts import Accounts
 from services.control.limits import estimated_prompt_tokens
 from services.control.tenancy import Caller
-from services.router.cache_affinity import affinity_key
+from services.router.cache_affinity import affinity_key, request_scope
 from services.router.pools import PoolDirectory, PoolHandle
 from services.router.routing import NoPoolError, RouteRequest
 from services.router.scheduler_link import LinkUnsupported
@@ -45,8 +45,9 @@ async def _go_ahead(_request) -> None:
 class RequestPath:
     def __init__(self, pools: PoolDirectory, totals: RouterTotals, tracer: trace.Tracer,
                  model_name: str, accounts: Accounts, admission: str = "priority",
-                 migration_limit: int = 3, scheduler_link: str = "stream"):
+                 migration_limit: int = 3, scheduler_link: str = "stream", cache_scope: str = "tenant"):
         self.pools = pools
+        self.cache_scope = cache_scope            # who shares cached KV: "tenant" or "cluster"
         self.scheduler_link = scheduler_link      # "stream": the pool's link; "calls": a Submit call each
         self.accounts = accounts
         self.migration_limit = migration_limit
@@ -143,7 +144,7 @@ class RequestPath:
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
         request = RouteRequest(body.model or self.model_name, head.priority, head.lora,
                                head.slo_ms or None, exclude, estimated_prompt_tokens(body),
-                               affinity_key(body.prompt, body.messages))
+                               affinity_key(body.prompt, body.messages, self.scope(head, body)))
         try:
             decision = router.route(request)
         except NoPoolError as exc:
@@ -162,6 +163,11 @@ class RequestPath:
         router.note_dispatch(decision.pool, request)
         return self.pools.handles[decision.pool], predicted
 
+    def scope(self, head: RequestHead, body: router_pb2.GenerateRequest) -> str:
+        """The request's prefix-cache scope (cache_affinity.request_scope): head.tenant is the
+        caller's own when auth is on (the front replaced the header's with the key's)."""
+        return request_scope(self.cache_scope, head.tenant, body.cache_salt)
+
     async def relay(self, head: RequestHead, body: router_pb2.GenerateRequest, pool: PoolHandle,
                     tally: Tally, span, streamed: list[int] = ()) -> AsyncIterator[common_pb2.GenerateChunk]:
         """Submit to the pool's scheduler and stream its chunks back, the cost on the last one;
@@ -173,7 +179,8 @@ class RequestPath:
             request_id=head.request_id, priority=head.priority, tenant=head.tenant,
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
-            stream_interval=head.stream_interval, context_mode=head.context_mode)
+            stream_interval=head.stream_interval, context_mode=head.context_mode,
+            cache_scope=self.scope(head, body))
         context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported

@@ -58,7 +58,8 @@ class RouterService:
         registry.register(StateCollector(lambda: ledger_metrics(self.ledger)))
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers, billing.cached_prompt_fraction)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
-                                router.admission, router.migration_limit, router.scheduler_link)
+                                router.admission, router.migration_limit, router.scheduler_link,
+                                router.cache_scope)
         self.drain = drain or Drain("router")
         self.console = ConsoleFeed(self)
         self.tasks: list[asyncio.Task] = []

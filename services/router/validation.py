@@ -104,4 +104,13 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
         raise invalid("messages are all empty", "messages")
     check_sampling(raw.sampling, max_context)
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
-                                      model=model)
+                                      model=model, cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))
+
+
+MAX_CACHE_SALT = 256
+
+
+def check_cache_salt(salt: str, field: str = "cache_salt") -> str:
+    if len(salt) > MAX_CACHE_SALT:
+        raise invalid(f"{field} is {len(salt)} characters long, at most {MAX_CACHE_SALT} are allowed", field)
+    return salt

@@ -14,8 +14,11 @@
 - Per class: prompt tokens looked up and found at first admission (the hit rate), and the pools'
   evictions, for /metrics, `qos-serve stats` and the console.
 
-A block's name includes the adapter and its load generation: a LoRA adapter loaded again under the
-same name (new weights) names new blocks (adapter_loaded). Pure Python, no torch.
+A block's name includes the request's cache scope (its tenant and cache_salt, as the router set
+them; services/router/cache_affinity.py): requests of different scopes never share a block, so
+none learns from a hit what another scope sent. It also includes the adapter and its load
+generation: a LoRA adapter loaded again under the same name (new weights) names new blocks
+(adapter_loaded). Pure Python, no torch.
 """
 from __future__ import annotations
 
@@ -48,7 +51,8 @@ class PrefixCache:
 
     def names(self, request: Request, count: int, block_size: int) -> list[bytes]:
         """The names of the request's first `count` full blocks (computed once, kept on it)."""
-        key = f"{request.lora}#{self.adapter_generation[request.lora]}" if request.lora else ""
+        adapter = f"{request.lora}#{self.adapter_generation[request.lora]}" if request.lora else ""
+        key = f"{request.cache_scope}\x00{adapter}" if request.cache_scope else adapter
         if key != request.names_key:
             request.block_names, request.names_key = [], key
         names = request.block_names

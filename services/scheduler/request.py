@@ -73,9 +73,11 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # What a worker is told of it on admission, prompt part, converted once (announcement.py)
     prompt_announcement: NewSequence | None = None
-    # Prefix caching (prefix_cache.py): the names of its full blocks so far (and the adapter key
-    # they were made under), the tokens its worker computed from cache at its first admission
-    # (usage), and when its next block fills up (its `computed` count then), to be named.
+    # Prefix caching (prefix_cache.py): the scope the router put it in (only requests of one scope
+    # share blocks), the names of its full blocks so far (and the scope and adapter key they were
+    # made under), the tokens its worker computed from cache at its first admission (usage), and
+    # when its next block fills up (its `computed` count then), to be named.
+    cache_scope: str = ""
     block_names: list[bytes] = field(default_factory=list)
     names_key: str = ""
     cached_tokens: int = 0

@@ -160,7 +160,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop)),
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
-            stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
+            cache_scope=submit.cache_scope, stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
             window=window)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids), self.tokenizer.vocab_size)

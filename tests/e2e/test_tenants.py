@@ -220,3 +220,31 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
     assert probes["admin usage over gRPC"].tenant == "*" and probes["admin usage over gRPC"].in_flight >= 1
     assert probes["admin cancels"][0] == 200 and probes["admin cancels"][2]["tenant"] == "beta"
     assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
+
+
+def test_a_tenant_learns_nothing_of_anothers_prompt_from_the_prefix_cache(cluster):
+    """The cache is scoped to the tenant the key names (cache_scope = "tenant", the default):
+    alpha's repeat of its private system prompt is served from cache, beta sending the same
+    words (even claiming alpha in x-tenant) is told none were cached and pays for all of them,
+    and a cache_salt or prompt_cache_key narrows sharing inside alpha too."""
+    system = "You are the private assistant of Acme's merger team; the target is Globex. " * 6
+    chat = {"model": Path(cluster.config.model).name, "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Status?"}]}
+
+    def cached(key: str, headers: dict | None = None, **extra) -> tuple[int, int]:
+        status, _, body = post(cluster, {**chat, **extra}, key, headers, path="/v1/chat/completions")
+        assert status == 200, body
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"], body["usage"]["prompt_tokens"]
+
+    alpha, beta = cluster.keys["alpha"], cluster.keys["beta"]
+    first, prompt_tokens = cached(alpha)
+    again, _ = cached(alpha)
+    assert first == 0 and again >= prompt_tokens - 16      # all but the last, partial block
+    # Beta, even claiming to be alpha: the key names the tenant, not the header ...
+    assert cached(beta, {"x-tenant": "alpha"}) == (0, prompt_tokens)
+    assert cached(beta)[0] == again                          # ... and beta's own repeat is its own
+    assert cached(alpha, cache_salt="project-x")[0] == 0
+    assert cached(alpha, prompt_cache_key="conversation-7")[0] == 0
+    assert cached(alpha, cache_salt="project-x")[0] == again
+    status, _, body = post(cluster, {**chat, "cache_salt": "s" * 257}, alpha, path="/v1/chat/completions")
+    assert status == 400 and body["error"]["param"] == "cache_salt"

@@ -19,6 +19,7 @@ from services.common.wire import answer_tokens
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.policy import QoSSettings, create_policy
+from services.router.cache_affinity import request_scope
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request
 from services.scheduler.worker_set import WorkerGone
@@ -251,3 +252,32 @@ def test_placement_prefers_the_cache_until_load_wins():
     batcher.running[1] = [object()]              # 0.25 above: the cache still wins
     batcher.steps += 1
     assert not may_place(links[0], r)
+
+
+def scoped(seq_id: int, prompt: list[int], scope: str) -> Request:
+    r = request(seq_id, prompt, 4)
+    r.cache_scope = scope
+    return r
+
+
+def test_blocks_are_shared_only_within_a_cache_scope():
+    """The same prompt from three scopes, one after another: only a request of the scope that
+    computed it finds it cached, so a hit (its cached_tokens, its discount, its speed) tells a
+    tenant nothing of another's traffic; outputs are the same either way."""
+    prompt = list(range(3, 3 + 5 * BLOCK + 2))
+    alice, bob = request_scope("tenant", "alice", ""), request_scope("tenant", "bob", "")
+    alice_salted = request_scope("tenant", "alice", "project-x")
+    order = [scoped(1, prompt, alice), scoped(2, prompt, bob), scoped(3, prompt, alice_salted),
+             scoped(4, prompt, alice), scoped(5, prompt, alice_salted), scoped(6, prompt, "")]
+    outputs, batcher, _ = asyncio.run(serve([[r] for r in order], caching=True))
+    assert {seq_id: r.cached_tokens for seq_id, r in enumerate(order, 1)} == \
+        {1: 0, 2: 0, 3: 0, 4: 5 * BLOCK, 5: 5 * BLOCK, 6: 0}
+    assert all(outputs[r.seq_id] == expected(prompt, 4) for r in order)
+
+
+def test_request_scope_keeps_tenants_and_salts_apart():
+    assert request_scope("cluster", "alice", "") == "" == request_scope("cluster", "bob", "")
+    assert request_scope("cluster", "alice", "s") == request_scope("cluster", "bob", "s") != ""
+    assert len({request_scope("tenant", t, s) for t, s in
+                [("alice", ""), ("bob", ""), ("alice", "s"), ("", ""), ("a", "b"), ("a\x1fb", ""),
+                 ('a","salt":"b', "")]}) == 7

@@ -127,28 +127,32 @@ class CancelReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     sampling: _common_pb2.SamplingParams
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateRequestBytes(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessageBytes]
     sampling: _common_pb2.SamplingParams
     model: bytes
-    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessageBytes(_message.Message):
     __slots__ = ("role", "content")
