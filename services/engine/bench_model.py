@@ -39,18 +39,20 @@ def bench_model_dir() -> Path:
     return target
 
 
-def build_bench_model(target: Path) -> None:
+def build_bench_model(target: Path, config: dict = CONFIG, std: float = 0.02, seed: int = SEED) -> None:
+    """A random-weight Llama of `config` (weights drawn from N(0, std) with `seed`) with SmolLM2's
+    tokenizer, written to `target`."""
     import torch
     from safetensors.torch import save_file
 
     tokenizer_source = default_model_dir()
-    c = CONFIG
+    c = config
     head_dim = c["hidden_size"] // c["num_attention_heads"]
     kv = c["num_key_value_heads"] * head_dim
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator().manual_seed(seed)
 
     def weight(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * 0.02
+        return torch.randn(*shape, generator=generator) * std
 
     h, inter = c["hidden_size"], c["intermediate_size"]
     tensors = {"model.embed_tokens.weight": weight(c["vocab_size"], h), "model.norm.weight": torch.ones(h)}
@@ -67,7 +69,7 @@ def build_bench_model(target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
         for name in TOKENIZER_FILES:
             if (tokenizer_source / name).is_file():

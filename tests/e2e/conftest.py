@@ -19,6 +19,7 @@ import os
 import pytest
 
 from services.common.config import ClusterConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from services.engine.bench_model import CONFIG as BENCH_CONFIG
 from services.local.cluster import LocalCluster
 
 
@@ -26,6 +27,25 @@ from services.local.cluster import LocalCluster
 def bench_model() -> str:
     from services.engine.bench_model import bench_model_dir  # built once from the default model, cached
     return str(bench_model_dir())
+
+
+# A random-weight Llama that writes text a token does not repeat in (SmolLM2's tokenizer, 2 layers
+# of 128, weights at 10x the usual spread): the bench model's greedy text repeats a token or two, so
+# a lost or repeated token would not show in it, and SmolLM2 is slow where bf16 is emulated (a step
+# of 8 prompts past 2 s on one thread of a CPU without avx512_bf16). Measured on this one in bf16:
+# 8 streams x 48 greedy tokens all distinct; 736 of 736 dropped or repeated tokens caught by
+# bench/continuation.py, honest streams 0 ulps short.
+TEXT_MODEL_CONFIG = {**BENCH_CONFIG, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+
+
+@functools.cache
+def text_model() -> str:
+    from services.common.paths import cache_root
+    from services.engine.bench_model import build_bench_model
+    target = cache_root() / "models" / "qos-test-text-llama-2L-128"
+    if not (target / "config.json").is_file():
+        build_bench_model(target, TEXT_MODEL_CONFIG, std=0.2, seed=7)
+    return str(target)
 
 
 TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None

@@ -19,7 +19,7 @@ from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_
 from services.common.tokenizer import TextTokenizer
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import assert_continues, bench_model, cluster_config, run
+from tests.e2e.conftest import assert_continues, bench_model, cluster_config, run, text_model
 
 pytestmark = pytest.mark.slow
 
@@ -74,10 +74,11 @@ def assert_same(reference, got) -> None:
 
 # The model each dtype's fault tests run. fp32: the random-weight bench model (cheap steps), and
 # every text must equal the undisturbed run's: fp32 numbers on a CPU do not depend on the batch
-# around a sequence. bf16: SmolLM2, whose greedy text is varied enough that a lost or repeated
-# token shows (the bench model's repeats a token or two), and every stream must continue from
-# exactly the tokens its client held; its text may part from the undisturbed one at a near-tie.
-FAULT_MODELS = {"fp32": bench_model, "bf16": lambda: "default"}
+# around a sequence. bf16: a random-weight model whose greedy text never repeats a token
+# (conftest.text_model; in the bench model's a lost or repeated token would not show), and every
+# stream must continue from exactly the tokens its client held; its text may part from the
+# undisturbed one at a near-tie. Both stay cheap where bf16 is emulated.
+FAULT_MODELS = {"fp32": bench_model, "bf16": text_model}
 DTYPES = ["fp32", "bf16"]
 
 
