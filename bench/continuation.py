@@ -20,8 +20,9 @@ of the top logit by at most 11 bf16 ulps; a token dropped or repeated on purpose
 TOLERANCE_ULPS sits between. In fp32 the same test holds with a far tighter margin (an fp32 ulp
 is 2^16 times smaller), so the bound scales with the dtype's precision.
 
-A random-weight model is no use here: its greedy text repeats a token or two, and a stream with a
-token dropped is then the same stream. Check streams of a model that writes text (SmolLM2).
+The random-weight bench model is no use here: its greedy text repeats a token or two, and a
+stream with a token dropped is then the same stream. Check streams of a model whose greedy text
+varies: SmolLM2, or a random one with weights spread wide enough (tests/e2e/conftest.text_model).
 """
 from __future__ import annotations
 

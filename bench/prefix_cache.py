@@ -10,6 +10,11 @@ Two workloads, each run with the cache off and then on:
   api   --api-requests calls at --api-rate per second (Poisson), priorities in turn, each one of
         --system-prompts long system prompts (--system-tokens) plus a question of 16-32 tokens.
 
+--tenants N spreads the users and the calls over N tenants in turn (x-tenant): the chat's
+conversations each stay inside a tenant, the API's system prompts are shared across tenants, and
+the cache, scoped per tenant by default (router cache_scope), no longer shares across them; the
+run with N > 1 against N = 1 is what isolation costs.
+
 Reported per workload and side: prompt tokens computed (prompt tokens less those the cache
 served, from each request's usage), the hit rate (cached over prompt tokens), the ideal hit rate
 (from the token sequences alone: each request against everything computed before it was sent, as
@@ -65,6 +70,7 @@ class Sent:
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    tenant: str = ""           # x-tenant (--tenants): the cache is scoped per tenant by default
 
 
 def cluster_config(model: str, caching: bool, dtype: str | None) -> ClusterConfig:
@@ -79,7 +85,7 @@ async def ask(client: RouterClient, sent: Sent, answer_tokens: int, start: float
         max_tokens=answer_tokens, temperature=0.0, ignore_eos=True))
     sent.sent_at = time.monotonic() - start
     began = time.perf_counter()
-    async for chunk in client.stream(request, priority=sent.priority):
+    async for chunk in client.stream(request, priority=sent.priority, tenant=sent.tenant or None):
         if chunk.token_ids and sent.ttft_ms != sent.ttft_ms:
             sent.ttft_ms = (time.perf_counter() - began) * 1000
         sent.output_ids.extend(chunk.token_ids)
@@ -96,7 +102,8 @@ async def chat(client: RouterClient, plan: list[list[str]], system: str, args, b
         await asyncio.sleep(index * args.stagger)
         conversation = system
         for turn, message in enumerate(messages):
-            sent = Sent((index, turn), PRIORITIES[index % 3], f"{conversation}\nUser: {message}\nAssistant:")
+            sent = Sent((index, turn), PRIORITIES[index % 3], f"{conversation}\nUser: {message}\nAssistant:",
+                        tenant=f"tenant-{index % args.tenants}")
             await ask(client, sent, args.answer, start)
             done.append(sent)
             bar.update()
@@ -117,7 +124,7 @@ async def api(client: RouterClient, calls: list[tuple[float, str]], args, bar) -
 
     for i, (at, prompt) in enumerate(calls):
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-        tasks.append(asyncio.create_task(one(Sent((i,), PRIORITIES[i % 3], prompt))))
+        tasks.append(asyncio.create_task(one(Sent((i,), PRIORITIES[i % 3], prompt, tenant=f"tenant-{i % args.tenants}"))))
     await asyncio.gather(*tasks)
     return done
 
@@ -248,6 +255,9 @@ def main() -> None:
     parser.add_argument("--api-answer", type=int, default=16)
     parser.add_argument("--plot", type=Path)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="the workers' dtype (default: the host's)")
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="spread users and calls over this many tenants (x-tenant, in turn): the cache "
+                             "is scoped per tenant, so what they share across tenants is computed again")
     args = parser.parse_args()
     model = model_or_bench(args.model)
     tokenizer = TextTokenizer.from_model_dir(model)
