@@ -260,6 +260,21 @@ def prefix_cache(*results: dict) -> list[list[str]]:
     return rows
 
 
+@table("prefix-cache-isolation", "prefix_cache_bf16.json", "prefix_cache_tenants.json")
+def prefix_cache_isolation(one: dict, many: dict) -> list[list[str]]:
+    tenants = many["args"]["tenants"]
+    rows = [["workload", "prompt tokens computed, 1 tenant / " + f"{tenants} tenants",
+             f"hit rate, 1 tenant / {tenants} tenants (ideal, shared)", "High TTFT P50, 1 / " + f"{tenants} tenants"]]
+    for suffix, workload in (("", "chat: each conversation inside one tenant"),
+                             ("_api", "API: system prompts shared across tenants")):
+        def both(key):
+            return one[key + suffix], many[key + suffix]
+        (a, b), (ha, hb), (ta, tb) = both("prefill_tokens_on"), both("hit_rate"), both("high_ttft_p50_ms_on")
+        rows.append([workload, f"{num(a)} / {num(b)} ({b / a:.2f}x)",
+                     f"{pct(ha)} / {pct(hb)} ({pct(one['ideal_hit_rate' + suffix])})", f"{num(ta)} / {num(tb)} ms"])
+    return rows
+
+
 @table("long-context-burst", "long_context.json")
 def long_context_burst(result: dict) -> list[list[str]]:
     return [["", "measured"],
