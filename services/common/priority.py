@@ -76,6 +76,24 @@ def parse_slo_ms(value: str | None) -> int:
     return _positive_whole(value, SLO_HEADER, "milliseconds", 2**32 - 1)
 
 
+# Tenant names are 1-64 printable characters: the store's tenants and ledger columns hold no more
+# (services/store/schema.py), and a name the ledger refuses must never reach its batch.
+TENANT_NAME_MAX = 64
+
+
+def parse_tenant(value: str | None) -> str:
+    """`x-tenant` metadata -> the tenant it names ("" when absent). Raises ValueError naming the
+    header when the name could not be a tenant's."""
+    if not value:
+        return ""
+    if len(value) > TENANT_NAME_MAX:
+        raise ValueError(f"{TENANT_HEADER} is {len(value)} characters long; a tenant name has at most "
+                         f"{TENANT_NAME_MAX}")
+    if not value.isprintable():
+        raise ValueError(f"{TENANT_HEADER} {value!r} has a control character; a tenant name is printable text")
+    return value
+
+
 def parse_stream_interval(value: str | None) -> int:
     """`x-stream-interval` metadata -> tokens per chunk after the first (0 = the pool's setting
     for the request's class). Raises ValueError naming the value."""

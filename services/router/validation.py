@@ -15,7 +15,7 @@ from typing import Mapping
 from services.common.errors import invalid
 from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY_HEADER, SLO_HEADER,
                                       STREAM_INTERVAL_HEADER, TENANT_HEADER, Priority, parse_context_mode,
-                                      parse_priority, parse_slo_ms, parse_stream_interval)
+                                      parse_priority, parse_slo_ms, parse_stream_interval, parse_tenant)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -43,7 +43,7 @@ class RequestHead:
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
     """gRPC metadata (or HTTP headers, lower-cased) -> RequestHead."""
-    return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority), metadata.get(TENANT_HEADER, ""),
+    return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority), _header(metadata, TENANT_HEADER, parse_tenant),
                        _header(metadata, SLO_HEADER, parse_slo_ms), metadata.get(LORA_HEADER) or None,
                        stream_interval=_header(metadata, STREAM_INTERVAL_HEADER, parse_stream_interval),
                        context_mode=_header(metadata, CONTEXT_MODE_HEADER, parse_context_mode))

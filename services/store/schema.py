@@ -19,6 +19,8 @@ from __future__ import annotations
 from sqlalchemy import (Column, Float, ForeignKey, Integer, MetaData, String, Table,
                         UniqueConstraint)
 
+from services.common.priority import TENANT_NAME_MAX  # noqa: F401 (the store checks names by it)
+
 SCHEMA_VERSION = 3
 metadata = MetaData()
 
@@ -106,5 +108,5 @@ ADDED_COLUMNS: dict[int, list[tuple[str, str, str]]] = {
         ("ledger", "cached_fraction", "FLOAT NOT NULL DEFAULT 1.0")],
 }
 
-# Column sizes a caller must respect (they are checked before any write).
-TENANT_NAME_MAX = 64
+# Column sizes a caller must respect (they are checked before any write): tenant names up to
+# TENANT_NAME_MAX (services/common/priority.py, where the routers check x-tenant by it too).

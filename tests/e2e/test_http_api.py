@@ -156,6 +156,12 @@ def test_a_bad_header_and_a_max_tokens_over_the_context_name_what_is_wrong(clust
     assert status == 400 and json.loads(answer)["error"]["param"] == "max_tokens"
     status, _, answer = raw(cluster, "POST", "/v1/completions", body, {"X-Priority": "urgent"})
     assert status == 400 and json.loads(answer)["error"]["param"] == "x-priority"
+    # A tenant name the ledger could not store (its column holds 64 characters) never reaches it.
+    fits = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 2}).encode()
+    status, _, answer = raw(cluster, "POST", "/v1/completions", fits, {"X-Tenant": "t" * 65})
+    assert status == 400 and json.loads(answer)["error"]["param"] == "x-tenant"
+    status, _, _ = raw(cluster, "POST", "/v1/completions", fits, {"X-Tenant": "t" * 64})
+    assert status == 200
 
 
 def test_an_unknown_model_is_a_404(client):

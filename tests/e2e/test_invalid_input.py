@@ -54,6 +54,7 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
     (ask(max_tokens=10_000), [("x-context-mode", "dense")], "sampling.max_tokens=10000 exceeds the model's context window"),
     (ask(max_tokens=10_000), [], "sampling.max_tokens=10000 does not fit"),
     (ask(max_tokens=4), [("x-context-mode", "sliding")], "x-context-mode 'sliding'"),
+    (ask(max_tokens=4), [("x-tenant", "t" * 65)], "x-tenant is 65 characters long"),
     (ask(max_tokens=8180), [], "sampling.max_tokens=8180 does not fit"),
     (ask(temperature=-0.5), [], "sampling.temperature"),
     (ask(top_p=0.0), [], "sampling.top_p"),
