@@ -40,7 +40,7 @@ test: model $(NPU_WHEEL_STAMP)
 # fp32), again with every such worker in DTYPE (fp32 or bf16): serving, preemption, admission and
 # refusals. Failover, hang, partition and migration tests pin each dtype themselves in `make test`.
 DTYPE_TESTS := tests/e2e/test_serving.py tests/e2e/test_qos.py tests/e2e/test_invalid_input.py \
-	tests/e2e/test_http_api.py tests/e2e/test_worker_failure.py
+	tests/e2e/test_worker_failure.py
 test-dtype: model
 	@test -n "$(DTYPE)" || { echo "usage: make test-dtype DTYPE=fp32|bf16"; exit 2; }
 	QOS_TEST_DTYPE=$(DTYPE) $(PY) -m pytest -q $(DTYPE_TESTS)
