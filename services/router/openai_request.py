@@ -273,4 +273,4 @@ def _options(body: dict, request: OpenAIRequest) -> None:
     # request (inside its tenant, by default): both given, both must match.
     salts = [check_cache_salt(_text(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
              if body.get(name) is not None]
-    request.body.cache_salt = "\x1f".join(salts) if len(salts) > 1 else "".join(salts)
+    request.body.cache_salt = "\x1f".join(salts)

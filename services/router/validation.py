@@ -43,7 +43,8 @@ class RequestHead:
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
     """gRPC metadata (or HTTP headers, lower-cased) -> RequestHead."""
-    return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority), _header(metadata, TENANT_HEADER, parse_tenant),
+    return RequestHead(_header(metadata, PRIORITY_HEADER, parse_priority),
+                       _header(metadata, TENANT_HEADER, parse_tenant),
                        _header(metadata, SLO_HEADER, parse_slo_ms), metadata.get(LORA_HEADER) or None,
                        stream_interval=_header(metadata, STREAM_INTERVAL_HEADER, parse_stream_interval),
                        context_mode=_header(metadata, CONTEXT_MODE_HEADER, parse_context_mode))
@@ -104,7 +105,8 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
         raise invalid("messages are all empty", "messages")
     check_sampling(raw.sampling, max_context)
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
-                                      model=model, cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))
+                                      model=model,
+                                      cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))
 
 
 MAX_CACHE_SALT = 256
