@@ -57,8 +57,10 @@ class IncrementalDetokenizer:
     # Cached decode of tokens[_prefix_offset:_read_offset]; None when the window moved.
     _prefix_text: str | None = field(default=None, init=False, repr=False)
     _stops: tuple[str, ...] = field(default=(), init=False, repr=False)
-    # Longest stop string minus one: the most text that can be a stop string's unfinished start.
-    _max_hold_chars: int = field(default=0, init=False, repr=False)
+    # Per stop string: its KMP failure function, and how many of its first characters the text
+    # so far ends with (never all of them: that is a stop).
+    _failures: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False)
+    _matched: list[int] = field(default_factory=list, init=False, repr=False)
     # Decoded text not yet emitted because it could be the start of a stop string.
     _pending: str = field(default="", init=False, repr=False)
     _emitted: list[str] = field(default_factory=list, init=False, repr=False)
@@ -67,7 +69,8 @@ class IncrementalDetokenizer:
     def __post_init__(self, prompt_ids: Sequence[int]) -> None:
         # An empty stop string would match before the first character; ignore it (as vLLM does).
         self._stops = tuple(dict.fromkeys(s for s in (self.stop or ()) if s))
-        self._max_hold_chars = max((len(s) for s in self._stops), default=1) - 1
+        self._failures = tuple(_failure(s) for s in self._stops)
+        self._matched = [0] * len(self._stops)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
         self._tokens = context
         self._prefix_offset = 0
@@ -138,12 +141,8 @@ class IncrementalDetokenizer:
         buf = self._pending + delta
         # Stop at the occurrence that completes first — where generation char by char would
         # have stopped — so the result does not depend on how the text was split into tokens.
-        # Only `buf` needs searching: text that could begin a stop string is never emitted.
-        cut: tuple[int, int] | None = None
-        for s in self._stops:
-            i = buf.find(s)
-            if i >= 0 and (cut is None or (i + len(s), i) < (cut[0] + len(cut[1]), cut[0])):
-                cut = (i, s)
+        # Only `delta` needs reading: each stop string's matcher already went through the rest.
+        cut = self._first_stop(buf, len(self._pending))
         if cut is not None:
             out = buf[:cut[0]]
             self.stop_string = cut[1]
@@ -151,16 +150,43 @@ class IncrementalDetokenizer:
         elif final:
             out, self._pending = buf, ""
         else:
-            hold = self._stop_prefix_len(buf)
+            # Text that could begin a stop string is held back, never emitted.
+            hold = min(max(self._matched), len(buf))
             out, self._pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
         if out:
             self._emitted.append(out)
         return out
 
-    def _stop_prefix_len(self, buf: str) -> int:
-        """Length of the longest end of `buf` that is the beginning of some stop string."""
-        for k in range(min(len(buf), self._max_hold_chars), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
+    def _first_stop(self, buf: str, start: int) -> tuple[int, str] | None:
+        """Feed buf[start:] to every stop string's matcher (Knuth-Morris-Pratt): where the stop
+        string that completes first begins, and which it is; None when none completes. Work is
+        linear in the new text (amortized), whatever the stop strings' lengths."""
+        cut: tuple[int, int, str] | None = None            # (end, -length, stop string)
+        for n, (s, fail) in enumerate(zip(self._stops, self._failures)):
+            k = self._matched[n]
+            for j in range(start, cut[0] if cut else len(buf)):
+                c = buf[j]
+                while k and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+                    if k == len(s):
+                        # Ties on the end go to the longer one: it began first.
+                        if cut is None or (j + 1, -k) < cut[:2]:
+                            cut = (j + 1, -k, s)
+                        k = fail[k - 1]
+                        break
+            self._matched[n] = k
+        return None if cut is None else (cut[0] + cut[1], cut[2])
+
+
+def _failure(s: str) -> tuple[int, ...]:
+    """f[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    f, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return tuple(f)

@@ -116,3 +116,88 @@ def test_stop_strings_match_a_simple_reference(pieces, stops, split_pieces):
     assert detok.stopped == bool(hits)
     assert not any(s in "".join(deltas) + tail for s in stops)
     assert FFFD not in "".join(deltas) + tail
+
+
+class PieceDecoder:
+    """Token i decodes to PIECES[i]: every added token is one delta, so a test picks the splits."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def quadratic_reference(deltas: list[str], stops: list[str]) -> tuple[list[str], str | None]:
+    """The stop check as it was before it went linear (a find per stop string, then every end of
+    the text tried against every stop string's start): what each delta releases, plus flush()."""
+    stops = list(dict.fromkeys(s for s in stops if s))
+    hold_max = max((len(s) for s in stops), default=1) - 1
+    pending, released = "", []
+    for n, delta in enumerate([*deltas, ""]):
+        final = n == len(deltas)
+        buf = pending + delta
+        cut = None
+        for s in stops:
+            i = buf.find(s)
+            if i >= 0 and (cut is None or (i + len(s), i) < (cut[0] + len(cut[1]), cut[0])):
+                cut = (i, s)
+        if cut is not None:
+            return [*released, buf[:cut[0]]], cut[1]
+        if final or not stops:
+            released.append(buf)
+            pending = ""
+            continue
+        hold = next((k for k in range(min(len(buf), hold_max), 0, -1)
+                     if any(s.startswith(buf[-k:]) for s in stops)), 0)
+        released.append(buf[:len(buf) - hold])
+        pending = buf[len(buf) - hold:]
+    return released, None
+
+
+SMALL_PIECES = ["a", "b", "ab", "ba", "aab", "abab", "c", "aaaa"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(st.integers(0, len(SMALL_PIECES) - 1), max_size=40),
+       stops=st.lists(st.text("abc", min_size=0, max_size=7), max_size=4))
+@example(pieces=[5, 5, 0], stops=["ababa", "ba"])
+@example(pieces=[7, 7], stops=["aaaaab", "aaa"])
+def test_stop_check_releases_exactly_what_the_quadratic_one_did(pieces, stops):
+    # Few letters, so stop strings overlap themselves and each other (where matchers go wrong).
+    detok = IncrementalDetokenizer(PieceDecoder(SMALL_PIECES), (), stop=stops)
+    released = [detok.add(i) for i in pieces]
+    if not detok.stopped:
+        released.append(detok.flush())
+    expected, stop_string = quadratic_reference([SMALL_PIECES[i] for i in pieces], stops)
+    assert [r for r in released if r] == [r for r in expected if r]
+    assert detok.stop_string == stop_string
+
+
+class CountingStop(str):
+    """A stop string that counts the characters read from it: s[k] reads one, startswith(t)
+    reads len(t) (what the slice that made t copied)."""
+    reads = 0
+
+    def __getitem__(self, index):
+        CountingStop.reads += 1
+        return str.__getitem__(self, index)
+
+    def startswith(self, prefix, *args):
+        CountingStop.reads += len(prefix)
+        return str.startswith(self, prefix, *args)
+
+
+def test_a_1024_character_stop_string_costs_work_linear_in_the_text():
+    # The longest stop string the fronts take, against text that matches all of it but the last
+    # character again and again, one character per token: the held text is ~1,000 characters.
+    stop = CountingStop("a" * 1023 + "b")
+    text = ("a" * 1023 + "c") * 4 + "a" * 1023 + "b" + "after"
+    letters = sorted(set(text))
+    CountingStop.reads = 0
+    detok = IncrementalDetokenizer(PieceDecoder(letters), (), stop=[stop])
+    for ch in text:
+        detok.add(letters.index(ch))
+    assert detok.stopped and detok.text == ("a" * 1023 + "c") * 4
+    # Linear: a few reads per character of text and of the stop string (quadratic: ~2.6 million).
+    assert CountingStop.reads < 4 * (len(text) + len(stop))
