@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.router.validation import check_cache_salt
+from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
 # service_tier as OpenAI names its tiers -> our classes, and back for the response.
@@ -23,7 +23,6 @@ TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 MAX_INT32 = 2**31 - 1
-MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (chat: ours, 256)
 
@@ -228,8 +227,11 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
             raise invalid(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
-        s.stop.extend(_text(v, f"stop[{i}]" if isinstance(stop, list) else "stop", allow_empty=False)
-                      for i, v in enumerate(stops))
+        for i, v in enumerate(stops):
+            field = f"stop[{i}]" if isinstance(stop, list) else "stop"
+            if len(_text(v, field, allow_empty=False)) > MAX_STOP_CHARS:
+                raise invalid(f"{field} is {len(v)} characters long, at most {MAX_STOP_CHARS} are allowed", field)
+            s.stop.append(v)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:

@@ -19,6 +19,9 @@ from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+# The scheduler holds back up to this much text per request while it could begin a stop string.
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -80,9 +83,15 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
         raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}", "sampling.top_p")
     if s.HasField("top_k") and s.top_k < 0:
         raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}", "sampling.top_k")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop has {len(s.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
+                      "sampling.stop")
     for i, stop in enumerate(s.stop):
         if not stop:
             raise invalid(f"sampling.stop[{i}] is empty", f"sampling.stop[{i}]")
+        if len(stop) > MAX_STOP_CHARS:
+            raise invalid(f"sampling.stop[{i}] is {len(stop)} characters long, at most {MAX_STOP_CHARS} "
+                          "are allowed", f"sampling.stop[{i}]")
 
 
 def decode_request(raw: router_pb2.GenerateRequestBytes,

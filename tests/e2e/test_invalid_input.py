@@ -60,6 +60,8 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
     (ask(top_p=0.0), [], "sampling.top_p"),
     (ask(top_p=1.5), [], "sampling.top_p"),
     (ask(top_k=-1), [], "sampling.top_k"),
+    (ask(stop=["END", "x" * 1025]), [], "sampling.stop[1] is 1025 characters long, at most 1024"),
+    (ask(stop=["s"] * 17), [], "sampling.stop has 17 strings, at most 16"),
 ])
 def test_invalid_argument_names_the_field(cluster, request_, metadata, field):
     code, details = run(call(cluster.router_address, request_, metadata))

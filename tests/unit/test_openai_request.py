@@ -89,12 +89,22 @@ def test_service_tiers(tier, priority):
      "unknown field"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}', "stop[1]",
      "must not be empty"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "' + b"x" * 1025 + b'"}',
+     "stop", "1025 characters long, at most 1024"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "' + b"\xc3\xa9" * 1025
+     + b'"]}', "stop[1]", "1025 characters long, at most 1024"),
     (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 18446744073709551616}',
      "seed", "must be in 0..18446744073709551615"),
 ])
 def test_refusals_name_the_parameter(raw, field, words):
     error = refused(CHAT, raw)
     assert error.field == field and words in error.message
+
+
+def test_a_stop_string_of_1024_characters_is_taken():
+    r = parse_openai(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["'
+                     + "é".encode() * 1024 + b'"]}')
+    assert list(r.body.sampling.stop) == ["é" * 1024]
 
 
 def test_a_prompt_of_token_ids_is_refused_by_name():
