@@ -65,7 +65,13 @@ def bearer(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not key.strip():
         raise ServiceError(ErrorKind.UNAUTHENTICATED, "authorization must be 'Bearer <API key>'",
                            field="authorization", reason="bad_credentials")
-    return key.strip()
+    key = key.strip()
+    if not (key.isascii() and key.isprintable()):     # no key of ours (hmac.compare_digest raises)
+        odd = next(i for i, c in enumerate(key) if not (c.isascii() and c.isprintable()))
+        raise ServiceError(ErrorKind.UNAUTHENTICATED, f"the API key has a character that is not printable "
+                           f"ASCII at offset {odd}: keys are 'qsk_' and URL-safe characters",
+                           field="authorization", reason="bad_credentials")
+    return key
 
 
 class TenantBook:
@@ -155,7 +161,7 @@ class TenantBook:
             if self.required:
                 raise
             key = None
-        if key is not None and self.admin_key and hmac.compare_digest(key, self.admin_key):
+        if key is not None and self.admin_key and hmac.compare_digest(key.encode(), self.admin_key.encode()):
             return Caller(Tenant(ADMIN), admin=True)
         found = self.keys.get(hash_key(key)) if key is not None else None
         if found is not None:

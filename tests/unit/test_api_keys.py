@@ -1,0 +1,38 @@
+"""API keys at the router's gate (services/control/tenancy.py): what is not a key of ours is
+refused as such, never an internal error."""
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import ErrorKind, ServiceError
+from services.control.tenancy import ANONYMOUS, TenantBook
+from services.store.store import Store
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(f"sqlite:///{tmp_path / 'keys.db'}")
+    yield store
+    store.close()
+
+
+@pytest.mark.parametrize("key, offset", [("qsk_clé", 6), ("qsk_日本", 4), ("qsk_a\x01b", 5), ("q\u00a0sk", 1)])
+def test_a_key_that_is_not_printable_ascii_is_unauthenticated(store, key, offset):
+    # hmac.compare_digest raises TypeError on a non-ASCII str: this was a 500 with an admin key set.
+    book = TenantBook(store, required=True, admin_key="admin-secret")
+    with pytest.raises(ServiceError) as caught:
+        book.authenticate(f"Bearer {key}")
+    error = caught.value
+    assert (error.kind, error.field) == (ErrorKind.UNAUTHENTICATED, "authorization")
+    assert f"not printable ASCII at offset {offset}" in error.message
+
+
+def test_with_auth_off_such_a_key_is_no_key(store):
+    book = TenantBook(store, required=False, admin_key="admin-secret")
+    assert book.authenticate("Bearer qsk_clé", "acme").name == "acme"
+    assert book.authenticate("Bearer qsk_clé").name == ANONYMOUS
+
+
+def test_the_admin_key_still_opens(store):
+    book = TenantBook(store, required=True, admin_key="admin-secret")
+    assert book.authenticate("Bearer admin-secret").admin
