@@ -53,6 +53,7 @@ class StepPlanner:
         self.max_step_tokens = max_step_tokens
         self.running: dict[int, list[Request]] = {}
         self.to_release: dict[int, list[int]] = {}     # seq ids the worker must drop next step
+        self.held_adapters: set[str] = set()  # LoRA adapters being (re)loaded: none admitted (pool_adapters.py)
         self.passed = PassedBlocks()    # streaming sequences' blocks no later token reads
         self.stream_chunk = 1 << 30     # the largest prompt chunk of a streaming sequence (config)
         self.served_tokens: Counter = Counter()       # prefill + decode, per priority
@@ -283,7 +284,7 @@ class StepPlanner:
     def _lora_fits(self, worker: Worker, lora: str) -> bool:
         """The worker holds the adapter (else another worker of the pool takes the request), and
         one more adapter among its running sequences stays within its max_loras."""
-        if lora not in worker.adapters:
+        if lora not in worker.adapters or lora in self.held_adapters:
             return False
         running = {r.lora for r in self.running[worker.index] if r.lora}
         return lora in running or len(running) < worker.max_loras

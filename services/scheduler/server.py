@@ -28,7 +28,6 @@ from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import HIGH, ORDER, Priority, priority_name
-from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
@@ -42,6 +41,7 @@ from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
 from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
+from services.scheduler.pool_adapters import PoolAdapters
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Request, resume
 from services.scheduler.autoscale import ScaleAdvisor
@@ -103,8 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.tokenizer_threads = TokenizerThreads()        # one per class (tokenizer_threads.py)
         self.admissions = PriorityIntake(self.admit, by_priority, express_rank=HIGH)
         self.tasks: list[asyncio.Task] = []
-        # Adapters loaded at run time (name -> path): also loaded on workers that join later.
-        self.runtime_adapters: dict[str, str] = {}
+        self.pool_adapters = PoolAdapters(pool_name, self.batcher)
 
     async def start(self) -> None:
         c = self.config
@@ -119,7 +118,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         run-time adapters onto workers that joined without them."""
         while True:
             await asyncio.sleep(1.0)
-            await self._sync_adapters()
+            await self.pool_adapters.sync()
             before = self.advisor.desired
             desired = self.advisor.update(scale_signals(self.batcher, self.config.max_running), time.time())
             if desired != before:
@@ -167,8 +166,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return request
 
     def adapters(self) -> frozenset[str]:
-        """LoRA adapters some connected worker of the pool holds."""
-        return frozenset().union(*(l.adapters for l in self.batcher.links if l.is_connected))
+        return self.pool_adapters.held()
 
     def _limits(self):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
@@ -279,74 +277,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.drain.check()
         return scheduler_pb2.RegisterReply(pool=self.pool_name, known=self.membership.register(address))
 
-    # --- LoRA adapters at run time ----------------------------------------------------------------
-
-    def _adapters_reply(self, missing: list[str] = ()) -> scheduler_pb2.AdaptersReply:
-        infos = {a.name: a for l in self.batcher.links if l.is_connected and l.info
-                 for a in l.info.adapters if a.name in l.adapters}
-        for link in self.batcher.links:           # loaded since the link's Info: not in it
-            for name in link.adapters - set(infos):
-                infos[name] = worker_pb2.AdapterInfo(name=name, path=self.runtime_adapters.get(name, ""))
-        return scheduler_pb2.AdaptersReply(pool=self.pool_name, adapters=sorted(infos.values(), key=lambda a: a.name),
-                                           missing_on=list(missing))
+    # --- LoRA adapters at run time (pool_adapters.py) ----------------------------------------------
 
     async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> scheduler_pb2.AdaptersReply:
-        """Load on every connected worker; refused (INVALID_ARGUMENT, the worker's reason) when
-        none could; workers that join later get it too."""
-        links = [l for l in self.batcher.links if l.is_connected]
-        if not links:
-            raise ServiceError(ErrorKind.UNAVAILABLE, f"pool {self.pool_name} has no worker to load "
-                               "the adapter on", retry_after_ms=1000, reason="no_worker")
-        if self.batcher.prefix_cache is not None:     # maybe new weights under the name: new block names
-            self.batcher.prefix_cache.adapter_loaded(request.name)
-        results = await asyncio.gather(*(l.load_adapter(request.name, request.path) for l in links),
-                                       return_exceptions=True)
-        failed = [(l, r) for l, r in zip(links, results) if isinstance(r, BaseException)]
-        for reply in results:
-            if not isinstance(reply, BaseException):
-                for name in reply.dropped:        # the pool forgets what its workers dropped (LRU)
-                    self.runtime_adapters.pop(name, None)
-        if len(failed) == len(links):
-            error = failed[0][1]
-            if isinstance(error, grpc.aio.AioRpcError):
-                raise error_from_rpc(error, f"worker {failed[0][0].address}")
-            raise error
-        self.runtime_adapters[request.name] = request.path
-        return self._adapters_reply([f"{l.address}: {getattr(r, 'details', lambda: str(r))()}" for l, r in failed])
+        return await self.pool_adapters.load(request.name, request.path)
 
     async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context) -> scheduler_pb2.AdaptersReply:
-        holding = [l for l in self.batcher.links if l.is_connected and request.name in l.adapters]
-        if not holding:
-            raise ServiceError(ErrorKind.NOT_FOUND, f"LoRA adapter {request.name!r} is not loaded in pool "
-                               f"{self.pool_name}", field="name")
-        running = sum(1 for seqs in self.batcher.running.values() for r in seqs if r.lora == request.name)
-        if running:
-            raise ServiceError(ErrorKind.CONFLICT, f"LoRA adapter {request.name!r} is used by {running} running "
-                               "sequence(s) in this pool; unload it once they finish", field="name",
-                               reason="adapter_in_use")
-        for link in holding:
-            try:
-                await link.unload_adapter(request.name)
-            except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc, f"worker {link.address}") from None
-        self.runtime_adapters.pop(request.name, None)
-        dropped = self.batcher.fail_waiting(lambda r: r.lora == request.name, ServiceError(
-            ErrorKind.UNSUPPORTED, f"LoRA adapter {request.name!r} was unloaded from pool {self.pool_name} "
-            "while the request waited", field="x-lora", reason="unknown_adapter"))
-        if dropped:
-            log.warning("adapter %s unloaded: %d queued request(s) naming it refused", request.name, dropped)
-        return self._adapters_reply()
-
-    async def _sync_adapters(self) -> None:
-        for link in [l for l in self.batcher.links if l.is_connected]:
-            for name, path in list(self.runtime_adapters.items()):
-                if name not in link.adapters and name in self.runtime_adapters:
-                    try:
-                        reply = await link.load_adapter(name, path)
-                        for dropped in reply.dropped:
-                            self.runtime_adapters.pop(dropped, None)
-                    except grpc.aio.AioRpcError as exc:
-                        log.warning("worker %s could not load adapter %s: %s", link.address, name, exc.details())
+        return await self.pool_adapters.unload(request.name)
 
     async def WatchPoolStats(self, request, context):
         interval = (request.interval_ms or 1000) / 1000

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
 
 from services.common.cluster_auth import ClusterTrust, no_trust
 from services.common.drain import DEFAULT_DRAIN_SECONDS, Drain
-from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.errors import ErrorKind, ServiceError
 from services.common.grpc_server import CHANNEL_OPTIONS, WORKER_SERVER_OPTIONS, run_server
 from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
@@ -31,7 +32,7 @@ from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, work
 from services.common.wire import answer_tokens
 from services.common.step import StepBatch
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
-from services.engine.lora import AdapterError
+from services.worker.adapters import WorkerAdapters, adapter_info
 from services.worker.cut_ins import CutIns
 from services.worker.sequences import PlanError, SequenceTable
 
@@ -59,11 +60,12 @@ class BusyTracker:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, drain: Drain):
+    def __init__(self, engine: Engine, drain: Drain, adapter_dirs: Sequence[str] = ()):
         self.engine = engine
         self.drain = drain
         self.table = SequenceTable(engine.kv_spec.block_size)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.adapters = WorkerAdapters(engine, self.table, self.executor, adapter_dirs)
         self.cut_ins = CutIns(engine.kv_spec.block_size)
         self.busy = BusyTracker()
         self.stream_open = False
@@ -113,39 +115,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.DrainReply(active_sequences=len(self.table))
 
     async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> worker_pb2.LoadAdapterReply:
-        """Read and check on a helper thread (steps go on meanwhile), then put it on the device
-        on the engine's thread, between two steps."""
-        name, path = request.name.strip(), request.path.strip()
-        if not name or not path:
-            raise invalid("an adapter needs a name and a path (a PEFT adapter folder)",
-                          field="name" if not name else "path")
-        try:
-            adapter = await asyncio.to_thread(self.engine.read_adapter, name, Path(path).expanduser())
-        except AdapterError as exc:
-            raise invalid(str(exc), field="path") from None
-        def add() -> list[str]:          # on the engine's thread, between two steps
-            in_use = {seq.lora for seq in self.table.sequences.values() if seq.lora}
-            return self.engine.add_adapter(adapter, in_use)
-        try:
-            dropped = await asyncio.get_running_loop().run_in_executor(self.executor, add)
-        except AdapterError as exc:
-            raise ServiceError(ErrorKind.EXHAUSTED, str(exc), field="name", retry_after_ms=5000,
-                               reason="max_cpu_loras") from None
-        log.info("LoRA adapter %s loaded from %s (rank %d, %s)%s", name, path, adapter.rank,
-                 ", ".join(adapter.targets), f"; dropped idle {', '.join(dropped)}" if dropped else "")
-        return worker_pb2.LoadAdapterReply(adapter=adapter_info(adapter), dropped=dropped)
+        return await self.adapters.load(request)
 
     async def UnloadAdapter(self, request: worker_pb2.UnloadAdapterRequest, context) -> worker_pb2.UnloadAdapterReply:
-        name = request.name
-        if name not in self.engine.adapters:
-            raise ServiceError(ErrorKind.NOT_FOUND, f"LoRA adapter {name!r} is not loaded", field="name")
-        users = sum(1 for seq in list(self.table.sequences.values()) if seq.lora == name)
-        if users:
-            raise ServiceError(ErrorKind.CONFLICT, f"LoRA adapter {name!r} is used by {users} sequence(s) "
-                               "on this worker; unload it once they finish", field="name", reason="adapter_in_use")
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.engine.remove_adapter, name)
-        log.info("LoRA adapter %s unloaded", name)
-        return worker_pb2.UnloadAdapterReply()
+        return await self.adapters.unload(request)
 
     async def Execute(self, request_iterator, context):
         """Plans in, answers out, in order, except cut-ins (StepPlan.cut_in): those that arrive while
@@ -312,11 +285,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return stats
 
 
-def adapter_info(adapter) -> worker_pb2.AdapterInfo:
-    return worker_pb2.AdapterInfo(name=adapter.name, path=adapter.path, rank=adapter.rank,
-                                  target_modules=adapter.targets)
-
-
 def build_engine_config(model_dir: str, worker) -> EngineConfig:
     kv_bytes, kv_fraction = worker.kv_budget()
     return EngineConfig(model_dir=model_dir, device=worker.device, dtype=worker.dtype,
@@ -349,12 +317,13 @@ async def join_pool(scheduler: str, advertised: str, drain: Drain, trust: Cluste
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
                        metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS,
                        join: str | None = None, advertise: str | None = None,
-                       trust: ClusterTrust | None = None) -> None:
+                       trust: ClusterTrust | None = None, adapter_dirs: Sequence[str] = ()) -> None:
     """Serve the engine on `address`; with `join`, register with that scheduler as `advertise`
     (default: `address`). `trust`: the cluster token and certificates callers must show, and
-    that joining shows (services/common/cluster_auth.py)."""
+    that joining shows (services/common/cluster_auth.py). `adapter_dirs`: the folders adapters
+    may be loaded from at run time (services/worker/adapters.py)."""
     trust = trust or no_trust("worker")
-    service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds))
+    service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds), adapter_dirs)
     serve_metrics(service.registry, metrics_host, metrics_port, "worker")
     tasks: list[asyncio.Task] = []
 
