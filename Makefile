@@ -71,11 +71,11 @@ compose-config: venv
 	@compose=$$($(PY) -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("compose").origin).parent / "docker-compose")') && \
 	for profile in "" gpu npu; do \
 		echo "docker-compose.yml, profile $${profile:-default}"; \
-		QOS_CLUSTER_TOKEN=$${QOS_CLUSTER_TOKEN:-check-only} "$$compose" -f docker-compose.yml --project-directory . \
+		QOS_ROUTER_TOKEN=check QOS_SCHEDULER_TOKEN=check QOS_WORKER_TOKEN=check QOS_CLUSTER_ROLES=check QOS_ADMIN_KEY=check "$$compose" -f docker-compose.yml --project-directory . \
 			$${profile:+--profile $$profile} config --quiet || exit 1; \
 	done; \
 	echo "docker-compose.yml + docker-compose.host.yml"; \
-	QOS_CLUSTER_TOKEN=$${QOS_CLUSTER_TOKEN:-check-only} "$$compose" -f docker-compose.yml -f docker-compose.host.yml \
+	QOS_ROUTER_TOKEN=check QOS_SCHEDULER_TOKEN=check QOS_WORKER_TOKEN=check QOS_CLUSTER_ROLES=check QOS_ADMIN_KEY=check "$$compose" -f docker-compose.yml -f docker-compose.host.yml \
 		--project-directory . config --quiet
 
 # The compose cluster for real (tests/compose/test_compose_cluster.py): dockerd started when none

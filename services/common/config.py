@@ -305,11 +305,13 @@ class AuthConfig:
 
 @dataclass(slots=True)
 class SecurityConfig:
-    token_file: str = setting("", "a file holding the cluster token every call to a scheduler or worker must "
-                              "carry (also $QOS_CLUSTER_TOKEN; `qos-serve up` makes one when neither is set)",
-                              note="a file")
+    tokens_dir: str = setting("", "a token per role on the internal hops: a folder with this role's ROLE.token, "
+                              "which every call it makes to a scheduler or worker carries, and `roles`, each "
+                              "role's token digest, by which it knows its callers (also $QOS_CLUSTER_TOKEN and "
+                              "$QOS_CLUSTER_ROLES; `qos-serve tokens init DIR` makes one, `qos-serve up` makes "
+                              "one when none is set)", note="a folder")
     certs_dir: str = setting("", "mutual TLS on the internal hops: a folder with ca.pem and each role's "
-                             "ROLE.pem and ROLE.key (`qos-serve certs init DIR` makes one)", note="a folder")
+                             "ROLE.pem and ROLE.key, each certificate naming its role (`qos-serve certs init DIR` makes one)", note="a folder")
 
 
 @dataclass(slots=True)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from services.common.cluster_auth import ClusterTokenInterceptor, ClusterTrust
+from services.common.cluster_auth import ClusterTrust
+from services.common.cluster_roles import RoleInterceptor
 from services.common.drain import Drain
 from services.common.gc_pauses import freeze_startup_heap
 from services.common.grpc_errors import ServiceErrorInterceptor
@@ -83,7 +84,8 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
                      drain: Drain, on_started: Callable[[int], Awaitable[None]] | None = None,
                      on_stopping: Callable[[], Awaitable[None]] | None = None,
                      ready: asyncio.Event | None = None, options=SERVER_OPTIONS,
-                     tls: tuple[str, str] | None = None, trust: ClusterTrust | None = None) -> None:
+                     tls: tuple[str, str] | None = None, trust: ClusterTrust | None = None,
+                     gates: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
     """Serve until SIGTERM/SIGINT (or drain.request()), then drain (services/common/drain.py) and stop.
 
     `register` adds the servicers and returns their full service names, which the standard
@@ -91,11 +93,16 @@ async def run_server(name: str, address: str, register: Callable[[grpc.aio.Serve
     NOT_SERVING from the moment the drain begins. Handlers raise ServiceError; the interceptor
     turns it into the status. `on_stopping` runs after the drain, before the server stops: the
     service's own loops and channels are needed until the last request in flight is done.
-    `trust` (schedulers and workers): the cluster token required of every call but health checks,
-    and mutual TLS with the cluster's certificates (services/common/cluster_auth.py)."""
-    interceptors = [ServiceErrorInterceptor()]
-    if trust is not None and trust.token:
-        interceptors.insert(0, ClusterTokenInterceptor(trust.token))
+    `gates`: interceptors that see every call before its handler, and before its request message
+    is read (the router's CallerGate).
+    `trust` (schedulers and workers): every call but health checks from a role the method is for,
+    proven by its token and/or certificate (services/common/cluster_roles.py), over mutual TLS
+    where the cluster has certificates; with neither, on loopback only (cluster_auth.py)."""
+    interceptors = [*gates, ServiceErrorInterceptor()]
+    if trust is not None:
+        trust.refuse_open(name, address)
+        if trust.guarded:
+            interceptors.insert(0, RoleInterceptor(trust))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     services = register(server)
     health = health_aio.HealthServicer()

@@ -13,7 +13,6 @@ import ctypes
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 
-from services.common.cluster_auth import TOKEN_ENV, ClusterTrust
+from services.common.cluster_auth import TOKEN_ENV, ClusterTrust, make_tokens, write_tokens
 from services.common.config import ClusterConfig
 from services.common.grpc_server import wait_healthy
 from services.common.ports import free_port
@@ -130,8 +129,8 @@ class LocalCluster:
         self.replicas = router_replicas(self.config)      # routers beyond the first
         self._tmp = tempfile.TemporaryDirectory(prefix="qos-serve-")
         self.config_path = Path(self._tmp.name) / "cluster.json"
-        if not self.config.security.token_file and not os.environ.get(TOKEN_ENV):
-            self.config.security.token_file = str(self._make_token())
+        if not self.config.security.tokens_dir and not os.environ.get(TOKEN_ENV):
+            self.config.security.tokens_dir = str(self._make_tokens())
         self.trust = ClusterTrust.load(self.config.security, "admin")   # our own calls: the stats, the autoscaler
         self.config.write_json(self.config_path)
         self.log_dir = log_dir or Path(self._tmp.name)
@@ -147,11 +146,12 @@ class LocalCluster:
         self._supervising = threading.Event()
         self._supervisor_thread: threading.Thread | None = None
 
-    def _make_token(self) -> Path:
-        """No token configured: one for this cluster alone, readable only by us (and our children)."""
-        path = Path(self._tmp.name) / "cluster.token"
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_urlsafe(32))
+    def _make_tokens(self) -> Path:
+        """No tokens configured: one per role for this cluster alone, readable only by us (and our
+        children). Each process reads its own role's (they all run as one user on one machine
+        here: the roles are told apart, not hidden from each other)."""
+        path = Path(self._tmp.name) / "tokens"
+        write_tokens(path, make_tokens())
         return path
 
     @property

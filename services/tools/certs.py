@@ -1,6 +1,8 @@
 """`qos-serve certs init DIR`: a development CA and a certificate for each role of the cluster.
 
-Writes DIR/ca.pem and DIR/ca.key (the cluster CA), and for each role (router, scheduler, worker,
+Writes DIR/ca.pem (the cluster CA's certificate), DIR-ca/ca.key (its private key, apart: DIR is
+what services mount, and whoever reads the CA's key can issue any role's certificate; services
+refuse to start with ca.key in their folder), and for each role (router, scheduler, worker,
 admin) DIR/ROLE.pem and DIR/ROLE.key: an EC P-256 key and a certificate signed by the CA, named
 qos-ROLE (the name clients check, services/common/cluster_auth.py) and also valid for localhost,
 127.0.0.1 and every --host given, usable both as a server and as a client. Private keys are
@@ -18,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.cluster_auth import ROLES, role_name
+from services.common.cluster_auth import CA_KEY, ROLES, role_name
 
 DEFAULT_DAYS = 365
 
@@ -72,23 +74,41 @@ def issue(ca_key, ca_cert: x509.Certificate, role: str, not_before: datetime.dat
     return key, cert
 
 
+def cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
 def write_pair(directory: Path, stem: str, key, cert: x509.Certificate) -> None:
     _write_key(directory / f"{stem}.key", key)
-    (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (directory / f"{stem}.pem").write_bytes(cert_pem(cert))
+
+
+def ca_key_dir(directory: Path) -> Path:
+    """Where `init` keeps the CA's private key: a folder beside DIR, never inside it."""
+    directory = directory.expanduser().absolute()
+    return directory.with_name(directory.name + "-ca")
 
 
 def init(directory: Path, days: int = DEFAULT_DAYS, hosts: tuple[str, ...] = (), force: bool = False,
-         roles: tuple[str, ...] = ROLES) -> list[Path]:
-    """The CA and every role's files in `directory`; the files written. Refuses to replace an
-    existing CA without `force`: certificates issued by it would stop being trusted."""
+         roles: tuple[str, ...] = ROLES, ca_dir: Path | None = None) -> list[Path]:
+    """The CA and every role's files in `directory`, the CA's key in `ca_dir` (default DIR-ca);
+    the files written. Refuses to replace an existing CA without `force`: certificates issued by
+    it would stop being trusted."""
+    ca_dir = ca_dir or ca_key_dir(directory)
+    if ca_dir.expanduser().absolute() == directory.expanduser().absolute():
+        raise ValueError(f"the CA's key goes apart from {directory}, which services mount: choose another --ca-dir")
+    for existing in (ca_dir / CA_KEY, directory / CA_KEY, directory / "ca.pem"):
+        if existing.exists() and not force:
+            raise FileExistsError(f"{existing} exists; --force replaces the CA and every certificate")
     directory.mkdir(parents=True, exist_ok=True)
-    if (directory / "ca.key").exists() and not force:
-        raise FileExistsError(f"{directory / 'ca.key'} exists; --force replaces the CA and every certificate")
+    ca_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
     ca_key, ca_cert = make_ca(start, end)
-    write_pair(directory, "ca", ca_key, ca_cert)
+    _write_key(ca_dir / CA_KEY, ca_key)
+    (directory / CA_KEY).unlink(missing_ok=True)          # one left by an older init
+    (directory / "ca.pem").write_bytes(cert_pem(ca_cert))
     for role in roles:
         key, cert = issue(ca_key, ca_cert, role, start, end, hosts)
         write_pair(directory, role, key, cert)
-    return sorted(directory.iterdir())
+    return [*sorted(directory.iterdir()), ca_dir / CA_KEY]

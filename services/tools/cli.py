@@ -7,6 +7,7 @@
     qos-serve stats [--watch]                    the cluster per priority
     qos-serve drain worker HOST:PORT [--wait]    a worker finishes what it holds and leaves
     qos-serve tenants|keys|billing ...           tenants, API keys, the bill (services/tools/admin_cli.py)
+    qos-serve certs|tokens init DIR              the cluster's credentials (services/tools/trust_cli.py)
     qos-serve router|scheduler|worker --config FILE [--index N]   one service
     qos-serve worker ... --join SCHEDULER [--port N] [--advertise HOST:PORT]   join a pool at run time
 """
@@ -54,19 +55,6 @@ def cluster_trust(config, role: str):
     return ClusterTrust.load(config.security, role)
 
 
-def cmd_certs_init(args) -> int:
-    from services.tools.certs import init
-    if args.days < 1:
-        raise ConfigError(f"--days must be at least 1, got {args.days}")
-    try:
-        written = init(Path(args.dir), args.days, tuple(args.host), args.force)
-    except FileExistsError as exc:
-        raise ConfigError(str(exc)) from exc
-    print(f"wrote {len(written)} files in {args.dir}: {', '.join(p.name for p in written)}; valid for "
-          f"{args.days} days. Point [security] certs_dir at it.")
-    return 0
-
-
 def cmd_up(args) -> int:
     from services.local.cluster import LocalCluster, run_until_signal
     config = load_config(args.config)
@@ -106,9 +94,10 @@ def cmd_worker(args) -> int:
             engine.load_adapter(adapter.name, Path(adapter.path).expanduser())
         except AdapterError as exc:
             raise ConfigError(f"pool {pool.name}: adapter {adapter.name}: {exc}") from exc
+    adapter_dirs = [a.path for a in pool.adapters] if worker.adapter_dirs is None else worker.adapter_dirs
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
                              worker.drain_seconds, join=args.join, advertise=advertised,
-                             trust=trust))
+                             trust=trust, adapter_dirs=adapter_dirs))
     return 0
 
 
@@ -309,16 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_drain)
 
-    p = sub.add_parser("certs", help="certificates for mutual TLS inside the cluster")
-    certs = p.add_subparsers(dest="certs_command", required=True)
-    p = certs.add_parser("init", help="a development CA and a certificate for each role in DIR")
-    p.add_argument("dir", metavar="DIR")
-    p.add_argument("--days", type=int, default=365, help="validity (default 365)")
-    p.add_argument("--host", action="append", default=[], metavar="NAME",
-                   help="another DNS name or IP address every certificate is valid for (repeatable)")
-    p.add_argument("--force", action="store_true", help="replace an existing CA")
-    p.add_argument("--log-level", default="WARNING", help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_certs_init)
+    from services.tools.trust_cli import add_parsers as add_trust_parsers
+    add_trust_parsers(sub)
 
     p = sub.add_parser("demo", help="a local cluster serving a mixed-priority burst, with a report")
     _config_args(p)

