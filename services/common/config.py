@@ -18,18 +18,20 @@
 A port of 0 means "pick a free one" (`qos-serve up` resolves them before starting anything).
 Services bind to loopback unless a host is given.
 
-Every key is a dataclass field made with `setting()`: its default, one line of meaning, and the
-values it takes (choices, bounds, one per class). That is the one source: config_file.py checks a
-file against it and docs/configuration.md is generated from it (services/common/config_doc.py).
+Every key is a dataclass field made with `setting()` (settings.py): its default, one line of
+meaning, and the values it takes (choices, bounds, one per class). That is the one source:
+config_file.py checks a file against it and docs/configuration.md is generated from it
+(services/common/config_doc.py).
 """
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.common.drain import DEFAULT_DRAIN_SECONDS
+from services.common.settings import (NON_NEGATIVE, PORT, PORT_OR_OFF, POSITIVE, SHARE, Bounds,  # noqa: F401
+                                      ConfigError, setting)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_CPU_KV_MB = 256
@@ -42,55 +44,6 @@ LONG_PROMPTS = ("refuse", "stream")                 # SchedulerConfig.long_promp
 DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
 DEVICES = ("cuda", "npu", "cpu")
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """The numbers a key takes: low..high, low excluded when `open_low`."""
-    low: float = -math.inf
-    high: float = math.inf
-    open_low: bool = False
-    meaning: str = ""                    # what special values mean, e.g. "-1: off"
-
-    def admits(self, value: float) -> bool:
-        return (self.low < value if self.open_low else self.low <= value) and value <= self.high
-
-    def __str__(self) -> str:
-        low, high = _number(self.low), _number(self.high)
-        if self.high == math.inf:
-            text = f"> {low}" if self.open_low else f">= {low}"
-        else:
-            text = f"in ({low}, {high}]" if self.open_low else f"in {low}..{high}"
-        return f"{text} ({self.meaning})" if self.meaning else text
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if math.isfinite(value) and value == int(value) else f"{value:g}"
-
-
-PORT = Bounds(0, 65535, meaning="0: a free port")
-PORT_OR_OFF = Bounds(-1, 65535, meaning="0: a free port, -1: off")
-POSITIVE = Bounds(0, open_low=True)
-NON_NEGATIVE = Bounds(0)
-SHARE = Bounds(0, 1, open_low=True)      # (0, 1]
-
-
-def setting(default=MISSING, doc: str = "", *, factory=None, kind: type | None = None,
-            choices: tuple = (), bounds: Bounds | None = None, per_class: bool = False, note: str = ""):
-    """A config key: its default (or `factory`), one line saying what it does, and what it takes:
-    one of `choices`, a number within `bounds`, or with `per_class` a list of three (High, Medium,
-    Low) each within them. `kind` is the type where the default is None; `note` shows in the docs'
-    values column where the rule is not one of these (a cross-key rule, a format)."""
-    if default is not MISSING and default is not None:
-        kind = kind or type(default)
-    meta = {"doc": doc, "kind": kind, "choices": choices, "bounds": bounds, "per_class": per_class, "note": note}
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-class ConfigError(ValueError):
-    """The configuration file is wrong; the message names the key."""
 
 
 @dataclass(slots=True)
@@ -292,6 +245,14 @@ class PoolConfig:
 class StoreConfig:
     """The tenant and billing database (services/store/)."""
     url: str = setting("", "the database: empty for SQLite in the cache folder, or postgresql://user@host/db")
+    connect_timeout_s: float = setting(5.0, "PostgreSQL: opening a connection gives up after this long",
+                                       bounds=Bounds(2, meaning="libpq's floor"))
+    statement_timeout_s: float = setting(10.0, "PostgreSQL: the server cancels a statement after this long; "
+                                         "the router stops waiting for any answer 1 s later", bounds=POSITIVE)
+    refresh_s: float = setting(5.0, "the router re-reads keys, tenants and spending this often", bounds=POSITIVE)
+    stale_s: float = setting(60.0, "tenants with limits or a budget are refused (UNAVAILABLE / 503) once the "
+                             "router has not read the store for this long; tenants without are served",
+                             bounds=POSITIVE, note="> refresh_s")
 
 
 @dataclass(slots=True)
@@ -319,6 +280,9 @@ class BillingConfig:
     multipliers: list = setting(doc="cost units = tokens x the pool's cost per token x this, per class",
                                 factory=lambda: [3.0, 1.5, 1.0], per_class=True, bounds=NON_NEGATIVE)
     flush_seconds: float = setting(1.0, "ledger rows are written in batches this often", bounds=POSITIVE)
+    max_pending_rows: int = setting(100_000, "ledger rows the router keeps while the store cannot take them; "
+                                    "past this the oldest are dropped (counted in qos_ledger_rows_dropped)",
+                                    bounds=Bounds(1))
     cached_prompt_fraction: float = setting(0.5, "a prompt token served from the prefix cache costs this share "
                                             "of a computed one", bounds=Bounds(0, 1))
 

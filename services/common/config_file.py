@@ -196,6 +196,9 @@ def parse_config(raw: dict) -> ClusterConfig:
     cluster.model = str(cluster.model)
     cluster.router, cluster.pools, cluster.sla, cluster.alerts = router, pools, slas, alerts
     cluster.store = _section(StoreConfig, raw.get("store", {}), "store")
+    if cluster.store.stale_s <= cluster.store.refresh_s:
+        raise ConfigError(f"need store.stale_s > store.refresh_s, got {cluster.store.stale_s} <= "
+                          f"{cluster.store.refresh_s}")
     cluster.auth = _section(AuthConfig, raw.get("auth", {}), "auth")
     cluster.security = _section(SecurityConfig, raw.get("security", {}), "security")
     cluster.billing = _section(BillingConfig, raw.get("billing", {}), "billing")

@@ -147,24 +147,16 @@ class Accounts:
         return {**rows[0], "status": rows[0]["outcome"]}
 
     async def usage(self, caller: Caller, tenant: str | None = None, since: float | None = None) -> dict:
-        """Totals from the ledger by tenant and priority, for the caller's tenant; the admin key
-        may name any tenant, or none for all."""
+        """Totals from the ledger by tenant and priority (summed by the store's database), for the
+        caller's tenant; the admin key may name any tenant, or none for all."""
         if tenant and not caller.admin and tenant != caller.name:
             raise ServiceError(ErrorKind.PERMISSION_DENIED, "a tenant key sees only its own usage",
                                field="tenant", reason="not_your_tenant")
         if not caller.admin:
             tenant = caller.name
-        rows = await asyncio.to_thread(self.book.store.ledger_rows, tenant=tenant or None, since=since)
-        lines: dict[tuple[str, str], dict] = {}
-        for row in rows:
-            line = lines.setdefault((row["tenant"], row["priority"]), {
-                "tenant": row["tenant"], "priority": row["priority"], "requests": 0,
-                "prompt_tokens": 0, "completion_tokens": 0, "amount": 0.0})
-            line["requests"] += 1
-            for key in ("prompt_tokens", "completion_tokens", "amount"):
-                line[key] += row[key]
-        total = {key: sum(line[key] for line in lines.values())
+        lines = await asyncio.to_thread(self.book.store.usage_lines, tenant or None, since)
+        total = {key: sum(line[key] for line in lines)
                  for key in ("requests", "prompt_tokens", "completion_tokens", "amount")}
         in_flight = sum(1 for e in self.in_flight.values() if not tenant or e.tenant == tenant)
-        return {"tenant": tenant or "*", "since": since, "lines": [lines[k] for k in sorted(lines)],
+        return {"tenant": tenant or "*", "since": since, "lines": lines,
                 **total, "in_flight": in_flight}

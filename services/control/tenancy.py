@@ -3,10 +3,11 @@ authentication (API key -> tenant), entitlements and limits (services/control/li
 when it ends, its line in the billing ledger (services/control/ledger.py).
 
 The router never queries the database on the request path: keys, tenants and what each tenant
-has spent are cached here and re-read from the store every REFRESH_S seconds (in a helper thread),
-so `qos-serve tenants|keys` changes apply within that time. With [auth] replicas above 1, the
-replicas also exchange their shares of the limits, and what each tenant spent, every SYNC_S
-(services/control/limit_shares.py).
+has spent are cached here and re-read from the store every [store] refresh_s (in a helper thread),
+so `qos-serve tenants|keys` changes apply within that time. Without the store the cache goes on
+serving; after [store] stale_s tenants with limits or a budget are refused (keep_fresh()). With
+[auth] replicas above 1, the replicas also exchange their shares of the limits, and what each
+tenant spent, every SYNC_S (services/control/limit_shares.py).
 
     [auth] required = false   a request without a known key is the `anonymous` tenant (or the
                               tenant its x-tenant header names), with that tenant's limits if it
@@ -25,7 +26,9 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from services.common.errors import ErrorKind, ServiceError
+from prometheus_client.core import GaugeMetricFamily
+
+from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.priority import priority_name
 from services.control.limit_shares import FORGET_S, KINDS, SYNC_S, SharedLimits, ShareRow
 from services.control.limits import Limiter, Reservation
@@ -34,6 +37,7 @@ from services.store.store import Store, Tenant, hash_key
 log = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
+STALE_S = 60.0              # without the store this long, limited and budgeted tenants are refused
 ANONYMOUS = "anonymous"
 ADMIN = "admin"
 ADMIN_KEY_ENV = "QOS_ADMIN_KEY"
@@ -57,6 +61,10 @@ class Pass:
     reservation: Reservation | None = None
 
 
+def limited(tenant: Tenant) -> bool:
+    return any(v is not None for v in (tenant.rpm, tenant.tpm, tenant.max_concurrent, tenant.budget))
+
+
 def bearer(authorization: str | None) -> str | None:
     """The key from an `authorization: Bearer <key>` header (None when absent)."""
     if not authorization:
@@ -75,7 +83,8 @@ def bearer(authorization: str | None) -> str | None:
 
 
 class TenantBook:
-    def __init__(self, store: Store, required: bool = False, admin_key: str = "", replicas: int = 1):
+    def __init__(self, store: Store, required: bool = False, admin_key: str = "", replicas: int = 1,
+                 refresh_s: float = REFRESH_S, stale_s: float = STALE_S):
         self.store = store
         self.required = required
         self.admin_key = admin_key or os.environ.get(ADMIN_KEY_ENV, "")
@@ -85,24 +94,42 @@ class TenantBook:
         self.tenants: dict[str, Tenant] = {}
         self.spent: dict[str, float] = {}
         self.loaded = asyncio.Event()
+        self.refresh_s, self.stale_s = refresh_s, stale_s
+        self.read_at = time.monotonic()         # the cache's last successful read of the store
+        self.refresh_failures = 0
 
     async def refresh(self) -> None:
-        """Re-read keys, tenants and spending (in a helper thread)."""
-        keys, tenants, spent = await asyncio.to_thread(
-            lambda: (self.store.active_keys(), self.store.tenants(), self.store.spent()))
+        """Re-read keys, tenants and spending (in a helper thread, bounded by the store's timeouts:
+        services/store/connect.py)."""
+        keys, tenants, spent = await asyncio.to_thread(self.store.snapshot)
         self.keys, self.tenants = keys, {t.name: t for t in tenants}
         # Keep local additions not yet in the database (the ledger writes in batches).
         self.spent = {name: max(amount, self.spent.get(name, 0.0)) for name, amount in spent.items()} | \
             {name: amount for name, amount in self.spent.items() if name not in spent}
+        self.read_at = time.monotonic()
         self.loaded.set()
 
     async def keep_fresh(self) -> None:
+        """Refresh every refresh_s. While the store cannot be read the cache is kept (revoked keys
+        still pass, as they did), tenants with limits or a budget are refused after stale_s
+        (admit()), and the outage is logged when it starts and when it ends."""
         while True:
             try:
                 await self.refresh()
-            except Exception as exc:      # the database may be down for a moment: keep the cache
-                log.warning("tenant store %s: %s; keeping the cached tenants", self.store.url, exc)
-            await asyncio.sleep(REFRESH_S)
+                if self.refresh_failures:
+                    log.warning("tenant store %s reachable again after %d failed refreshes; keys and "
+                                "revocations are current", self.store.url, self.refresh_failures)
+                self.refresh_failures = 0
+            except Exception as exc:
+                if not self.refresh_failures:
+                    log.error("tenant store %s: %s; serving from the cache, tenants with limits or a "
+                              "budget are refused if this lasts %.0f s", self.store.url, exc, self.stale_s)
+                self.refresh_failures += 1
+            await asyncio.sleep(self.refresh_s)
+
+    def stale_for(self, now: float) -> float:
+        """Seconds the cache has gone unrefreshed beyond stale_s (0: fresh enough)."""
+        return max(0.0, now - self.read_at - self.stale_s)
 
     @property
     def shared(self) -> bool:
@@ -179,8 +206,16 @@ class TenantBook:
         """Entitlement and limits, before routing; raises ServiceError (403 / 429)."""
         if caller.admin:
             return Pass(caller)
+        now = time.monotonic()
+        if self.stale_for(now) and limited(caller.tenant):
+            # Limits and budgets are enforced from a copy of the store: past stale_s that copy may
+            # be far off, so they fail closed; a tenant without any is served as before.
+            raise unavailable(f"the tenant store has not been read for {now - self.read_at:.0f} s; "
+                              f"tenant {caller.name!r} has limits or a budget, which cannot be checked "
+                              "until it answers", retry_after_ms=round(self.refresh_s * 1000),
+                              reason="store_unreachable")
         reservation = self.limiter.admit(caller.tenant, priority_name(priority), estimated_tokens,
-                                         self.spent.get(caller.name, 0.0), time.monotonic())
+                                         self.spent.get(caller.name, 0.0), now)
         return Pass(caller, reservation)
 
     def release(self, ticket: Pass, used_tokens: int | None, amount: float) -> None:
@@ -192,3 +227,16 @@ class TenantBook:
 
     def headers(self, caller: Caller) -> dict[str, str]:
         return {} if caller.admin else self.limiter.headers(caller.tenant, time.monotonic())
+
+
+def store_metrics(book: TenantBook):
+    """For the router's /metrics (a StateCollector): how old the tenant cache is, and whether
+    limited tenants are being refused for it."""
+    now = time.monotonic()
+    yield GaugeMetricFamily("qos_store_seconds_since_read", "Seconds since the router last read keys, "
+                            "tenants and spending from the store", value=now - book.read_at)
+    yield GaugeMetricFamily("qos_store_failing_refreshes", "Refreshes from the store that failed in a row",
+                            value=book.refresh_failures)
+    yield GaugeMetricFamily("qos_store_limits_failing_closed", "1 while tenants with limits or a budget are "
+                            "refused because the store has not been read for [store] stale_s",
+                            value=1.0 if book.stale_for(now) else 0.0)

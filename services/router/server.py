@@ -30,7 +30,7 @@ from services.control.ledger import LedgerWriter, ledger_metrics
 from services.control.limits import estimate_tokens
 from services.control.process_view import ProcessView
 from services.control.sla_monitor import SlaMonitor
-from services.control.tenancy import Caller, TenantBook
+from services.control.tenancy import Caller, TenantBook, store_metrics
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
@@ -53,9 +53,11 @@ class RouterService:
         self.totals = RouterTotals(list(self.pools.handles), self.sla, registry)
         self.processes = ProcessView.from_env(registry)      # a supervised local cluster's processes
         self.tracer = setup_tracing("router")
-        self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas)
-        self.ledger = LedgerWriter(store, billing.flush_seconds)
+        self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas,
+                               config.store.refresh_s, config.store.stale_s)
+        self.ledger = LedgerWriter(store, billing.flush_seconds, billing.max_pending_rows)
         registry.register(StateCollector(lambda: ledger_metrics(self.ledger)))
+        registry.register(StateCollector(lambda: store_metrics(self.book)))
         self.accounts = Accounts(self.book, self.ledger, billing.multipliers, billing.cached_prompt_fraction)
         self.path = RequestPath(self.pools, self.totals, self.tracer, model_name, self.accounts,
                                 router.admission, router.migration_limit, router.scheduler_link,
@@ -166,7 +168,8 @@ async def serve_router(config: ClusterConfig, model_name: str) -> None:
     """The router: gRPC on [router] port, the OpenAI-compatible HTTP front on http_port (unless
     -1), both on one request path, drained together on SIGTERM."""
     router = config.router
-    store = await asyncio.to_thread(Store, config.store.url or None)
+    store = await asyncio.to_thread(Store, config.store.url or None, config.store.connect_timeout_s,
+                                    config.store.statement_timeout_s)
     service = RouterService(config, model_name, store, Drain("router", router.drain_seconds))
     http = HttpFront(service, router) if router.http_port >= 0 else None
     serve_metrics(service.totals.registry, router.host, router.metrics_port, "router")

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, insert, inspect, select, update
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import delete, func, insert, inspect, select, update
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from services.common.paths import cache_root
 from services.common.priority import LABELS
+from services.store.connect import CONNECT_TIMEOUT_S, STATEMENT_TIMEOUT_S, make_engine
 from services.store.schema import (
     ADDED_COLUMNS,
     MIGRATIONS,
@@ -67,23 +67,6 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _engine(url: str) -> Engine:
-    if url.startswith("postgresql://") or url.startswith("postgres://"):
-        url = "postgresql+psycopg://" + url.split("://", 1)[1]      # the driver we install
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(connection, _record):
-            cursor = connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")      # readers do not block the writer
-            cursor.execute("PRAGMA foreign_keys=ON")
-            cursor.close()
-        return engine
-    return create_engine(url, pool_pre_ping=True)
-
-
 def _tenant(row) -> Tenant:
     return Tenant(row.name, tuple(p for p in row.priorities.split(",") if p), row.rpm, row.tpm,
                   row.max_concurrent, row.budget, row.weight)
@@ -104,10 +87,19 @@ def check_tenant_fields(priorities=None, rpm=None, tpm=None, max_concurrent=None
         raise StoreError(f"weight must be > 0, got {weight}")
 
 
+def refused_for_its_data(error: Exception) -> bool:
+    """The database refused the rows themselves (a value too long, a constraint), not the
+    connection or the schema: the same rows would be refused again, the others would not."""
+    if isinstance(error, DBAPIError):
+        return isinstance(error, (DataError, IntegrityError)) and not error.connection_invalidated
+    return isinstance(error, StatementError)        # a value that could not be bound at all
+
+
 class Store:
-    def __init__(self, url: str | None = None):
+    def __init__(self, url: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                 statement_timeout_s: float = STATEMENT_TIMEOUT_S):
         self.url = url or default_url()
-        self.engine = _engine(self.url)
+        self.engine = make_engine(self.url, connect_timeout_s, statement_timeout_s)
         self._prepare()
 
     def close(self) -> None:
@@ -230,6 +222,15 @@ class Store:
                 select(api_keys.c.key_hash, api_keys.c.prefix, tenants.c.name).join(tenants)
                 .where(api_keys.c.revoked_at.is_(None)))}
 
+    def snapshot(self) -> tuple[dict[str, tuple[str, str]], list[Tenant], dict[str, float]]:
+        """What the router caches, read in one transaction: (active_keys(), tenants(), spent())."""
+        with self.engine.begin() as db:
+            keys = {r.key_hash: (r.name, r.prefix) for r in db.execute(
+                select(api_keys.c.key_hash, api_keys.c.prefix, tenants.c.name).join(tenants)
+                .where(api_keys.c.revoked_at.is_(None)))}
+            return (keys, [_tenant(r) for r in db.execute(select(tenants).order_by(tenants.c.name))],
+                    {r.tenant: r.amount for r in db.execute(select(tenant_spend))})
+
     # --- the ledger ------------------------------------------------------------------------------
 
     def _upsert(self):
@@ -286,6 +287,24 @@ class Store:
         """A replica stopping cleanly: its shares go back to the others at once."""
         with self.engine.begin() as db:
             db.execute(delete(limit_shares).where(limit_shares.c.replica == replica))
+
+    def usage_lines(self, tenant: str | None = None, since: float | None = None) -> list[dict]:
+        """Ledger totals by (tenant, priority), summed by the database (sorted here: collations
+        differ between databases)."""
+        query = select(ledger.c.tenant, ledger.c.priority, func.count().label("requests"),
+                       func.sum(ledger.c.prompt_tokens).label("prompt_tokens"),
+                       func.sum(ledger.c.completion_tokens).label("completion_tokens"),
+                       func.sum(ledger.c.amount).label("amount")) \
+            .group_by(ledger.c.tenant, ledger.c.priority)
+        if tenant is not None:
+            query = query.where(ledger.c.tenant == tenant)
+        if since is not None:
+            query = query.where(ledger.c.finished_at >= since)
+        with self.engine.connect() as db:
+            rows = db.execute(query).all()
+        return [{"tenant": r.tenant, "priority": r.priority, "requests": int(r.requests),
+                 "prompt_tokens": int(r.prompt_tokens), "completion_tokens": int(r.completion_tokens),
+                 "amount": float(r.amount)} for r in sorted(rows, key=lambda r: (r.tenant, r.priority))]
 
     def ledger_rows(self, tenant: str | None = None, since: float | None = None,
                     request_id: str | None = None) -> list[dict]:

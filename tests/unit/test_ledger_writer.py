@@ -116,3 +116,73 @@ def test_a_request_id_is_never_written_twice():
 
     writer = asyncio.run(with_writer(store, body))
     assert writer.written == 1 and len(store.rows) == 1
+
+
+class RefusingStore(FakeStore):
+    """Refuses any batch holding a row marked bad, as PostgreSQL refuses a value too long."""
+
+    def write_ledger(self, rows):
+        if any(r.get("bad") for r in rows):
+            from sqlalchemy.exc import DataError
+            raise DataError("INSERT INTO ledger ...", {}, Exception("value too long for type character varying(64)"))
+        return super().write_ledger(rows)
+
+
+def test_one_refused_row_is_counted_and_never_holds_back_its_batch_or_later_ones(monkeypatch):
+    monkeypatch.setattr(ledger_module, "COMMIT_WAIT_S", 0.5)
+    store = RefusingStore()
+
+    async def body(writer):
+        first = await asyncio.gather(*(writer.commit({**row(i), "bad": i == 2}) for i in range(5)))
+        later = await writer.commit(row(9))
+        return first, later, writer
+
+    first, later, writer = asyncio.run(with_writer(store, body))
+    assert first == [True, True, False, True, True] and later is True
+    assert set(store.rows) == {"r0", "r1", "r3", "r4", "r9"}
+    assert writer.refused == 1 and not writer.pending and writer.unconfirmed == 0
+
+
+def test_pending_rows_are_bounded_oldest_dropped_and_counted(monkeypatch):
+    monkeypatch.setattr(ledger_module, "RETRY_S", 0.01)
+    store = FakeStore()
+    store.fail = 10**9                   # down until told otherwise
+
+    async def body(writer):
+        for i in range(12):
+            writer.record(row(i))
+        assert not await writer.flush()
+        assert [r["request_id"] for r in writer.pending] == [f"r{i}" for i in range(7, 12)]
+        store.fail = 0
+        assert await writer.flush()
+        return writer
+
+    writer = LedgerWriter(store, 60.0, max_pending=5)
+    writer = asyncio.run(body(writer))
+    metrics = {m.name: m.samples[0].value for m in ledger_metrics(writer)}
+    assert set(store.rows) == {f"r{i}" for i in range(7, 12)}
+    assert metrics["qos_ledger_rows_dropped"] == 7 and metrics["qos_ledger_pending_rows"] == 0
+
+
+def test_while_the_store_is_down_completions_do_not_wait_and_no_waiter_is_kept(monkeypatch):
+    monkeypatch.setattr(ledger_module, "COMMIT_WAIT_S", 0.3)
+    monkeypatch.setattr(ledger_module, "RETRY_S", 0.01)
+    store = FakeStore()
+    store.fail = 10**9
+
+    async def body(writer):
+        assert await writer.commit(row(0)) is False          # the first one waits COMMIT_WAIT_S
+        started = asyncio.get_running_loop().time()
+        results = await asyncio.gather(*(writer.commit(row(i)) for i in range(1, 200)))
+        took = asyncio.get_running_loop().time() - started
+        waiting = len(writer.waiting)
+        store.fail = 0
+        for _ in range(200):
+            if len(store.rows) == 200 and not writer.failing:
+                break
+            await asyncio.sleep(0.01)
+        return results, took, waiting, writer
+
+    results, took, waiting, writer = asyncio.run(with_writer(store, body, flush_seconds=0.05))
+    assert not any(results) and took < 0.1 and waiting == 0
+    assert len(store.rows) == 200 and writer.unconfirmed == 200 and writer.failing is False

@@ -100,8 +100,8 @@ def test_a_newer_schema_is_refused_with_a_message(url):
             Store(url)
     finally:
         fix = Store.__new__(Store)
-        from services.store.store import _engine
-        fix.engine = _engine(url)
+        from services.store.connect import make_engine
+        fix.engine = make_engine(url)
         with fix.engine.begin() as db:
             db.execute(update(schema_info).values(version=SCHEMA_VERSION))
         fix.engine.dispose()
