@@ -171,6 +171,10 @@ class WorkerConfig(ServiceConfig):
                              bounds=Bounds(1), note="<= max_cpu_loras")
     max_cpu_loras: int = setting(16, "adapters kept in host memory; past it the least recently used idle one "
                                  "goes", bounds=Bounds(1))
+    adapter_dirs: list | None = setting(None, "folders LoRA adapters may be loaded from at run time "
+                                        "(/v1/load_lora_adapter): the path, links and .. resolved, must lie inside "
+                                        "one, else 403 (unset: the pool's [[pools.adapters]] folders; []: none)",
+                                        kind=list, note="folders")
     decode_attention: str = setting("auto", "decode attention on CPU fp32: the paged C kernel where it builds "
                                     "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
                                     choices=DECODE_ATTENTION)

@@ -83,6 +83,8 @@ def _check_scheduler(s: SchedulerConfig, where: str) -> None:
 def _check_worker(w: WorkerConfig, pool: PoolConfig, where: str) -> None:
     if w.max_loras > w.max_cpu_loras:
         raise ConfigError(f"{where}: need max_loras <= max_cpu_loras, got {w.max_loras} and {w.max_cpu_loras}")
+    if w.adapter_dirs is not None and not all(isinstance(d, str) and d for d in w.adapter_dirs):
+        raise ConfigError(f"{where}.adapter_dirs must be a list of folders, got {w.adapter_dirs!r}")
     if len(pool.adapters) > w.max_cpu_loras:
         raise ConfigError(f"{where}.max_cpu_loras is {w.max_cpu_loras} but the pool lists "
                           f"{len(pool.adapters)} adapters")

@@ -2,17 +2,21 @@
 loaded by one of two CPU pools (marked `lora`, as an NPU pool would be); a request naming it
 (x-lora over gRPC, `model: "ADAPTER"` or X-Lora over HTTP) is routed to that pool and its greedy
 tokens equal PEFT + transformers `generate` with the adapter; the base model's answer differs;
-an unknown adapter is refused by name."""
+an unknown adapter is refused by name. At run time adapters load only from a worker's
+adapter_dirs, and a reload serves the new weights with nothing cached from the old."""
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
+import shutil
 
 import grpc
 import pytest
 import torch
 
-from services.common.config import AdapterConfig, ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, WorkerConfig
+from services.common.config import (AdapterConfig, AuthConfig, ClusterConfig, PoolConfig, RouterConfig,
+                                   SchedulerConfig, WorkerConfig)
 from services.common.grpc_server import CHANNEL_OPTIONS
 from services.common.proto.qos.v1 import router_pb2_grpc
 from services.common.tokenizer import TextTokenizer
@@ -24,6 +28,7 @@ pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft", reason="peft is a test dependency (requirements.txt)")
 
 PROMPT, NEW_TOKENS = "Name three colours of the rainbow.", 24
+ADMIN_KEY = "lora-test-admin-key"       # loading adapters needs it in every mode
 EOS = 2                       # SmolLM2's <|im_end|>
 
 
@@ -48,6 +53,23 @@ def adapter(model_dir, tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def adapter_v2(model_dir, adapter):
+    """Other weights for the same modules, beside `adapter` (inside the main pool's adapter_dirs)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(8)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.2)
+    folder = adapter.parent / "colours-v2"
+    model.save_pretrained(folder)
+    return folder
+
+
 def reference_tokens(model_dir, adapter_dir, prompt_ids: list[int]) -> list[int]:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -67,20 +89,33 @@ def without_eos(tokens: list[int]) -> list[int]:
 @pytest.fixture(scope="module")
 def cluster(adapter):
     # fp32 like the reference, also on a CPU with native bf16 (where a worker's default is bf16).
-    worker = lambda: [WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype="fp32")]     # noqa: E731
-    config = ClusterConfig(router=RouterConfig(port=0, http_port=0), pools=[
-        PoolConfig(name="main", device="cpu", primary=True, scheduler=SchedulerConfig(port=0), workers=worker()),
+    # The main pool loads at run time from the adapters' folder; the adapters pool only from its
+    # configured adapter's (adapter_dirs' default).
+    worker = lambda **dirs: [WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype="fp32", **dirs)]  # noqa: E731
+    config = ClusterConfig(router=RouterConfig(port=0, http_port=0), auth=AuthConfig(admin_key=ADMIN_KEY), pools=[
+        PoolConfig(name="main", device="cpu", primary=True, scheduler=SchedulerConfig(port=0),
+                   workers=worker(adapter_dirs=[str(adapter.parent)])),
         PoolConfig(name="adapters", device="cpu", lora=True, scheduler=SchedulerConfig(port=0), workers=worker(),
                    adapters=[AdapterConfig(name="colours", path=str(adapter))])])
     with LocalCluster(config, quiet=True) as running:
         yield running
 
 
-async def generate(cluster, lora: str | None = None):
+async def generate_chunks(cluster, lora: str | None = None, max_tokens: int = NEW_TOKENS, started=None, **extra):
+    """The response's chunks; `started` (an event) is set at the first."""
     metadata = [("x-priority", "medium")] + ([("x-lora", lora)] if lora else [])
     async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as channel:
-        request = chat_request(PROMPT, sampling_params(max_tokens=NEW_TOKENS, temperature=0.0))
-        chunks = [c async for c in router_pb2_grpc.RouterStub(channel).Generate(request, metadata=metadata)]
+        request = chat_request(PROMPT, sampling_params(max_tokens=max_tokens, temperature=0.0, **extra))
+        chunks = []
+        async for chunk in router_pb2_grpc.RouterStub(channel).Generate(request, metadata=metadata):
+            chunks.append(chunk)
+            if started is not None:
+                started.set()
+    return chunks
+
+
+async def generate(cluster, lora: str | None = None):
+    chunks = await generate_chunks(cluster, lora)
     return without_eos([t for c in chunks for t in c.token_ids]), chunks[-1].pool
 
 
@@ -137,7 +172,8 @@ def http_admin(cluster, path: str, body: dict):
     router = cluster.config.router
     conn = http.client.HTTPConnection(router.host, router.http_port, timeout=300)
     try:
-        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json"})
+        conn.request("POST", path, body=json.dumps(body), headers={"content-type": "application/json",
+                                                                   "authorization": f"Bearer {ADMIN_KEY}"})
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -152,9 +188,10 @@ def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, model_dir, adapter,
     tokens, pool = run(generate(cluster, "runtime"))
     assert pool == "main" and tokens == reference_tokens(model_dir, adapter, prompt_ids)
 
-    bad = tmp_path / "not-an-adapter"
+    bad = adapter.parent / "not-an-adapter"
     bad.mkdir()
-    status, body = http_admin(cluster, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad)})
+    status, body = http_admin(cluster, "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(bad),
+                                                                 "pool": "main"})
     assert status == 400 and "no adapter_config.json" in body["error"]["message"]
     status, body = http_admin(cluster, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert status == 400 and body["error"]["param"] == "lora_path"
@@ -166,3 +203,49 @@ def test_an_adapter_loaded_and_unloaded_at_run_time(cluster, model_dir, adapter,
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     status, body = http_admin(cluster, "/v1/unload_lora_adapter", {"lora_name": "runtime"})
     assert status == 404 and body["error"]["param"] == "lora_name"
+
+
+def test_adapters_load_at_run_time_only_from_inside_adapter_dirs(cluster, adapter, adapter_v2, tmp_path):
+    outside = shutil.copytree(adapter, tmp_path / "colours")       # the same files, outside
+    escape = adapter.parent / ".." / tmp_path.name / "colours"
+    inside_link = adapter.parent / "link-out"
+    inside_link.symlink_to(tmp_path, target_is_directory=True)
+    for pool, path in (("main", outside), ("main", escape), ("main", inside_link / "colours"),
+                       ("adapters", adapter_v2)):     # the adapters pool: only its configured adapter's folder
+        status, body = http_admin(cluster, "/v1/load_lora_adapter",
+                                  {"lora_name": "elsewhere", "lora_path": str(path), "pool": pool})
+        assert status == 403 and "adapter_dirs" in body["error"]["message"], (pool, path, body)
+    assert http_admin(cluster, "/v1/unload_lora_adapter", {"lora_name": "elsewhere"})[0] == 404
+
+
+def test_a_reload_serves_the_new_weights_with_nothing_cached_from_the_old(cluster, model_dir, adapter, adapter_v2):
+    """A prefix computed under v1, cached; the same name loaded again from v2: the next request
+    reads none of v1's blocks (0 cached prompt tokens) and equals PEFT with v2. A reload while a
+    request uses the adapter is refused (409) and changes nothing."""
+    prompt_ids = TextTokenizer.from_model_dir(model_dir).encode_chat([{"role": "user", "content": PROMPT}])
+    load = {"lora_name": "swapped", "lora_path": str(adapter), "pool": "main"}
+    assert http_admin(cluster, "/v1/load_lora_adapter", load)[0] == 200
+    first = run(generate_chunks(cluster, "swapped"))
+    again = run(generate_chunks(cluster, "swapped"))
+    assert again[-1].usage.cached_tokens >= 16                # v1's prefix is cached
+
+    async def reload_while_running():
+        started = asyncio.Event()
+        long = asyncio.create_task(generate_chunks(cluster, "swapped", max_tokens=300, started=started,
+                                                   ignore_eos=True))
+        await started.wait()
+        refused = await asyncio.to_thread(http_admin, cluster, "/v1/load_lora_adapter",
+                                          {**load, "lora_path": str(adapter_v2)})
+        return refused, await long
+    (status, body), _ = run(reload_while_running())
+    assert status == 409 and "'swapped'" in body["error"]["message"] and "once they finish" in body["error"]["message"]
+    assert [t for c in run(generate_chunks(cluster, "swapped")) for t in c.token_ids] == \
+        [t for c in first for t in c.token_ids]               # still v1
+
+    assert http_admin(cluster, "/v1/load_lora_adapter", {**load, "lora_path": str(adapter_v2)})[0] == 200
+    after = run(generate_chunks(cluster, "swapped"))
+    tokens = without_eos([t for c in after for t in c.token_ids])
+    assert after[-1].usage.cached_tokens == 0
+    assert tokens == reference_tokens(model_dir, adapter_v2, prompt_ids)
+    assert tokens != without_eos([t for c in first for t in c.token_ids])
+    assert http_admin(cluster, "/v1/unload_lora_adapter", {"lora_name": "swapped"})[0] == 200
