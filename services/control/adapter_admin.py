@@ -2,7 +2,10 @@
 and `/v1/unload_lora_adapter` (vLLM's endpoints and body: `lora_name`, `lora_path`; ours adds an
 optional `pool`). The router asks each target pool's scheduler (Scheduler.LoadAdapter), which
 loads on every worker of the pool and on workers that join later; then it waits for its own pool
-cache to show the change, so the next request naming the adapter is routed by it."""
+cache to show the change, so the next request naming the adapter is routed by it. A worker loads
+only from its adapter_dirs (services/worker/adapters.py: it reads the files, so it decides; 403
+naming the setting), and a pool's scheduler refuses a reload while requests use the adapter
+(services/scheduler/pool_adapters.py: 409 naming it)."""
 from __future__ import annotations
 
 import asyncio
