@@ -60,6 +60,7 @@ class LedgerWriter:
         self.pending: deque[dict] = deque()
         self.waiting: dict[str, asyncio.Future] = {}    # request id -> its commit() caller, while it waits
         self.written = self.refused = self.dropped = 0
+        self.writing = 0                                # rows of the batch being written
         self.unconfirmed = 0                            # final chunks sent before their row was committed
         self.failing = False                            # the last write failed: commit() does not wait
         self._due = asyncio.Event()
@@ -135,7 +136,11 @@ class LedgerWriter:
         async with self._lock:
             while self.pending:
                 batch = [self.pending.popleft() for _ in range(min(MAX_BATCH, len(self.pending)))]
-                result = await asyncio.to_thread(self._write, batch)
+                self.writing = len(batch)
+                try:
+                    result = await asyncio.to_thread(self._write, batch)
+                finally:
+                    self.writing = 0
                 self.written += result.new
                 for row, error in result.refused:
                     self.refused += 1
@@ -182,4 +187,5 @@ def ledger_metrics(ledger: LedgerWriter):
                               "(logged with what they would have billed; not retried)", value=ledger.refused)
     yield CounterMetricFamily("qos_ledger_rows_dropped", "Ledger rows dropped, oldest first, while more than "
                               "[billing] max_pending_rows waited for the store", value=ledger.dropped)
-    yield GaugeMetricFamily("qos_ledger_pending_rows", "Ledger rows waiting to be written", value=len(ledger.pending))
+    yield GaugeMetricFamily("qos_ledger_pending_rows", "Ledger rows waiting to be written (the batch being "
+                            "written included)", value=len(ledger.pending) + ledger.writing)
