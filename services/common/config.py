@@ -71,7 +71,8 @@ class RouterConfig(ServiceConfig):
                              "arrival order (fifo)", choices=("priority", "fifo"))
     http_port: int = setting(8000, "port of the OpenAI-compatible HTTP front, on the same host",
                              bounds=PORT_OR_OFF)
-    http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413", bounds=Bounds(1024))
+    http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413, larger gRPC messages "
+                                       "to the router RESOURCE_EXHAUSTED", bounds=Bounds(1024))
     migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
                                    "(with the tokens already streamed)", bounds=Bounds(0, 100))
     scheduler_link: str = setting("stream", "how requests reach a scheduler: one long-lived SubmitLink stream "

@@ -92,9 +92,9 @@ class HttpFront:
     async def _generation(self, http: Request, kind: str) -> Response:
         request = None
         try:
-            self.drain.check()
-            request = parse_openai(kind, await self._body(http))
             headers = {k: http.headers[k] for k in HEADERS if k in http.headers}
+            caller = self.router.identify(headers)       # before the body: a stranger's is never read
+            request = parse_openai(kind, await self._body(http))
             if PRIORITY_HEADER not in headers and request.tier is not None:
                 headers[PRIORITY_HEADER] = request.tier.label      # the header wins over the body
             if request.context_mode is not None:
@@ -102,7 +102,7 @@ class HttpFront:
                 if sent.strip().lower() != request.context_mode:
                     raise invalid(f"context_mode {request.context_mode!r} and the x-context-mode header "
                                   f"{sent!r} differ: send one of them", "context_mode")
-            head, caller = self.router.let_in(headers)
+            head = self.router.let_in(headers, caller)
             if not request.stream and not head.stream_interval:
                 # The answer goes out whole: tokens come from the scheduler in as few chunks as
                 # it may send (the first, one per max hold, the last), not one message per token.

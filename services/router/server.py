@@ -18,9 +18,10 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import AuthConfig, ClusterConfig, RouterConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
-from services.common.grpc_server import run_server
+from services.common.grpc_errors import abort
+from services.common.grpc_server import run_server, server_options
 from services.common.metrics import StateCollector, serve_metrics
-from services.common.priority import PRIORITIES
+from services.common.priority import PRIORITIES, TENANT_HEADER
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.tracing import extract_metadata, setup_tracing, shutdown_tracing
 from services.common.wire import prompt_chars
@@ -39,6 +40,8 @@ from services.router.validation import RequestHead, decode_request, parse_head
 from services.store.store import Store
 
 log = logging.getLogger(__name__)
+
+ROUTER_SERVICE = "qos.v1.Router"
 
 
 class RouterService:
@@ -90,18 +93,25 @@ class RouterService:
         await self.pools.close()
         self.book.store.close()
 
-    def let_in(self, metadata: Mapping[str, str]) -> tuple[RequestHead, Caller]:
-        """Both fronts: refused while draining; the head from the metadata (headers), the caller
-        from its key; the tenant and its weight ride along to the scheduler."""
+    def identify(self, metadata: Mapping[str, str]) -> Caller:
+        """Both fronts, first, before anything of the request's body is read: refused while
+        draining, then the caller from its key (with auth off, a request without one is the tenant
+        its x-tenant names)."""
         self.drain.check()
+        return self.book.authenticate(metadata.get("authorization"), metadata.get(TENANT_HEADER, ""))
+
+    def let_in(self, metadata: Mapping[str, str], caller: Caller) -> RequestHead:
+        """The head from the metadata (headers); the caller's tenant and weight ride along to the
+        scheduler."""
         head = parse_head(metadata)
-        caller = self.book.authenticate(metadata.get("authorization"), head.tenant)
-        return replace(head, tenant=caller.name, tenant_weight=caller.tenant.weight), caller
+        return replace(head, tenant=caller.name, tenant_weight=caller.tenant.weight)
 
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata() or ()
         try:
-            head, caller = self.let_in(dict(metadata))
+            headers = dict(metadata)
+            caller = self.identify(headers)
+            head = self.let_in(headers, caller)
         except ServiceError as refused:
             self.totals.refused_early(refused)
             raise
@@ -140,6 +150,39 @@ class RouterService:
         return router_pb2.CancelReply(request_id=entry.request_id, tenant=entry.tenant)
 
 
+class CallerGate(grpc.aio.ServerInterceptor):
+    """The router's public gRPC server, auth on: a Router call without a valid key is refused from
+    its metadata when it starts, before gRPC reads its request message (as the HTTP front answers
+    before reading the body). Health checks pass; the handlers still identify every caller."""
+
+    def __init__(self, service: RouterService):
+        self.service = service
+
+    async def intercept_service(self, continuation, details):
+        if self.service.book.required and details.method.startswith(f"/{ROUTER_SERVICE}/"):
+            metadata = dict(details.invocation_metadata or ())
+            try:
+                self.service.book.authenticate(metadata.get("authorization"))
+            except ServiceError as refused:
+                if details.method == f"/{ROUTER_SERVICE}/Generate":
+                    self.service.totals.refused_early(refused)
+                return _refusal(refused)
+        return await continuation(details)
+
+
+def _refusal(error: ServiceError) -> grpc.RpcMethodHandler:
+    async def refuse(_requests, context):      # a request-streaming handler: the message is never read
+        await abort(context, error)
+    return grpc.stream_unary_rpc_method_handler(refuse)
+
+
+def front_options(router: RouterConfig) -> list[tuple[str, int]]:
+    """The public server takes messages no larger than the HTTP front takes bodies; the hops
+    inside the cluster keep their 64 MiB."""
+    return [(name, router.http_max_body_bytes if name == "grpc.max_receive_message_length" else value)
+            for name, value in server_options()]
+
+
 def register_router(server: grpc.aio.Server, service: RouterService) -> list[str]:
     # Generate is registered by hand to parse requests with their bytes twin: invalid UTF-8 then
     # reaches our validation (INVALID_ARGUMENT naming the field) instead of failing in protobuf.
@@ -160,8 +203,8 @@ def register_router(server: grpc.aio.Server, service: RouterService) -> list[str
             service.Alerts, request_deserializer=router_pb2.AlertsRequest.FromString,
             response_serializer=router_pb2.AlertsReply.SerializeToString),
     }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("qos.v1.Router", handlers),))
-    return ["qos.v1.Router"]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ROUTER_SERVICE, handlers),))
+    return [ROUTER_SERVICE]
 
 
 async def serve_router(config: ClusterConfig, model_name: str) -> None:
@@ -187,7 +230,8 @@ async def serve_router(config: ClusterConfig, model_name: str) -> None:
 
     await run_server("router", router.address, lambda server: register_router(server, service),
                      service.drain, on_started=started, on_stopping=stopping,
-                     ready=service.pools.ready, tls=tls_files(router))
+                     ready=service.pools.ready, tls=tls_files(router), options=front_options(router),
+                     gates=[CallerGate(service)])
     shutdown_tracing()
 
 

@@ -248,3 +248,56 @@ def test_a_tenant_learns_nothing_of_anothers_prompt_from_the_prefix_cache(cluste
     assert cached(alpha, cache_salt="project-x")[0] == again
     status, _, body = post(cluster, {**chat, "cache_salt": "s" * 257}, alpha, path="/v1/chat/completions")
     assert status == 400 and body["error"]["param"] == "cache_salt"
+
+
+def test_a_strangers_body_is_never_read(cluster):
+    """The key is checked from the headers: a request without a valid one is answered 401 while
+    its 3 MiB body is still unsent (the router waiting for it would never answer)."""
+    router = cluster.config.router
+
+    async def answer_before_the_body(authorization: dict) -> tuple[int, dict]:
+        reader, writer = await asyncio.open_connection(router.host, router.http_port)
+        head = {"content-type": "application/json", "content-length": str(3 * 2**20), **authorization}
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: router\r\n"
+                     + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() + b"\r\n"
+                     + b'{"model": "m", "prompt": "' + b"x" * 2**16)
+        await writer.drain()
+        try:
+            status = int((await asyncio.wait_for(reader.readline(), 60)).split()[1])
+            length = 0
+            while (line := await reader.readline()).strip():
+                key, _, value = line.decode().partition(":")
+                length = int(value) if key.strip().lower() == "content-length" else length
+            return status, json.loads(await reader.readexactly(length))
+        finally:
+            writer.close()
+
+    for authorization, words in (({}, "an API key is required"),
+                                 ({"authorization": "Bearer qsk_made_up"}, "unknown or revoked")):
+        status, body = run(answer_before_the_body(authorization))
+        assert status == 401 and words in body["error"]["message"] and body["error"]["param"] == "authorization"
+
+
+def test_a_strangers_grpc_message_is_refused_before_it_is_read(cluster):
+    """gRPC: a call without a valid key is refused from its metadata before its message is taken
+    (a 65 MiB one gets UNAUTHENTICATED, not the 64 MiB transport limit's RESOURCE_EXHAUSTED);
+    a caller with a key may send no more than the HTTP front's body limit (4 MiB)."""
+    options = [("grpc.max_send_message_length", 128 * 2**20)]
+
+    async def call(size: int, key: str | None) -> grpc.aio.AioRpcError:
+        metadata = [("authorization", f"Bearer {key}")] if key else []
+        async with grpc.aio.insecure_channel(cluster.router_address, options=options) as channel:
+            generate = router_pb2_grpc.RouterStub(channel).Generate(
+                router_pb2.GenerateRequest(prompt="x" * size), metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                [chunk async for chunk in generate]
+            return caught.value
+
+    stranger = run(call(65 * 2**20, None))
+    assert stranger.code() == grpc.StatusCode.UNAUTHENTICATED and "API key is required" in stranger.details()
+    made_up = run(call(65 * 2**20, "qsk_made_up"))
+    assert made_up.code() == grpc.StatusCode.UNAUTHENTICATED and "unknown or revoked" in made_up.details()
+    large = run(call(5 * 2**20, cluster.keys["alpha"]))
+    assert large.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in large.details()
+    assert run(grpc_generate(cluster, cluster.keys["alpha"]))[-1].finish_reason     # and the rest as before
+
