@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import replace
 
@@ -49,6 +50,20 @@ HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "x-stream-interval", 
            "authorization")
 
 log = logging.getLogger(__name__)
+
+# ASCII digits (str.isdigit() takes "²", which float() refuses), and not so many that float() says inf.
+SECONDS = re.compile(r"[0-9]{1,12}(\.[0-9]{0,9})?|\.[0-9]{1,9}")
+
+
+def unix_seconds(value: str | None, field: str) -> float | None:
+    """A query parameter in unix seconds, as a float (None when absent); INVALID naming it else."""
+    if value is None:
+        return None
+    if not SECONDS.fullmatch(value):
+        raise ServiceError(ErrorKind.INVALID, f"{field} must be unix seconds (at most 12 digits, then an "
+                           f"optional fraction), got {value[:40]!r}", field=field, reason="invalid_argument")
+    return float(value)
+
 
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
@@ -124,12 +139,8 @@ class HttpFront:
     async def usage(self, http: Request) -> Response:
         """GET /v1/usage[?tenant=T][&since=UNIX_S]: from the ledger; a tenant key sees its own."""
         try:
-            since = http.query_params.get("since")
-            if since is not None and not since.replace(".", "", 1).isdigit():
-                raise ServiceError(ErrorKind.INVALID, f"since must be unix seconds, got {since!r}",
-                                   field="since", reason="invalid_argument")
             usage = await self.accounts.usage(self._caller(http), http.query_params.get("tenant"),
-                                              float(since) if since else None)
+                                              unix_seconds(http.query_params.get("since"), "since"))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse({"object": "usage", **usage})

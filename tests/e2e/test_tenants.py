@@ -301,3 +301,19 @@ def test_a_strangers_grpc_message_is_refused_before_it_is_read(cluster):
     assert large.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in large.details()
     assert run(grpc_generate(cluster, cluster.keys["alpha"]))[-1].finish_reason     # and the rest as before
 
+
+def test_a_key_that_is_not_ascii_is_401_not_500(cluster):
+    # http.client sends the header in Latin-1, as a browser or curl would send these bytes.
+    for key in ("qsk_clé", "qsk_\u00a0x"):
+        status, _, body = post(cluster, completion(cluster), key)
+        assert status == 401 and body["error"]["param"] == "authorization"
+        assert "not printable ASCII at offset" in body["error"]["message"]
+
+
+def test_a_bad_since_is_400_naming_it(cluster):
+    alpha = cluster.keys["alpha"]
+    for since in ("%C2%B2", "9" * 400, "1e400", "nan", "-1", ""):
+        status, _, body = post(cluster, None, alpha, path=f"/v1/usage?since={since}")
+        assert status == 400 and body["error"]["param"] == "since", (since, body)
+    status, _, body = post(cluster, None, alpha, path="/v1/usage?since=1700000000.5")
+    assert status == 200 and body["since"] == 1700000000.5
