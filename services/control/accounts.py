@@ -117,11 +117,19 @@ class Accounts:
 
     # --- on behalf of a caller --------------------------------------------------------------------
 
+    def _owns(self, caller: Caller, tenant: str) -> bool:
+        """Whether `caller` may read or cancel a request of `tenant`: the admin key, or with auth
+        on a key of that tenant. With auth off a tenant is whatever x-tenant says, so naming it
+        proves nothing: only the admin key reads or cancels a request."""
+        return caller.admin or (self.book.required and tenant == caller.name)
+
     def _mine(self, caller: Caller, request_id: str) -> InFlight | None:
+        if not caller.admin and not self.book.required:
+            raise ServiceError(ErrorKind.PERMISSION_DENIED, "with [auth] required off, reading or cancelling a "
+                               "request by its id needs the admin key (a client cancels its own by closing "
+                               "its stream)", field="authorization", reason="admin_only")
         entry = self.in_flight.get(request_id)
-        if entry is not None and (caller.admin or entry.tenant == caller.name):
-            return entry
-        return None
+        return entry if entry is not None and self._owns(caller, entry.tenant) else None
 
     def cancel(self, caller: Caller, request_id: str) -> InFlight:
         entry = self._mine(caller, request_id)
@@ -142,7 +150,7 @@ class Accounts:
             return {"request_id": request_id, "tenant": entry.tenant, "priority": entry.priority,
                     "status": "in_flight", "started_at": entry.started}
         rows = await asyncio.to_thread(self.book.store.ledger_rows, request_id=request_id)
-        if not rows or not (caller.admin or rows[0]["tenant"] == caller.name):
+        if not rows or not self._owns(caller, rows[0]["tenant"]):
             raise not_found(request_id)
         return {**rows[0], "status": rows[0]["outcome"]}
 

@@ -327,6 +327,11 @@ def run_until_signal(cluster: LocalCluster) -> None:
         print(f"qos-serve up: router {', '.join(cluster.router_addresses)}; "
               f"pools: {pools}; model "
               f"{Path(cluster.config.model).name}. Ctrl-C stops.", flush=True)
+        router = cluster.config.router
+        if router.http_port > 0:
+            key = cluster.config.auth.admin_key
+            print(f"qos-serve up: console http://{router.host}:{router.http_port}/console"
+                  + (f" (admin key {key})" if key else " (the admin key: $QOS_ADMIN_KEY)"), flush=True)
         while not stop:      # the supervisor restarts what exits; only a signal stops the cluster
             time.sleep(0.2)
         print("stopping...", flush=True)

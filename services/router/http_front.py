@@ -38,6 +38,7 @@ from services.common.wire import prompt_chars
 from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.limits import estimate_tokens
+from services.control.sla import ALL_TENANTS
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
@@ -63,6 +64,21 @@ def unix_seconds(value: str | None, field: str) -> float | None:
         raise ServiceError(ErrorKind.INVALID, f"{field} must be unix seconds (at most 12 digits, then an "
                            f"optional fraction), got {value[:40]!r}", field=field, reason="invalid_argument")
     return float(value)
+
+
+class WithoutTenants:
+    """A registry's metrics less every sample labelled with a tenant's name (for anonymous
+    scrapes); class-wide series (tenant="*") stay."""
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def collect(self):
+        for family in self.registry.collect():
+            kept = [sample for sample in family.samples if sample.labels.get("tenant", ALL_TENANTS) == ALL_TENANTS]
+            if kept or not family.samples:
+                family.samples = kept
+                yield family
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -151,7 +167,9 @@ class HttpFront:
             caller = self._caller(http)
         except ServiceError as error:
             return error_response(error)
-        reply = self.router.sla.reply(None if caller.admin or not self.book.required else caller.name)
+        # The admin sees every objective; a tenant's key its own; with auth off, the cluster-wide
+        # ones only (x-tenant proves nothing: no tenant's objectives to whoever names it).
+        reply = self.router.sla.reply(None if caller.admin else caller.name if self.book.required else ALL_TENANTS)
         body = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         for item in body["objectives"] + body["alerts"]:
             item["priority"] = item["priority"].removeprefix("PRIORITY_").lower()
@@ -164,12 +182,9 @@ class HttpFront:
         return await self._adapter_admin(http, adapter_admin.unload)
 
     async def _adapter_admin(self, http: Request, action) -> Response:
-        """The admin key when auth is on (it reads files on the workers' machines)."""
+        """The admin key in every mode: it changes what every tenant is served."""
         try:
-            caller = self._caller(http)
-            if self.book.required and not caller.admin:
-                raise ServiceError(ErrorKind.PERMISSION_DENIED, "loading and unloading LoRA adapters needs "
-                                   "the admin key", field="authorization", reason="admin_only")
+            self._admin(http, "loading and unloading LoRA adapters")
             try:
                 body = json.loads(await self._body(http) or b"{}")
             except json.JSONDecodeError as exc:
@@ -192,16 +207,16 @@ class HttpFront:
         return Response(body, media_type=media_type, headers={"cache-control": "no-cache"})
 
     async def console_events(self, http: Request) -> Response:
-        """The console's live feed (server-sent events, one snapshot a second). Auth off: the
-        whole cluster. Auth on: the admin key sees the cluster, a tenant's key its own tenant."""
+        """The console's live feed (server-sent events, one snapshot a second). The admin key sees
+        the cluster in every mode; with auth on a tenant's key sees its own tenant; with auth off
+        nobody else is anyone (a tenant is whatever x-tenant says), so the page asks for the key."""
         try:
             caller = self._caller(http)
+            if not caller.admin and not self.book.required:
+                self._admin(http, "the console's cluster view")
         except ServiceError as error:
             return error_response(error)
-        if not self.book.required or caller.admin:
-            view, tenant = ("admin" if caller.admin else "open"), None
-        else:
-            view, tenant = f"tenant {caller.name}", caller.name
+        view, tenant = ("admin", None) if caller.admin else (f"tenant {caller.name}", caller.name)
         return StreamingResponse(self.router.console.stream(view, tenant), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
@@ -259,7 +274,22 @@ class HttpFront:
                              "draining": self.drain.draining}, status_code=200 if ok else 503)
 
     async def metrics(self, http: Request) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        """The router's metrics; series labelled with a tenant (SLA objectives) only with the admin
+        key: this port is public. The metrics port ([router] metrics_port) serves them all."""
+        try:
+            admin = self._caller(http).admin
+        except ServiceError:
+            admin = False
+        return Response(generate_latest(self.registry if admin else WithoutTenants(self.registry)),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    def _admin(self, http: Request, what: str) -> None:
+        """Refuses `what` to anyone without the admin key, auth on or off (PERMISSION_DENIED)."""
+        if self._caller(http).admin:
+            return
+        hint = "" if self.book.admin_key else "; none is configured: set [auth] admin_key or $QOS_ADMIN_KEY"
+        raise ServiceError(ErrorKind.PERMISSION_DENIED, f"{what} needs the admin key{hint}",
+                           field="authorization", reason="admin_only")
 
     async def _http_error(self, http: Request, exc: HTTPException) -> Response:
         kind = ErrorKind.UNSUPPORTED if exc.status_code == 404 else ErrorKind.INVALID

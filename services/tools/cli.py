@@ -58,6 +58,11 @@ def cluster_trust(config, role: str):
 def cmd_up(args) -> int:
     from services.local.cluster import LocalCluster, run_until_signal
     config = load_config(args.config)
+    if not config.auth.admin_key and not os.environ.get("QOS_ADMIN_KEY"):
+        # The admin endpoints (adapters, the console's cluster view) need one in every mode: a
+        # key for this cluster alone, printed once it is up.
+        import secrets
+        config.auth.admin_key = secrets.token_urlsafe(16)
     run_until_signal(LocalCluster(config, autoscale=args.autoscale, supervise=True))
     return 0
 

@@ -45,8 +45,11 @@ def browser():
         browser.close()
 
 
-def open_console(browser, cluster, viewport=DESKTOP):
+def open_console(browser, cluster, viewport=DESKTOP, key: str | None = ADMIN):
+    """The page, with `key` already entered (kept in the tab's session storage, as the page does)."""
     page = browser.new_page(viewport=viewport)
+    if key:
+        page.add_init_script(f"sessionStorage.setItem('qos-console-key', {key!r})")
     errors: list[str] = []
     page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -88,7 +91,9 @@ class StatsSampler(threading.Thread):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(cluster_config(max_running=4, model=bench_model()), quiet=True) as running:
+    config = cluster_config(max_running=4, model=bench_model())
+    config.auth.admin_key = ADMIN          # auth off, yet the cluster view needs the admin key
+    with LocalCluster(config, quiet=True) as running:
         yield running
 
 
@@ -154,11 +159,15 @@ def test_the_console_follows_a_mixed_burst(cluster, browser, tmp_path):
     assert set(result["ids"]) & set(seen[-1]["recent"])                # our requests in the recent list
     assert errors == [] and phone_errors == []
     assert shot and (shots / "console-desktop.png").stat().st_size > 10_000
+    # Auth off, the cluster view is still the admin's: without the key the page asks for it.
+    stranger, _ = open_console(browser, cluster, key=None)
+    stranger.wait_for_selector("#login:not([hidden])")
+    assert "admin key" in stranger.inner_text("#login")
 
 
 def test_with_auth_on_the_admin_sees_the_cluster_and_a_tenant_only_itself(auth_cluster, browser):
     cluster = auth_cluster
-    page, errors = open_console(browser, cluster)
+    page, errors = open_console(browser, cluster, key=None)
     page.wait_for_selector("#login:not([hidden])")
     assert "API key" in page.inner_text("#login")
     page.fill("#key", "qsk_not_a_key")

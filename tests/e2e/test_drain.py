@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.cluster_auth import ClusterTrust
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.tokenizer import TextTokenizer
 from services.local.cluster import LocalCluster
@@ -117,8 +118,9 @@ def test_scheduler_drains_on_sigterm():
             async with cluster.trust.channel(cluster.scheduler_address, "scheduler") as channel:
                 stub = scheduler_pb2_grpc.SchedulerStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as direct:
+                    router = ClusterTrust.load(cluster.config.security, "router")   # Submit is the router's
                     async for _ in stub.Submit(scheduler_pb2.SubmitRequest(request_id="late", prompt="Hi"),
-                                               metadata=cluster.trust.metadata):
+                                               metadata=router.metadata):
                         pass
                 stats = await stub.GetPoolStats(scheduler_pb2.PoolStatsRequest(), metadata=cluster.trust.metadata)
             return status, direct.value, await refusal(client), stats
