@@ -11,6 +11,10 @@
 Windows slide: a refused request is told when the oldest entry leaves the window (retry-after),
 and HTTP responses carry OpenAI's x-ratelimit-{limit,remaining,reset}-{requests,tokens}.
 
+Every admission trims its tenant's windows, limited or not, and forgets the tenants with no stream
+open whose last request has left the window: what is kept is what counts (the last minute's
+requests), however many tenant names come and go (with auth off, any x-tenant is a tenant).
+
 Several router replicas: each admits within its share of rpm, tpm and max_concurrent, shares the
 replicas agree through the store twice a second (services/control/limit_shares.py), so the sum
 over replicas behind a load balancer holds the tenant's limit; budgets are global (what each
@@ -24,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.errors import ErrorKind, ServiceError
+from services.common.idle_keys import IdleKeys
 from services.common.wire import prompt_chars
 from services.control.limit_shares import SYNC_S, SharedLimits
 from services.store.store import Tenant
@@ -70,6 +75,20 @@ class Window:
 
 
 @dataclass(slots=True)
+class TenantUse:
+    """What this router has of one tenant's limits in use."""
+    requests: Window = field(default_factory=Window)
+    tokens: Window = field(default_factory=Window)
+    open: int = 0                   # streams open
+
+    def window(self, kind: str) -> Window:
+        return self.requests if kind == "rpm" else self.tokens
+
+
+NO_USE = TenantUse()                # what a tenant not known here has in use: nothing (never changed)
+
+
+@dataclass(slots=True)
 class Reservation:
     tenant: str
     tokens: list | None = None      # its entry in the tenant's token window
@@ -78,20 +97,30 @@ class Reservation:
 class Limiter:
     def __init__(self, shares: SharedLimits | None = None):
         self.shares = shares          # None: this router is the only one and enforces the whole limits
-        self.requests: dict[str, Window] = {}
-        self.tokens: dict[str, Window] = {}
-        self.open: dict[str, int] = {}
+        self.tenants: dict[str, TenantUse] = {}
+        self.seen = IdleKeys(WINDOW_S)        # tenants by their last admission
 
     def _held(self):
         return self.shares.lock if self.shares is not None else contextlib.nullcontext()
 
     def used(self, tenant: str, kind: str, now: float) -> int:
         """What this router has of a tenant's limit in use: requests or tokens in the window, open streams."""
+        use = self.tenants.get(tenant, NO_USE)
         if kind == "concurrent":
-            return self.open.get(tenant, 0)
-        window = (self.requests if kind == "rpm" else self.tokens).setdefault(tenant, Window())
+            return use.open
+        window = use.window(kind)
         window.trim(now)
         return window.total
+
+    def forget_idle(self, now: float) -> None:
+        """Drop the tenants with no stream open whose last admission has left the window (so has
+        every entry of theirs): they have nothing in use. One with a stream open is looked at
+        again a window later."""
+        tenants = self.tenants
+        for name in self.seen.idle(now, busy=lambda name: tenants[name].open > 0):
+            del tenants[name]
+        if self.seen.compact():
+            self.tenants = dict(tenants)
 
     def _allowance(self, tenant: str, kind: str, limit: int | None, amount: int, now: float) -> int | None:
         if limit is None or self.shares is None:
@@ -116,21 +145,28 @@ class Limiter:
                                field="max_tokens", reason="rate_limit_tokens")
         name = tenant.name
         with self._held():
+            self.forget_idle(now)
+            use = self.tenants.get(name)
+            if use is None:
+                use = self.tenants[name] = TenantUse()
+            self.seen.see(name, now)
+            use.requests.trim(now)
+            use.tokens.trim(now)
             rpm = self._allowance(name, "rpm", tenant.rpm, 1, now)
             tpm = self._allowance(name, "tpm", tenant.tpm, tokens, now)
             concurrent = self._allowance(name, "concurrent", tenant.max_concurrent, 1, now)
             if rpm is not None and self.used(name, "rpm", now) + 1 > rpm:
-                raise self._over(tenant, "rpm", tenant.rpm, rpm, self.requests[name].reset_in(now))
+                raise self._over(tenant, "rpm", tenant.rpm, rpm, use.requests.reset_in(now))
             if tpm is not None and self.used(name, "tpm", now) + tokens > tpm:
-                raise self._over(tenant, "tpm", tenant.tpm, tpm, self.tokens[name].reset_in(now))
-            if concurrent is not None and self.open.get(name, 0) >= concurrent:
-                raise ServiceError(ErrorKind.EXHAUSTED, f"tenant {name} has {self.open.get(name, 0)} streams "
+                raise self._over(tenant, "tpm", tenant.tpm, tpm, use.tokens.reset_in(now))
+            if concurrent is not None and use.open >= concurrent:
+                raise ServiceError(ErrorKind.EXHAUSTED, f"tenant {name} has {use.open} streams "
                                    f"open {self._of(tenant.max_concurrent, concurrent)}(max_concurrent "
                                    f"{tenant.max_concurrent}); retry when one ends", retry_after_ms=1000,
                                    reason="rate_limit_concurrency")
-            self.requests.setdefault(name, Window()).add(now, 1)
-            self.open[name] = self.open.get(name, 0) + 1
-            return Reservation(name, self.tokens.setdefault(name, Window()).add(now, tokens))
+            use.requests.add(now, 1)
+            use.open += 1
+            return Reservation(name, use.tokens.add(now, tokens))
 
     @staticmethod
     def _of(limit: int, allowance: int) -> str:
@@ -153,9 +189,12 @@ class Limiter:
     def release(self, reservation: Reservation, used_tokens: int | None) -> None:
         """The request ended: its stream closes; its reserved tokens become what it really used."""
         with self._held():
-            self.open[reservation.tenant] = max(0, self.open.get(reservation.tenant, 1) - 1)
+            use = self.tenants.get(reservation.tenant)
+            if use is None:         # not forgotten while a stream is open; nothing to release if so
+                return
+            use.open = max(0, use.open - 1)
             if used_tokens is not None and reservation.tokens is not None:
-                self.tokens[reservation.tenant].correct(reservation.tokens, used_tokens)
+                use.tokens.correct(reservation.tokens, used_tokens)
 
     def headers(self, tenant: Tenant, now: float) -> dict[str, str]:
         """OpenAI's x-ratelimit-* response headers for the tenant's request and token windows."""
@@ -165,8 +204,9 @@ class Limiter:
                 if limit is None:
                     continue
                 allowance = limit if self.shares is None else self.shares.granted.get((tenant.name, name), 0)
-                window = (self.requests if name == "rpm" else self.tokens).setdefault(tenant.name, Window())
+                used = self.used(tenant.name, name, now)
                 out[f"x-ratelimit-limit-{kind}"] = str(limit)
-                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, allowance - self.used(tenant.name, name, now)))
-                out[f"x-ratelimit-reset-{kind}"] = f"{window.reset_in(now):.3f}s"
+                out[f"x-ratelimit-remaining-{kind}"] = str(max(0, allowance - used))
+                reset_s = self.tenants.get(tenant.name, NO_USE).window(name).reset_in(now)
+                out[f"x-ratelimit-reset-{kind}"] = f"{reset_s:.3f}s"
         return out
