@@ -3,11 +3,18 @@ counters (Router.Stats), the Prometheus request metrics, and the request span's 
 
 The request path makes one `Tally` per request and tells it what happens: `on_routed`,
 `on_chunk`, then exactly one of `on_done`, `on_fail`, `on_cancel`.
+
+Per tenant rows cover the tenants seen lately, not every name ever sent (with auth off any
+x-tenant is a tenant): a tenant none of whose requests started, ended or was refused for
+TENANT_IDLE_S is forgotten, and beyond MAX_TENANT_ROWS the least recently seen goes first. What a
+tenant used since it began is the ledger's to tell (/v1/usage). No Prometheus series here is
+labelled by tenant (priority, pool and reason only), so the metrics do not grow with tenants.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry.trace import Span, Status, StatusCode
@@ -15,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client import Counter as PromCounter
 
 from services.common.errors import ErrorKind, ServiceError
+from services.common.idle_keys import IdleKeys
 from services.common.metrics import RequestMetrics
 from services.common.percentile import percentile
 from services.common.priority import ORDER, priority_name
@@ -25,6 +33,8 @@ LATENCY_WINDOW = 10_000        # most recent requests per group kept for percent
 RECENT = 50                    # finished requests kept for the console
 FINISHED_WINDOW = 20_000       # (time, class, TTFT, e2e) of recent completions: the console's minute
 PREDICTION_ERROR_BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000)
+TENANT_IDLE_S = 600.0          # a tenant's row is kept this long after its last request
+MAX_TENANT_ROWS = 10_000       # and at most this many rows (each holds up to 2 x LATENCY_WINDOW samples)
 
 
 @dataclass(slots=True, frozen=True)
@@ -69,11 +79,15 @@ class Counters:
 class RouterTotals:
     """Everything the router counts, since it started."""
 
-    def __init__(self, pool_names: list[str], sla=None, registry: CollectorRegistry | None = None):
+    def __init__(self, pool_names: list[str], sla=None, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.sla = sla                   # SlaMonitor: every finished request is judged against the SLAs
+        self.clock = clock               # when tenants were seen (tests pass their own)
         self.by_priority = {p: Counters() for p in ORDER}
         self.by_pool = {name: Counters() for name in pool_names}
         self.by_tenant: dict[str, Counters] = {}
+        # Tenants by when one of their requests last started, ended or was refused.
+        self.tenant_seen = IdleKeys(TENANT_IDLE_S)
         self.registry = registry or CollectorRegistry()
         self.metrics = RequestMetrics(self.registry, ("priority", "pool"))
         self.migrations = PromCounter("qos_migrations", "Requests moved to another pool mid-way",
@@ -96,6 +110,29 @@ class RouterTotals:
     def start(self, priority: int, tenant: str, span: Span, request_id: str = "") -> Tally:
         return Tally(self, priority, tenant, span, request_id)
 
+    def seen(self, tenant: str) -> None:
+        now = self.clock()
+        self.tenant_seen.see(tenant, now)
+        self.forget_idle(now)
+
+    def tenant_row(self, tenant: str, row: Counters | None = None) -> Counters:
+        """The tenant's row, now seen; `row` (a request's own, when it ends) is put back if the
+        tenant was forgotten while the request ran, so what it did is not lost."""
+        self.seen(tenant)
+        found = self.by_tenant.get(tenant)
+        if found is None:
+            found = self.by_tenant[tenant] = row if row is not None else Counters()
+        return found
+
+    def forget_idle(self, now: float) -> None:
+        """Forget the tenants not seen for TENANT_IDLE_S, and the least recently seen beyond
+        MAX_TENANT_ROWS."""
+        for tenant in self.tenant_seen.idle(now, keep=MAX_TENANT_ROWS):
+            self.by_tenant.pop(tenant, None)
+            self.limits_hit.pop(tenant, None)
+        if self.tenant_seen.compact():
+            self.by_tenant, self.limits_hit = dict(self.by_tenant), Counter(self.limits_hit)
+
     def reject(self, priority_label: str, reason: str) -> None:
         self.metrics.rejections.labels(priority_label, reason).inc()
         self.rejected[(priority_label, reason)] += 1
@@ -104,6 +141,7 @@ class RouterTotals:
         """Refused before it was admitted: a bad header, no key, a limit."""
         self.reject(priority_name(priority) if priority else "unknown", error.reason)
         if tenant and error.reason.startswith(("rate_limit", "insufficient_quota", "priority_not_allowed")):
+            self.seen(tenant)
             self.limits_hit[tenant] += 1
 
     def stats_proto(self, pools, threshold: float) -> router_pb2.RouterStats:
@@ -132,8 +170,8 @@ class Tally:
         self.prompt_tokens = self.completion_tokens = 0    # as far as known (usage comes first)
         self.cached_tokens = 0                              # of prompt_tokens, from the prefix cache
         self.outcome = ""                                   # completed | failed | cancelled
-        self.groups = [totals.by_priority[priority],
-                       totals.by_tenant.setdefault(tenant, Counters())]
+        self.tenant_group = totals.tenant_row(tenant)
+        self.groups = [totals.by_priority[priority], self.tenant_group]
         for group in self.groups:
             group.requests += 1
         span.set_attributes({"qos.priority": self.name, "qos.tenant": tenant})
@@ -162,7 +200,15 @@ class Tally:
             self.first_token_s = elapsed_ms / 1000
         self.totals.metrics.tokens.labels(self.name, self.pool).inc(len(chunk.token_ids))
 
+    def _ended(self) -> None:
+        """Its tenant was seen now; if its row was forgotten meanwhile (a request longer than
+        TENANT_IDLE_S), the request ends in the tenant's row of now."""
+        row = self.totals.tenant_row(self.tenant, self.tenant_group)
+        if row is not self.tenant_group:
+            self.groups[self.groups.index(self.tenant_group)] = self.tenant_group = row
+
     def on_done(self, chunk: common_pb2.GenerateChunk) -> None:
+        self._ended()
         self.outcome = "completed"
         self.completion_tokens = chunk.usage.completion_tokens
         self.cached_tokens = chunk.usage.cached_tokens
@@ -200,6 +246,7 @@ class Tally:
         self.on_routed(to_pool)
 
     def on_fail(self, error: ServiceError) -> None:
+        self._ended()
         self.outcome = "failed"
         for group in self.groups:
             group.failed += 1
@@ -225,6 +272,7 @@ class Tally:
             self.totals.sla.record(self.name, Outcome(time.time(), self.tenant, served, **latency))
 
     def on_cancel(self) -> None:
+        self._ended()
         self.outcome = "cancelled"
         for group in self.groups:
             group.cancelled += 1
