@@ -216,6 +216,7 @@ class ContinuousBatcher(WorkerChanges):
         backlogged = {lane for lane in policy.lanes if policy.queue(lane)}
         backlogged |= self.planner.lanes_running()
         policy.backlog_changed(backlogged, self.clock())
+        policy.forget_idle_tenants(self.clock(), self.running.values())
         builders = {}
         # Admit to a worker with a free running slot first (a request it takes preempts nobody,
         # where a full worker would have to), then to the emptiest, so load spreads.

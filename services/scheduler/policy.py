@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.config import KV_CAP_MODES
@@ -21,6 +22,7 @@ from services.scheduler.request import Request
 from services.scheduler.tenant_queue import TenantQueue
 
 log = logging.getLogger(__name__)
+TENANT_SWEEP_S = 1.0      # how often idle tenants are looked for (a lane's walk: its busy tenants at most)
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ class SchedulingPolicy(ABC):
         # every running sequence of every step.
         self.lane_by_priority: dict[int, int] = {p: self._lane_of_priority(p) for p in ORDER}
         self.lane_is_class = all(lane == p for p, lane in self.lane_by_priority.items())
+        self._tenants_looked_at: float | None = None     # forget_idle_tenants' last time
 
     # --- lanes and waiting queues -----------------------------------------------------------
 
@@ -114,6 +117,22 @@ class SchedulingPolicy(ABC):
         """Tokens were served to requests of these tenants in `lane`: their shares inside the
         lane move on."""
         self._queues[lane].charge(tokens_by_tenant)
+
+    def forget_idle_tenants(self, now: float, running: Iterable[Iterable[Request]]) -> None:
+        """Each lane forgets its tenants idle for TENANT_IDLE_S (tenant_queue.py); `running`: the
+        requests running now, by worker (`now`: any clock, the batcher's). Looked at once a
+        second at most."""
+        if not self.tenant_fairness or (self._tenants_looked_at is not None
+                                        and now - self._tenants_looked_at < TENANT_SWEEP_S):
+            return
+        self._tenants_looked_at = now
+        busy: dict[int, set[str]] = {lane: set() for lane in self.lanes}
+        lane_by_priority = self.lane_by_priority
+        for requests in running:
+            for request in requests:
+                busy[lane_by_priority[request.priority]].add(request.tenant)
+        for lane, queue in self._queues.items():
+            queue.forget_idle(now, busy[lane])
 
     def waiting(self, priority: int) -> int:
         return self._waiting[priority]

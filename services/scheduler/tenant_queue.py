@@ -8,17 +8,28 @@ A tenant that was idle re-enters at the smallest virtual time among the waiting 
 waiting: among those served last), so idle time banks no credit and service alone is no debt. So
 a tenant with 200 queued requests cannot make another tenant's first request wait behind all of
 them: it waits for one admission. With fairness off it is one FIFO.
+
+A tenant with nothing waiting or running here for TENANT_IDLE_S is forgotten (forget_idle): its
+virtual time and weight are dropped, so a class keeps the state of its recent tenants only, however
+many tenant names come and go. Forgetting never puts a tenant behind: it would re-enter at the
+larger of its own virtual time and the floor, and forgotten it re-enters at the floor, as a new
+tenant does. What it forgives is a lead in service (own virtual time above the floor) after a
+minute with nothing queued or running, as weighted fair queueing starts a newly active flow at
+the system's virtual time once its own finish time is behind: the tenant gains nothing a new
+tenant name would not give it.
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from itertools import repeat
 from operator import add, truediv
 
+from services.common.idle_keys import IdleKeys
 from services.scheduler.request import Request
 
 ONE_LANE = ""        # the key every request shares when fairness is off
+TENANT_IDLE_S = 60.0        # a tenant's state is kept this long with nothing waiting or running
 
 
 class TenantQueue:
@@ -31,6 +42,9 @@ class TenantQueue:
         self._weight: dict[str, float] = {}    # each tenant's share, as its latest request says
         self._floor = 0.0       # with nobody waiting: the least virtual time of those served last
         self._size = 0
+        # Tenants by when they were last seen waiting or running (forget_idle's clock).
+        self._seen = IdleKeys(TENANT_IDLE_S)
+        self._now = 0.0         # forget_idle's last time: a request's arrival is seen then
 
     def _key(self, request: Request) -> str:
         return request.tenant if self.fair else ONE_LANE
@@ -48,15 +62,21 @@ class TenantQueue:
         self._waiting[key] = None
         return self._by_tenant.setdefault(key, deque())
 
+    def _arrive(self, request: Request) -> deque[Request]:
+        if not self.fair:
+            return self._enter(ONE_LANE)
+        key = request.tenant
+        self._weight[key] = request.tenant_weight or 1.0
+        self._seen.see(key, self._now)
+        return self._enter(key)
+
     def append(self, request: Request) -> None:
-        self._weight[request.tenant] = request.tenant_weight or 1.0
-        self._enter(self._key(request)).append(request)
+        self._arrive(request).append(request)
         self._size += 1
 
     def appendleft(self, request: Request) -> None:
         """A preempted request goes back first in its tenant's line."""
-        self._weight[request.tenant] = request.tenant_weight or 1.0
-        self._enter(self._key(request)).appendleft(request)
+        self._arrive(request).appendleft(request)
         self._size += 1
 
     def remove(self, request: Request) -> None:
@@ -65,7 +85,24 @@ class TenantQueue:
         queue.remove(request)
         if not queue:
             del self._waiting[key]
+            del self._by_tenant[key]
         self._size -= 1
+
+    def forget_idle(self, now: float, running: Collection[str]) -> None:
+        """Forget the tenants seen neither waiting nor among `running` (the tenants of this lane's
+        running requests) for TENANT_IDLE_S; those still busy are seen now."""
+        self._now = now
+        waiting = self._waiting
+        for key in self._seen.idle(now, busy=lambda key: key in waiting or key in running):
+            self._vtime.pop(key, None)
+            self._weight.pop(key, None)
+        if self._seen.compact():
+            self._vtime, self._weight = dict(self._vtime), dict(self._weight)
+            self._waiting, self._by_tenant = dict(self._waiting), dict(self._by_tenant)
+
+    def tenants_known(self) -> int:
+        """How many tenants this queue holds any state of."""
+        return max(len(self._seen), len(self._vtime.keys() | self._weight.keys() | self._by_tenant.keys()))
 
     def peek(self) -> Request | None:
         """The request to admit next: the oldest of the tenant with the smallest virtual time (of
