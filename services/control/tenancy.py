@@ -103,11 +103,18 @@ class TenantBook:
         services/store/connect.py)."""
         keys, tenants, spent = await asyncio.to_thread(self.store.snapshot)
         self.keys, self.tenants = keys, {t.name: t for t in tenants}
-        # Keep local additions not yet in the database (the ledger writes in batches).
-        self.spent = {name: max(amount, self.spent.get(name, 0.0)) for name, amount in spent.items()} | \
-            {name: amount for name, amount in self.spent.items() if name not in spent}
+        self._merge_spent(spent)
         self.read_at = time.monotonic()
         self.loaded.set()
+
+    def _merge_spent(self, spent: dict[str, float]) -> None:
+        """What the store says each tenant spent, or more where this router added rows the ledger
+        has not written yet (it writes in batches). Only budgets read it: tenants without one are
+        not kept (the store holds every tenant ever billed; with auth off any x-tenant is one)."""
+        mine = self.spent
+        self.spent = {name: max(spent.get(name, 0.0), mine.get(name, 0.0))
+                      for name, tenant in self.tenants.items()
+                      if tenant.budget is not None and (name in spent or name in mine)}
 
     async def keep_fresh(self) -> None:
         """Refresh every refresh_s. While the store cannot be read the cache is kept (revoked keys
@@ -148,8 +155,7 @@ class TenantBook:
 
         spent = self.store.exchange_shares(self.replica, now - FORGET_S, decide)
         shares.committed(started)      # the lease runs from before the transaction: never longer
-        self.spent = {name: max(amount, self.spent.get(name, 0.0)) for name, amount in spent.items()} | \
-            {name: amount for name, amount in self.spent.items() if name not in spent}
+        self._merge_spent(spent)
 
     async def exchange_shares(self) -> None:
         await asyncio.to_thread(self._exchange)
@@ -222,7 +228,7 @@ class TenantBook:
         """The request ended: free its stream, true up its tokens, add what it cost."""
         if ticket.reservation is not None:
             self.limiter.release(ticket.reservation, used_tokens)
-        if amount:
+        if amount and ticket.caller.tenant.budget is not None:
             self.spent[ticket.caller.name] = self.spent.get(ticket.caller.name, 0.0) + amount
 
     def headers(self, caller: Caller) -> dict[str, str]:

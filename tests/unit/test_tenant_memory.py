@@ -3,13 +3,16 @@ off any x-tenant is a tenant, so 100,000 distinct tenants pass through the route
 tally and the scheduler's fair queues, time passes (injected, never slept), and the memory they
 hold (tracemalloc) and the number of tenants they know are back to where they were after a
 warm-up. Beside that, what forgetting must not change: a limited tenant's window and open
-streams, and the fair order of tenants that wait or run while time races past the idle limit."""
+streams, the spending budgets are checked against, and the fair order of tenants that wait or
+run while time races past the idle limit."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import tracemalloc
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from opentelemetry.trace import INVALID_SPAN
@@ -20,6 +23,7 @@ from services.common.priority import LOW, MEDIUM, ORDER
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import SamplingParams
 from services.control.limits import WINDOW_S, Limiter
+from services.control.tenancy import Caller, Pass, TenantBook
 from services.router import tally
 from services.router.tally import TENANT_IDLE_S as ROW_IDLE_S
 from services.router.tally import RouterTotals
@@ -98,6 +102,33 @@ def test_forgetting_never_lets_a_limited_tenant_past_its_window_or_its_streams()
         limiter.admit(capped, "medium", 1, 0.0, now + 55.0)
     assert refused.value.kind is ErrorKind.EXHAUSTED and refused.value.reason == "rate_limit_requests"
     assert len(limiter.tenants) <= 2 * 60 / 0.05                  # the last minute's tenants, not 5,000
+
+
+class Snapshot:
+    """A store's snapshot (keys, tenants, spent): it holds every tenant ever billed."""
+
+    def __init__(self, tenants: list[Tenant], spent: dict[str, float]):
+        self.tenants, self.spent = tenants, spent
+
+    def snapshot(self):
+        return {}, self.tenants, self.spent
+
+
+def test_the_tenant_book_keeps_spending_only_for_tenants_with_a_budget():
+    capped = Tenant("capped", budget=100.0)
+    store = Snapshot([capped, Tenant("known")], {f"t{i}": 1.0 for i in range(10_000)} | {"capped": 5.0})
+    book = TenantBook(store)
+    asyncio.run(book.refresh())
+    for i in range(10_000):                                        # billed, but nothing reads it
+        book.release(Pass(Caller(Tenant(f"new{i}"))), None, 1.5)
+    book.release(Pass(Caller(capped)), None, 2.0)
+    assert book.spent == {"capped": 7.0}
+    store.spent["capped"] = 6.0                                    # the ledger has not written the 2.0 yet
+    asyncio.run(book.refresh())
+    assert book.spent == {"capped": 7.0}
+    with pytest.raises(ServiceError) as refused:
+        book.admit(Caller(replace(capped, budget=7.0)), MEDIUM, 1)
+    assert refused.value.reason == "insufficient_quota"
 
 
 def series(registry: CollectorRegistry) -> int:
