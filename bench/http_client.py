@@ -39,22 +39,26 @@ class HttpError(Exception):
 class HttpAnswer:
     text: str = ""
     completion_tokens: int = 0
+    prompt_tokens: int = 0         # from the final usage chunk
+    cached_tokens: int = 0         # usage.prompt_tokens_details.cached_tokens: served by the prefix cache
     ttft_ms: float = 0.0           # request sent -> first text event
     e2e_ms: float = 0.0
     finish_reason: str = ""
 
 
 async def complete(address: str, model: str, prompt: str, max_tokens: int, priority: str,
-                   tenant: str = "", **extra) -> HttpAnswer:
-    """Stream one /v1/completions request (greedy, `extra` merged into the body)."""
+                   tenant: str = "", api_key: str = "", tls: bool = False, **extra) -> HttpAnswer:
+    """Stream one /v1/completions request (greedy, `extra` merged into the body) to `address`
+    (host:port), with `api_key` as a bearer token when given, over TLS when `tls`."""
     host, port = address.rsplit(":", 1)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}, **extra}).encode()
     started = time.perf_counter()
-    reader, writer = await asyncio.open_connection(host, int(port))
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=tls or None)
     try:
         writer.write(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
-                     b"x-priority: " + priority.encode() + b"\r\n"
+                     b"host: " + address.encode() + b"\r\nx-priority: " + priority.encode() + b"\r\n"
+                     + (b"authorization: Bearer " + api_key.encode() + b"\r\n" if api_key else b"")
                      + (b"x-tenant: " + tenant.encode() + b"\r\n" if tenant else b"") + b"content-length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         status = int((await reader.readline()).split()[1])
@@ -77,8 +81,10 @@ async def complete(address: str, model: str, prompt: str, max_tokens: int, prior
                     answer.ttft_ms = (time.perf_counter() - started) * 1000
                 answer.text += choice["text"]
                 answer.finish_reason = choice["finish_reason"] or answer.finish_reason
-            if event.get("usage"):
-                answer.completion_tokens = event["usage"]["completion_tokens"]
+            if usage := event.get("usage"):
+                answer.completion_tokens = usage["completion_tokens"]
+                answer.prompt_tokens = usage.get("prompt_tokens", 0)
+                answer.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         answer.e2e_ms = (time.perf_counter() - started) * 1000
         return answer
     finally:
