@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cache_ideal import ideal_share  # noqa: E402
-from bench.harness import PRIORITIES, make_parser, progress, quantile, write_json  # noqa: E402
+from bench.harness import PRIORITIES, machine, make_parser, progress, quantile, write_json  # noqa: E402
 from bench.http_client import HttpError, complete  # noqa: E402
 from bench.trace_prompts import BlockText, exact_blocks, one_token_words  # noqa: E402
 from bench.trace_workload import (CLASS_RULES, MOONCAKE_BLOCK_TOKENS, classes, fit_tokens_per_hash,  # noqa: E402
@@ -75,6 +75,7 @@ class Server:
     block_size: int | None      # the pool's KV block size, tokens (None: unknown)
     capacity_blocks: int | None # KV blocks over the pool's workers (None: unknown)
     workers: int | None
+    dtype: str = ""             # the pool's workers' (Router.Stats), "" when unknown
 
 
 @dataclass(slots=True)
@@ -118,6 +119,7 @@ def discover(http: str, tls: bool, api_key: str, served_model: str | None, route
     if model is None:
         raise SystemExit(f"{base}/v1/models has no {served_model!r}: {[m['id'] for m in models]}")
     capacity = workers = None
+    dtype = ""
     if router and pool_tokens is None:
         from services.tools.stats_view import fetch
         pools = [p for p in asyncio.run(fetch(router, api_key or None)).pools
@@ -126,9 +128,10 @@ def discover(http: str, tls: bool, api_key: str, served_model: str | None, route
             block_size = block_size or pools[0].block_size
             capacity = sum(p.kv_blocks_total for p in pools)
             workers = sum(p.workers for p in pools)
+            dtype = ",".join(sorted({m.dtype for p in pools for m in p.members if m.dtype}))
     if pool_tokens is not None and block_size:
         capacity = pool_tokens // block_size
-    return Server(http, tls, api_key, model["id"], int(model["max_model_len"]), block_size, capacity, workers)
+    return Server(http, tls, api_key, model["id"], int(model["max_model_len"]), block_size, capacity, workers, dtype)
 
 
 @contextlib.contextmanager
@@ -203,7 +206,7 @@ def print_report(result: dict) -> None:
           f"sent in {result['replay_s']:.0f} s (speed {t['speed']:g}); {t['tokens_per_hash']} tokens per hash id "
           f"({t['block_tokens']} in the trace), {t['truncated']} prompts truncated; classes {t['classes']}")
     print(f"model {s['model']} (context {s['max_len']}); pool {s['capacity_blocks']} KV blocks x {s['block_size']} "
-          f"tokens over {s['workers']} worker(s); prompt blocks exact after tokenizing "
+          f"tokens over {s['workers']} worker(s) ({s['dtype'] or 'dtype unknown'}); prompt blocks exact after tokenizing "
           f"{t['block_tokens_exact']:.1%}")
     bounded = result["bounded_ideal_share"]
     print(f"cached share of prompt tokens: served {result['served_cached_share']:.1%}, bounded ideal (LRU) "
@@ -282,7 +285,7 @@ def main() -> None:
             outcomes = asyncio.run(replay(server, plan, bar))
             replay_s = time.monotonic() - began
     block = server.block_size or 16
-    result = {"trace": {"file": args.trace.name, "format": fmt, "skip": args.skip, "span_s": requests[-1].at_ms / 1000,
+    result = {"machine": machine(), "trace": {"file": args.trace.name, "format": fmt, "skip": args.skip, "span_s": requests[-1].at_ms / 1000,
                         "speed": args.speed, "block_tokens": args.block_tokens, "classes": args.classes, **prompts},
               "server": {**dataclasses.asdict(server), "api_key": bool(server.api_key), "local": args.local},
               "replay_s": replay_s, **summarise(outcomes),
