@@ -285,7 +285,8 @@ def main() -> None:
             outcomes = asyncio.run(replay(server, plan, bar))
             replay_s = time.monotonic() - began
     block = server.block_size or 16
-    result = {"machine": machine(), "trace": {"file": args.trace.name, "format": fmt, "skip": args.skip, "span_s": requests[-1].at_ms / 1000,
+    result = {"machine": machine(),
+              "trace": {"file": args.trace.name, "format": fmt, "skip": args.skip, "span_s": requests[-1].at_ms / 1000,
                         "speed": args.speed, "block_tokens": args.block_tokens, "classes": args.classes, **prompts},
               "server": {**dataclasses.asdict(server), "api_key": bool(server.api_key), "local": args.local},
               "replay_s": replay_s, **summarise(outcomes),
