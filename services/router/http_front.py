@@ -40,7 +40,7 @@ from services.control.console_feed import CONSOLE_DIR
 from services.control.limits import estimate_tokens
 from services.control.sla import ALL_TENANTS
 from services.router.http_generation import GenerationResponse, error_response
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
 from services.router.openai_response import error_body
 
 CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
@@ -126,8 +126,9 @@ class HttpFront:
             headers = {k: http.headers[k] for k in HEADERS if k in http.headers}
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
             request = parse_openai(kind, await self._body(http))
-            if PRIORITY_HEADER not in headers and request.tier is not None:
-                headers[PRIORITY_HEADER] = request.tier.label      # the header wins over the body
+            label = class_header(request, headers.get(PRIORITY_HEADER))
+            if label is not None:
+                headers[PRIORITY_HEADER] = label
             if request.context_mode is not None:
                 sent = headers.setdefault(CONTEXT_MODE_HEADER, request.context_mode)
                 if sent.strip().lower() != request.context_mode:

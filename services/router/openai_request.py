@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from services.common.errors import invalid
-from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode
+from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
 
@@ -20,6 +20,7 @@ CHAT, COMPLETION = "chat", "completion"
 # service_tier as OpenAI names its tiers -> our classes, and back for the response.
 TIERS = {"priority": HIGH, "default": MEDIUM, "auto": MEDIUM, "flex": LOW}
 TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}
+MAX_INT64 = 2**63 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 MAX_INT32 = 2**31 - 1
@@ -28,7 +29,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (c
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
           "service_tier", "stream", "stream_options",
-          "top_k", "ignore_eos", "stop_token_ids",        # these three as vLLM takes them
+          "top_k", "ignore_eos", "stop_token_ids", "priority",   # these four as vLLM takes them
           "context_mode",                                 # ours: auto, dense or streaming attention
           "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
 # Identifiers: they never change an answer, so they are only checked to be strings.
@@ -54,7 +55,8 @@ class OpenAIRequest:
     body: router_pb2.GenerateRequest     # prompt or messages, sampling, model: the gRPC request
     stream: bool = False
     include_usage: bool = False
-    tier: Priority | None = None         # from service_tier; the X-Priority header wins over it
+    tier: Priority | None = None         # from service_tier or priority (x-priority must agree)
+    tier_field: str = ""                 # which of the two set it (errors name it back)
     user: str = ""
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
     context_mode: str | None = None      # as sent (the x-context-mode header must agree)
@@ -255,11 +257,7 @@ def _options(body: dict, request: OpenAIRequest) -> None:
             raise invalid("stream_options takes only include_usage", "stream_options")
         if options.get("include_usage") is not None:
             request.include_usage = _bool(options["include_usage"], "stream_options.include_usage")
-    tier = body.get("service_tier")
-    if tier is not None:
-        if _text(tier, "service_tier") not in TIERS:
-            raise invalid(f"service_tier must be one of {', '.join(TIERS)}, got {tier!r}", "service_tier")
-        request.tier = TIERS[tier]
+    _class(body, request)
     if body.get("user") is not None:
         request.user = _text(body["user"], "user")
     if body.get("context_mode") is not None:
@@ -276,3 +274,47 @@ def _options(body: dict, request: OpenAIRequest) -> None:
     salts = [check_cache_salt(_text(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
              if body.get(name) is not None]
     request.body.cache_salt = "\x1f".join(salts)
+
+
+def class_of_priority(priority: int) -> Priority | None:
+    """vLLM's `priority` -> our class. vLLM orders requests by it (lower sooner, 0 by default)
+    but gives it no scale, so only its sign carries over: below 0 High, above 0 Low; 0, vLLM's
+    default, asks for nothing (Medium unless service_tier or x-priority says otherwise)."""
+    return HIGH if priority < 0 else LOW if priority > 0 else None
+
+
+def _class(body: dict, request: OpenAIRequest) -> None:
+    """service_tier and priority: each names a class; both sent, they must name the same one."""
+    asked = []
+    tier = body.get("service_tier")
+    if tier is not None:
+        if _text(tier, "service_tier") not in TIERS:
+            raise invalid(f"service_tier must be one of {', '.join(TIERS)}, got {tier!r}", "service_tier")
+        asked.append(("service_tier", TIERS[tier]))
+    if body.get("priority") is not None:
+        priority = class_of_priority(_int(body["priority"], "priority", -MAX_INT64 - 1, MAX_INT64))
+        if priority is not None:
+            asked.append(("priority", priority))
+    if len({p for _, p in asked}) > 1:
+        raise invalid(f"priority {body['priority']} asks for {asked[1][1].label} and service_tier "
+                      f"{tier!r} for {asked[0][1].label}: send one of them", "priority")
+    if asked:
+        request.tier_field, request.tier = asked[-1]
+
+
+def class_header(request: OpenAIRequest, header: str | None) -> str | None:
+    """The x-priority value the request goes on with: the header's or the body's class, which
+    must agree when both are sent (a 400 naming the body's field). None: neither names one. A
+    header that is no class is passed on as it is, to be refused by name where headers are read."""
+    if request.tier is None:
+        return header
+    if header is None:
+        return request.tier.label
+    try:
+        sent = parse_priority(header)
+    except ValueError:
+        return header
+    if sent != request.tier:
+        raise invalid(f"{request.tier_field} asks for {request.tier.label} and the x-priority header "
+                      f"for {sent.label}: send one of them", request.tier_field)
+    return header

@@ -62,6 +62,7 @@ BAD = {
     "ignore_eos": anything_but("bool"),
     "stream_options": st.dictionaries(st.text(max_size=5), st.booleans(), max_size=2),  # without stream
     "service_tier": st.one_of(st.text().filter(lambda t: t not in TIERS), anything_but("str")),
+    "priority": st.one_of(st.integers(max_value=-2**63 - 1), st.integers(min_value=2**63), anything_but("int")),
     "user": anything_but("str"),
     "stop_token_ids": st.one_of(anything_but("list"), st.lists(st.integers(max_value=-1), min_size=1)),
     "messages": st.one_of(anything_but("list"), st.just([]), st.lists(anything_but("dict"), min_size=1),

@@ -109,26 +109,45 @@ def test_completions_equal_the_grpc_path_streaming_or_not(client, cluster, model
     assert "".join(c.choices[0].text for c in streamed) == reference.text
 
 
-@pytest.mark.parametrize("header, tier, served_as, tier_echoed", [
-    ("high", None, HIGH, "priority"),
-    ("LOW", None, LOW, "flex"),
-    (None, "priority", HIGH, "priority"),
-    (None, "flex", LOW, "flex"),
-    (None, "auto", MEDIUM, "default"),
-    ("low", "priority", LOW, "flex"),          # the header wins over the body
+@pytest.mark.parametrize("header, tier, priority, served_as, tier_echoed", [
+    ("high", None, None, HIGH, "priority"),
+    ("LOW", None, None, LOW, "flex"),
+    (None, "priority", None, HIGH, "priority"),
+    (None, "flex", None, LOW, "flex"),
+    (None, "auto", None, MEDIUM, "default"),
+    (None, None, -1, HIGH, "priority"),       # vLLM's priority: lower is sooner
+    (None, None, 0, MEDIUM, "default"),
+    (None, None, 7, LOW, "flex"),
+    ("low", "flex", 3, LOW, "flex"),          # all three, agreeing
 ])
-def test_x_priority_and_service_tier_reach_the_scheduler_as_the_class(client, cluster, model, header,
-                                                                       tier, served_as, tier_echoed):
+def test_x_priority_service_tier_and_priority_reach_the_scheduler_as_the_class(
+        client, cluster, model, header, tier, priority, served_as, tier_echoed):
     before = class_tokens(cluster)
     extra = {"service_tier": tier} if tier else {}
     answer = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=5, temperature=0,
-        extra_body={"ignore_eos": True}, extra_headers={"X-Priority": header} if header else None, **extra)
+        extra_body={"ignore_eos": True, **({"priority": priority} if priority is not None else {})},
+        extra_headers={"X-Priority": header} if header else None, **extra)
     after = class_tokens(cluster)
     served = {p: after[p] - before[p] for p in after}
     assert served[served_as] == answer.usage.completion_tokens == 5
     assert sum(served.values()) == 5
     assert answer.service_tier == tier_echoed
+
+
+@pytest.mark.parametrize("header, body, param", [
+    ("low", {"service_tier": "priority"}, "service_tier"),
+    ("high", {"priority": 1}, "priority"),
+    (None, {"priority": -1, "service_tier": "flex"}, "priority"),
+])
+def test_classes_that_differ_are_a_400_naming_the_body_field_on_both_endpoints(client, model, header, body,
+                                                                               param):
+    headers = {"X-Priority": header} if header else None
+    for create, fields in [(client.chat.completions.create, {"messages": [{"role": "user", "content": "Hi"}]}),
+                           (client.completions.create, {"prompt": "Hi"})]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=model, max_tokens=2, extra_body=body, extra_headers=headers, **fields)
+        assert caught.value.status_code == 400 and caught.value.param == param
 
 
 def test_request_id_header_and_chunk_ids_agree(cluster, model):

@@ -8,7 +8,7 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import common_pb2
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
 from services.router.openai_response import OpenAIResponse, error_body
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -56,6 +56,70 @@ def test_completions_default_to_16_tokens_as_openai_does_and_take_one_prompt():
                                             ("flex", LOW)])
 def test_service_tiers(tier, priority):
     assert chat(service_tier=tier).tier == priority
+
+
+# vLLM's priority: lower is sooner, 0 its default; only the sign carries over.
+@pytest.mark.parametrize("priority, served", [(-(2**63), HIGH), (-1, HIGH), (0, None), (1, LOW),
+                                              (2**63 - 1, LOW)])
+def test_vllm_priority_maps_by_its_sign(priority, served):
+    assert chat(priority=priority).tier == served
+    assert parse_openai(COMPLETION, json.dumps({"model": "m", "prompt": "x", "priority": priority}).encode()
+                        ).tier == served
+
+
+@pytest.mark.parametrize("fields, served", [
+    ({"priority": -5, "service_tier": "priority"}, HIGH),
+    ({"priority": 3, "service_tier": "flex"}, LOW),
+    ({"priority": 0, "service_tier": "flex"}, LOW),          # 0 asks for nothing
+    ({"priority": 0, "service_tier": "priority"}, HIGH),
+    ({"priority": None, "service_tier": "default"}, MEDIUM),
+])
+def test_priority_and_service_tier_that_agree(fields, served):
+    assert chat(**fields).tier == served
+
+
+@pytest.mark.parametrize("fields", [{"priority": -1, "service_tier": "default"},
+                                    {"priority": -1, "service_tier": "flex"},
+                                    {"priority": 1, "service_tier": "auto"},
+                                    {"priority": 2, "service_tier": "priority"}])
+def test_priority_and_service_tier_that_differ_are_a_400_naming_priority(fields):
+    error = refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, **fields}).encode())
+    assert error.field == "priority" and "send one of them" in error.message
+
+
+@pytest.mark.parametrize("value, words", [(1.5, "integer, got number"), (True, "integer, got boolean"),
+                                          ("-1", "integer, got string"), (2**63, "must be in")])
+def test_a_priority_that_is_no_integer_is_a_400_naming_it(value, words):
+    error = refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, "priority": value}).encode())
+    assert error.field == "priority" and words in error.message
+
+
+@pytest.mark.parametrize("fields, header, sent", [
+    ({}, None, None),                                  # neither: the default class
+    ({}, "Low", "Low"),                                # the header alone
+    ({"priority": -1}, None, "high"),                  # the body alone
+    ({"service_tier": "flex"}, None, "low"),
+    ({"priority": 0}, "low", "low"),                   # 0 asks for nothing
+    ({"priority": -1}, " HIGH ", " HIGH "),            # agreeing, in the header's spelling
+    ({"service_tier": "auto"}, "medium", "medium"),
+    ({"priority": 1}, "urgent", "urgent"),             # no class: refused where headers are read
+])
+def test_the_class_header_the_request_goes_on_with(fields, header, sent):
+    assert class_header(chat(**fields), header) == sent
+
+
+@pytest.mark.parametrize("fields, header, field", [
+    ({"priority": -1}, "low", "priority"),
+    ({"priority": 5}, "medium", "priority"),
+    ({"service_tier": "priority"}, "low", "service_tier"),
+    ({"service_tier": "flex"}, "HIGH", "service_tier"),
+    ({"priority": 0, "service_tier": "default"}, "high", "service_tier"),
+])
+def test_a_body_class_that_differs_from_x_priority_is_a_400_naming_the_field(fields, header, field):
+    with pytest.raises(ServiceError) as caught:
+        class_header(chat(**fields), header)
+    error = caught.value
+    assert error.kind is ErrorKind.INVALID and error.field == field and "x-priority header" in error.message
 
 
 @pytest.mark.parametrize("raw, field, words", [
