@@ -47,6 +47,7 @@ from services.scheduler.request import Request, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
+from services.scheduler.vllm_metrics import VllmRequestMetrics, vllm_gauges
 from services.scheduler.membership import Membership
 from services.scheduler.worker_link import WorkerLink
 
@@ -96,6 +97,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "carries several tokens)", ("priority",), registry=self.registry)
         self.registry.register(StateCollector(lambda: state_metrics(self.batcher)))
         self.registry.register(StateCollector(lambda: scale_metrics(pool_name, self.batcher, self.advisor)))
+        self.vllm_metrics = VllmRequestMetrics(self.registry, self.model_name, pool_name)
+        self.registry.register(StateCollector(lambda: vllm_gauges(self.model_name, pool_name, self.batcher)))
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)
@@ -259,6 +262,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ttft_s = request.first_token_at - request.arrival
         self.metrics.finished((priority_name(request.priority),), ttft_s, now - request.arrival,
                               len(request.output_ids))
+        self.vllm_metrics.finished(priority_name(request.priority), ttft_s, now - request.arrival)
         if request.priority == Priority.HIGH:
             self.advisor.observe_high_ttft(ttft_s * 1000, time.time())
 

@@ -27,6 +27,12 @@ def running_by_priority(b: ContinuousBatcher) -> Counter:
     return Counter(r.priority for requests in b.running.values() for r in requests)
 
 
+def kv_blocks_in_use(b: ContinuousBatcher) -> tuple[int, int]:
+    """KV blocks held and KV blocks in all, over the pool's connected workers (draining ones too)."""
+    pools = [l.pool for l in b.links if l.is_connected and l.info is not None and l.pool]
+    return sum(p.num_used for p in pools), sum(p.num_blocks for p in pools)
+
+
 def cache_by_priority(b: ContinuousBatcher) -> tuple[Counter, Counter]:
     """Prefix caching, over the pool's workers: evictions since they connected and idle cached
     blocks now, per class (the class that held the block last). Empty with caching off."""
@@ -49,6 +55,7 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
     prefill_left = prefill_backlog(b)
     evictions, idle = cache_by_priority(b)
     cache = b.prefix_cache
+    kv_used, kv_total = kv_blocks_in_use(b)
     return scheduler_pb2.PoolStats(
         pool=name, model=model, policy=policy.name, draining=draining,
         device=info.device_type if info else "", workers=len(connected),
@@ -61,8 +68,7 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             for l in b.links],
         max_context=info.max_context if info else 0,
         block_size=info.block_size if info else 0,
-        kv_blocks_total=sum(l.pool.num_blocks for l in connected if l.pool),
-        kv_blocks_used=sum(l.pool.num_used for l in connected if l.pool),
+        kv_blocks_total=kv_total, kv_blocks_used=kv_used,
         steps=b.steps, preemptions=b.preemptions, cut_ins=b.cut_ins.steps,
         ttft_p90_ms=percentile(b.recent_ttft_ms, 0.9),
         utilization=monitor.utilization if monitor else 0.0,

@@ -1,0 +1,111 @@
+"""vLLM's metric names on a real scheduler's /metrics agree with its PoolStats and its own
+histograms, and the official `openai` client's vLLM-style `priority` lands in its class."""
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.priority import HIGH
+from services.tools.client import RouterClient, chat_request, sampling_params
+from services.local.cluster import LocalCluster
+from tests.e2e.conftest import bench_model, cluster_config, run
+
+pytestmark = pytest.mark.slow
+
+SENT = {"high": 2, "medium": 3, "low": 1}
+MAX_RUNNING = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # One worker running at most 2 sequences: the rest of a burst waits, so the gauges have
+    # something to show.
+    config = cluster_config(model=bench_model(), metrics_port=0, max_running=MAX_RUNNING, high_cut_in=False)
+    with LocalCluster(config, quiet=True) as running:
+        yield running
+
+
+def scrape(cluster) -> list:
+    scheduler = cluster.config.pools[0].scheduler
+    text = urllib.request.urlopen(f"http://{scheduler.host}:{scheduler.metrics_port}/metrics", timeout=5).read()
+    return [s for family in text_string_to_metric_families(text.decode()) for s in family.samples]
+
+
+def value(samples: list, name: str, **labels) -> float:
+    return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_vllm_histograms_count_each_request_as_ours_do(cluster):
+    async def load():
+        async with RouterClient(cluster.router_address) as client:
+            await asyncio.gather(*[client.generate(chat_request(f"Say {i}", sampling_params(max_tokens=4)),
+                                                   priority=p) for p, n in SENT.items() for i in range(n)])
+    run(load())
+    model = run(cluster.pool_stats()).model
+    samples = scrape(cluster)
+    for ours, theirs in [("qos_ttft_seconds", "vllm:time_to_first_token_seconds"),
+                         ("qos_e2e_seconds", "vllm:e2e_request_latency_seconds")]:
+        for priority, n in SENT.items():
+            labels = {"model_name": model, "pool": "cpu", "priority": priority}
+            assert value(samples, theirs + "_count", **labels) == n, (theirs, priority)
+            assert value(samples, theirs + "_sum", **labels) == \
+                pytest.approx(value(samples, ours + "_sum", priority=priority), rel=1e-9)
+            assert value(samples, theirs + "_bucket", le="+Inf", **labels) == n
+
+
+def test_vllm_gauges_agree_with_pool_stats_while_requests_wait_and_run(cluster):
+    async def go():
+        async with RouterClient(cluster.router_address) as client:
+            # Long streams (cancelled below): 2 run, 4 wait, KV fills as they decode.
+            streams = [asyncio.create_task(client.generate(
+                chat_request(f"Count {i}", sampling_params(max_tokens=1500, ignore_eos=True)), priority=p))
+                for i, p in enumerate(["medium", "low"] * 3)]
+            try:
+                return await agreeing_snapshot(cluster)
+            finally:
+                for stream in streams:
+                    stream.cancel()
+                await asyncio.gather(*streams, return_exceptions=True)
+    stats, samples = run(go())
+    labels = {"model_name": stats.model, "pool": "cpu"}
+    waiting, running = sum(c.waiting for c in stats.classes), sum(c.running for c in stats.classes)
+    assert (waiting, running) == (4, MAX_RUNNING)
+    assert value(samples, "vllm:num_requests_waiting", **labels) == waiting
+    assert value(samples, "vllm:num_requests_running", **labels) == running
+    usage = value(samples, "vllm:kv_cache_usage_perc", **labels)
+    assert 0 < usage < 1 and usage == pytest.approx(stats.kv_blocks_used / stats.kv_blocks_total, abs=1e-12)
+
+
+async def agreeing_snapshot(cluster):
+    """PoolStats and a scrape taken between two PoolStats that agree (the scheduler's state
+    moves on as sequences decode): the scrape saw that state."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        before = await cluster.pool_stats()
+        samples = await asyncio.to_thread(scrape, cluster)
+        after = await cluster.pool_stats()
+        shape = lambda s: ([(c.waiting, c.running) for c in s.classes], s.kv_blocks_used, s.kv_blocks_total)
+        if shape(before) == shape(after) and sum(c.waiting for c in after.classes) == 4:
+            return after, samples
+        await asyncio.sleep(0.02)
+    raise AssertionError("the pool never showed 2 running and 4 waiting in a stable moment")
+
+
+def test_the_openai_clients_vllm_priority_lands_in_high(cluster):
+    def class_tokens():
+        return {c.priority: c.output_tokens for c in run(cluster.pool_stats()).classes}
+    router = cluster.config.router
+    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as client:
+        model = client.models.list().data[0].id
+        before = class_tokens()
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=3, extra_body={"priority": -1, "ignore_eos": True})
+        after = class_tokens()
+    assert answer.service_tier == "priority"
+    assert {p: after[p] - before[p] for p in after} == {p: 3 if p == HIGH else 0 for p in after}

@@ -1,0 +1,71 @@
+"""vLLM's metric names on a scheduler's registry: what the exposition says, with vLLM's types,
+buckets and labels, from a batcher's state (a stand-in with the parts they read)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.kv_blocks import KVBlockPool
+from services.common.metrics import StateCollector
+from services.common.priority import HIGH, LOW, MEDIUM
+from services.scheduler.vllm_metrics import E2E_BUCKETS, TTFT_BUCKETS, VllmRequestMetrics, vllm_gauges
+
+
+def link(num_blocks: int, held: int, connected: bool = True):
+    pool = KVBlockPool(num_blocks, 16)
+    pool.allocate(MEDIUM, held)
+    return SimpleNamespace(is_connected=connected, info=object(), pool=pool)
+
+
+def batcher(waiting: dict, running: dict, links: list):
+    policy = SimpleNamespace(waiting=lambda p: waiting.get(p, 0))
+    return SimpleNamespace(policy=policy, links=links,
+                           running={i: [SimpleNamespace(priority=p) for p in ps] for i, ps in running.items()})
+
+
+def exposition(registry: CollectorRegistry) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def test_the_gauges_sum_the_classes_and_kv_use_is_a_fraction_of_connected_workers():
+    registry = CollectorRegistry()
+    b = batcher({HIGH: 1, MEDIUM: 2, LOW: 4}, {0: [HIGH, LOW], 1: [MEDIUM]},
+                [link(100, 30), link(60, 10), link(500, 400, connected=False)])
+    registry.register(StateCollector(lambda: vllm_gauges("SmolLM2", "cpu", b)))
+    families = exposition(registry)
+    labels = {"model_name": "SmolLM2", "pool": "cpu"}
+    for name, value in [("vllm:num_requests_waiting", 7), ("vllm:num_requests_running", 3),
+                        ("vllm:kv_cache_usage_perc", 40 / 160)]:
+        assert families[name].type == "gauge"
+        assert [(s.labels, s.value) for s in families[name].samples] == [(labels, value)], name
+
+
+def test_no_worker_is_no_kv_use():
+    registry = CollectorRegistry()
+    registry.register(StateCollector(lambda: vllm_gauges("m", "cpu", batcher({}, {}, []))))
+    assert exposition(registry)["vllm:kv_cache_usage_perc"].samples[0].value == 0
+
+
+def test_the_histograms_have_vllms_buckets_and_our_class_as_a_label():
+    registry = CollectorRegistry()
+    metrics = VllmRequestMetrics(registry, "SmolLM2", "cpu")
+    metrics.finished("high", 0.03, 0.9)
+    metrics.finished("high", 0.07, 1.2)
+    metrics.finished("low", 3.0, 20.0)
+    families = exposition(registry)
+    for name, buckets, observed in [("vllm:time_to_first_token_seconds", TTFT_BUCKETS, {"high": 0.1, "low": 3.0}),
+                                    ("vllm:e2e_request_latency_seconds", E2E_BUCKETS, {"high": 2.1, "low": 20.0})]:
+        family = families[name]
+        assert family.type == "histogram"
+        bounds = sorted({float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")})
+        assert bounds == [*buckets, float("inf")]
+        for priority, total in observed.items():
+            labels = {"model_name": "SmolLM2", "pool": "cpu", "priority": priority}
+            (count,) = [s.value for s in family.samples if s.name == name + "_count" and s.labels == labels]
+            (summed,) = [s.value for s in family.samples if s.name == name + "_sum" and s.labels == labels]
+            assert count == {"high": 2, "low": 1}[priority] and abs(summed - total) < 1e-9
+    # vLLM's bounds, as vllm/v1/metrics/loggers.py sets them.
+    assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
+    assert E2E_BUCKETS[:3] == (0.3, 0.5, 0.8) and E2E_BUCKETS[-1] == 7680.0 and len(E2E_BUCKETS) == 21
