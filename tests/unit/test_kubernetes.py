@@ -3,7 +3,7 @@ its objects validate against the Kubernetes API schemas (`kubernetes-validate`, 
 it uses (KEDA's ScaledObject, Prometheus Operator's PrometheusRule; their schemas are not bundled)
 have the fields they need, and everything agrees with the cluster config the overlay carries in
 its ConfigMap: ports, the Services the scheduler resolves, probe ports, drain time < grace period,
-worker threads <= CPU limit, the metric KEDA scales on = one the scheduler exports."""
+worker threads <= CPU limit, the metrics KEDA scales on = ones the scheduler exports."""
 from __future__ import annotations
 
 import shutil
@@ -76,16 +76,22 @@ def test_the_crds_carry_what_they_need(rendered):
         target = find(objects, "Deployment", obj["spec"]["scaleTargetRef"]["name"])
         pool = config.pool(target["metadata"]["labels"]["qos-serve/pool"])
         assert (obj["spec"]["minReplicaCount"], obj["spec"]["maxReplicaCount"]) == pool.worker_limits()
-        (trigger,) = obj["spec"]["triggers"]
-        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
-        assert trigger["metadata"]["query"] == f'max(qos_desired_workers{{pool="{pool.name}"}})'
-        assert trigger["metadata"]["threshold"] == "1" and trigger["metadata"]["serverAddress"].startswith("http")
+        desired, waiting = obj["spec"]["triggers"]
+        for trigger in (desired, waiting):
+            assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+            assert trigger["metadata"]["serverAddress"].startswith("http")
+        assert desired["metadata"]["query"] == f'max(qos_desired_workers{{pool="{pool.name}"}})'
+        assert desired["metadata"]["threshold"] == "1"
+        # vLLM's queue gauge: a worker per full batch waiting.
+        assert waiting["metadata"]["query"] == f'sum(vllm:num_requests_waiting{{pool="{pool.name}"}})'
+        assert waiting["metadata"]["threshold"] == str(pool.scheduler.max_running)
 
 
-def test_the_scheduler_exports_the_metric_keda_scales_on():
+def test_the_scheduler_exports_the_metrics_keda_scales_on():
     from services.common.config import AutoscaleConfig
     from services.scheduler.autoscale import ScaleAdvisor
     from services.scheduler.stats import scale_metrics
+    from services.scheduler.vllm_metrics import vllm_gauges
 
     class Policy:
         def waiting(self, priority):
@@ -93,10 +99,14 @@ def test_the_scheduler_exports_the_metric_keda_scales_on():
 
     class Batcher:
         policy = Policy()
+        links, running = [], {}
 
     families = {f.name: f for f in scale_metrics("cpu", Batcher(), ScaleAdvisor(AutoscaleConfig(), 1, 4))}
     desired = families["qos_desired_workers"]
     assert [(s.labels, s.value) for s in desired.samples] == [({"pool": "cpu"}, 1)]
+    families = {f.name: f for f in vllm_gauges("m", "cpu", Batcher())}
+    waiting = families["vllm:num_requests_waiting"]
+    assert [(s.labels, s.value) for s in waiting.samples] == [({"model_name": "m", "pool": "cpu"}, 0)]
 
 
 def container(deployment: dict) -> dict:
