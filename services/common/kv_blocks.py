@@ -94,6 +94,11 @@ class KVBlockPool:
             self._free.append(block)
         self._held[owner] -= len(blocks)
 
+    def owners(self) -> dict[int, dict[Hashable, int]]:
+        """Every held block -> {owner: references} (here always one): a debug view, for checks
+        that each block is held by exactly the sequences that list it (tests/sim)."""
+        return {block: {owner: 1} for block, owner in self._owner_of.items()}
+
     def releasable(self, owner: Hashable, blocks: list[int]) -> tuple[int, int]:
         """What freeing `blocks` would give back: to the pool, and off `owner`'s count (all of
         them: nothing is shared here; services/common/prefix_blocks.py shares)."""

@@ -146,6 +146,10 @@ class PrefixCachingPool:
             else:
                 self._free.append(block)
 
+    def owners(self) -> dict[int, dict[Hashable, int]]:
+        """Every held block -> {owner: references}: KVBlockPool.owners (idle named blocks are not held)."""
+        return {block: {o: n for o, n in holders.items() if n} for block, holders in self._holders.items()}
+
     def releasable(self, owner: Hashable, blocks: Iterable[int]) -> tuple[int, int]:
         """What letting go of one reference of `owner` on each of `blocks` would give back: blocks
         that would count as free again (no one else holds them), and blocks `owner` would no longer
