@@ -61,7 +61,7 @@ class ContinuousBatcher(WorkerChanges):
         if prefix_cache is not None:
             self.planner.may_place = prefix_cache.placer(self.workers, self.planner, lambda: self.steps)
         for link in links:
-            self.planner.add_worker(link.index)
+            self.watch(link)
         self.orphan_grace_s = orphan_grace_s
         self.step_timeout_s = step_timeout_s
         self.cancelled: set[Request] = set()
@@ -269,8 +269,8 @@ class ContinuousBatcher(WorkerChanges):
         except WorkerGone as exc:
             failure = str(exc)
         except asyncio.TimeoutError:
-            await link.close()
             failure = f"worker {link.address} did not answer a step within {self.step_timeout_s:.0f} s"
+            await link.close(failure)
         except Exception as exc:   # never let one link's surprise stop the loop for everyone
             log.exception("step on worker %s failed", link.address)
             failure = f"worker {link.address} failed: {exc!r}"

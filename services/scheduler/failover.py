@@ -13,10 +13,11 @@ import time
 from collections import Counter
 
 from services.common.errors import ServiceError, unavailable
+from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.scheduler.cut_in_dispatch import CutInDispatch
 from services.scheduler.planner import StepPlanner
 from services.scheduler.policy import SchedulingPolicy
-from services.scheduler.request import Phase
+from services.scheduler.request import Phase, Request
 from services.scheduler.worker_set import Worker, WorkerSet
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ QUARANTINE_MAX_S = 600.0
 
 
 class WorkerChanges:
-    # ContinuousBatcher's, as are `running` and `_finish`.
+    # ContinuousBatcher's, as are `running`, `is_member` and `_finish`.
     pool_name: str
     workers: WorkerSet
     planner: StepPlanner
@@ -41,8 +42,19 @@ class WorkerChanges:
     def add_link(self, link: Worker) -> None:
         """A worker joins the pool (registered, or found by DNS)."""
         self.workers.add(link)
-        self.planner.add_worker(link.index)
+        self.watch(link)
         self.wakeup.set()
+
+    def watch(self, link: Worker) -> None:
+        self.planner.add_worker(link.index)
+        link.on_closed = self.link_closed
+
+    def link_closed(self, link: Worker, reason: str) -> None:
+        """The link went down, whenever that was: with a step in flight (which then fails too), or
+        between two steps, when no step would ever fail to say so and its sequences would wait
+        on a worker that is gone (and, once it reconnected, free their blocks into its new pool)."""
+        if self.is_member(link):
+            self.fail_worker(link, reason)
 
     def remove_link(self, link: Worker, reason: str) -> None:
         """A worker leaves the pool (gone from DNS): its sequences move to the others."""
@@ -94,7 +106,10 @@ class WorkerChanges:
 
     def _hand_back_orphans(self, now: float) -> None:
         orphaned_for = self.workers.orphaned_for(now)
-        if orphaned_for <= self.orphan_grace_s or not len(self.policy):
+        if not len(self.policy):
+            return
+        if orphaned_for <= self.orphan_grace_s:
+            self._hand_back_unservable(now)
             return
         waiting = [r for lane in self.policy.lanes for r in self.policy.queue(lane)]
         log.error("pool %s has had no worker to serve with for %.0f s: handing %d request(s) back",
@@ -103,3 +118,32 @@ class WorkerChanges:
             self._finish(request, unavailable(
                 f"pool {self.pool_name} has no worker left (none for {orphaned_for:.0f} s)",
                 reason="no_worker"))
+
+    def _hand_back_unservable(self, now: float) -> None:
+        """A lane's head that no worker of the pool could take (its adapter only on workers whose
+        class cap cannot hold it, or on none that is up) holds every request behind it in its lane:
+        after orphan_grace_s of that, it is handed back, as when the pool has no worker at all."""
+        for lane in self.policy.lanes:
+            head = self.policy.queue(lane).peek()
+            if head is None or self._servable(head):
+                if head is not None:
+                    head.unservable_since = None
+                continue
+            since = head.unservable_since = head.unservable_since or now
+            if now - since > self.orphan_grace_s:
+                log.error("pool %s: no worker could serve %s for %.0f s: handed back", self.pool_name,
+                          head.request_id, now - since)
+                self._finish(head, unavailable(
+                    f"no worker of pool {self.pool_name} can serve this request now (none that is up "
+                    f"holds {'adapter ' + repr(head.lora) if head.lora else 'it'} within the class's "
+                    f"KV cap, for {now - since:.0f} s)", reason="no_worker"))
+
+    def _servable(self, request: Request) -> bool:
+        """Some worker that takes new sequences holds its adapter and could hold all of it."""
+        whole = len(request.prompt_ids) + request.sampling.max_tokens
+        share = self.policy.kv_cap(request.priority)
+        return any(link.pool is not None and self.workers.admits(link)
+                   and (not request.lora or request.lora in link.adapters)
+                   and (request.window is not None
+                        or blocks_for_tokens(whole, link.pool.block_size) <= cap_blocks(link.pool.num_blocks, share))
+                   for link in self.workers)

@@ -135,7 +135,7 @@ class StepPlanner:
         """The worker computed the plan: its running sequences advance; blocks they filled are
         named (prefix caching), blocks streaming ones passed go (long_context.PassedBlocks)."""
         for request, num_tokens in zip(builder.scheduled_requests, builder.scheduled_tokens):
-            if request.phase is Phase.RUNNING:
+            if request.phase is Phase.RUNNING and request.pool is worker.pool:
                 request.advance(num_tokens)
                 if request.computed >= request.next_name_at:    # it filled a block: name it
                     self.prefix_cache.name_computed(worker.pool, request)
@@ -306,7 +306,7 @@ class StepPlanner:
             return False
         self.policy.remove(request)
         request.phase = Phase.RUNNING
-        request.worker = worker.index
+        request.worker, request.pool = worker.index, pool
         request.reset_cache()
         if cache is not None:
             if cached:
@@ -359,14 +359,16 @@ class StepPlanner:
         self.policy.add_front(request)
 
     def release(self, worker: Worker, request: Request) -> None:
-        """Take a running request off its worker: blocks back to the pool, state dropped there."""
-        if request.blocks and worker.pool is not None:
+        """Take a running request off its worker: blocks back to the pool that gave them (none
+        when the worker's pool is a new one since: the old one went with its blocks), its state
+        dropped there."""
+        if request.blocks and request.pool is worker.pool is not None:
             worker.pool.free(request.priority, request.blocks)
         request.reset_cache()
         if request.announced:
             self.to_release[worker.index].append(request.seq_id)
         request.announced = False
-        request.worker = None
+        request.worker = request.pool = None
         self.running[worker.index].remove(request)
         self.running_per_lane[self.policy.lane_of(request)] -= 1
         self.running_by_class[worker.index][request.priority].remove(request)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from services.common.kv_blocks import cap_blocks
+from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.prefix_blocks import PrefixCachingPool, block_name
 from services.common.priority import ORDER
 from services.scheduler.request import Request
@@ -104,7 +104,12 @@ class PrefixCache:
         def may_place(worker, request: Request) -> bool:
             placed = request.placement
             if placed is None or placed[0] != step():
-                open_workers = [w for w in workers if w.is_connected and w.pool is not None and workers.admits(w)]
+                # Only workers whose class cap holds its whole sequence: pinned to a smaller one
+                # (its prefix cached there), it would wait there for good.
+                whole = len(request.prompt_ids) + request.sampling.max_tokens
+                open_workers = [w for w in workers if w.is_connected and w.pool is not None and workers.admits(w)
+                                and blocks_for_tokens(whole, w.pool.block_size)
+                                <= planner.room.class_cap(w.pool, request.priority)]
                 placed = request.placement = (step(), self.placement(request, open_workers, planner.running,
                                                                      planner.max_running))
             return placed[1] is None or placed[1] == worker.index

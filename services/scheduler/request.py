@@ -15,6 +15,8 @@ from services.common.stream_window import StreamWindow
 from services.scheduler.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from services.common.kv_blocks import KVBlockPool
+    from services.common.prefix_blocks import PrefixCachingPool
     from services.common.proto.qos.v1.worker_pb2 import NewSequence
 
 
@@ -57,6 +59,7 @@ class Request:
     finished_at: float | None = None
     output_ids: list[int] = field(default_factory=list)     # grows by add_output() only
     worker: int | None = None        # index of the worker it runs on
+    pool: KVBlockPool | PrefixCachingPool | None = None   # that worker's block pool its blocks came from
     blocks: list[int] = field(default_factory=list)
     new_blocks: list[int] = field(default_factory=list)   # allocated, not yet sent to the worker
     cancelled: bool = False
@@ -83,6 +86,7 @@ class Request:
     cached_tokens: int = 0
     next_name_at: int = 1 << 62      # never, while no cache names its blocks
     placement: tuple[int, int | None] | None = None   # (step, the worker it should go to or None: any)
+    unservable_since: float | None = None   # at its lane's head, no worker could take it (failover.py)
     # Streaming mode (services/common/stream_window.py): the window it attends, and how many text
     # blocks after its sink block it let go (they count in `capacity`, no longer in `blocks`).
     window: StreamWindow | None = None

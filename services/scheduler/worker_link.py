@@ -43,6 +43,9 @@ class WorkerLink:
         self._reader: asyncio.Task | None = None
         self.connected = asyncio.Event()
         self.held_off_until = 0.0        # monotonic: no reconnection before (hold_off)
+        # Told (link, why) at once when a connected link goes down, wherever that happens: between
+        # two steps no step fails to say so (the batcher: WorkerChanges.link_closed).
+        self.on_closed: Callable[[WorkerLink, str], None] | None = None
 
     @property
     def is_connected(self) -> bool:
@@ -162,7 +165,7 @@ class WorkerLink:
         self._fail_answers(failure)
         if self._reader is asyncio.current_task():
             self._reader = None
-            await self.close()
+            await self.close(failure)
 
     def _fail_answers(self, failure: str) -> None:
         answers, self._answers = self._answers, {}
@@ -170,13 +173,18 @@ class WorkerLink:
             if not answer.done():
                 answer.set_exception(WorkerGone(failure))
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "") -> None:
+        """Down: every block of its pool is gone, plans unanswered fail, and (if it was up) the
+        batcher is told before anything else runs, so that its sequences move at once."""
+        was_connected = self.connected.is_set()
         self.connected.clear()
         self.pool = None
         if self._reader is not None:
             reader, self._reader = self._reader, None
             reader.cancel()
         self._fail_answers(f"worker {self.address}: its stream was closed mid-step")
+        if was_connected and self.on_closed is not None:
+            self.on_closed(self, reason or f"worker {self.address}: its stream was closed")
         if self._plans is not None:
             self._plans.put_nowait(None)
             self._plans = None

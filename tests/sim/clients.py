@@ -139,7 +139,7 @@ class Client:
         self.gone = self.done = True
         self.sim.events += 1
         self.sim.batcher.cancel(self.request)
-        self.sim.trace.append((round(self.sim.loop.now, 6), "cancel", self.name))
+        self.sim.faults.log.append((round(self.sim.loop.now, 6), "cancel", self.name))
         self.task.cancel()
 
     def submit(self) -> Request:

@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import multiprocessing
-import platform
 import sys
 import time
 
@@ -21,7 +20,8 @@ def run_range(bounds: tuple[int, int]) -> list:
     return [simulate(seed) for seed in range(*bounds)]
 
 
-def many(start: int, stop: int, jobs: int) -> tuple[list, float]:
+def many(start: int, stop: int, jobs: int, every=None) -> tuple[list, float]:
+    """Seeds start..stop on `jobs` processes; `every(outcomes, seconds)` after each chunk."""
     began = time.perf_counter()
     chunk = 200
     ranges = [(s, min(s + chunk, stop)) for s in range(start, stop, chunk)]
@@ -29,13 +29,34 @@ def many(start: int, stop: int, jobs: int) -> tuple[list, float]:
     with multiprocessing.Pool(jobs) as pool:
         for done, part in enumerate(pool.imap(run_range, ranges)):
             outcomes.extend(part)
-            bad = [o for o in part if not o.ok]
-            for o in bad:
-                print(f"FAIL seed {o.seed}: {o.failure}\n  replay: {o.replay()}", flush=True)
+            for o in part:
+                if not o.ok:
+                    print(f"FAIL seed {o.seed}: {o.failure}\n  replay: {o.replay()}", flush=True)
             if done % 25 == 0:
                 print(f"{len(outcomes)} seeds, {sum(not o.ok for o in outcomes)} failed, "
                       f"{time.perf_counter() - began:.0f} s", flush=True)
+                if every is not None:
+                    every(outcomes, time.perf_counter() - began)
     return outcomes, time.perf_counter() - began
+
+
+def summary(outcomes: list, seconds: float, start: int, stop: int, jobs: int) -> dict:
+    failed = [o for o in outcomes if not o.ok]
+    faults: dict[str, int] = {}
+    for o in outcomes:
+        for kind, n in o.faults.items():
+            faults[kind] = faults.get(kind, 0) + n
+    return {
+        "what": "tests/sim: the real scheduler of one pool against simulated workers and clients, "
+                "faults drawn from each seed; invariants checked after every event-loop iteration",
+        "command": f"python -m tests.sim.replay --seeds {start}:{stop} --jobs {jobs}",
+        "seeds": f"{start}:{start + len(outcomes)}", "runs": len(outcomes), "complete": len(outcomes) == stop - start,
+        "failed": len(failed), "failed_seeds": [{"seed": o.seed, "failure": o.failure} for o in failed[:50]],
+        "seconds": round(seconds, 1), "jobs": jobs, "cores": multiprocessing.cpu_count(),
+        "virtual_seconds": round(sum(o.virtual_s for o in outcomes)),
+        "steps": sum(o.steps for o in outcomes), "clients": sum(o.clients for o in outcomes),
+        "completed": sum(o.completed for o in outcomes), "faults": dict(sorted(faults.items())),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,28 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         print("ok" if outcome.ok else f"FAILED: {outcome.failure}")
         return 0 if outcome.ok else 1
     start, stop = map(int, args.seeds.split(":"))
-    outcomes, seconds = many(start, stop, args.jobs)
-    failed = [o for o in outcomes if not o.ok]
-    faults: dict[str, int] = {}
-    for o in outcomes:
-        for kind, n in o.faults.items():
-            faults[kind] = faults.get(kind, 0) + n
-    summary = {
-        "what": "tests/sim: the real scheduler of one pool against simulated workers and clients, "
-                "faults drawn from each seed; invariants checked after every event-loop iteration",
-        "seeds": f"{start}:{stop}", "runs": len(outcomes), "failed": len(failed),
-        "failed_seeds": [{"seed": o.seed, "failure": o.failure} for o in failed[:50]],
-        "seconds": round(seconds, 1), "jobs": args.jobs, "host": platform.node() and f"{multiprocessing.cpu_count()} cores",
-        "virtual_seconds": round(sum(o.virtual_s for o in outcomes)),
-        "steps": sum(o.steps for o in outcomes), "clients": sum(o.clients for o in outcomes),
-        "completed": sum(o.completed for o in outcomes), "faults": dict(sorted(faults.items())),
-    }
-    print(json.dumps({k: v for k, v in summary.items() if k != "failed_seeds"}, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-            f.write("\n")
-    return 1 if failed else 0
+
+    def write(outcomes, seconds):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary(outcomes, seconds, start, stop, args.jobs), f, indent=1)
+                f.write("\n")
+    outcomes, seconds = many(start, stop, args.jobs, write)
+    write(outcomes, seconds)
+    result = summary(outcomes, seconds, start, stop, args.jobs)
+    print(json.dumps({k: v for k, v in result.items() if k != "failed_seeds"}, indent=1))
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":
