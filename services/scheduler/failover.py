@@ -139,11 +139,17 @@ class WorkerChanges:
                     f"KV cap, for {now - since:.0f} s)", reason="no_worker"))
 
     def _servable(self, request: Request) -> bool:
-        """Some worker that takes new sequences holds its adapter and could hold all of it."""
+        """Some worker that takes new sequences holds its adapter and could hold all of it (a
+        streaming one: its window's blocks), as admission.check_kv_cap counts."""
         whole = len(request.prompt_ids) + request.sampling.max_tokens
-        share = self.policy.kv_cap(request.priority)
-        return any(link.pool is not None and self.workers.admits(link)
-                   and (not request.lora or request.lora in link.adapters)
-                   and (request.window is not None
-                        or blocks_for_tokens(whole, link.pool.block_size) <= cap_blocks(link.pool.num_blocks, share))
-                   for link in self.workers)
+        share, window = self.policy.kv_cap(request.priority), request.window
+        for link in self.workers:
+            pool = link.pool
+            if pool is None or not self.workers.admits(link) or (request.lora and request.lora not in link.adapters):
+                continue
+            need = blocks_for_tokens(whole, pool.block_size)
+            if window is not None:
+                need = min(need, window.max_blocks(self.planner.stream_chunk, pool.block_size))
+            if need <= cap_blocks(pool.num_blocks, share):
+                return True
+        return False

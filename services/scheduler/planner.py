@@ -359,9 +359,8 @@ class StepPlanner:
         self.policy.add_front(request)
 
     def release(self, worker: Worker, request: Request) -> None:
-        """Take a running request off its worker: blocks back to the pool that gave them (none
-        when the worker's pool is a new one since: the old one went with its blocks), its state
-        dropped there."""
+        """Take a running request off its worker: blocks back to the pool that gave them (not to
+        a new one since: the old went with its blocks), its state dropped there."""
         if request.blocks and request.pool is worker.pool is not None:
             worker.pool.free(request.priority, request.blocks)
         request.reset_cache()
