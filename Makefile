@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-dtype bench bench-qos model protos up clean
+.PHONY: venv demo test test-fast test-dtype bench bench-qos bench-llamacpp llamacpp model protos up clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,15 @@ test-fast: venv
 
 bench: model
 	$(PY) bench/engine_throughput.py --json bench/results/engine_throughput.json
+
+# llama.cpp built from the source llama-cpp-python ships on PyPI, in the cache, and the default model
+# converted to GGUF (f32, bf16): dev-time, for bench-llamacpp only (`make test` never runs it).
+llamacpp: model
+	scripts/build_llamacpp.sh $(PY)
+
+# Our engine and llama.cpp side by side (same weights, threads, lengths; batch 1, 8, 32).
+bench-llamacpp: llamacpp
+	$(PY) bench/engine_vs_llamacpp.py --json bench/results/engine_vs_llamacpp.json
 
 # The QoS burst benchmark: FCFS vs QoS on the same burst, table + JSON + PNG plots in bench/results.
 bench-qos: model
