@@ -64,7 +64,9 @@ class CutInDispatch:
             if index not in self.planner.running:       # it left the pool
                 continue
             link = self.workers[index]
-            if not self.workers.admits(link):
+            if not self.workers.admits(link) or self.planner.to_release[index]:
+                # (A sequence left it since its step in flight was planned, a stop string's end or
+                # a cancel: that step may still write the blocks it freed, which a cut-in would get.)
                 continue
             budget = None
             if index in trailing:

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from services.scheduler.cut_in_dispatch import CutInDispatch
 from services.scheduler.failover import WorkerChanges
 from services.scheduler.prefix_cache import PrefixCache
 from tests.sim.mutations import MUTATIONS
@@ -94,6 +95,23 @@ def keep_unservable_heads(monkeypatch):
     monkeypatch.setattr(WorkerChanges, "_hand_back_unservable", lambda self, now: None)
 
 
+def cut_in_after_a_release(monkeypatch):
+    """Cut-ins planned as before the fix: whatever sequences left the worker since its step in
+    flight was planned."""
+    dispatch = CutInDispatch.dispatch
+
+    def dispatching(self):
+        pending = {index: list(ids) for index, ids in self.planner.to_release.items()}
+        for ids in self.planner.to_release.values():
+            ids.clear()
+        try:
+            dispatch(self)
+        finally:
+            for index, ids in pending.items():
+                self.planner.to_release[index][:0] = ids
+    monkeypatch.setattr(CutInDispatch, "dispatch", dispatching)
+
+
 REGRESSIONS = [
     # A worker's stream ends between two steps: its sequences stayed on it (stranded), and once it
     # reconnected they ran against its new pool (blocks freed into it, "sequence not known").
@@ -109,6 +127,10 @@ REGRESSIONS = [
     pytest.param(1085, (), keep_unservable_heads, id="unservable-lane-head-2"),
     # ... a streaming one, whose window's blocks no worker holding its adapter could take.
     pytest.param(4613, (), keep_unservable_heads, id="unservable-streaming-head"),
+    # A stop string ended a sequence after the plan computing it once more was sent; a High cut-in
+    # into that very step was given the blocks it freed, which the step still wrote (the real
+    # worker refuses such a cut-in: the High request failed, INTERNAL).
+    pytest.param(6915, (), cut_in_after_a_release, id="cut-in-into-blocks-still-written"),
 ]
 
 
