@@ -12,7 +12,8 @@ its iterations), and at its end.
                 twice, none leaked; a running sequence's blocks belong to its worker's pool of now
                 (not one from before the worker reconnected)
     caps        no class holds more of a pool than its cap (strict caps); running sequences per
-                worker within max_running plus the cut-in slots
+                worker within max_running plus the cut-in slots; no plan over the step's token
+                budget (worker.py, as each plan arrives)
     phases      a waiting request is queued, a running one on its worker's list, a finished one
                 in neither
     stranded    no request stays running on a worker that is gone (link down, or a new pool)

@@ -113,8 +113,9 @@ class Sim:
     def build(self) -> None:
         rng = self.rng
         cache = PrefixCache({HIGH: 0.5, MEDIUM: 0.3, LOW: 0.2}) if self.prefix_caching else None
+        self.max_step_tokens = rng.choice([16, 32, 64])
         self.batcher = ContinuousBatcher(
-            self.pool_name, [], self.policy, self.max_running, rng.choice([16, 32, 64]),
+            self.pool_name, [], self.policy, self.max_running, self.max_step_tokens,
             ResourceMonitorOrNone(self.policy), orphan_grace_s=self.orphan_grace_s,
             step_timeout_s=self.step_timeout_s, stream_max_hold_s=0.05, prefix_cache=cache,
             clock=self.loop.time)

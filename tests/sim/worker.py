@@ -237,6 +237,9 @@ class Session:
     def _apply(self, plan: worker_pb2.StepPlan):
         if self.closed:         # the stream is gone: its plans with it
             return None
+        if sum(plan.scheduled_num_tokens) > self.sim.max_step_tokens:
+            self.sim.invariants.fail(f"step {plan.step_id} schedules {sum(plan.scheduled_num_tokens)} tokens, "
+                                     f"the step budget is {self.sim.max_step_tokens}")
         try:
             batch = self.worker.table.apply(plan)
         except PlanError as exc:
