@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""One engine change, on against off, paired: did it make decoding faster on this host?
+
+Both engines live in one process (same weights, threads, requests); each pair runs the same
+decode workload on each, alternating which goes first, and the figure is the pair's ratio of
+decode tokens/s, on / off (decode-only steps, as bench/engine_vs_llamacpp.py counts them). A
+shared host's load moves both runs of a pair alike, so the ratio is steadier than either run.
+Reported: the mean ratio with a 95% t interval over the pairs; a change is kept only where the
+interval lies wholly above 1.
+
+Changes (the "off" engine is the code as it was, rebuilt by this script, not a product switch):
+  bf16-prepack   bf16 linear layers on oneDNN with prepacked weights (off: F.linear)
+  bf16-kernel    bf16 decodes attended by the paged C kernel (off: gather + SDPA)
+
+    python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.engine_throughput import load_engine, make_workload  # noqa: E402
+from bench.engine_vs_llamacpp import ours_batched  # noqa: E402
+from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
+from services.engine.config import load_model_config  # noqa: E402
+from services.engine.default_model import default_model_dir  # noqa: E402
+from services.engine.device import set_cpu_threads  # noqa: E402
+from services.engine.engine import Engine, EngineConfig  # noqa: E402
+
+# Two-sided 95% Student t quantiles by degrees of freedom (pairs - 1).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+       10: 2.228, 11: 2.201, 12: 2.179, 14: 2.145, 19: 2.093, 29: 2.045}
+
+
+def t95(df: int) -> float:
+    return T95[max(k for k in T95 if k <= df)]
+
+
+def mean_interval(ratios: list[float]) -> tuple[float, float, float]:
+    mean = statistics.fmean(ratios)
+    half = t95(len(ratios) - 1) * statistics.stdev(ratios) / math.sqrt(len(ratios))
+    return mean, mean - half, mean + half
+
+
+def with_config(engine: Engine, **changes) -> Engine:
+    """An engine like `engine` with some EngineConfig fields changed."""
+    fields = {name: getattr(engine.config, name) for name in EngineConfig.__dataclass_fields__}
+    return Engine(EngineConfig(**(fields | changes)))
+
+
+def bf16_prepack(base: Engine) -> tuple[Engine, Engine]:
+    return base, with_config(base, prepack_linear=False)
+
+
+def bf16_kernel(base: Engine) -> tuple[Engine, Engine]:
+    return base, with_config(base, decode_attention="torch")
+
+
+CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack), "bf16-kernel": ("bfloat16", bf16_kernel)}
+
+
+def main() -> None:
+    parser = make_parser(__doc__, seed=True)
+    parser.add_argument("change", choices=sorted(CHANGES))
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", help="the engines' dtype (default: the change's)")
+    args = parser.parse_args()
+    if args.pairs < 2:
+        parser.error("need at least 2 pairs for an interval")
+    dtype, build = CHANGES[args.change]
+    dtype = args.dtype or dtype
+    threads = set_cpu_threads(args.threads)
+    model_dir = str(default_model_dir())
+    config = load_model_config(model_dir)
+    on, off = build(load_engine(model_dir, threads, args.prompt, args.gen, "cpu", dtype))
+    workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
+    for engine in (on, off):      # warm-up: kernel selection, first-touch memory
+        ours_batched(engine, workload, args.batch)
+    pairs = []
+    for pair in range(args.pairs):
+        order = ("on", "off") if pair % 2 == 0 else ("off", "on")
+        runs = {}
+        for side in order:
+            load = os.getloadavg()[0]
+            runs[side] = ours_batched(on if side == "on" else off, workload, args.batch)
+            runs[side]["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+        runs["ratio"] = runs["on"]["tok_s"] / runs["off"]["tok_s"]
+        pairs.append(runs)
+        print(f"pair {pair + 1}/{args.pairs} ({order[0]} first): on {runs['on']['tok_s']:.1f}, "
+              f"off {runs['off']['tok_s']:.1f} tok/s, ratio {runs['ratio']:.3f}", file=sys.stderr)
+    mean, low, high = mean_interval([p["ratio"] for p in pairs])
+    verdict = "keep" if low > 1 else "drop"
+    print(f"{args.change} ({dtype}, batch {args.batch}, {threads} threads): on / off decode tok/s "
+          f"{mean:.3f}, 95% interval [{low:.3f}, {high:.3f}] over {args.pairs} pairs: {verdict}")
+    write_json(args.json, {"change": args.change, "dtype": dtype, "batch": args.batch, "threads": threads,
+                           "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
+                           "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
+
+
+if __name__ == "__main__":
+    main()
