@@ -384,6 +384,20 @@ def dtype_divergence(result: dict) -> list[list[str]]:
     return rows
 
 
+@table("fault-sim", "fault_sim.json")
+def fault_sim(result: dict) -> list[list[str]]:
+    faults = ", ".join(f"{kind.replace('_', ' ')} {num(n)}" for kind, n in
+                       sorted(result["faults"].items(), key=lambda kv: -kv[1]))
+    failed = num(result["failed"]) if not result["failed"] else \
+        f"{num(result['failed'])} (seeds {', '.join(str(f['seed']) for f in result['failed_seeds'][:5])})"
+    return [["seeds", "runs", "failed", "wall time (processes, cores)", "virtual time", "steps",
+             "requests (completed)", "faults injected"],
+            [f"{result['seeds']} ([fault_sim.json](../{RESULTS}/fault_sim.json))", num(result["runs"]), failed,
+             f"{num(result['seconds'])} s ({result['jobs']}, {result['cores']})",
+             f"{num(result['virtual_seconds'] / 3600, 1)} h", num(result["steps"]),
+             f"{num(result['clients'])} ({num(result['completed'])})", faults]]
+
+
 def render_table(name: str) -> str:
     """The marker, the table from its JSON files as they are now, and the closing marker."""
     spec = TABLES[name]

@@ -32,11 +32,11 @@ def many(start: int, stop: int, jobs: int, every=None) -> tuple[list, float]:
             for o in part:
                 if not o.ok:
                     print(f"FAIL seed {o.seed}: {o.failure}\n  replay: {o.replay()}", flush=True)
+            if every is not None:
+                every(outcomes, time.perf_counter() - began)
             if done % 25 == 0:
                 print(f"{len(outcomes)} seeds, {sum(not o.ok for o in outcomes)} failed, "
                       f"{time.perf_counter() - began:.0f} s", flush=True)
-                if every is not None:
-                    every(outcomes, time.perf_counter() - began)
     return outcomes, time.perf_counter() - began
 
 
