@@ -32,7 +32,9 @@ def _run(bounds: tuple[int, int]) -> list:
 
 def run_seeds(start: int, stop: int) -> list:
     ranges = [(s, min(s + 50, stop)) for s in range(start, stop, 50)]
-    with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
+    # Fresh processes (spawn), not forks of this one: inside a whole test session (after gRPC
+    # servers, torch, models) forked children ran the same seeds several times slower.
+    with multiprocessing.get_context("spawn").Pool(min(2, os.cpu_count() or 1)) as pool:
         return [o for part in pool.map(_run, ranges) for o in part]
 
 
