@@ -5,7 +5,8 @@ docs/operations.md is caught by the seeds it names.
 
 A failing seed prints the command that replays it: python -m tests.sim.replay --seed N.
 QOS_SIM_SEEDS sets how many seeds the fast test runs (2,000 by default, ~1-2 minutes on two cores);
-the slow test runs QOS_SIM_SLOW_SEEDS (20,000). bench/results/fault_sim.json has a longer run.
+the long test runs only when QOS_SIM_SLOW_SEEDS is set (N more seeds); bench/results/fault_sim.json
+has a longer run (python -m tests.sim.replay --seeds A:B --jobs 2).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from tests.sim.mutations import MUTATIONS
 from tests.sim.run import simulate
 
 SEEDS = int(os.environ.get("QOS_SIM_SEEDS", "2000"))
-SLOW_SEEDS = int(os.environ.get("QOS_SIM_SLOW_SEEDS", "20000"))
+SLOW_SEEDS = int(os.environ.get("QOS_SIM_SLOW_SEEDS", "0"))
 
 
 def _run(bounds: tuple[int, int]) -> list:
@@ -54,6 +55,9 @@ def test_every_invariant_holds_over_thousands_of_seeds():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif("QOS_SIM_SLOW_SEEDS" not in os.environ,
+                    reason="the long run (~10 CPU-minutes per 10,000 seeds): set QOS_SIM_SLOW_SEEDS=N; "
+                           "`make test` stays within its budget without it")
 def test_every_invariant_holds_over_many_more_seeds():
     outcomes = run_seeds(SEEDS, SEEDS + SLOW_SEEDS)
     assert not failures(outcomes), failures(outcomes)
