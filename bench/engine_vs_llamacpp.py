@@ -77,6 +77,15 @@ def llamacpp_version(bin_dir: Path, src: Path) -> dict:
             "vendored_commit": commit.stdout.strip() or "unknown"}
 
 
+def engine_commit() -> str:
+    """This checkout's commit, "+changes" when services/engine differs from it: which code ran."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "services/engine"],
+                           capture_output=True, text=True)
+    return (head.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
+
+
 def host_flags() -> dict[str, bool]:
     flags: set[str] = set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -107,7 +116,8 @@ def llamacpp_batched(bin_dir: Path, gguf: Path, args, commands: list[str]) -> di
 
 def llamacpp_bench(bin_dir: Path, gguf: Path, args, commands: list[str]) -> dict:
     out = run_command([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(args.prompt),
-                       "-n", str(args.gen), "-t", str(args.threads), "-r", "3", "-o", "json"], commands)
+                       "-n", str(args.gen), "-t", str(args.threads), "-r", str(args.bench_repeats), "-o", "json"],
+                      commands)
     tests = json.loads(out)
     result = {"build_commit": tests[0].get("build_commit"), "build_number": tests[0].get("build_number")}
     for t in tests:
@@ -165,6 +175,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--dtypes", default="f32,bf16", help="GGUF types: f32, bf16")
     parser.add_argument("--repeats", type=int, default=2, help="runs per side, alternating; the best counts")
+    parser.add_argument("--bench-repeats", type=int, default=3, help="llama-bench's -r")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     dtypes = args.dtypes.split(",")
@@ -174,7 +185,8 @@ def main() -> None:
     config = load_model_config(model_dir)
     commands: list[str] = []
     report = {"model": Path(model_dir).name, "cpu": cpu_name(), "host_flags": host_flags(),
-              "threads": threads, "torch": torch.__version__, "prompt_tokens": args.prompt,
+              "threads": threads, "torch": torch.__version__, "engine_commit": engine_commit(),
+              "prompt_tokens": args.prompt,
               "generated_tokens": args.gen, "batches": args.batches, "repeats": args.repeats,
               "llamacpp": llamacpp_version(bin_dir, src), "gguf": {d: str(p) for d, p in ggufs.items()}}
     print("measuring memory bandwidth", file=sys.stderr)
@@ -183,6 +195,7 @@ def main() -> None:
     for d in dtypes:
         dtype = DTYPES[GGUF_TYPES[d]]
         engine = load_engine(model_dir, threads, args.prompt, args.gen, "cpu", GGUF_TYPES[d])
+        report[f"decode_attention_{d}"] = "paged C kernel" if engine.decode_kernel is not None else "gather + SDPA"
         ours_batched(engine, make_workload(2, args.seed + 1, config.vocab_size, (8, 32), (4, 4)), 2)  # warm-up
         runs = {"llamacpp": [], "ours": []}
         for repeat in range(args.repeats):
@@ -212,9 +225,10 @@ def main() -> None:
             report[f"ratio_b{b}_{d}"] = report[f"ours_tok_s_b{b}_{d}"] / report[f"llamacpp_tok_s_b{b}_{d}"]
             report[f"ratio_e2e_b{b}_{d}"] = (report[f"ours_e2e_tok_s_b{b}_{d}"]
                                              / report[f"llamacpp_e2e_tok_s_b{b}_{d}"])
-    report["commands"] = commands
+        report["dtypes_done"] = dtypes[:dtypes.index(d) + 1]
+        report["commands"] = commands
+        write_json(args.json, report)     # after each dtype: a long run on a busy host keeps what it measured
     print_table(report, dtypes, args.batches)
-    write_json(args.json, report)
 
 
 def print_table(report: dict, dtypes: list[str], batches: list[int]) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from bench.perf_doc_engine import engine_roofline, engine_vs_llamacpp
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "bench/results"
 PAGES = ("README.md", "docs/performance.md", "docs/operations.md")
@@ -134,18 +136,8 @@ def qos_virtual_real(result: dict) -> list[list[str]]:
     return rows
 
 
-@table("engine-roofline", "engine_throughput.json")
-def engine_roofline(result: dict) -> list[list[str]]:
-    rows = [["dtype", "phase", "tok/s", "GFLOPS", "of peak", "GB/s", "bound", "of its roof"]]
-    for dtype in result["dtypes"]:
-        for phase, label in (("b1", "batch 1"), ("b32", f"batch {result['workload']['batch']}")):
-            key = f"{phase}_{dtype}"
-            of_peak = pct(result[f"of_peak_{key}"], 0)
-            rows.append([dtype, label, f"{result[f'tok_s_{key}']:.1f}", f"{result[f'achieved_gflops_{key}']:.1f}",
-                         f"**{of_peak}**" if phase == "b32" else of_peak, f"{result[f'achieved_gb_s_{key}']:.1f}",
-                         result[f"bound_{key}"], pct(result[f"of_roof_{key}"], 0)])
-    return rows
-
+table("engine-roofline", "engine_throughput.json")(engine_roofline)
+table("engine-vs-llamacpp", "engine_vs_llamacpp.json")(engine_vs_llamacpp)
 
 TENANT_SCENARIOS = {"2 backlogged": "2 tenants, backlogged", "8 backlogged": "8 tenants, backlogged",
                     "2 on/off": "2 tenants, one on/off", "8 on/off": "8 tenants, four on/off"}

@@ -83,7 +83,8 @@ def best_seconds(call: Callable[[], object], sync: Callable[[], None]) -> float:
 def linear_gflops(rows: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                   sync: Callable[[], None]) -> tuple[float, str]:
     """The faster of F.linear and the engine's Linear (oneDNN on a prepacked weight, where it
-    applies: fp32 on CPU) on one shape, in GFLOPS, and which it was."""
+    applies: fp32 on CPU, bf16 where oneDNN has native bf16) on one shape, in GFLOPS, and which
+    it was."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
     x = torch.randn(rows, shape[1], generator=generator).to(device=device, dtype=dtype)
