@@ -24,9 +24,10 @@ from pathlib import Path
 from statistics import median
 
 from bench.perf_doc_engine import engine_roofline, engine_vs_llamacpp
+from bench.perf_doc_faults import fault_sim
+from bench.perf_doc_format import RESULTS, num, pct
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = "bench/results"
 PAGES = ("README.md", "docs/performance.md", "docs/operations.md")
 BLOCK = re.compile(r"<!-- table: (?P<name>[\w-]+) .*?-->\n.*?<!-- /table -->", re.DOTALL)
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -52,14 +53,6 @@ def table(name: str, *sources: str):
         TABLES[name] = Table(name, sources, render)
         return render
     return register
-
-
-def num(x: float, digits: int = 0) -> str:
-    return f"{x:,.{digits}f}"
-
-
-def pct(share: float, digits: int = 1) -> str:
-    return f"{100 * share:.{digits}f}%"
 
 
 def signed_pct(error: float) -> str:
@@ -138,6 +131,7 @@ def qos_virtual_real(result: dict) -> list[list[str]]:
 
 table("engine-roofline", "engine_throughput.json")(engine_roofline)
 table("engine-vs-llamacpp", "engine_vs_llamacpp.json")(engine_vs_llamacpp)
+table("fault-sim", "fault_sim.json")(fault_sim)
 
 TENANT_SCENARIOS = {"2 backlogged": "2 tenants, backlogged", "8 backlogged": "8 tenants, backlogged",
                     "2 on/off": "2 tenants, one on/off", "8 on/off": "8 tenants, four on/off"}
@@ -374,20 +368,6 @@ def dtype_divergence(result: dict) -> list[list[str]]:
                          num(r["texts_diverged"]), first,
                          f"{r['continuations_broken']} of {r['continuations_checked']}"])
     return rows
-
-
-@table("fault-sim", "fault_sim.json")
-def fault_sim(result: dict) -> list[list[str]]:
-    faults = ", ".join(f"{kind.replace('_', ' ')} {num(n)}" for kind, n in
-                       sorted(result["faults"].items(), key=lambda kv: -kv[1]))
-    failed = num(result["failed"]) if not result["failed"] else \
-        f"{num(result['failed'])} (seeds {', '.join(str(f['seed']) for f in result['failed_seeds'][:5])})"
-    return [["seeds", "runs", "failed", "wall time (processes, cores)", "virtual time", "steps",
-             "requests (completed)", "faults injected"],
-            [f"{result['seeds']} ([fault_sim.json](../{RESULTS}/fault_sim.json))", num(result["runs"]), failed,
-             f"{num(result['seconds'])} s ({result['jobs']}, {result['cores']})",
-             f"{num(result['virtual_seconds'] / 3600, 1)} h", num(result["steps"]),
-             f"{num(result['clients'])} ({num(result['completed'])})", faults]]
 
 
 def render_table(name: str) -> str:

@@ -3,9 +3,7 @@ the side by side with llama.cpp (bench/engine_vs_llamacpp.py's). Registered by b
 which renders and checks every table."""
 from __future__ import annotations
 
-
-def _pct(share: float, digits: int = 1) -> str:
-    return f"{100 * share:.{digits}f}%"
+from bench.perf_doc_format import pct
 
 
 def engine_roofline(result: dict) -> list[list[str]]:
@@ -13,10 +11,10 @@ def engine_roofline(result: dict) -> list[list[str]]:
     for dtype in result["dtypes"]:
         for phase, label in (("b1", "batch 1"), ("b32", f"batch {result['workload']['batch']}")):
             key = f"{phase}_{dtype}"
-            of_peak = _pct(result[f"of_peak_{key}"], 0)
+            of_peak = pct(result[f"of_peak_{key}"], 0)
             rows.append([dtype, label, f"{result[f'tok_s_{key}']:.1f}", f"{result[f'achieved_gflops_{key}']:.1f}",
                          f"**{of_peak}**" if phase == "b32" else of_peak, f"{result[f'achieved_gb_s_{key}']:.1f}",
-                         result[f"bound_{key}"], _pct(result[f"of_roof_{key}"], 0)])
+                         result[f"bound_{key}"], pct(result[f"of_roof_{key}"], 0)])
     return rows
 
 
