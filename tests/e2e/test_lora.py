@@ -37,10 +37,10 @@ def model_dir():
     return resolve_model("default", progress=False)
 
 
-@pytest.fixture(scope="module")
-def adapter(model_dir, tmp_path_factory):
+def save_adapter(model_dir, seed: int, folder):
+    """A LoRA adapter of random weights (seeded) on q, v, o and down, saved as PEFT saves it."""
     from transformers import AutoModelForCausalLM
-    torch.manual_seed(7)
+    torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                                                       target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
@@ -48,26 +48,19 @@ def adapter(model_dir, tmp_path_factory):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(0.2)
-    folder = tmp_path_factory.mktemp("adapter") / "colours"
     model.save_pretrained(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
+def adapter(model_dir, tmp_path_factory):
+    return save_adapter(model_dir, 7, tmp_path_factory.mktemp("adapter") / "colours")
+
+
+@pytest.fixture(scope="module")
 def adapter_v2(model_dir, adapter):
     """Other weights for the same modules, beside `adapter` (inside the main pool's adapter_dirs)."""
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(8)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                      target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.mul_(0.2)
-    folder = adapter.parent / "colours-v2"
-    model.save_pretrained(folder)
-    return folder
+    return save_adapter(model_dir, 8, adapter.parent / "colours-v2")
 
 
 def reference_tokens(model_dir, adapter_dir, prompt_ids: list[int]) -> list[int]:
