@@ -73,8 +73,7 @@ class StepPlanner:
         self.room = Room(policy, self.running, self.running_by_class, self.preempt,
                          prefix_cache.work_lost if prefix_cache is not None else None)
 
-    def lanes_running(self) -> set[int]:
-        """Lanes with a running sequence: each has work (the rest of a prompt, or a token)."""
+    def lanes_running(self) -> set[int]:      # each has work: the rest of a prompt, or a token
         return {lane for lane, count in self.running_per_lane.items() if count}
 
     def add_worker(self, index: int) -> None:
@@ -273,7 +272,7 @@ class StepPlanner:
         if head.lora and not self._lora_fits(worker, head.lora):
             return None
         if self.may_place is not None and not self.may_place(worker, head):
-            return None         # another worker holds more of it in its cache
+            return None         # another worker holds more of it in its cache, or computes it now
         if len(self.running[worker.index]) >= self.max_running \
                 and not self.room.free_slot(worker, builder, head):
             return None
@@ -311,7 +310,7 @@ class StepPlanner:
         if cache is not None:
             if cached:
                 request.start_cached(cached, pool.block_size)
-            cache.admitted(request, cached, pool.block_size, first=request.first_scheduled_at is None)
+            cache.admitted(pool, request, cached, first=request.first_scheduled_at is None)
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()
         self.running[worker.index].append(request)
@@ -363,6 +362,8 @@ class StepPlanner:
         a new one since: the old went with its blocks), its state dropped there."""
         if request.blocks and request.pool is worker.pool is not None:
             worker.pool.free(request.priority, request.blocks)
+        if request.leading:     # blocks it computes that others wait for (prefix_in_flight.py)
+            self.prefix_cache.released(request.pool, request)
         request.reset_cache()
         if request.announced:
             self.to_release[worker.index].append(request.seq_id)

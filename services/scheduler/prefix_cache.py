@@ -28,6 +28,7 @@ from collections.abc import Callable
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.prefix_blocks import PrefixCachingPool, block_name
 from services.common.priority import ORDER
+from services.scheduler.prefix_in_flight import InFlightPrefixes
 from services.scheduler.request import Request
 
 
@@ -38,6 +39,8 @@ class PrefixCache:
         self.queried: Counter = Counter()     # per class: prompt tokens at first admission
         self.hits: Counter = Counter()        # per class: of those, computed from cache
         self.adapter_generation: Counter = Counter()
+        self.in_flight = InFlightPrefixes()   # blocks being computed: who else waits for them
+        self.waited: Counter = Counter()      # per class: requests that waited for a leader's blocks
 
     def make_pool(self, num_blocks: int, block_size: int) -> PrefixCachingPool:
         """A worker's pool: idle blocks evicted lowest class first, each class's bounded."""
@@ -75,12 +78,21 @@ class PrefixCache:
 
     def cached_blocks(self, pool: PrefixCachingPool, request: Request) -> int:
         """How many of the request's leading blocks the pool would give it now (take_cached,
-        without taking them)."""
-        return len(self._cached_prefix(pool, request))
+        without taking them), or once the sequences running there have computed them."""
+        usable = (request.num_tokens - 1) // pool.block_size
+        if usable <= 0:
+            return 0
+        names = self.names(request, usable, pool.block_size)[:usable]
+        found = len(pool.lookup(names))
+        return found + self.in_flight.run(pool, names[found:])
 
-    def admitted(self, request: Request, cached: list[int], block_size: int, first: bool) -> None:
-        """Admitted with `cached` blocks; `first`: its first admission (counted for the hit rate
-        and reported in its usage)."""
+    def admitted(self, pool: PrefixCachingPool, request: Request, cached: list[int], first: bool) -> None:
+        """Admitted to `pool` with `cached` blocks; `first`: its first admission (counted for the
+        hit rate and reported in its usage). It leads the full blocks it is about to compute."""
+        block_size = pool.block_size
+        full = request.num_tokens // block_size
+        if full > len(cached):
+            self.in_flight.lead(pool, request, self.names(request, full, block_size)[len(cached):full])
         if first:
             prompt = len(request.prompt_ids)
             request.cached_tokens = min(len(cached) * block_size, prompt)
@@ -97,10 +109,32 @@ class PrefixCache:
         for index in range(request.next_name_at // block_size - 1, full):
             pool.name(blocks[index], names[index])
         request.next_name_at = (full + 1) * block_size
+        self.in_flight.named(pool, request, full)
+
+    def released(self, pool: PrefixCachingPool, request: Request) -> None:
+        """The request left `pool`: blocks it was computing are no longer awaited."""
+        self.in_flight.gone(pool, request)
+
+    def waits(self, pool: PrefixCachingPool, request: Request) -> bool:
+        """Should the request stay queued this step, for the block after its cached prefix on
+        `pool`, which a running leader of its class or a more urgent one is computing
+        (prefix_in_flight.py)? Counted once per request, per class."""
+        usable = (request.num_tokens - 1) // pool.block_size
+        if usable <= 0 or request.window is not None:
+            return False
+        names = self.names(request, usable, pool.block_size)
+        found = len(pool.lookup(names[:usable]))
+        if found >= usable or self.in_flight.leader(pool, request, names[found]) is None:
+            return False
+        if not request.waited_for_prefix:
+            request.waited_for_prefix = True
+            self.waited[request.priority] += 1
+        return True
 
     def placer(self, workers, planner, step: Callable[[], int]) -> Callable[[object, Request], bool]:
         """The planner's may_place(worker, request) for a pool's WorkerSet: may that worker admit
-        the request now? Decided by placement() once per request and step (`step()`)."""
+        the request now? Where: decided by placement() once per request and step (`step()`);
+        when: not while a sequence running there computes its next block (waits())."""
         def may_place(worker, request: Request) -> bool:
             placed = request.placement
             if placed is None or placed[0] != step():
@@ -112,7 +146,7 @@ class PrefixCache:
                                 <= planner.room.class_cap(w.pool, request.priority)]
                 placed = request.placement = (step(), self.placement(request, open_workers, planner.running,
                                                                      planner.max_running))
-            return placed[1] is None or placed[1] == worker.index
+            return (placed[1] is None or placed[1] == worker.index) and not self.waits(worker.pool, request)
         return may_place
 
     def placement(self, request: Request, workers: list, running: dict[int, list], max_running: int) -> int | None:

@@ -85,6 +85,8 @@ class Request:
     names_key: str = ""
     cached_tokens: int = 0
     next_name_at: int = 1 << 62      # never, while no cache names its blocks
+    leading: list[bytes] = field(default_factory=list)  # names of blocks it computes that others await
+    waited_for_prefix: bool = False  # it once stayed queued for a leader's blocks (prefix_in_flight.py)
     placement: tuple[int, int | None] | None = None   # (step, the worker it should go to or None: any)
     unservable_since: float | None = None   # at its lane's head, no worker could take it (failover.py)
     # Streaming mode (services/common/stream_window.py): the window it attends, and how many text
