@@ -168,6 +168,12 @@ class WorkerConfig(ServiceConfig):
     kv_cache_fraction: float | None = setting(None, "share of free memory after the weights for the KV cache "
                                               "(unset: 0.8 on GPU/NPU)", kind=float, bounds=SHARE)
     block_size: int = setting(16, "tokens per KV block", bounds=Bounds(1, 1024))
+    kv_tier_mb: int = setting(0, "second KV tier: MiB of host memory (or of kv_tier_path) keeping blocks the "
+                              "KV cache evicts, loaded back instead of recomputed (0: none; needs prefix caching)",
+                              bounds=NON_NEGATIVE)
+    kv_tier_path: str | None = setting(None, "a file on local disk the second tier lives in, memory-mapped "
+                                       "(unset: anonymous host memory); its contents do not outlive the worker",
+                                       kind=str, note="path")
     max_loras: int = setting(4, "LoRA adapters on the device at once (and among its running sequences)",
                              bounds=Bounds(1), note="<= max_cpu_loras")
     max_cpu_loras: int = setting(16, "adapters kept in host memory; past it the least recently used idle one "

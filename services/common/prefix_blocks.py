@@ -26,7 +26,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from hashlib import blake2b
 
 from services.common.kv_blocks import take_from_end
@@ -73,6 +73,10 @@ class PrefixCachingPool:
         self._idle_owner: dict[int, Hashable] = {}     # idle block -> the owner that held it last
         self._idle_count = 0
         self.evictions: Counter = Counter()           # per owner of the idle block evicted
+        # Told (block, name, owner) as an idle named block is reclaimed, before it is given out
+        # again: a second KV tier keeps it (services/scheduler/kv_tier.py, the mirror in `tier`).
+        self.on_evict: Callable[[int, bytes, Hashable], None] | None = None
+        self.tier = None
 
     # --- KVBlockPool's interface -----------------------------------------------------------------
 
@@ -234,7 +238,10 @@ class PrefixCachingPool:
                 return
 
     def _drop(self, owner: Hashable, block: int) -> None:
-        del self._block_of[self._name_of.pop(block)]
+        name = self._name_of.pop(block)
+        if self.on_evict is not None:
+            self.on_evict(block, name, owner)
+        del self._block_of[name]
         del self._idle_owner[block]
         self._idle_count -= 1
         self._free.append(block)

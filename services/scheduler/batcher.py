@@ -56,7 +56,7 @@ class ContinuousBatcher(WorkerChanges):
         self.monitor = monitor
         # Prefix caching (prefix_cache.py): pools from make_pool; placement follows the cache.
         self.prefix_cache = prefix_cache
-        self.make_pool = prefix_cache.make_pool if prefix_cache is not None else KVBlockPool
+        self.make_pool = prefix_cache.make_pool if prefix_cache is not None else lambda n, b, *_: KVBlockPool(n, b)
         self.planner = StepPlanner(policy, max_running, max_step_tokens, prefix_cache)
         if prefix_cache is not None:
             self.planner.may_place = prefix_cache.placer(self.workers, self.planner, lambda: self.steps)

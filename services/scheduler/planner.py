@@ -307,9 +307,7 @@ class StepPlanner:
         request.phase = Phase.RUNNING
         request.worker, request.pool = worker.index, pool
         request.reset_cache()
-        if cache is not None:
-            if cached:
-                request.start_cached(cached, pool.block_size)
+        if cache is not None:       # cached blocks (and its prefix in a second tier) become its first
             cache.admitted(pool, request, cached, first=request.first_scheduled_at is None)
         request.announced = False
         request.first_scheduled_at = request.first_scheduled_at or time.perf_counter()

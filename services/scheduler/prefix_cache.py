@@ -28,6 +28,7 @@ from collections.abc import Callable
 from services.common.kv_blocks import blocks_for_tokens, cap_blocks
 from services.common.prefix_blocks import PrefixCachingPool, block_name
 from services.common.priority import ORDER
+from services.scheduler.kv_tier import KVTierMirror
 from services.scheduler.prefix_in_flight import InFlightPrefixes
 from services.scheduler.request import Request
 
@@ -41,12 +42,25 @@ class PrefixCache:
         self.adapter_generation: Counter = Counter()
         self.in_flight = InFlightPrefixes()   # blocks being computed: who else waits for them
         self.waited: Counter = Counter()      # per class: requests that waited for a leader's blocks
+        # Second KV tiers (kv_tier.py), over every worker: blocks saved, loaded back, dropped, per
+        # class; prompt tokens loaded instead of computed (part of `hits`).
+        self.tier_saved, self.tier_loaded, self.tier_dropped = Counter(), Counter(), Counter()
+        self.tier_hits: Counter = Counter()
 
-    def make_pool(self, num_blocks: int, block_size: int) -> PrefixCachingPool:
-        """A worker's pool: idle blocks evicted lowest class first, each class's bounded."""
-        return PrefixCachingPool(num_blocks, block_size, eviction_order=sorted(ORDER, reverse=True),
+    def make_pool(self, num_blocks: int, block_size: int, tier_blocks: int = 0,
+                  load_us_per_block: float = 0.0) -> PrefixCachingPool:
+        """A worker's pool: idle blocks evicted lowest class first, each class's bounded; with
+        `tier_blocks`, the mirror of its second tier, where evicted blocks go (kv_tier.py)."""
+        order = sorted(ORDER, reverse=True)
+        pool = PrefixCachingPool(num_blocks, block_size, eviction_order=order,
                                  idle_limits={priority: cap_blocks(num_blocks, share)
                                               for priority, share in self.idle_shares.items()})
+        if tier_blocks:
+            pool.tier = KVTierMirror(tier_blocks, block_size, order, {
+                priority: cap_blocks(tier_blocks, share) for priority, share in self.idle_shares.items()},
+                load_us_per_block, (self.tier_saved, self.tier_loaded, self.tier_dropped))
+            pool.on_evict = pool.tier.save
+        return pool
 
     def adapter_loaded(self, name: str) -> None:
         """`name` was (re)loaded on a worker: its blocks from before are no longer its K/V."""
@@ -87,9 +101,15 @@ class PrefixCache:
         return found + self.in_flight.run(pool, names[found:])
 
     def admitted(self, pool: PrefixCachingPool, request: Request, cached: list[int], first: bool) -> None:
-        """Admitted to `pool` with `cached` blocks; `first`: its first admission (counted for the
-        hit rate and reported in its usage). It leads the full blocks it is about to compute."""
+        """Admitted to `pool` with `cached` blocks (room made for all it holds, cached ones
+        aside); `first`: its first admission (counted for the hit rate and reported in its
+        usage). What follows them in the pool's second tier is loaded back; the cached blocks
+        become its first; it leads the full blocks it is about to compute."""
         block_size = pool.block_size
+        if pool.tier is not None:
+            cached = self._load_from_tier(pool, request, cached, first)
+        if cached:
+            request.start_cached(cached, block_size)
         full = request.num_tokens // block_size
         if full > len(cached):
             self.in_flight.lead(pool, request, self.names(request, full, block_size)[len(cached):full])
@@ -99,6 +119,38 @@ class PrefixCache:
             self.queried[request.priority] += prompt
             self.hits[request.priority] += request.cached_tokens
         request.next_name_at = (len(cached) + 1) * block_size
+
+    def _load_from_tier(self, pool: PrefixCachingPool, request: Request, cached: list[int], first: bool) -> list[int]:
+        """`cached` and the blocks that continue the request's prefix after them: from the tier,
+        fresh pool blocks its copies are loaded into (when loading costs less than computing),
+        or blocks the pool still holds further on (the tail of a prefix outlives its head when
+        the head was evicted first)."""
+        tier, block_size = pool.tier, pool.block_size
+        usable, found = (request.num_tokens - 1) // block_size, len(cached)
+        if found >= usable or not tier.worth_loading:
+            return cached
+        names = self.names(request, usable, block_size)[found:usable]
+        blocks, loads = list(cached), []
+        for name in names:
+            held = pool.lookup((name,))
+            if held:
+                pool.share(request.priority, held)
+            elif name not in tier:
+                break
+            else:
+                loads.append(len(blocks))
+            blocks.append(held[0] if held else -1)
+        if not loads:
+            return cached
+        slots = tier.take([names[index - found] for index in loads])
+        fresh = pool.allocate(request.priority, len(loads))
+        tier.loaded_into(slots, fresh, request.priority)
+        for index, block in zip(loads, fresh):
+            blocks[index] = block
+            pool.name(block, names[index - found])
+        if first:
+            self.tier_hits[request.priority] += len(loads) * block_size
+        return blocks
 
     def name_computed(self, pool: PrefixCachingPool, request: Request) -> None:
         """After a step that took the request past `next_name_at`: name the blocks it filled."""

@@ -146,9 +146,13 @@ def state_metrics(batcher: ContinuousBatcher):
     }
     evictions, idle = cache_by_priority(b)
     cache = b.prefix_cache
+    tiers = [link.pool.tier for link in b.workers if getattr(link.pool, "tier", None) is not None]
     if cache is not None:
         gauges["qos_cache_idle_blocks"] = ("Idle cached KV blocks (prefix caching), by the class that held "
                                            "them last", lambda p: idle[p])
+    if tiers:
+        gauges["qos_kv_tier_blocks"] = ("Blocks the workers' second KV tiers hold, by the class that held "
+                                        "them last", lambda p: sum(t.held(p) for t in tiers))
     for name, (text, read) in gauges.items():
         family = GaugeMetricFamily(name, text, labels=["priority"])
         for p in ORDER:
@@ -163,7 +167,17 @@ def state_metrics(batcher: ContinuousBatcher):
                                   ("qos_cache_hit_tokens", "Prompt tokens found in the prefix cache (not "
                                    "computed)", cache.hits),
                                   ("qos_cache_evictions", "Idle cached KV blocks evicted, by the class that "
-                                   "held them last", evictions)] if cache is not None else [])]:
+                                   "held them last", evictions),
+                                  ("qos_cache_prefix_waits", "Requests that waited for a prefix another "
+                                   "sequence was computing", cache.waited),
+                                  ("qos_kv_tier_saved_blocks", "Evicted blocks copied to a second KV tier",
+                                   cache.tier_saved),
+                                  ("qos_kv_tier_loaded_blocks", "Blocks copied back from a second KV tier "
+                                   "instead of computed", cache.tier_loaded),
+                                  ("qos_kv_tier_dropped_blocks", "Blocks a second KV tier let go for room",
+                                   cache.tier_dropped),
+                                  ("qos_kv_tier_hit_tokens", "Prompt tokens loaded from a second KV tier "
+                                   "(part of qos_cache_hit_tokens)", cache.tier_hits)] if cache is not None else [])]:
         family = CounterMetricFamily(name, text, labels=["priority"])
         for p in ORDER:
             family.add_metric([priority_name(p)], values[p])

@@ -27,7 +27,7 @@ RECONNECT_INTERVAL_SECONDS = 0.5
 
 class WorkerLink:
     def __init__(self, index: int, address: str, trust: ClusterTrust | None = None,
-                 make_pool: Callable[[int, int], KVBlockPool] = KVBlockPool):
+                 make_pool: Callable[..., KVBlockPool] = KVBlockPool):
         self.index = index
         self.make_pool = make_pool      # a fresh pool per connection: a reconnected worker's cache is unknown
         self.address = address
@@ -79,7 +79,9 @@ class WorkerLink:
             raise WorkerGone(f"worker {self.address}: {detail}") from exc
         self.info = info
         self.adapters = frozenset(a.name for a in info.adapters)
-        self.pool = self.make_pool(info.num_blocks, info.block_size)
+        # With a second tier (and prefix caching), the pool mirrors it: services/scheduler/kv_tier.py.
+        tier = (info.kv_tier_blocks, info.kv_tier_load_us_per_block) if info.kv_tier_blocks else ()
+        self.pool = self.make_pool(info.num_blocks, info.block_size, *tier)
         self._reader = asyncio.create_task(self._read_answers(self._results))
         self.connected.set()
         log.info("connected to worker %s: %s on %s, %d KV blocks of %d tokens", self.address,
@@ -135,13 +137,22 @@ class WorkerLink:
         overlap (a cut-in while a step computes): answers are matched to plans by step_id."""
         if not self.is_connected:
             raise WorkerGone(f"worker {self.address} is not connected")
+        tier = getattr(self.pool, "tier", None)
+        if tier is not None and tier.blocks:      # copies recorded since the last plan: this one's
+            blocks, slots, loads = tier.take_copies()
+            plan.tier_block_ids.extend(blocks)
+            plan.tier_slots.extend(slots)
+            plan.tier_loads.extend(loads)
         answer = asyncio.get_running_loop().create_future()
         self._answers[plan.step_id] = answer
         self._plans.put_nowait((plan, sent))
         try:
-            return await answer
+            result = await answer
         finally:
             self._answers.pop(plan.step_id, None)
+        if tier is not None:
+            tier.note_step(sum(plan.scheduled_num_tokens), result.forward_ms)
+        return result
 
     async def _read_answers(self, results) -> None:
         """Every answer to the plan it is for, until the stream ends or breaks: then the link is

@@ -100,9 +100,11 @@ def cmd_worker(args) -> int:
         except AdapterError as exc:
             raise ConfigError(f"pool {pool.name}: adapter {adapter.name}: {exc}") from exc
     adapter_dirs = [a.path for a in pool.adapters] if worker.adapter_dirs is None else worker.adapter_dirs
+    from services.engine.kv_tier import KVTier
+    tier = KVTier.sized(engine.cache, worker.kv_tier_mb * 2**20, worker.kv_tier_path) if worker.kv_tier_mb else None
     asyncio.run(serve_worker(engine, worker.address, worker.host, worker.metrics_port,
                              worker.drain_seconds, join=args.join, advertise=advertised,
-                             trust=trust, adapter_dirs=adapter_dirs))
+                             trust=trust, adapter_dirs=adapter_dirs, tier=tier))
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, Status, StatusCode
@@ -32,6 +32,7 @@ from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, work
 from services.common.wire import answer_tokens
 from services.common.step import StepBatch
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
+from services.engine.kv_tier import KVTier
 from services.worker.adapters import WorkerAdapters, adapter_info
 from services.worker.cut_ins import CutIns
 from services.worker.sequences import PlanError, SequenceTable
@@ -60,8 +61,12 @@ class BusyTracker:
 
 
 class WorkerService(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, drain: Drain, adapter_dirs: Sequence[str] = ()):
+    def __init__(self, engine: Engine, drain: Drain, adapter_dirs: Sequence[str] = (),
+                 tier: KVTier | None = None):
         self.engine = engine
+        self.tier = tier        # its second KV tier: copies the plans carry (StepPlan.tier_*)
+        # What copying a block back from the tier costs here, measured before any step.
+        self.tier_load_us = tier.measure() * 1e6 if tier is not None else 0.0
         self.drain = drain
         self.table = SequenceTable(engine.kv_spec.block_size)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -93,6 +98,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         yield GaugeMetricFamily("qos_worker_active_sequences", "Sequences held", value=len(self.table))
         yield GaugeMetricFamily("qos_worker_kv_blocks", "KV blocks allocated",
                                 value=self.engine.kv_spec.num_blocks)
+        if self.tier is not None:
+            yield GaugeMetricFamily("qos_worker_kv_tier_blocks", "Second KV tier: blocks it holds room for",
+                                    value=self.tier.num_slots)
+            for name, text, value in [("qos_worker_kv_tier_saved_blocks", "Blocks copied into the tier", self.tier.saved),
+                                      ("qos_worker_kv_tier_loaded_blocks", "Blocks copied back into the pool",
+                                       self.tier.loaded)]:
+                yield CounterMetricFamily(name, text, value=value)
 
     def info(self) -> worker_pb2.WorkerInfo:
         e = self.engine
@@ -103,7 +115,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             max_context=e.max_context, vocab_size=e.model_config.vocab_size,
             eos_token_ids=list(e.model_config.eos_token_ids), active_sequences=len(self.table),
             threads=e.threads, device_name=e.backend.name, draining=self.drain.draining,
-            adapters=[adapter_info(a) for a in e.adapters.values()], max_loras=e.adapters.max_loras)
+            adapters=[adapter_info(a) for a in e.adapters.values()], max_loras=e.adapters.max_loras,
+            kv_tier_blocks=self.tier.num_slots if self.tier else 0, kv_tier_load_us_per_block=self.tier_load_us)
 
     async def Info(self, request, context) -> worker_pb2.WorkerInfo:
         return self.info()
@@ -235,6 +248,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         applied = []
         for plan in plans:
             try:
+                if plan.tier_block_ids:
+                    self._tier_copies(plan)
                 applied.append((plan, self.table.apply(plan)))
             except PlanError as exc:
                 log.error("step %d refused: %s", plan.step_id, exc)
@@ -273,6 +288,19 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                 worker_pb2.StepResult(step_id=plan.step_id, forward_ms=(finished - started) * 1000, device=device),
                 mine, plan.packed_results)
         return [answers[p.step_id] for p in plans]
+
+    def _tier_copies(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's copies between the pool and the tier, in order, before its computing."""
+        if self.tier is None:
+            raise PlanError(f"step {plan.step_id} copies KV blocks to or from a second tier; this worker has none")
+        blocks, slots, loads = plan.tier_block_ids, plan.tier_slots, plan.tier_loads
+        try:
+            self.tier.check(blocks, slots)
+            if len(loads) != len(blocks):
+                raise ValueError(f"tier copies: {len(loads)} directions for {len(blocks)} blocks")
+        except ValueError as exc:
+            raise PlanError(f"step {plan.step_id}: {exc}") from None
+        self.tier.copy(blocks, slots, loads)
 
     def _device_stats(self, now: float) -> worker_pb2.DeviceStats:
         kv_bytes = self.engine.kv_spec.total_bytes
@@ -317,13 +345,14 @@ async def join_pool(scheduler: str, advertised: str, drain: Drain, trust: Cluste
 async def serve_worker(engine: Engine, address: str, metrics_host: str = "127.0.0.1",
                        metrics_port: int | None = None, drain_seconds: float = DEFAULT_DRAIN_SECONDS,
                        join: str | None = None, advertise: str | None = None,
-                       trust: ClusterTrust | None = None, adapter_dirs: Sequence[str] = ()) -> None:
+                       trust: ClusterTrust | None = None, adapter_dirs: Sequence[str] = (),
+                       tier: KVTier | None = None) -> None:
     """Serve the engine on `address`; with `join`, register with that scheduler as `advertise`
     (default: `address`). `trust`: the cluster token and certificates callers must show, and
     that joining shows (services/common/cluster_auth.py). `adapter_dirs`: the folders adapters
-    may be loaded from at run time (services/worker/adapters.py)."""
+    may be loaded from at run time (services/worker/adapters.py). `tier`: its second KV tier."""
     trust = trust or no_trust("worker")
-    service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds), adapter_dirs)
+    service = WorkerService(engine, Drain(f"worker {advertise or address}", drain_seconds), adapter_dirs, tier)
     serve_metrics(service.registry, metrics_host, metrics_port, "worker")
     tasks: list[asyncio.Task] = []
 

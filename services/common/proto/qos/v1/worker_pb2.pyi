@@ -48,7 +48,7 @@ class DrainReply(_message.Message):
     def __init__(self, active_sequences: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining", "adapters", "max_loras")
+    __slots__ = ("device", "device_type", "dtype", "model", "block_size", "num_blocks", "bytes_per_block", "max_context", "vocab_size", "eos_token_ids", "active_sequences", "threads", "device_name", "draining", "adapters", "max_loras", "kv_tier_blocks", "kv_tier_load_us_per_block")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class WorkerInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_LOAD_US_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     device: str
     device_type: str
     dtype: str
@@ -81,7 +83,9 @@ class WorkerInfo(_message.Message):
     draining: bool
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
     max_loras: int
-    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    kv_tier_blocks: int
+    kv_tier_load_us_per_block: float
+    def __init__(self, device: _Optional[str] = ..., device_type: _Optional[str] = ..., dtype: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sequences: _Optional[int] = ..., threads: _Optional[int] = ..., device_name: _Optional[str] = ..., draining: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_loras: _Optional[int] = ..., kv_tier_blocks: _Optional[int] = ..., kv_tier_load_us_per_block: _Optional[float] = ...) -> None: ...
 
 class EngineSampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
@@ -136,7 +140,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSampling, _Mapping]] = ..., num_generated: _Optional[int] = ..., traceparent: _Optional[str] = ..., lora: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results", "dropped_seq_ids", "dropped_block_counts")
+    __slots__ = ("step_id", "new_sequences", "scheduled_seq_ids", "scheduled_num_tokens", "granted_seq_ids", "granted_block_ids", "released_seq_ids", "cut_in", "packed_results", "dropped_seq_ids", "dropped_block_counts", "tier_block_ids", "tier_slots", "tier_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +152,9 @@ class StepPlan(_message.Message):
     PACKED_RESULTS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -159,7 +166,10 @@ class StepPlan(_message.Message):
     packed_results: bool
     dropped_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     dropped_block_counts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ..., packed_results: _Optional[bool] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., dropped_block_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    tier_slots: _containers.RepeatedScalarFieldContainer[int]
+    tier_loads: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled_seq_ids: _Optional[_Iterable[int]] = ..., scheduled_num_tokens: _Optional[_Iterable[int]] = ..., granted_seq_ids: _Optional[_Iterable[int]] = ..., granted_block_ids: _Optional[_Iterable[int]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., cut_in: _Optional[bool] = ..., packed_results: _Optional[bool] = ..., dropped_seq_ids: _Optional[_Iterable[int]] = ..., dropped_block_counts: _Optional[_Iterable[int]] = ..., tier_block_ids: _Optional[_Iterable[int]] = ..., tier_slots: _Optional[_Iterable[int]] = ..., tier_loads: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "finish_reason")
