@@ -90,11 +90,13 @@ class Planned:
 @dataclass(slots=True)
 class Outcome:
     priority: str
+    index: int = 0              # its place in the plan
     status: str = "ok"          # "ok", or "HTTP <status> <type>" / "connection <error>"
     ttft_ms: float = math.nan
     prompt_tokens: int = 0
     cached_tokens: int = 0
     send_lag_ms: float = 0.0
+    text: str = ""
 
 
 def get_json(url: str, api_key: str) -> dict:
@@ -135,13 +137,15 @@ def discover(http: str, tls: bool, api_key: str, served_model: str | None, route
 
 
 @contextlib.contextmanager
-def local_cluster(model: str, config_path: str | None):
-    """A cluster of `qos-serve up`'s defaults (or the config file's) on free ports:
-    yields (HTTP front, router gRPC address)."""
+def local_cluster(model: str, config_path: str | None, adjust=None):
+    """A cluster of `qos-serve up`'s defaults (or the config file's) on free ports, changed by
+    `adjust(config)` if given: yields (HTTP front, router gRPC address)."""
     from services.common.config_file import load_config
     from services.local.cluster import LocalCluster
     config = load_config(config_path)
     config.model = model
+    if adjust is not None:
+        adjust(config)
     config.router.port, config.router.http_port = 0, 0
     for pool in config.pools:
         pool.scheduler.port = 0
@@ -155,15 +159,15 @@ async def replay(server: Server, plan: list[Planned], bar) -> list[Outcome]:
     start, outcomes = time.monotonic(), []
     prompt = cached = 0
 
-    async def one(p: Planned) -> None:
+    async def one(index: int, p: Planned) -> None:
         nonlocal prompt, cached
         await asyncio.sleep(max(0.0, start + p.at - time.monotonic()))
-        outcome = Outcome(p.priority, send_lag_ms=max(0.0, time.monotonic() - start - p.at) * 1000)
+        outcome = Outcome(p.priority, index, send_lag_ms=max(0.0, time.monotonic() - start - p.at) * 1000)
         try:
             answer = await complete(server.http, server.model, p.text, p.output_tokens, p.priority,
                                     api_key=server.api_key, tls=server.tls, ignore_eos=True)
             outcome.ttft_ms, outcome.prompt_tokens = answer.ttft_ms, answer.prompt_tokens
-            outcome.cached_tokens = answer.cached_tokens
+            outcome.cached_tokens, outcome.text = answer.cached_tokens, answer.text
             prompt, cached = prompt + answer.prompt_tokens, cached + answer.cached_tokens
         except HttpError as exc:
             outcome.status = f"HTTP {exc.status} {exc.code or exc.type}"
@@ -174,8 +178,8 @@ async def replay(server: Server, plan: list[Planned], bar) -> list[Outcome]:
         bar.set_postfix_str(f"cached {cached / prompt if prompt else 0:.1%}, failed {failed}", refresh=False)
         bar.update()
 
-    await asyncio.gather(*(one(p) for p in plan))
-    return outcomes
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(plan)))
+    return sorted(outcomes, key=lambda o: o.index)
 
 
 def share(part: int, whole: int) -> float:
