@@ -25,6 +25,9 @@ class FinishReason(IntEnum):
         return self.name.lower()
 
 
+MAX_TOP_LOGPROBS = 20    # top tokens a sequence may ask logprobs of (OpenAI's bound)
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     temperature: float = 1.0          # 0 means greedy
@@ -34,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()   # stop on these in addition to the model's EOS ids
     ignore_eos: bool = False          # benchmarks: keep going past EOS (stop_token_ids still stop)
+    logprobs: int | None = None       # set: each token's logprob and this many top ones (0-MAX_TOP_LOGPROBS)
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:   # also catches NaN
@@ -44,6 +48,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -85,10 +91,18 @@ class StepBatch:
 
 
 @dataclass(slots=True, frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, and the most likely tokens' (id, logprob), best first."""
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class SampledToken:
     seq_id: int
     token_id: int
     finish_reason: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None      # only for a sequence whose sampling asks
 
 
 @dataclass(slots=True)

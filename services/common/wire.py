@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.common.step import FinishReason, SampledToken, SamplingParams
+from services.common.step import FinishReason, SampledToken, SamplingParams, TokenLogprobs
 
 # What a client gets for a field it leaves unset (common.proto documents the same defaults).
 DEFAULT_TEMPERATURE = 1.0
@@ -31,7 +31,8 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         top_k=s.top_k if s.HasField("top_k") else DEFAULT_TOP_K,
         top_p=s.top_p if s.HasField("top_p") else DEFAULT_TOP_P,
         seed=s.seed if s.HasField("seed") else None,
-        max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None)
 
 
 def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
@@ -41,6 +42,8 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         ignore_eos=params.ignore_eos)
     if params.seed is not None:
         proto.seed = params.seed
+    if params.logprobs is not None:
+        proto.logprobs = params.logprobs
     return proto
 
 
@@ -48,7 +51,8 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
     return SamplingParams(temperature=proto.temperature, top_k=proto.top_k, top_p=proto.top_p,
                           seed=proto.seed if proto.HasField("seed") else None,
                           max_tokens=proto.max_tokens, stop_token_ids=tuple(proto.stop_token_ids),
-                          ignore_eos=proto.ignore_eos)
+                          ignore_eos=proto.ignore_eos,
+                          logprobs=proto.logprobs if proto.HasField("logprobs") else None)
 
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:
@@ -59,7 +63,15 @@ def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:
 def answer_tokens(result: worker_pb2.StepResult, tokens: Sequence[SampledToken],
                   packed: bool) -> worker_pb2.StepResult:
     """A step's sampled tokens into its answer: as packed parallel lists when the plan asked for
-    them (StepPlan.packed_results), else as a message each (an older scheduler's `tokens`)."""
+    them (StepPlan.packed_results), else as a message each (an older scheduler's `tokens`); the
+    logprobs of those that carry them in the answer's logprob lists either way."""
+    for token in tokens:
+        if token.logprobs is not None:
+            result.logprob_seq_ids.append(token.seq_id)
+            result.token_logprobs.append(token.logprobs.logprob)
+            result.top_logprob_counts.append(len(token.logprobs.top))
+            result.top_token_ids.extend([t for t, _ in token.logprobs.top])
+            result.top_logprobs.extend([lp for _, lp in token.logprobs.top])
     if not packed:
         result.tokens.extend(map(sampled_token_proto, tokens))
         return result
@@ -90,7 +102,20 @@ def sampled_seq_ids(result: worker_pb2.StepResult) -> Sequence[int]:
 def sampled_tokens(result: worker_pb2.StepResult) -> list[SampledToken]:
     """An answer's sampled tokens, in either form (answer_tokens)."""
     sampled, ended = sampled_and_ended(result)
-    return [SampledToken(seq_id, token_id, finish_reason(ended.get(seq_id, 0))) for seq_id, token_id in sampled]
+    logprobs = answer_logprobs(result) if result.logprob_seq_ids else {}
+    return [SampledToken(seq_id, token_id, finish_reason(ended.get(seq_id, 0)), logprobs.get(seq_id))
+            for seq_id, token_id in sampled]
+
+
+def answer_logprobs(result: worker_pb2.StepResult) -> dict[int, TokenLogprobs]:
+    """The logprobs an answer carries (answer_tokens), by seq_id."""
+    out, at = {}, 0
+    top_ids, top_lps = result.top_token_ids, result.top_logprobs
+    for seq_id, logprob, count in zip(result.logprob_seq_ids, result.token_logprobs,
+                                      result.top_logprob_counts):
+        out[seq_id] = TokenLogprobs(logprob, tuple(zip(top_ids[at:at + count], top_lps[at:at + count])))
+        at += count
+    return out
 
 
 def finish_reason(value: int) -> FinishReason | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -26,7 +27,7 @@ from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder, PagedDecodes
 from services.engine.paged_attention import DecodeKernel, load_decode_kernel
-from services.engine.sampler import sample
+from services.engine.sampler import sample_step
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
 from services.engine.weights import load_safetensors
@@ -177,22 +178,18 @@ class Engine:
         this step's sequences or cache blocks and, while this one uses a LoRA adapter, uses none."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
+        ends = accumulate(len(seq.token_ids) for seq in ordered)
+        last_rows = [end - 1 for seq, end in zip(ordered, ends) if seq.sample]
+        sampled = [seq for seq in ordered if seq.sample]
         hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), pause)
         if pause is not None:
             pause()
-        last_rows, sampled = [], []
-        offset = 0
-        for seq in ordered:
-            offset += len(seq.token_ids)
-            if seq.sample:
-                last_rows.append(offset - 1)
-                sampled.append(seq)
         tokens: list[SampledToken] = []
         if sampled:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)], pause)
-            ids = sample(logits, [s.sampling for s in sampled], [s.num_generated for s in sampled],
-                         self.generator)
-            tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid)) for s, tid in zip(sampled, ids)]
+            picks = sample_step(logits, sampled, self.generator)
+            tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid), lp)
+                      for s, (tid, lp) in zip(sampled, picks)]
         return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)
 
     def compute_logits(self, batch: StepBatch) -> dict[int, torch.Tensor]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.common.step import MAX_TOP_LOGPROBS
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
@@ -34,12 +35,11 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
-FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens"},
-          COMPLETION: COMMON | HINTS | {"prompt"}}
+FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+          COMPLETION: COMMON | HINTS | {"prompt", "logprobs"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False, 0),
-    "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "store": (False,), "modalities": (["text"],),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "repetition_penalty": (1,),
@@ -242,6 +242,22 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
         s.stop_token_ids.extend(_int(v, f"stop_token_ids[{i}]", 0, MAX_INT32) for i, v in enumerate(ids))
     if body.get("ignore_eos") is not None:
         s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
+    _logprobs(body, request)
+
+
+def _logprobs(body: dict, request: OpenAIRequest) -> None:
+    """Chat: `logprobs: true` and `top_logprobs` (0-20, only with it); completions: `logprobs` N
+    (0-20): the chosen token's and the N most likely tokens' log-probabilities."""
+    s = request.body.sampling
+    if request.kind == COMPLETION:
+        if body.get("logprobs") is not None:
+            s.logprobs = _int(body["logprobs"], "logprobs", 0, MAX_TOP_LOGPROBS)
+        return
+    top = body.get("top_logprobs")
+    if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
+        s.logprobs = 0 if top is None else _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    elif top is not None and _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS):
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def _options(body: dict, request: OpenAIRequest) -> None:

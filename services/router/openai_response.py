@@ -12,6 +12,7 @@ from __future__ import annotations
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
+from services.router.openai_logprobs import LogprobsView
 from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
 
 
@@ -44,11 +45,15 @@ class OpenAIResponse:
         self.text: list[str] = []
         self.last: common_pb2.GenerateChunk | None = None
         self.sent_role = False
+        # With logprobs asked for: each token's entry (common.proto TokenLogprob), made OpenAI's
+        self.logprobs = LogprobsView(self.chat) if request.body.sampling.HasField("logprobs") else None
+        self.entries: list[common_pb2.TokenLogprob] = []
 
     # --- one JSON body ----------------------------------------------------------------------------
 
     def add(self, chunk: common_pb2.GenerateChunk) -> None:
         self.text.append(chunk.text)
+        self.entries.extend(chunk.logprobs)
         self.last = chunk
 
     def body(self) -> dict:
@@ -56,7 +61,8 @@ class OpenAIResponse:
         last, text = self.last, "".join(self.text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
                   if self.chat else {"index": 0, "text": text})
-        choice.update(finish_reason=finish_label(last.finish_reason), logprobs=None)
+        choice.update(finish_reason=finish_label(last.finish_reason),
+                      logprobs=self.logprobs.of(self.entries) if self.logprobs else None)
         return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": [choice], "usage": usage_of(last)}
 
@@ -68,17 +74,18 @@ class OpenAIResponse:
         if self.chat and not self.sent_role:
             out.append(self._event({"role": "assistant", "content": ""}))
             self.sent_role = True
-        if chunk.text:
-            out.append(self._event({"content": chunk.text} if self.chat else chunk.text))
+        if chunk.text or (self.logprobs and chunk.logprobs):
+            out.append(self._event({"content": chunk.text} if self.chat else chunk.text,
+                                   logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
         if chunk.finish_reason:
             out.append(self._event({} if self.chat else "", finish_label(chunk.finish_reason)))
             if self.request.include_usage:
                 out.append({**self.head, "choices": [], "usage": usage_of(chunk)})
         return out
 
-    def _event(self, delta, finish_reason: str | None = None) -> dict:
+    def _event(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
-        choice.update(finish_reason=finish_reason, logprobs=None)
+        choice.update(finish_reason=finish_reason, logprobs=logprobs)
         event = {**self.head, "choices": [choice]}
         if self.request.include_usage:
             event["usage"] = None

@@ -17,7 +17,7 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
-from services.common.wire import finish_reason, sampled_and_ended, sampled_seq_ids
+from services.common.wire import finish_reason, sampled_seq_ids
 from services.scheduler.announcement import prompt_announcement
 from services.scheduler.answer_check import answer_mismatch
 from services.scheduler.cut_in_dispatch import CutInDispatch
@@ -318,7 +318,7 @@ class ContinuousBatcher(WorkerChanges):
         problem = answer_mismatch(builder.scheduled_requests, sampled_seq_ids(result))
         if problem is not None:
             return problem
-        sampled, ended = sampled_and_ended(result)
+        sampled, ended = self.streams.answer_tokens(result, builder.scheduled_requests)
         by_seq = {r.seq_id: r for r in builder.scheduled_requests}
         now = time.perf_counter()
         output_tokens = self.output_tokens

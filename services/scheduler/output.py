@@ -13,6 +13,7 @@ import asyncio
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
+from services.scheduler import logprobs
 from services.scheduler.request import Request
 
 
@@ -46,6 +47,8 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
     reason = FinishReason.STOP if detok.stopped else engine_finish
     chunk = common_pb2.GenerateChunk(request_id=request.request_id, text=text,
                                      token_ids=[token_id], pool=pool)
+    if request.logprobs:
+        chunk.logprobs.append(logprobs.entry(request, token_id))
     if reason is None:
         if request.chunked == 1:
             # The first chunk tells the prompt's size (the router bills a request that ends early)
@@ -87,6 +90,7 @@ def merge(chunk: common_pb2.GenerateChunk, following: common_pb2.GenerateChunk) 
     is the last."""
     chunk.text += following.text
     chunk.token_ids.extend(following.token_ids)
+    chunk.logprobs.extend(following.logprobs)
     if following.finish_reason:
         chunk.finish_reason = following.finish_reason
         chunk.usage.CopyFrom(following.usage)

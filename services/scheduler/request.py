@@ -15,6 +15,8 @@ from services.common.stream_window import StreamWindow
 from services.scheduler.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from collections import deque
+
     from services.common.kv_blocks import KVBlockPool
     from services.common.prefix_blocks import PrefixCachingPool
     from services.common.proto.qos.v1.worker_pb2 import NewSequence
@@ -67,6 +69,8 @@ class Request:
     # (perf_counter time, why, worker address) each time its worker failed or left mid-sequence
     failovers: list[tuple[float, str, str]] = field(default_factory=list)
     resumed: int = 0                 # output tokens another pool streamed before this one took over
+    # With sampling.logprobs: each recorded token's logprobs (its step's answer) until its chunk takes them
+    logprobs: deque | None = None
     chunked: int = 0                 # output tokens made into chunks here (output.token_chunk)
     tenant_weight: float = 1.0       # the tenant's share inside its class
     slo_ms: float | None = None

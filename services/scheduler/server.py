@@ -29,6 +29,7 @@ from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.common.token_bytes import byte_table
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
@@ -175,6 +176,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
 
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
+        if submit.sampling.HasField("logprobs"):
+            byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
         if not submit.messages:
             return self.tokenizer.encode(submit.prompt)
         messages = [{"role": m.role, "content": m.content} for m in submit.messages]

@@ -15,7 +15,10 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import FinishReason
+from services.common.wire import sampled_and_ended
+from services.scheduler import logprobs
 from services.scheduler.output import HeldChunks, token_chunk
 from services.scheduler.request import Phase, Request
 
@@ -69,6 +72,15 @@ class StreamOut:
             self.deliver(request, event)
         for request, chunk in self.held_chunks.due(time.perf_counter()):
             request.events.put_nowait(chunk)
+
+    @staticmethod
+    def answer_tokens(result: worker_pb2.StepResult, scheduled: list[Request]):
+        """A step's answer as postprocess reads it: its (seq_id, token_id) pairs and the finish
+        reasons of the sequences they end (wire.sampled_and_ended); its logprobs are kept on
+        their requests for their tokens' chunks (logprobs.py)."""
+        if result.logprob_seq_ids:
+            logprobs.record(result, {r.seq_id: r for r in scheduled})
+        return sampled_and_ended(result)
 
     def forget(self, request: Request) -> None:
         """The client went away: nobody reads its held chunks now."""

@@ -69,7 +69,9 @@ BAD = {
                           st.lists(st.fixed_dictionaries({"role": st.text().filter(lambda r: r not in (
                               "system", "developer", "user", "assistant", "tool")), "content": st.text()}),
                               min_size=1)),
-    "logprobs": st.just(True), "frequency_penalty": st.floats(min_value=0.1, max_value=2),
+    "logprobs": anything_but("bool"),
+    "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21), anything_but("int")),
+    "frequency_penalty": st.floats(min_value=0.1, max_value=2),
     "tools": st.lists(st.dictionaries(st.text(max_size=3), st.integers()), min_size=1, max_size=2),
 }
 KNOWN = FIELDS["chat"] | set(NEUTRAL)

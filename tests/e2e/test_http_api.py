@@ -159,7 +159,7 @@ def test_request_id_header_and_chunk_ids_agree(cluster, model):
 @pytest.mark.parametrize("field, value", [
     ("n", 2), ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
     ("max_tokens", 10**30), ("seed", -5), ("stop", [1, 2]), ("service_tier", "scale"),
-    ("stream", "yes"), ("logprobs", True), ("tools", [{"type": "function"}]), ("colour", "red"),
+    ("stream", "yes"), ("logprobs", "yes"), ("top_logprobs", 21), ("tools", [{"type": "function"}]), ("colour", "red"),
     ("messages", []), ("top_k", -3), ("ignore_eos", 1),
 ])
 def test_each_invalid_field_is_a_400_naming_it(client, model, field, value):

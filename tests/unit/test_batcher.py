@@ -12,7 +12,7 @@ import pytest
 
 from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.common.step import SampledToken, FinishReason, SamplingParams
+from services.common.step import SampledToken, FinishReason, SamplingParams, TokenLogprobs
 from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.wire import answer_tokens
 from services.scheduler.batcher import ContinuousBatcher
@@ -85,10 +85,15 @@ class SimulatedWorker:
                 token = next_token(seq.tokens[:work.end])
                 generated = work.num_generated + 1
                 reason = FinishReason.LENGTH if generated >= work.sampling.max_tokens else None
-                tokens.append(SampledToken(work.seq_id, token, reason))
+                tokens.append(SampledToken(work.seq_id, token, reason, position_logprobs(work)))
         self.table.commit(batch, tokens)
         return answer_tokens(worker_pb2.StepResult(step_id=plan.step_id), tokens,
                              plan.packed_results and not self.answers_per_token)
+
+
+def position_logprobs(work) -> TokenLogprobs | None:
+    """For a sequence that asks: a logprob that names the position its token was sampled at."""
+    return None if work.sampling.logprobs is None else TokenLogprobs(-work.end / 8)
 
 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int, stop=()) -> Request:

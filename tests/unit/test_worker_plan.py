@@ -41,12 +41,13 @@ def test_grants_that_do_not_fit_are_refused_and_change_nothing(seq_ids, block_id
 def test_an_answer_carries_each_sampled_token_and_why_it_ended_in_either_form(packed):
     from services.common.step import FinishReason, SampledToken
     from services.common.wire import answer_tokens, sampled_tokens
-    tokens = [SampledToken(7, 101), SampledToken(3, 5, FinishReason.STOP), SampledToken(9, 0, FinishReason.LENGTH),
-              SampledToken(4, 2**31 - 1)]
+    from services.common.step import TokenLogprobs
+    tokens = [SampledToken(7, 101), SampledToken(3, 5, FinishReason.STOP, TokenLogprobs(-0.5, ((5, -0.5), (8, -1.25)))),
+              SampledToken(9, 0, FinishReason.LENGTH, TokenLogprobs(-2.0)), SampledToken(4, 2**31 - 1)]
     answer = answer_tokens(worker_pb2.StepResult(step_id=1), tokens, packed)
     wire = worker_pb2.StepResult.FromString(answer.SerializeToString())
     assert bool(wire.tokens) is not packed and bool(wire.sampled_seq_ids) is packed   # the form asked for
-    assert sampled_tokens(wire) == tokens
+    assert sampled_tokens(wire) == tokens       # logprobs only where a sequence asked, tops in order
 
 
 def test_a_new_sequence_starts_at_its_cached_tokens_and_refuses_more_than_its_blocks_hold():

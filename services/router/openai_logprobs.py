@@ -1,0 +1,50 @@
+"""Our chunks' logprob entries (common.proto TokenLogprob) as OpenAI's logprobs objects. Pure.
+
+    chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+                 "bytes"}]}], "refusal": null}
+    completions  {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}],
+                 "text_offset": [...]}   (the legacy shape: each top_logprobs dict holds the N most
+                 likely tokens and the chosen one, so up to N + 1 entries)
+
+A token's text is its bytes decoded on their own, a part of a character shown as U+FFFD; `bytes`
+is exact, and the bytes of consecutive tokens join into the text. `text_offset` counts the
+characters of those token texts from the start of the completion, across a stream's chunks (as
+vLLM counts them).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.proto.qos.v1 import common_pb2
+
+
+def token_text(token_bytes: bytes) -> str:
+    return token_bytes.decode("utf-8", errors="replace")
+
+
+class LogprobsView:
+    """The logprobs objects of one response, chunk after chunk (or all at once)."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+        self.offset = 0          # completions: characters of the token texts given so far
+
+    def of(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict:
+        """The object for these entries, the next ones of the response."""
+        if self.chat:
+            return {"content": [{**_top(e), "top_logprobs": [_top(t) for t in e.top]} for e in entries],
+                    "refusal": None}
+        texts = [token_text(e.token_bytes) for e in entries]
+        offsets = []
+        for text in texts:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{**{token_text(t.token_bytes): t.logprob for t in e.top},
+                                  token_text(e.token_bytes): e.logprob} for e in entries],
+                "text_offset": offsets}
+
+
+def _top(entry) -> dict:
+    return {"token": token_text(entry.token_bytes), "logprob": entry.logprob,
+            "bytes": list(entry.token_bytes)}
