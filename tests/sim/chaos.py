@@ -4,6 +4,7 @@ drain, late registrations, DNS members leaving and coming back. All drawn from t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
@@ -38,6 +39,13 @@ def workload(sim) -> list[Client]:
             stop=[chr(97 + rng.randrange(26)) + chr(97 + rng.randrange(26))] if rng.random() < 0.15 else [],
             lora=rng.choice(adapters) if rng.random() < 0.2 else "", streaming=streaming,
             stream_interval=rng.choice([1, 1, 3]), cancel_after=cancel)))
+    if sim.tiers:
+        # Long prefixes that come back after the pools evicted them (from the tiers' own draws, so
+        # a seed's run without tiers is unchanged).
+        draw, size = sim.tier_rng, sim.block_size
+        shared = [[draw.randrange(3, 200) for _ in range(draw.randint(2, 6) * size)] for _ in range(2)]
+        clients = [Client(sim, dataclasses.replace(c.spec, prompt=draw.choice(shared) + c.spec.prompt))
+                   if not c.spec.streaming and draw.random() < 0.6 else c for c in clients]
     return clients
 
 

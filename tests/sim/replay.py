@@ -3,6 +3,7 @@
     python -m tests.sim.replay --seed 1234            one run: its faults, outcome and trace digest
     python -m tests.sim.replay --seed 1234 --log      ... with the scheduler's log (virtual times)
     python -m tests.sim.replay --seeds 0:100000 --jobs 2 --json bench/results/fault_sim.json
+    ... --tiers                                       workers with second KV tiers
 """
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ import time
 from tests.sim.run import simulate
 
 
-def run_range(bounds: tuple[int, int]) -> list:
-    return [simulate(seed) for seed in range(*bounds)]
+def run_range(bounds: tuple[int, int, bool]) -> list:
+    return [simulate(seed, tiers=bounds[2]) for seed in range(*bounds[:2])]
 
 
-def many(start: int, stop: int, jobs: int, every=None) -> tuple[list, float]:
+def many(start: int, stop: int, jobs: int, every=None, tiers: bool = False) -> tuple[list, float]:
     """Seeds start..stop on `jobs` processes; `every(outcomes, seconds)` after each chunk."""
     began = time.perf_counter()
     chunk = 200
-    ranges = [(s, min(s + chunk, stop)) for s in range(start, stop, chunk)]
+    ranges = [(s, min(s + chunk, stop), tiers) for s in range(start, stop, chunk)]
     outcomes = []
     with multiprocessing.Pool(jobs) as pool:
         for done, part in enumerate(pool.imap(run_range, ranges)):
@@ -66,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", help="write the many-seed summary here")
     parser.add_argument("--log", action="store_true", help="show the scheduler's log (one seed)")
+    parser.add_argument("--tiers", action="store_true", help="workers with second KV tiers")
     args = parser.parse_args(argv)
     if args.seed is not None:
         if args.log:
             logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-        outcome = simulate(args.seed, log_level=logging.NOTSET - 1 if args.log else logging.CRITICAL)
+        outcome = simulate(args.seed, log_level=logging.NOTSET - 1 if args.log else logging.CRITICAL, tiers=args.tiers)
         print(json.dumps(outcome.__dict__, indent=1))
         print("ok" if outcome.ok else f"FAILED: {outcome.failure}")
         return 0 if outcome.ok else 1
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump(summary(outcomes, seconds, start, stop, args.jobs), f, indent=1)
                 f.write("\n")
-    outcomes, seconds = many(start, stop, args.jobs, write)
+    outcomes, seconds = many(start, stop, args.jobs, write, args.tiers)
     write(outcomes, seconds)
     result = summary(outcomes, seconds, start, stop, args.jobs)
     print(json.dumps({k: v for k, v in result.items() if k != "failed_seeds"}, indent=1))

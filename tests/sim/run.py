@@ -48,18 +48,24 @@ class Outcome:
     errors: dict[str, int] = field(default_factory=dict)
     faults: dict[str, int] = field(default_factory=dict)
     digest: str = ""            # of the run's trace: equal for two runs of one seed
+    tiers: bool = False         # run with second KV tiers
+    tier_loads: int = 0         # blocks loaded back from them
 
     def replay(self) -> str:
-        return f"python -m tests.sim.replay --seed {self.seed}"
+        return f"python -m tests.sim.replay --seed {self.seed}" + (" --tiers" if self.tiers else "")
 
 
 class Sim:
     """One run's world: the pool under test, its workers, clients and faults."""
 
-    def __init__(self, seed: int, only: tuple[str, ...] = ()):
+    def __init__(self, seed: int, only: tuple[str, ...] = (), tiers: bool = False):
         self.seed = seed
         self.rng = random.Random(seed)
         rng = self.rng
+        # Second KV tiers (slots a worker), from a generator of their own: a seed's run without
+        # them stays the run it always was.
+        self.tiers = tiers
+        self.tier_rng = random.Random(seed + 7_000_003)
         self.loop = VirtualLoop()
         self.pool_name = "sim"
         self.step_timeout_s = rng.choice([0.5, 1.0])
@@ -71,7 +77,7 @@ class Sim:
             kv_caps={HIGH: 1.0, MEDIUM: rng.choice([0.5, 0.7, 1.0]), LOW: rng.choice([0.3, 0.5])},
             tenant_fairness=rng.random() < 0.5, kv_cap_mode=rng.choice(["strict", "strict", "elastic"]),
             high_cut_in=rng.random() < 0.7, high_cut_in_slots=rng.choice([0.0, 0.25, 0.5])))
-        self.prefix_caching = rng.random() < 0.5
+        self.prefix_caching = rng.random() < 0.5 or tiers     # a tier serves prefix caching only
         self.streaming = StreamSettings({p: "refuse" for p in ORDER},
                                         StreamWindow(self.block_size // 2, 2 * self.block_size), 16, 4000)
         self.network = Network(self)
@@ -132,6 +138,8 @@ class Sim:
                                   {"a1": "/a/1"} if rng.random() < 0.7 else {})
                         for i in range(count + (1 if rng.random() < 0.3 else 0))]
         for worker in self.workers:
+            worker.tier_blocks = self.tier_rng.choice([0, 2, 8, 64, 256]) if self.tiers else 0
+        for worker in self.workers:
             self.network.workers[worker.address] = worker
         self.dns = {w.address for w in self.workers[1:count]} if rng.random() < 0.5 else set()
         self.configured = [w.address for w in self.workers[:count] if w.address not in self.dns]
@@ -179,10 +187,12 @@ class Sim:
             errors[key] = errors.get(key, 0) + 1
         trace = repr((self.trace, self.faults.log, sorted(errors.items()), failure,
                       self.batcher.steps if self.batcher else 0))
+        cache = self.batcher.prefix_cache if self.batcher else None
         return Outcome(self.seed, not failure, failure, round(self.loop.now, 3),
                        self.batcher.steps if self.batcher else 0, len(self.clients),
                        errors.pop("completed", 0), errors, self.faults.counts(),
-                       hashlib.sha256(trace.encode()).hexdigest()[:16])
+                       hashlib.sha256(trace.encode()).hexdigest()[:16], self.tiers,
+                       sum(cache.tier_loaded.values()) if cache is not None else 0)
 
 
 def ResourceMonitorOrNone(policy):
@@ -190,10 +200,11 @@ def ResourceMonitorOrNone(policy):
     return ResourceMonitor(policy) if policy.name == "qos" else None
 
 
-def simulate(seed: int, only: tuple[str, ...] = (), log_level: int = logging.CRITICAL) -> Outcome:
-    """Run seed `seed` (only the fault kinds `only`, if given). Never raises for a broken
-    invariant: the Outcome says what broke."""
-    sim = Sim(seed, only)
+def simulate(seed: int, only: tuple[str, ...] = (), log_level: int = logging.CRITICAL,
+             tiers: bool = False) -> Outcome:
+    """Run seed `seed` (only the fault kinds `only`, if given; `tiers`: workers with second KV
+    tiers). Never raises for a broken invariant: the Outcome says what broke."""
+    sim = Sim(seed, only, tiers)
     loop = sim.loop
     sim.loop.after_each = sim.invariants.check
     logging.disable(log_level)

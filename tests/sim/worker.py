@@ -39,6 +39,7 @@ class SimWorker:
         self.address = address
         self.num_blocks, self.block_size = num_blocks, block_size
         self.base_adapters = dict(adapters)
+        self.tier_blocks = 0                     # its second KV tier's slots (0: none)
         self.generation = 0
         self.alive = False
         self.start()
@@ -50,6 +51,7 @@ class SimWorker:
         self.kv: dict[int, list] = {}            # block -> token id at each of its slots
         self.writer: dict[int, int] = {}         # block -> seq id that last wrote it
         self.corrupted: set[int] = set()         # seq ids that read K/V not theirs
+        self.tier: dict[int, list] = {}          # tier slot -> the block contents saved there
         self.adapters = dict(self.base_adapters)
         self.draining = False
         self.session: Session | None = None
@@ -74,6 +76,7 @@ class SimWorker:
         return worker_pb2.WorkerInfo(
             model="sim", device="sim", num_blocks=self.num_blocks, block_size=self.block_size,
             max_context=4096, vocab_size=200, eos_token_ids=[EOS], draining=self.draining,
+            kv_tier_blocks=self.tier_blocks, kv_tier_load_us_per_block=1.0,
             adapters=[worker_pb2.AdapterInfo(name=n, path=p) for n, p in sorted(self.adapters.items())])
 
     # --- adapters (services/worker/adapters.py: never under a sequence) -------------------------------
@@ -114,6 +117,25 @@ class SimWorker:
         if seq.window is None or index == 0:
             return True
         return index + seq.dropped_blocks >= seq.window.first_kept_block(seq.computed, self.block_size)
+
+    def copy_tier(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's copies between the pool and the tier, in order (services/engine/kv_tier.py):
+        a load must fill a block no sequence still reads (but those the plan releases, dropped
+        before it computes) from a slot that was saved."""
+        for block, slot, load in zip(plan.tier_block_ids, plan.tier_slots, plan.tier_loads):
+            if slot >= self.tier_blocks or block >= self.num_blocks:
+                self.sim.invariants.fail(f"{self.address}: tier copy of block {block} / slot {slot} out of range")
+            if not load:
+                self.tier[slot] = list(self.kv.get(block, [None] * self.block_size))
+                continue
+            if slot not in self.tier:
+                self.sim.invariants.fail(f"{self.address}: step {plan.step_id} loads tier slot {slot}, never saved")
+            previous = self.writer.pop(block, None)
+            sequences = self.table.sequences
+            if previous is not None and previous in sequences and previous not in plan.released_seq_ids \
+                    and self.still_read(sequences[previous], block):
+                self.corrupt(previous, f"block {block} overwritten by a tier load")
+            self.kv[block] = list(self.tier[slot])
 
     def admitted(self, new: worker_pb2.NewSequence) -> None:
         """A new sequence's cached prefix blocks must hold its tokens already."""
@@ -240,6 +262,7 @@ class Session:
         if sum(plan.scheduled_num_tokens) > self.sim.max_step_tokens:
             self.sim.invariants.fail(f"step {plan.step_id} schedules {sum(plan.scheduled_num_tokens)} tokens, "
                                      f"the step budget is {self.sim.max_step_tokens}")
+        self.worker.copy_tier(plan)
         try:
             batch = self.worker.table.apply(plan)
         except PlanError as exc:

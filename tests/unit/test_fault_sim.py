@@ -25,14 +25,15 @@ from tests.sim.run import simulate
 
 SEEDS = int(os.environ.get("QOS_SIM_SEEDS", "2000"))
 SLOW_SEEDS = int(os.environ.get("QOS_SIM_SLOW_SEEDS", "0"))
+TIER_SEEDS = int(os.environ.get("QOS_SIM_TIER_SEEDS", "500"))
 
 
-def _run(bounds: tuple[int, int]) -> list:
-    return [simulate(seed) for seed in range(*bounds)]
+def _run(bounds: tuple[int, int, bool]) -> list:
+    return [simulate(seed, tiers=bounds[2]) for seed in range(*bounds[:2])]
 
 
-def run_seeds(start: int, stop: int) -> list:
-    ranges = [(s, min(s + 50, stop)) for s in range(start, stop, 50)]
+def run_seeds(start: int, stop: int, tiers: bool = False) -> list:
+    ranges = [(s, min(s + 50, stop), tiers) for s in range(start, stop, 50)]
     # Fresh processes (spawn), not forks of this one: inside a whole test session (after gRPC
     # servers, torch, models) forked children ran the same seeds several times slower.
     with multiprocessing.get_context("spawn").Pool(min(2, os.cpu_count() or 1)) as pool:
@@ -52,6 +53,14 @@ def test_every_invariant_holds_over_thousands_of_seeds():
     assert {"break_between_steps", "break_mid_step", "crash", "hang", "cancel", "adapters",
             "scheduler_drain", "drain_worker", "wrong_step", "duplicate"} <= kinds
     assert sum(o.completed for o in outcomes) > SEEDS
+
+
+def test_every_invariant_holds_with_second_kv_tiers():
+    """Workers with tiers of 0, 2, 8 or 64 slots (prefix caching on in about half the seeds):
+    blocks saved as the pools evict them and loaded back, under every fault."""
+    outcomes = run_seeds(0, TIER_SEEDS, tiers=True)
+    assert not failures(outcomes), failures(outcomes)
+    assert sum(o.tier_loads > 0 for o in outcomes) > TIER_SEEDS // 20   # about 1 in 9 load blocks back
 
 
 @pytest.mark.slow
