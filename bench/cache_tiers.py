@@ -75,7 +75,7 @@ def run_workload(name: str, args, model: str, tokenizer) -> dict:
     trace_args = SimpleNamespace(trace=TRACES / file, block_tokens=block_tokens, tokens_per_hash=tokens_per_hash,
                                  speed=args.speed, classes="round-robin", seed=args.seed)
     trace, fmt = read_trace(trace_args.trace, block_tokens)
-    requests = select(trace, 0, args.requests, args.duration)
+    requests = select(trace, args.skip, args.requests, args.duration)
     sides, outcomes = {}, {}
     for side in SIDES:
         sides[side], outcomes[side], prompts, (server, plan) = run_side(side, args, model, requests, tokenizer, trace_args)
@@ -83,7 +83,8 @@ def run_workload(name: str, args, model: str, tokenizer) -> dict:
     ids = [p.ids for p in plan]
     result = {
         "machine": machine(), "workload": name, "dtype": args.dtype, "tier_x": args.tier_x,
-        "trace": {"file": file, "format": fmt, "requests": len(requests), "span_s": requests[-1].at_ms / 1000,
+        "trace": {"file": file, "format": fmt, "skip": args.skip, "requests": len(requests),
+                  "span_s": (requests[-1].at_ms - requests[0].at_ms) / 1000,
                   "speed": args.speed, "block_tokens": block_tokens, **prompts},
         "server": {"model": server.model, "block_size": block, "capacity_blocks": capacity, "workers": server.workers},
         **{side: sides[side] for side in SIDES},
@@ -131,6 +132,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--requests", type=int, default=300, help="at most this many requests of each trace")
     parser.add_argument("--duration", type=float, help="at most this many seconds of trace time")
+    parser.add_argument("--skip", type=int, default=0, help="trace rows to skip first")
+    parser.add_argument("--suffix", default="", help="added to each JSON's name (cache_tiers_<workload><suffix>.json)")
     parser.add_argument("--speed", type=float, default=1.0)
     parser.add_argument("--tier-x", type=int, default=8, help="the tier's size in pools")
     parser.add_argument("--json-dir", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -141,7 +144,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         result = run_workload(name, args, model, tokenizer)
         report(result)
-        write_json(args.json_dir / f"cache_tiers_{name}.json", result)
+        write_json(args.json_dir / f"cache_tiers_{name}{args.suffix}.json", result)
 
 
 if __name__ == "__main__":

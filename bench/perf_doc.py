@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 
+from bench.perf_doc_cache import SOURCES as CACHE_TIER_SOURCES, cache_tiers
 from bench.perf_doc_engine import engine_roofline, engine_vs_llamacpp
 from bench.perf_doc_faults import fault_sim
 from bench.perf_doc_format import RESULTS, num, pct
@@ -132,6 +133,7 @@ def qos_virtual_real(result: dict) -> list[list[str]]:
 table("engine-roofline", "engine_throughput.json")(engine_roofline)
 table("engine-vs-llamacpp", "engine_vs_llamacpp.json")(engine_vs_llamacpp)
 table("fault-sim", "fault_sim.json")(fault_sim)
+table("cache-tiers", *CACHE_TIER_SOURCES)(cache_tiers)
 
 TENANT_SCENARIOS = {"2 backlogged": "2 tenants, backlogged", "8 backlogged": "8 tenants, backlogged",
                     "2 on/off": "2 tenants, one on/off", "8 on/off": "8 tenants, four on/off"}
