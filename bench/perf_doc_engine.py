@@ -29,3 +29,13 @@ def engine_vs_llamacpp(result: dict) -> list[list[str]]:
                          f"{result[f'roof_tok_s_{key}']:.0f}", f"{100 * result[f'llamacpp_of_roof_{key}']:.0f}%",
                          f"{100 * result[f'ours_of_roof_{key}']:.0f}%", f"{result[f'ratio_e2e_{key}']:.2f}"])
     return rows
+
+
+def engine_per_core(result: dict) -> list[list[str]]:
+    """The README's engine line: decode tokens per second per core, ours and llama.cpp's."""
+    threads = result["threads"]
+    rows = [["decode tok/s per core (ours / llama.cpp)"] + [f"batch {b}" for b in result["batches"]]]
+    for dtype in result["dtypes_done"]:
+        rows.append([dtype] + [f"{result[f'ours_tok_s_b{b}_{dtype}'] / threads:.0f} / "
+                               f"{result[f'llamacpp_tok_s_b{b}_{dtype}'] / threads:.0f}" for b in result["batches"]])
+    return rows
