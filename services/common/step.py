@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # stop on these in addition to the model's EOS ids
     ignore_eos: bool = False          # benchmarks: keep going past EOS (stop_token_ids still stop)
     logprobs: int | None = None       # set: each token's logprob and this many top ones (0-MAX_TOP_LOGPROBS)
+    json_schema: str = ""             # structured output: a JSON Schema (JSON text) the output must match
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:   # also catches NaN
@@ -50,6 +51,9 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.json_schema and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with json_schema: a structured answer ends "
+                             "where its JSON is complete")
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +78,9 @@ class SequenceWork:
     # text blocks after the sink block were dropped from the front of block_table. None: dense.
     window: StreamWindow | None = None
     dropped_blocks: int = 0
+    # Structured output: its grammar state (an llguidance matcher, services/engine/grammar.py), which
+    # masks the token sampled at the end of this entry and advances by it. None: unconstrained.
+    constraint: object = None
 
     @property
     def end(self) -> int:

@@ -32,14 +32,14 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         top_p=s.top_p if s.HasField("top_p") else DEFAULT_TOP_P,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None)
+        logprobs=s.logprobs if s.HasField("logprobs") else None, json_schema=s.json_schema)
 
 
 def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
     proto = worker_pb2.EngineSampling(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos)
+        ignore_eos=params.ignore_eos, json_schema=params.json_schema)
     if params.seed is not None:
         proto.seed = params.seed
     if params.logprobs is not None:
@@ -52,7 +52,8 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           seed=proto.seed if proto.HasField("seed") else None,
                           max_tokens=proto.max_tokens, stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos,
-                          logprobs=proto.logprobs if proto.HasField("logprobs") else None)
+                          logprobs=proto.logprobs if proto.HasField("logprobs") else None,
+                          json_schema=proto.json_schema)
 
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:

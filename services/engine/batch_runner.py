@@ -40,6 +40,7 @@ class _Running:
     computed: int = 0                              # prompt tokens already in the KV cache
     output: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    constraint: object = None                      # structured output: its grammar state
 
 
 class BatchRunner:
@@ -75,7 +76,9 @@ class BatchRunner:
                 if blocks is None:
                     break
                 waiting.popleft()
-                running.append(_Running(index, request, blocks))
+                schema = request.sampling.json_schema
+                running.append(_Running(index, request, blocks, constraint=self.engine.grammars.matcher(
+                    schema, []) if schema else None))
             batch = self._plan_step(running)
             output = self.engine.step(batch)
             now = time.perf_counter()
@@ -105,7 +108,7 @@ class BatchRunner:
                 prompt_len = len(seq.request.prompt_ids)
                 work.append(SequenceWork(seq.index, [seq.output[-1]], prompt_len + len(seq.output) - 1,
                                          seq.blocks, seq.request.sampling, len(seq.output),
-                                         lora=seq.request.lora))
+                                         lora=seq.request.lora, constraint=seq.constraint))
                 budget -= 1
         for seq in running:
             remaining = len(seq.request.prompt_ids) - seq.computed
@@ -114,6 +117,6 @@ class BatchRunner:
             chunk = min(remaining, budget)
             work.append(SequenceWork(seq.index, seq.request.prompt_ids[seq.computed:seq.computed + chunk],
                                      seq.computed, seq.blocks, seq.request.sampling, 0,
-                                     sample=chunk == remaining, lora=seq.request.lora))
+                                     sample=chunk == remaining, lora=seq.request.lora, constraint=seq.constraint))
             budget -= chunk
         return StepBatch(work)

@@ -21,6 +21,7 @@ from services.common.config import DECODE_ATTENTION
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, dtype_reason, open_backend, resolve_dtype, set_cpu_threads
+from services.engine.grammar import Grammars
 from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.linear import bound_onednn_caches
@@ -118,6 +119,7 @@ class Engine:
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
+        self.grammars = Grammars(config.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
         log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s",
                  self.model_config.architecture, self.device, self.backend.name, self.threads, self.dtype,
                  dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
@@ -181,13 +183,14 @@ class Engine:
         ends = accumulate(len(seq.token_ids) for seq in ordered)
         last_rows = [end - 1 for seq, end in zip(ordered, ends) if seq.sample]
         sampled = [seq for seq in ordered if seq.sample]
+        masks = self.grammars.start_masks(sampled)     # on a helper thread, while the forward runs
         hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), pause)
         if pause is not None:
             pause()
         tokens: list[SampledToken] = []
         if sampled:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)], pause)
-            picks = sample_step(logits, sampled, self.generator)
+            picks = sample_step(logits, sampled, self.generator, masks)
             tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid), lp)
                       for s, (tid, lp) in zip(sampled, picks)]
         return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)

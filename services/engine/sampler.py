@@ -110,9 +110,15 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int],
     return out
 
 
-def sample_step(logits: torch.Tensor, entries: list[SequenceWork],
-                generator: torch.Generator) -> list[tuple[int, TokenLogprobs | None]]:
-    """A step's sampling: one (token id, logprobs or None) per entry, row i of logits [B, V]."""
+def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: torch.Generator,
+                masks=None) -> list[tuple[int, TokenLogprobs | None]]:
+    """A step's sampling: one (token id, logprobs or None) per entry, row i of logits [B, V].
+    `masks` (grammar.StepMasks): the constrained rows' grammar masks, applied first; the sampled
+    tokens then advance their grammars."""
+    if masks is not None:
+        masks.apply(logits)
     params = [s.sampling for s in entries]
     ids = sample(logits, params, [s.num_generated for s in entries], generator)
+    if masks is not None:
+        masks.advance(ids)
     return list(zip(ids, token_logprobs(logits, ids, params)))

@@ -31,6 +31,8 @@ def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
         return request.max_tokens_field
     if field == "prompt" and request.kind == CHAT:
         return "messages"
+    if field.startswith("sampling.json_schema") and request.schema_field:
+        return request.schema_field + field.removeprefix("sampling.json_schema")
     return field.removeprefix("sampling.")
 
 

@@ -15,6 +15,7 @@ from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import MAX_TOP_LOGPROBS
+from services.router.response_format import json_schema_of
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
@@ -32,6 +33,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "service_tier", "stream", "stream_options",
           "top_k", "ignore_eos", "stop_token_ids", "priority",   # these four as vLLM takes them
           "context_mode",                                 # ours: auto, dense or streaming attention
+          "response_format",                              # structured outputs (response_format.py)
           "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
@@ -41,7 +43,7 @@ FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs
 NEUTRAL = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "store": (False,), "modalities": (["text"],),
+    "store": (False,), "modalities": (["text"],),
     "best_of": (1,), "echo": (False,), "suffix": ("",), "repetition_penalty": (1,),
     "min_tokens": (0,), "min_p": (0,), "metadata": ({},), "reasoning_effort": (),
     "audio": (), "prediction": (), "web_search_options": (),
@@ -60,6 +62,7 @@ class OpenAIRequest:
     user: str = ""
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
     context_mode: str | None = None      # as sent (the x-context-mode header must agree)
+    schema_field: str = ""               # the body field its sampling.json_schema came from (errors name it)
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
@@ -243,6 +246,12 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
     if body.get("ignore_eos") is not None:
         s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
     _logprobs(body, request)
+    if body.get("response_format") is not None:
+        s.json_schema = json_schema_of(body["response_format"])
+        request.schema_field = "response_format.json_schema.schema"
+        if s.json_schema and s.ignore_eos:
+            raise invalid("ignore_eos cannot be combined with a JSON response_format: a structured answer "
+                          "ends where its JSON is complete", "ignore_eos")
 
 
 def _logprobs(body: dict, request: OpenAIRequest) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from services.common.errors import invalid
+from services.common.grammar import check_schema_text
 from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY_HEADER, SLO_HEADER,
                                       STREAM_INTERVAL_HEADER, TENANT_HEADER, Priority, parse_context_mode,
                                       parse_priority, parse_slo_ms, parse_stream_interval, parse_tenant)
@@ -116,6 +117,11 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
     if messages and not any(m.content for m in messages):
         raise invalid("messages are all empty", "messages")
     check_sampling(raw.sampling, max_context)
+    if raw.sampling.json_schema:        # compiled here: one the workers could not use is refused at once
+        check_schema_text(raw.sampling.json_schema, "sampling.json_schema")
+        if raw.sampling.ignore_eos:
+            raise invalid("sampling.ignore_eos cannot be combined with sampling.json_schema: a structured "
+                          "answer ends where its JSON is complete", "sampling.ignore_eos")
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
                                       model=model,
                                       cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))

@@ -24,6 +24,7 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.grammar import check_schema_text
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
@@ -178,6 +179,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
         if submit.sampling.HasField("logprobs"):
             byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
+        if submit.sampling.json_schema:     # refused here, at once, if the workers could not compile it
+            check_schema_text(submit.sampling.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
         if not submit.messages:
             return self.tokenizer.encode(submit.prompt)
         messages = [{"role": m.role, "content": m.content} for m in submit.messages]

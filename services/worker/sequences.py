@@ -7,6 +7,7 @@ token counts and new block ids.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.proto.qos.v1 import worker_pb2
@@ -32,12 +33,16 @@ class SequenceState:
     span_context: object = None   # traceparent parsed once, by the server, when tracing is on
     window: StreamWindow | None = None    # streaming mode (services/common/stream_window.py)
     dropped_blocks: int = 0       # blocks after the sink block let go from the table's front
+    constraint: object = None     # structured output: its grammar state (services/engine/grammar.py)
 
 
 class SequenceTable:
-    def __init__(self, block_size: int = 16) -> None:
+    def __init__(self, block_size: int = 16, constrain: Callable[[str, list[int]], object] | None = None) -> None:
         self.sequences: dict[int, SequenceState] = {}
         self.block_size = block_size
+        # (json_schema, tokens generated so far) -> the grammar state of a sequence that has a schema
+        # (Grammars.matcher): derived from its tokens, so one announced again continues exactly.
+        self.constrain = constrain
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -58,11 +63,14 @@ class SequenceTable:
         for seq_id in plan.released_seq_ids:
             sequences.pop(seq_id, None)
         for new in plan.new_sequences:
+            tokens = list(new.prompt_token_ids)
             sequences[new.seq_id] = SequenceState(
-                tokens=list(new.prompt_token_ids), prompt_len=len(new.prompt_token_ids),
+                tokens=tokens, prompt_len=len(tokens),
                 sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
                 traceparent=new.traceparent, lora=new.lora, computed=new.cached_tokens,
-                window=StreamWindow(new.sink_tokens, new.window_tokens) if new.window_tokens else None)
+                window=StreamWindow(new.sink_tokens, new.window_tokens) if new.window_tokens else None,
+                constraint=self.constrain(new.sampling.json_schema, tokens[len(tokens) - new.num_generated:])
+                if new.sampling.json_schema else None)
         for seq_id, block_id in zip(plan.granted_seq_ids, plan.granted_block_ids):
             sequences[seq_id].block_table.append(block_id)
         work = []
@@ -75,7 +83,7 @@ class SequenceTable:
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
                 sample=end == len(seq.tokens), lora=seq.lora, window=seq.window,
-                dropped_blocks=seq.dropped_blocks))
+                dropped_blocks=seq.dropped_blocks, constraint=seq.constraint))
         return StepBatch(work)
 
     def _check(self, plan: worker_pb2.StepPlan) -> None:
@@ -87,6 +95,8 @@ class SequenceTable:
                 raise PlanError(f"sequence {new.seq_id} announced twice")
             if not new.prompt_token_ids:
                 raise PlanError(f"sequence {new.seq_id} has an empty prompt")
+            if new.sampling.json_schema and self.constrain is None:
+                raise PlanError(f"sequence {new.seq_id} has a JSON schema; this worker has no grammar engine")
             if new.cached_tokens >= len(new.prompt_token_ids):
                 raise PlanError(f"sequence {new.seq_id}: {new.cached_tokens} cached tokens of "
                                 f"{len(new.prompt_token_ids)}; at least one must be computed")

@@ -68,7 +68,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # What copying a block back from the tier costs here, measured before any step.
         self.tier_load_us = tier.measure() * 1e6 if tier is not None else 0.0
         self.drain = drain
-        self.table = SequenceTable(engine.kv_spec.block_size)
+        self.table = SequenceTable(engine.kv_spec.block_size, engine.grammars.matcher)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.adapters = WorkerAdapters(engine, self.table, self.executor, adapter_dirs)
         self.cut_ins = CutIns(engine.kv_spec.block_size)

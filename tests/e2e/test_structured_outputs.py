@@ -1,0 +1,206 @@
+"""Structured outputs through a real cluster on the embedded model, in the host's dtype:
+response_format json_schema (strict) and json_object on both HTTP endpoints, streamed or not,
+and gRPC's sampling.json_schema; answers parse and match their schemas, in batches mixed with
+unconstrained requests, with a LoRA adapter and in streaming mode (a 64-token window); a schema
+the engine cannot compile is refused at once naming its part."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from services.common.config import AuthConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
+from services.local.cluster import LocalCluster, resolve_model
+from services.tools.client import RouterClient, chat_request, sampling_params
+from tests.e2e.conftest import TEST_DTYPE, run
+
+pytestmark = pytest.mark.slow
+
+ADMIN_KEY = "structured-outputs-admin"
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    "city": {"type": "string", "maxLength": 40}},
+    "required": ["name", "age", "city"], "additionalProperties": False}
+PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+ASK = [{"role": "user", "content": "Invent a person: their name, age and city."}]
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("adapters")
+
+
+@pytest.fixture(scope="module")
+def cluster(adapter_dir):
+    config = single_pool(router=RouterConfig(port=0, http_port=0),
+                         scheduler=SchedulerConfig(port=0, stream_window_tokens=64),
+                         workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=256, dtype=TEST_DTYPE,
+                                               adapter_dirs=[str(adapter_dir)])])
+    config.auth = AuthConfig(admin_key=ADMIN_KEY)
+    with LocalCluster(config, quiet=True) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    router = cluster.config.router
+    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
+                       max_retries=0, timeout=180) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def valid(text: str, schema: dict) -> dict:
+    answer = json.loads(text)
+    jsonschema.validate(answer, schema)
+    return answer
+
+
+def test_json_schema_on_chat_whole_and_streamed(client, model):
+    whole = client.chat.completions.create(model=model, messages=ASK, max_tokens=80, temperature=0,
+                                           response_format=PERSON_FORMAT)
+    assert whole.choices[0].finish_reason == "stop"
+    valid(whole.choices[0].message.content, PERSON)
+    stream = client.chat.completions.create(model=model, messages=ASK, max_tokens=80, temperature=0.9, seed=5,
+                                            response_format=PERSON_FORMAT, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    valid("".join(c.choices[0].delta.content or "" for c in chunks if c.choices), PERSON)
+
+
+def test_json_object_on_completions_and_chat(client, model):
+    # The client's completions.create has no response_format argument (OpenAI's legacy API lacks it;
+    # vLLM's takes it): sent in extra_body.
+    text = client.completions.create(model=model, prompt="A JSON object describing a cat:", max_tokens=120,
+                                     temperature=0, extra_body={"response_format": {"type": "json_object"}}).choices[0]
+    assert text.finish_reason == "stop" and isinstance(json.loads(text.text), dict)
+    stream = client.completions.create(model=model, prompt="A JSON object describing a cat:", max_tokens=120,
+                                       temperature=0, extra_body={"response_format": {"type": "json_object"}},
+                                       stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].text for c in stream if c.choices)), dict)
+    chat = client.chat.completions.create(model=model, messages=ASK, max_tokens=120, temperature=0,
+                                          response_format={"type": "json_object"})
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+
+
+def test_constrained_and_free_requests_in_one_batch(cluster, model):
+    router = cluster.config.router
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
+                                      max_retries=0, timeout=180) as api:
+            calls = [api.chat.completions.create(model=model, messages=ASK, max_tokens=60, temperature=0.8,
+                                                 seed=i, **({"response_format": PERSON_FORMAT} if i % 2 else {}))
+                     for i in range(8)]
+            return await asyncio.gather(*calls)
+    answers = run(go())
+    for i, answer in enumerate(answers):
+        if i % 2:
+            valid(answer.choices[0].message.content, PERSON)
+    assert any(not a.choices[0].message.content.lstrip().startswith("{") for a in answers[::2])   # free text
+
+
+def test_grpc_json_schema_and_a_refusal_naming_the_part(cluster):
+    async def go(schema):
+        request = chat_request(ASK[0]["content"], sampling_params(max_tokens=80, temperature=0.0,
+                                                                  json_schema=json.dumps(schema)))
+        async with RouterClient(cluster.router_address) as c:
+            return await c.generate(request)
+    answer = run(go(PERSON))
+    assert answer.finish_reason == "stop" and valid(answer.text, PERSON)
+    bad = {**PERSON, "properties": {**PERSON["properties"], "city": {"type": "string", "format": "postcode"}}}
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(go(bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(caught.value.trailing_metadata())["qos-error-field"] == "sampling.json_schema.properties.city"
+
+
+def test_an_uncompilable_schema_is_a_400_naming_its_part(client, model):
+    bad = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string", "pattern": "[a-"}}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=10, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
+    assert caught.value.param == "response_format.json_schema.schema.properties.tags.items"
+
+
+LIST = {"type": "object", "properties": {"ideas": {"type": "array", "minItems": 6, "maxItems": 6,
+                                                   "items": {"type": "string", "minLength": 16, "maxLength": 40}}},
+        "required": ["ideas"], "additionalProperties": False}
+
+
+def test_streaming_mode_and_a_lora_adapter_keep_the_grammar(cluster, client, model, adapter_dir):
+    # Streaming mode with a 64-token window: the answer (~80 tokens) outgrows what each token attends.
+    ask = [{"role": "user", "content": "Six ideas for a weekend."}]
+    windowed = client.chat.completions.create(
+        model=model, messages=ask, max_tokens=200, temperature=0, extra_headers={"X-Context-Mode": "streaming"},
+        response_format={"type": "json_schema", "json_schema": {"name": "ideas", "schema": LIST}})
+    assert windowed.usage.model_extra["streaming"]["window_tokens"] == 64
+    assert windowed.usage.completion_tokens > 64 and valid(windowed.choices[0].message.content, LIST)
+
+    from tests.e2e.test_lora import save_adapter          # skips without peft
+    save_adapter(resolve_model("default", progress=False), 11, adapter_dir / "tone")
+    router = cluster.config.router
+    connection = http.client.HTTPConnection(router.host, router.http_port, timeout=300)
+    connection.request("POST", "/v1/load_lora_adapter", body=json.dumps(
+        {"lora_name": "tone", "lora_path": str(adapter_dir / "tone")}),
+        headers={"content-type": "application/json", "authorization": f"Bearer {ADMIN_KEY}"})
+    assert connection.getresponse().status == 200
+    connection.close()
+    answer = client.chat.completions.create(model="tone", messages=ASK, max_tokens=80, temperature=0,
+                                            response_format=PERSON_FORMAT)
+    valid(answer.choices[0].message.content, PERSON)
+
+
+def test_json_streams_of_a_killed_worker_finish_on_the_other_exactly(tmp_path):
+    """Each stream's grammar state is rebuilt from its tokens on the worker that takes it over:
+    in fp32 every answer equals the undisturbed one, and all are valid (the random-weight bench
+    model: only the grammar makes its text JSON)."""
+    from tests.e2e.test_failover import fault_config, pool_stats
+    config = fault_config("fp32", cache_affinity_margin=0.0)
+    schema = json.dumps(PERSON)
+
+    async def streams(client, kill=None):
+        started = [asyncio.Event() for _ in range(8)]
+
+        async def one(i):
+            request = chat_request(f"Person number {i}", sampling_params(max_tokens=60, temperature=0.0,
+                                                                         json_schema=schema))
+            tokens, text = [], ""
+            async for chunk in client.stream(request):
+                tokens += chunk.token_ids
+                text += chunk.text
+                if len(tokens) >= 3:
+                    started[i].set()
+            return tokens, text
+        tasks = [asyncio.create_task(one(i)) for i in range(8)]
+        if kill is not None:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+            await kill()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    with LocalCluster(config, quiet=True) as cluster:
+        async def go():
+            async with RouterClient(cluster.router_address) as client:
+                reference = await streams(client)
+
+                async def kill_busiest():
+                    busiest = max((await pool_stats(cluster)).members, key=lambda m: m.running)
+                    index = [w.address for w in config.pools[0].workers].index(busiest.address)
+                    cluster.processes[f"cpu/worker-{index}"].send_signal(signal.SIGKILL)
+                return reference, await streams(client, kill_busiest), await pool_stats(cluster)
+        reference, got, stats = run(go())
+    assert stats.failovers > 0
+    assert got == reference
+    for _, text in got:
+        valid(text, PERSON)
+

@@ -1,0 +1,142 @@
+"""Structured outputs in the engine: the grammar mask applies per sequence in any batch mix, EOS
+only where the JSON is complete, and a sequence announced again (preemption, failover, resume)
+continues its grammar from its tokens. On a random-weight Llama with SmolLM2's tokenizer (its
+unconstrained text is noise, so every valid answer is the grammar's doing), fp32."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import pytest
+
+from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import FinishReason, SamplingParams, StepBatch
+from services.common.wire import engine_sampling
+from services.engine.batch_runner import BatchRunner, GenerationRequest
+from services.worker.sequences import SequenceTable
+from tests.e2e.conftest import text_model
+from tests.tiny_models import make_engine
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                "required": ["city"], "additionalProperties": False}},
+    "required": ["name", "age", "tags", "address"], "additionalProperties": False}
+SCHEMA_TEXT = json.dumps(SCHEMA)
+PROMPT = list(range(300, 340))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine(text_model(), num_blocks=256, dtype="float32")
+
+
+def decode(engine, ids):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(engine.grammars.model_dir / "tokenizer.json")).decode(ids)
+
+
+def test_constrained_rows_give_valid_json_and_leave_their_neighbours_alone(engine):
+    constrained = [SamplingParams(temperature=0.0, max_tokens=120, json_schema=SCHEMA_TEXT),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=120, json_schema=SCHEMA_TEXT),
+                   SamplingParams(temperature=0.8, top_k=5, seed=4, max_tokens=120, json_schema=json.dumps(
+                       {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                        "additionalProperties": False}))]
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    requests = [GenerationRequest(PROMPT[:20 + 5 * i], p) for i, p in enumerate(constrained)]
+    mixed = BatchRunner(engine, max_running=8).run(requests[:2] + [GenerationRequest(PROMPT, free)] + requests[2:])
+    alone = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, free)])
+    assert mixed[2].token_ids == alone[0].token_ids        # the unconstrained row: as if alone
+    for result, params in zip(mixed[:2] + mixed[3:], constrained):
+        assert result.finish_reason is FinishReason.STOP   # EOS came, once the JSON was complete
+        answer = json.loads(decode(engine, result.token_ids))
+        jsonschema.validate(answer, json.loads(params.json_schema))
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts(engine):
+    eos = engine.model_config.eos_token_ids[0]
+    result = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, SamplingParams(
+        temperature=1.0, seed=9, max_tokens=120, json_schema=SCHEMA_TEXT))])[0]
+    matcher = engine.grammars.matcher(SCHEMA_TEXT, [])
+    mask = np.zeros((engine.model_config.vocab_size + 31) // 32, dtype=np.int32)
+    for i, token in enumerate(result.token_ids):
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        eos_allowed = bool((int(mask[eos // 32]) >> (eos % 32)) & 1)
+        assert eos_allowed == (i == len(result.token_ids) - 1), i     # only at the very end
+        assert matcher.consume_token(token)
+
+
+def test_an_answer_cut_by_max_tokens_ends_with_length(engine):
+    result = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, SamplingParams(
+        temperature=0.0, max_tokens=6, json_schema=SCHEMA_TEXT))])[0]
+    assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 6
+
+
+def announce(seq_id, tokens, num_generated, params, blocks):
+    return worker_pb2.NewSequence(seq_id=seq_id, prompt_token_ids=tokens, sampling=engine_sampling(params),
+                                  num_generated=num_generated)
+
+
+def run_table(engine, table, seq_id, tokens_before, steps, blocks, new):
+    """Drive one sequence through `table` and the engine: prefill what it holds, then decode."""
+    generated = []
+    plan = worker_pb2.StepPlan(step_id=1, new_sequences=[new], scheduled_seq_ids=[seq_id],
+                               scheduled_num_tokens=[tokens_before], granted_seq_ids=[seq_id] * len(blocks),
+                               granted_block_ids=blocks, packed_results=True)
+    for step in range(steps):
+        batch = table.apply(plan)
+        tokens = engine.step(batch).tokens
+        table.commit(batch, tokens)
+        generated.append(tokens[0].token_id)
+        if tokens[0].finish_reason is not None:
+            break
+        plan = worker_pb2.StepPlan(step_id=step + 2, scheduled_seq_ids=[seq_id], scheduled_num_tokens=[1],
+                                   packed_results=True)
+    return generated
+
+
+def test_a_sequence_announced_again_continues_its_grammar_from_its_tokens(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=100, json_schema=SCHEMA_TEXT)
+    blocks = list(range(10))
+    whole = run_table(engine, SequenceTable(16, engine.grammars.matcher), 1, len(PROMPT), 100, blocks,
+                      announce(1, PROMPT, 0, params, blocks))
+    assert json.loads(decode(engine, whole))
+    cut = len(whole) // 2
+    # Preempted (or its worker lost) after `cut` tokens: announced again with them as prompt.
+    first = whole[:cut]
+    rest = run_table(engine, SequenceTable(16, engine.grammars.matcher), 2, len(PROMPT) + cut, 100,
+                     list(range(20, 30)), announce(2, PROMPT + first, cut, params, blocks))
+    assert first + rest == whole
+
+
+@pytest.mark.slow          # peft makes the adapter: seconds
+def test_lora_and_streaming_mode_entries_are_constrained_too(engine, tmp_path):
+    from services.common.step import SequenceWork
+    from services.common.stream_window import StreamWindow
+    from tests.engine.test_lora import make_adapter      # skips without peft
+    engine.load_adapter("a", make_adapter(text_model(), tmp_path / "a", seed=5, r=4, lora_alpha=8,
+                                          target_modules=["q_proj", "v_proj"]))
+    matchers = {s: engine.grammars.matcher(SCHEMA_TEXT, []) for s in (1, 2)}
+    params = SamplingParams(temperature=0.0, max_tokens=200, json_schema=SCHEMA_TEXT)
+    window = StreamWindow(4, 32)                 # attends its first 4 tokens and the last 32
+    tokens = {1: list(PROMPT), 2: list(PROMPT)}
+    done = {}
+    computed = {1: 0, 2: 0}
+    for _ in range(200):
+        work = [SequenceWork(s, tokens[s][computed[s]:], computed[s], list(range(16 * s, 16 * s + 16)), params,
+                             num_generated=len(tokens[s]) - len(PROMPT), constraint=matchers[s],
+                             lora="a" if s == 1 else "", window=window if s == 2 else None)
+                for s in (1, 2) if s not in done]
+        if not work:
+            break
+        for w in work:
+            computed[w.seq_id] = w.end
+        for token in engine.step(StepBatch(work)).tokens:
+            tokens[token.seq_id].append(token.token_id)
+            if token.finish_reason is not None:
+                done[token.seq_id] = token.finish_reason
+    for s in (1, 2):
+        assert done[s] is FinishReason.STOP
+        jsonschema.validate(json.loads(decode(engine, tokens[s][len(PROMPT):])), SCHEMA)
