@@ -36,14 +36,21 @@ class ChatTemplate:
     # request, in the tokenizer threads, while the event loop waited for it.)
     _compiled: Template | None = field(default=None, init=False, repr=False, compare=False)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def has_tool_format(self) -> bool:
+        """Whether the template renders a `tools` list (OpenAI function specs), as templates with a
+        tool-call format do (Qwen2.5, Llama 3.1, Hermes, ...)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         if self._compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
             self._compiled = env.from_string(self.source)
         return self._compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            **({"tools": tools} if tools else {}))
 
 
 class TextTokenizer:
@@ -82,9 +89,10 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template, ready for the reply."""
+    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        """Token ids of `messages` rendered with the chat template (and `tools`, for a template
+        with a tool format), ready for the reply."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt")
         # The template already writes any BOS; don't let the tokenizer add a second one.
-        return self.encode(self.chat_template.render(messages), add_special_tokens=False)
+        return self.encode(self.chat_template.render(messages, tools=tools), add_special_tokens=False)

@@ -15,6 +15,7 @@ from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import MAX_TOP_LOGPROBS
+from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
 
@@ -25,6 +26,8 @@ TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}
 MAX_INT64 = 2**63 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
+# Keys a message may carry besides role and content, by role (OpenAI's function calling).
+MESSAGE_EXTRAS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (chat: ours, 256)
@@ -37,7 +40,8 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
-FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                  "tools", "tool_choice", "parallel_tool_calls"},     # openai_tools.py
           COMPLETION: COMMON | HINTS | {"prompt", "logprobs"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
@@ -63,6 +67,8 @@ class OpenAIRequest:
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
     context_mode: str | None = None      # as sent (the x-context-mode header must agree)
     schema_field: str = ""               # the body field its sampling.json_schema came from (errors name it)
+    tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (openai_tools.py)
+    tool_name: str = ""                  # "named": the function
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
@@ -86,6 +92,12 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
         request.body.prompt = _prompt(_required(body, "prompt"))
     _sampling(body, request)
     _options(body, request)
+    if kind == CHAT:
+        forced_format = request.body.sampling.json_schema
+        parse_tools(body, request)
+        if forced_format and request.tool_mode in ("named", "required"):
+            raise invalid("a forced tool call and a JSON response_format both say what the answer is: send one",
+                          "tool_choice")
     return request
 
 
@@ -117,9 +129,9 @@ def _kind(value) -> str:
         type(value), type(value).__name__)
 
 
-def _required(body: dict, name: str):
+def _required(body: dict, name: str, field: str | None = None):
     if body.get(name) is None:
-        raise invalid(f"{name} is required", name)
+        raise invalid(f"{field or name} is required", field or name)
     return body[name]
 
 
@@ -168,18 +180,25 @@ def _messages(value) -> list[common_pb2.ChatMessage]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object with role and content", where)
-        for key in message:
-            if key not in ("role", "content"):
-                raise invalid(f"{where}.{key} is not supported (messages take role and content)",
-                              f"{where}.{key}")
         role = _text(message.get("role"), f"{where}.role")
         if role not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        allowed = {"role", "content", *MESSAGE_EXTRAS.get(role, ())}
+        for key in message:
+            if key not in allowed:
+                raise invalid(f"{where}.{key} is not supported (a {role} message takes {', '.join(sorted(allowed))})",
+                              f"{where}.{key}")
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""
-        out.append(common_pb2.ChatMessage(role=ROLES[role], content=_content(content, f"{where}.content")))
-    if not any(m.content for m in out):
+        turn = common_pb2.ChatMessage(role=ROLES[role], content=_content(content, f"{where}.content"))
+        if message.get("tool_calls") is not None:
+            turn.tool_calls = tool_calls_text(message["tool_calls"], f"{where}.tool_calls")
+        if role == "tool":
+            turn.tool_call_id = _text(_required(message, "tool_call_id", f"{where}.tool_call_id"),
+                                      f"{where}.tool_call_id")
+        out.append(turn)
+    if not any(m.content or m.tool_calls for m in out):
         raise invalid("messages are all empty", "messages")
     return out
 

@@ -14,6 +14,7 @@ from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
 from services.router.openai_logprobs import LogprobsView
 from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
+from services.router.tool_call_output import TaggedCalls, ToolCalls
 
 
 def finish_label(value: int) -> str | None:
@@ -48,6 +49,11 @@ class OpenAIResponse:
         # With logprobs asked for: each token's entry (common.proto TokenLogprob), made OpenAI's
         self.logprobs = LogprobsView(self.chat) if request.body.sampling.HasField("logprobs") else None
         self.entries: list[common_pb2.TokenLogprob] = []
+        # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
+        # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
+        forced = request.tool_mode in ("named", "required")
+        self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
+        self.tagged = TaggedCalls(request_id) if request.tool_mode == "auto" else None
 
     # --- one JSON body ----------------------------------------------------------------------------
 
@@ -61,7 +67,15 @@ class OpenAIResponse:
         last, text = self.last, "".join(self.text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
                   if self.chat else {"index": 0, "text": text})
-        choice.update(finish_reason=finish_label(last.finish_reason),
+        if self.tools is not None:
+            self.tools.feed(text)
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": self.tools.calls}
+        elif self.tagged is not None:
+            content, _ = self.tagged.feed(text, final=True)
+            if self.tagged.calls:
+                choice["message"] = {"role": "assistant", "content": content.strip() or None,
+                                     "tool_calls": self.tagged.calls}
+        choice.update(finish_reason=self._finish(last.finish_reason),
                       logprobs=self.logprobs.of(self.entries) if self.logprobs else None)
         return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": [choice], "usage": usage_of(last)}
@@ -72,16 +86,29 @@ class OpenAIResponse:
         """The stream objects for one of our chunks (several tokens may arrive merged)."""
         out = []
         if self.chat and not self.sent_role:
-            out.append(self._event({"role": "assistant", "content": ""}))
+            out.append(self._event({"role": "assistant", "content": None if self.tools else ""}))
             self.sent_role = True
         if chunk.text or (self.logprobs and chunk.logprobs):
-            out.append(self._event({"content": chunk.text} if self.chat else chunk.text,
-                                   logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
+            delta = {"content": chunk.text} if self.chat else chunk.text
+            if self.tools is not None:
+                calls = self.tools.feed(chunk.text)      # none yet while the text is the form's own
+                delta = {"tool_calls": calls} if calls else {}
+            elif self.tagged is not None:
+                content, calls = self.tagged.feed(chunk.text, final=bool(chunk.finish_reason))
+                delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            if delta or self.logprobs:
+                out.append(self._event(delta, logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
         if chunk.finish_reason:
-            out.append(self._event({} if self.chat else "", finish_label(chunk.finish_reason)))
+            out.append(self._event({} if self.chat else "", self._finish(chunk.finish_reason)))
             if self.request.include_usage:
                 out.append({**self.head, "choices": [], "usage": usage_of(chunk)})
         return out
+
+    def _finish(self, reason: int) -> str | None:
+        """OpenAI's finish_reason: "tool_calls" for a forced call that was completed."""
+        label = finish_label(reason)
+        called = self.tools is not None or (self.tagged is not None and self.tagged.calls)
+        return "tool_calls" if called and label == "stop" else label
 
     def _event(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
         choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}

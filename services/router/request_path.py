@@ -180,7 +180,7 @@ class RequestPath:
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
             stream_interval=head.stream_interval, context_mode=head.context_mode,
-            cache_scope=self.scope(head, body))
+            cache_scope=self.scope(head, body), tools=body.tools, tool_choice=body.tool_choice)
         context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported

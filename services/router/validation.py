@@ -105,6 +105,9 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
     messages = [common_pb2.ChatMessage(role=_text(m.role, f"messages[{i}].role"),
                                        content=_text(m.content, f"messages[{i}].content"))
                 for i, m in enumerate(raw.messages)]
+    if raw.tools or raw.tool_choice or any(m.tool_calls or m.tool_call_id for m in raw.messages):
+        raise invalid("tools are served on the HTTP API (/v1/chat/completions); over gRPC, ask for a "
+                      "function's arguments with sampling.json_schema", "tools")
     model = _text(raw.model, "model")
     if prompt and messages:
         raise invalid("set either prompt or messages, not both", "prompt")

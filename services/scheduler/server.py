@@ -38,6 +38,7 @@ from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.long_context import StreamSettings, choose_window
 from services.scheduler.request_trace import end_request_trace
 from services.scheduler.batcher import ContinuousBatcher
+from services.scheduler.chat_tools import chat_turns
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
@@ -183,9 +184,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             check_schema_text(submit.sampling.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
         if not submit.messages:
             return self.tokenizer.encode(submit.prompt)
-        messages = [{"role": m.role, "content": m.content} for m in submit.messages]
+        messages, tools = chat_turns(submit, self.tokenizer.chat_template, self.model_name)
         try:
-            return self.tokenizer.encode_chat(messages)
+            return self.tokenizer.encode_chat(messages, tools)
         except ValueError as exc:   # no template, or the template refused the conversation
             raise invalid(f"messages: {exc}", field="messages") from exc
 

@@ -204,3 +204,54 @@ def test_json_streams_of_a_killed_worker_finish_on_the_other_exactly(tmp_path):
     for _, text in got:
         valid(text, PERSON)
 
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}, "strict": True}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string", "maxLength": 60}}, "required": ["query"],
+    "additionalProperties": False}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Lisbon?"}]
+
+
+def test_a_named_call_returns_tool_calls_whole_and_streamed(client, model):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER, SEARCH],
+                                           tool_choice=choice, temperature=0, max_tokens=60)
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and whole.choices[0].message.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    valid(call.function.arguments, WEATHER["function"]["parameters"])
+    # Streamed: the official client's own accumulation of OpenAI's tool_calls deltas.
+    with client.beta.chat.completions.stream(model=model, messages=WEATHER_ASK, tools=[WEATHER, SEARCH],
+                                             tool_choice=choice, temperature=0, max_tokens=60) as stream:
+        final = stream.get_final_completion()
+    (streamed,) = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+
+
+def test_required_calls_one_of_the_tools_and_streams_the_same(client, model):
+    ask = [{"role": "user", "content": "Find recipes for lemon cake."}]
+    whole = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, SEARCH], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=80)
+    (call,) = whole.choices[0].message.tool_calls
+    tool = {"get_weather": WEATHER, "search": SEARCH}[call.function.name]
+    valid(call.function.arguments, tool["function"]["parameters"])
+    stream = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER, SEARCH], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=80, stream=True)
+    deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == call.function.name and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_auto_says_the_model_has_no_tool_format_and_tool_turns_are_taken(client, model):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=10)
+    assert caught.value.param == "tool_choice" and "no tool-call format" in caught.value.message
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Lisbon", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
+    answer = client.chat.completions.create(model=model, messages=history, max_tokens=30, temperature=0)
+    assert answer.choices[0].message.content and answer.usage.prompt_tokens > 30
