@@ -49,7 +49,8 @@ def check_schema(schema, field: str, tokenizer=None) -> str:
     INVALID error naming the innermost part that does not compile (`field.properties.age`)."""
     if not isinstance(schema, (dict, bool)):
         raise invalid(f"{field} must be a JSON Schema (an object), got {type(schema).__name__}", field)
-    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    # ASCII escapes: the text goes on the wire as a protobuf string, which a lone surrogate breaks.
+    text = json.dumps(schema, separators=(",", ":"))
     error = compile_error(text, tokenizer)
     if error:
         where, error = _culprit(schema, field, error)

@@ -54,7 +54,7 @@ def parse_tools(body: dict, request) -> None:
                       '{"name": ...}}', "tool_choice")
     if request.body.tool_choice:
         request.body.tools = json.dumps([{"type": "function", "function": spec} for spec in
-                                         (json.loads(f[2]) for f in functions.values())], ensure_ascii=False)
+                                         (json.loads(f[2]) for f in functions.values())])
 
 
 def _functions(tools) -> dict[str, tuple[int, str, str]]:
@@ -75,8 +75,8 @@ def _functions(tools) -> dict[str, tuple[int, str, str]]:
             raise invalid(f"{where}.name must be 1-64 letters, digits, underscores or dashes", f"{where}.name")
         if name in functions:
             raise invalid(f"{where}.name: two functions are called {name!r}", f"{where}.name")
-        if spec.get("description") is not None and not isinstance(spec["description"], str):
-            raise invalid(f"{where}.description must be a string", f"{where}.description")
+        if spec.get("description") is not None:
+            _string(spec["description"], f"{where}.description")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
             raise invalid(f"{where}.strict must be true or false", f"{where}.strict")
         if spec.get("parameters") is not None and (not isinstance(spec["parameters"], dict) or
@@ -86,7 +86,7 @@ def _functions(tools) -> dict[str, tuple[int, str, str]]:
             spec["parameters"], f"{where}.parameters")
         kept = {"name": name, **({"description": spec["description"]} if spec.get("description") else {}),
                 "parameters": json.loads(parameters)}
-        functions[name] = (i, parameters, json.dumps(kept, ensure_ascii=False))
+        functions[name] = (i, parameters, json.dumps(kept))
     return functions
 
 
@@ -111,7 +111,7 @@ def calls_schema(functions: dict, parallel: bool) -> str:
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def tool_calls_text(value, where: str) -> str:
@@ -125,11 +125,22 @@ def tool_calls_text(value, where: str) -> str:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or set(call) - CALL_FIELDS or call.get("type", "function") != "function":
             raise invalid(f'{at} must be {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}', at)
-        if not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str) \
-                or set(function) != {"name", "arguments"}:
+        if set(function) != {"name", "arguments"}:
             raise invalid(f"{at}.function must have a name and arguments (a JSON string)", f"{at}.function")
-        if call.get("id") is not None and not isinstance(call["id"], str):
-            raise invalid(f"{at}.id must be a string", f"{at}.id")
+        _string(function["name"], f"{at}.function.name")
+        _string(function["arguments"], f"{at}.function.arguments")
+        if call.get("id") is not None:
+            _string(call["id"], f"{at}.id")
         calls.append({"id": call.get("id") or f"call_{j}", "type": "function",
                       "function": {"name": function["name"], "arguments": function["arguments"]}})
-    return json.dumps(calls, ensure_ascii=False)
+    return json.dumps(calls)
+
+
+def _string(value, field: str) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{field} must be a string", field)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:   # a lone surrogate from a \ud800-style escape
+        raise invalid(f"{field} is not valid Unicode (a lone surrogate at offset {exc.start})", field) from None
+    return value

@@ -49,7 +49,7 @@ def json_schema_of(value) -> str:
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise invalid(f"{where}.name must be 1-64 letters, digits, underscores or dashes", f"{where}.name")
     if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise invalid(f"{where}.description must be a string", f"{where}.description")
+        raise invalid(f"{where}.description must be a string", f"{where}.description")   # not sent on
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise invalid(f"{where}.strict must be true or false", f"{where}.strict")
     if spec.get("schema") is None:

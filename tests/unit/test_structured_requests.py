@@ -51,6 +51,8 @@ def test_each_response_format_becomes_a_schema_or_none():
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 2}}, "required": ["n"]},
      "response_format.json_schema.schema.properties.n", "nsatisfiable"),
     ("an object, please", "response_format.json_schema.schema", "must be a JSON Schema"),
+    ({"type": "object", "properties": {"a": {"enum": ["\ud800"]}}},          # a lone surrogate: never on the wire
+     "response_format.json_schema.schema.properties.a", "hex escape"),
 ])
 def test_a_schema_that_cannot_compile_is_refused_naming_its_part(schema, where, says):
     error = refused(chat, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

@@ -76,6 +76,9 @@ def test_auto_and_none_ask_for_no_grammar():
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f"}}]}]},
      "messages[0].tool_calls[0].function"),
     ({"messages": [{"role": "tool", "content": "21C"}]}, "messages[0].tool_call_id"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]}, "tools[0].function.description"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "\udfff"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),
 ])
 def test_bad_tool_fields_are_refused_naming_them(fields, param):
