@@ -21,7 +21,7 @@ from services.common.config import DECODE_ATTENTION
 from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, dtype_reason, open_backend, resolve_dtype, set_cpu_threads
-from services.engine.grammar import Grammars
+from services.engine.grammar import Grammars, overlap_masks
 from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.linear import bound_onednn_caches
@@ -119,7 +119,7 @@ class Engine:
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
-        self.grammars = Grammars(config.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
         log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s",
                  self.model_config.architecture, self.device, self.backend.name, self.threads, self.dtype,
                  dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
@@ -183,7 +183,7 @@ class Engine:
         ends = accumulate(len(seq.token_ids) for seq in ordered)
         last_rows = [end - 1 for seq, end in zip(ordered, ends) if seq.sample]
         sampled = [seq for seq in ordered if seq.sample]
-        masks = self.grammars.start_masks(sampled)     # on a helper thread, while the forward runs
+        masks = self.grammars.start_masks(sampled)     # during the forward where a core is free for it
         hidden = self.model.forward(token_ids, layout, self.cache, self._lora_batch(ordered), pause)
         if pause is not None:
             pause()

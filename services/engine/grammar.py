@@ -8,15 +8,17 @@ them, NewSequence.num_generated counts them) continues exactly where it was. Aft
 token the engine advances it by that token.
 
 The masks are computed on a helper thread while the step's forward pass runs (`start_masks`,
-before the forward; llguidance releases the GIL) and applied to the sampled rows of the logits
-once they exist (`StepMasks.apply`): an unconstrained sequence's row is never touched, whatever
-else shares its batch. A matcher reports the EOS tokens allowed only where the grammar accepts
+before the forward) where the forward leaves a core for it
+(`overlap_masks`), else once the logits exist; either way they are added to the sampled rows of
+the logits (`StepMasks.apply`): an unconstrained sequence's row is never touched, whatever else
+shares its batch. A matcher reports the EOS tokens allowed only where the grammar accepts
 what came before, so a sequence ends (finish_reason "stop") only with a complete answer; one
 whose max_tokens runs out first ends "length", its answer incomplete, as OpenAI's does.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +28,7 @@ import torch
 
 from services.common.grammar import grammar_of
 from services.common.step import SequenceWork
+from services.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +41,13 @@ _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axi
 class Grammars:
     """Matchers for one model: its tokenizer's tables, built at the first constrained sequence."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    def __init__(self, model_dir: str | Path, config: ModelConfig, overlap: bool = True):
         self.model_dir = Path(model_dir)
-        self.vocab_size = vocab_size
-        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = config.vocab_size
+        self.eos_token_ids = list(config.eos_token_ids)
+        # Masks computed on the helper thread during the forward pass: only where the forward
+        # leaves a core free for it (see overlap_masks).
+        self.overlap = overlap
         self._tokenizer = None
         self._lock = threading.Lock()
 
@@ -73,7 +79,20 @@ class Grammars:
         rows = [i for i, work in enumerate(sampled) if work.constraint is not None]
         if not rows:
             return None
-        return StepMasks(rows, [sampled[i].constraint for i in rows], self.vocab_size, self.eos_token_ids)
+        return StepMasks(rows, [sampled[i].constraint for i in rows], self.vocab_size, self.eos_token_ids,
+                         self.overlap)
+
+
+def overlap_masks(device: torch.device, threads: int) -> bool:
+    """Whether to compute masks on the helper thread while the forward pass runs: yes where the
+    forward runs on an accelerator, or on fewer CPU threads than the cores this process may use.
+    Where torch's threads take every core, the helper thread can only run by descheduling one of
+    them, and each of the forward's parallel regions waits for the slowest thread. On this 2-core
+    host (bench/grammar_mask_cost.py, bf16, batch 32) the helper thread hid the masks' 3-4 ms a
+    step (the step waited 0.02 ms for them), but with torch on both cores its decode tok/s was
+    not better than computing them after the forward (0.956 against 0.970 of free decoding, 6
+    rounds; intervals of +-0.13, the host shared)."""
+    return device.type != "cpu" or threads < len(os.sched_getaffinity(0))
 
 
 class StepMasks:
@@ -84,12 +103,12 @@ class StepMasks:
     that the step's own path adds it to the logits in one op (12 us for a row, 205 us for 32, one
     thread; a boolean masked_fill took 80 us and 6.7 ms)."""
 
-    def __init__(self, rows: list[int], matchers: list, vocab_size: int, eos: list[int]):
+    def __init__(self, rows: list[int], matchers: list, vocab_size: int, eos: list[int], overlap: bool = True):
         self.rows, self.matchers = rows, matchers
         self.vocab_size, self.eos = vocab_size, eos
         self.bias: np.ndarray | None = None
         self.row_index = torch.tensor(rows)
-        self.ready: Future = _MASKS.submit(self._fill)
+        self.ready: Future | None = _MASKS.submit(self._fill) if overlap else None   # None: at apply()
 
     def _fill(self) -> None:
         bitmask = np.empty((len(self.rows), (self.vocab_size + 31) // 32), dtype=np.int32)
@@ -110,7 +129,10 @@ class StepMasks:
     def apply(self, logits: torch.Tensor) -> None:
         """-inf on every token the grammar does not allow next, in the constrained rows of logits
         [sampled rows, vocab] (in place)."""
-        self.ready.result()
+        if self.ready is None:
+            self._fill()
+        else:
+            self.ready.result()
         device = logits.device
         logits.index_add_(0, self.row_index.to(device), torch.from_numpy(self.bias).to(device))
 

@@ -68,6 +68,27 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(engine):
         assert matcher.consume_token(token)
 
 
+def test_masks_computed_after_the_forward_give_the_same_answers(engine):
+    requests = [GenerationRequest(PROMPT[:30 + i], SamplingParams(temperature=0.0, max_tokens=80, json_schema=SCHEMA_TEXT))
+                for i in range(3)]
+    during = BatchRunner(engine, max_running=4).run(requests)
+    engine.grammars.overlap = False
+    try:
+        after = BatchRunner(engine, max_running=4).run(requests)
+    finally:
+        engine.grammars.overlap = True
+    assert [r.token_ids for r in after] == [r.token_ids for r in during]
+
+
+def test_masks_overlap_the_forward_only_where_a_core_is_left_for_them():
+    import os
+    import torch
+    from services.engine.grammar import overlap_masks
+    cores = len(os.sched_getaffinity(0))
+    assert overlap_masks(torch.device("cuda"), cores) and not overlap_masks(torch.device("cpu"), cores)
+    assert overlap_masks(torch.device("cpu"), cores - 1) == (cores > 1)
+
+
 def test_an_answer_cut_by_max_tokens_ends_with_length(engine):
     result = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, SamplingParams(
         temperature=0.0, max_tokens=6, json_schema=SCHEMA_TEXT))])[0]
