@@ -161,3 +161,14 @@ def test_lora_and_streaming_mode_entries_are_constrained_too(engine, tmp_path):
     for s in (1, 2):
         assert done[s] is FinishReason.STOP
         jsonschema.validate(json.loads(decode(engine, tokens[s][len(PROMPT):])), SCHEMA)
+
+
+def test_logprobs_are_of_the_masked_logits(engine):
+    """The answer's first token is forced ('{"'): after the mask it has all the probability, and
+    no token the grammar forbids is among the most likely."""
+    from services.common.step import SequenceWork
+    params = SamplingParams(temperature=0.0, max_tokens=10, json_schema=SCHEMA_TEXT, logprobs=5)
+    work = SequenceWork(1, PROMPT, 0, list(range(4)), params, constraint=engine.grammars.matcher(SCHEMA_TEXT, []))
+    (token,) = engine.step(StepBatch([work])).tokens
+    assert decode(engine, [token.token_id]) == '{"'
+    assert token.logprobs.logprob == 0.0 and token.logprobs.top == ((token.token_id, 0.0),)
