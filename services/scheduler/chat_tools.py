@@ -22,10 +22,10 @@ def chat_turns(submit: scheduler_pb2.SubmitRequest, template: ChatTemplate | Non
     """The messages for the template, and the tools to render with them (None: none, or described
     in the messages)."""
     native = template is not None and template.has_tool_format
-    messages = [_turn(m, native) for m in submit.messages]
+    messages = [_turn(m, native, f"messages[{i}]") for i, m in enumerate(submit.messages)]
     if not submit.tools:
         return messages, None
-    tools = json.loads(submit.tools)
+    tools = _json_list(submit.tools, "tools", ("function", "name"), ("function", "parameters"))
     if native:
         return messages, tools
     if submit.tool_choice == "auto":
@@ -52,12 +52,28 @@ def describe(tools: list, choice: str) -> str:
     return "\n".join(lines)
 
 
-def _turn(message, native: bool) -> dict:
+def _json_list(text: str, field: str, *paths: tuple[str, str]) -> list:
+    """`text` as a JSON list of objects each holding every (outer, inner) key of `paths` (the
+    router sends them so; a caller of the scheduler's own Submit may not): else INVALID_ARGUMENT
+    naming `field`."""
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise invalid(f"{field} is not JSON: {exc}", field) from None
+    if not isinstance(items, list) or not all(
+            isinstance(item, dict) and isinstance(item.get(outer), dict) and inner in item[outer]
+            for item in items for outer, inner in paths):
+        keys = ", ".join(f"{outer}.{inner}" for outer, inner in paths)
+        raise invalid(f"{field} must be a JSON list of objects with {keys}", field)
+    return items
+
+
+def _turn(message, native: bool, field: str) -> dict:
     turn = {"role": message.role, "content": message.content}
     if message.tool_call_id:
         turn["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
-        calls = json.loads(message.tool_calls)
+        calls = _json_list(message.tool_calls, f"{field}.tool_calls", ("function", "name"), ("function", "arguments"))
         if native:
             turn["tool_calls"] = [{**c, "function": {"name": c["function"]["name"],
                                                      "arguments": _arguments(c["function"]["arguments"])}}
@@ -70,8 +86,8 @@ def _turn(message, native: bool) -> dict:
 
 
 def _arguments(text: str):
-    """A call's arguments as an object where they are JSON (as templates print them), else as sent."""
+    """A call's arguments as an object where they are JSON text (as templates print them), else as sent."""
     try:
-        return json.loads(text)
+        return json.loads(text) if isinstance(text, str) else text
     except ValueError:
         return text

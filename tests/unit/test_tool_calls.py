@@ -198,3 +198,31 @@ def test_an_auto_answer_with_calls_has_them_as_tool_calls():
     plain.add(common_pb2.GenerateChunk(text="It is sunny.", token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
     assert plain.body()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
     assert plain.body()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("tools, calls, field", [
+    ("0", "", "tools"),
+    ("[1]", "", "tools"),
+    ('[{"function": {"name": "f"}}]', "", "tools"),                        # no parameters
+    ("", "0", "messages[1].tool_calls"),                                   # the fuzzer's case
+    ("", "not json", "messages[1].tool_calls"),
+    ("", '[{"function": {"name": "f"}}]', "messages[1].tool_calls"),        # no arguments
+    ("", '{"function": {"name": "f", "arguments": "{}"}}', "messages[1].tool_calls"),   # not a list
+])
+def test_malformed_tools_or_calls_sent_to_the_scheduler_itself_are_refused_by_field(tools, calls, field):
+    """The router sends well-formed JSON; a caller of Scheduler.Submit may not: a precise refusal,
+    never an exception (found by tests/e2e/test_fuzz_grpc.py)."""
+    request = scheduler_pb2.SubmitRequest(
+        messages=[common_pb2.ChatMessage(role="user", content="Hi"),
+                  common_pb2.ChatMessage(role="assistant", tool_calls=calls)],
+        tools=tools, tool_choice="required" if tools else "")
+    for template in (PLAIN, WITH_TOOLS):
+        with pytest.raises(ServiceError) as caught:
+            chat_turns(request, template, "m")
+        assert caught.value.kind is ErrorKind.INVALID and caught.value.field == field
+
+
+def test_arguments_that_are_not_text_are_shown_as_sent():
+    call = common_pb2.ChatMessage(role="assistant", tool_calls='[{"function": {"name": "f", "arguments": 1}}]')
+    messages, _ = chat_turns(scheduler_pb2.SubmitRequest(messages=[call]), WITH_TOOLS, "m")
+    assert messages[0]["tool_calls"][0]["function"]["arguments"] == 1
