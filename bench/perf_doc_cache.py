@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.perf_doc_format import RESULTS, num, pct
 
-WORKLOADS = ("synthetic", "synthetic_last300", "conversation", "chat", "api")
+WORKLOADS = ("synthetic", "synthetic_middle300", "synthetic_last300", "conversation", "chat", "api")
 SOURCES = tuple(f"cache_tiers_{name}.json" for name in WORKLOADS)
 
 
