@@ -14,14 +14,11 @@ from hypothesis import strategies as st
 
 from services.common.kv_blocks import blocks_for_tokens
 from services.common.priority import HIGH, LOW, MEDIUM, ORDER
-from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.kv_tier import KVTierMirror
-from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.prefix_cache import PrefixCache
-from services.worker.sequences import SequenceTable
-from tests.unit.test_batcher import drain
 from tests.unit.test_prefix_scheduling import (BLOCK, CAPS, CachingWorker, conversations, expected, ideal_cached,
                                                request)
+from tests.unit.test_prefix_scheduling import serve as prefix_serve
 
 
 class TierWorker(CachingWorker):
@@ -32,11 +29,10 @@ class TierWorker(CachingWorker):
         super().__init__(index, num_blocks, make_pool)
 
     def restart(self) -> None:
+        super().restart()
         self.pool = self.make_pool(self.info.num_blocks, BLOCK, self.tier_blocks, 1.0)
         self.tier_slots: dict[int, list] = {}
         self.copies = Counter()
-        self.table = SequenceTable(BLOCK)
-        self.kv = {}
 
     async def execute(self, plan, sent=None):
         tier = self.pool.tier if self.pool is not None else None
@@ -52,27 +48,10 @@ class TierWorker(CachingWorker):
         return await super().execute(plan, sent)
 
 
-async def serve(batches, num_blocks: int, tier_blocks: int, max_step_tokens: int = 12, workers: int = 1):
-    cache = PrefixCache({HIGH: 1.0, MEDIUM: 0.5, LOW: 0.2})
-    policy = create_policy("qos", QoSSettings(kv_caps=dict(CAPS), high_cut_in=False))
-    batcher = ContinuousBatcher("sim", [], policy, 6, max_step_tokens, prefix_cache=cache)
-    links = [TierWorker(i, num_blocks, batcher.make_pool, tier_blocks) for i in range(workers)]
-    for link in links:
-        batcher.workers.add(link)
-        batcher.planner.add_worker(link.index)
-    loop = asyncio.create_task(batcher.run())
-    outputs = {}
-    try:
-        for batch in batches:
-            for r in batch:
-                batcher.submit(r)
-            for r, (tokens, _, last) in zip(batch, await asyncio.wait_for(
-                    asyncio.gather(*(drain(r) for r in batch)), 10)):
-                assert getattr(last, "finish_reason", None), f"{r.request_id} failed: {last}"
-                outputs[r.seq_id] = tokens
-    finally:
-        loop.cancel()
-    return outputs, batcher, links
+def serve(batches, num_blocks: int, tier_blocks: int, workers: int = 1):
+    """test_prefix_scheduling's serve() with caching on, on workers with tiers of `tier_blocks`."""
+    return prefix_serve(batches, True, num_blocks=num_blocks, workers=workers,
+                        make_worker=lambda i, n, make_pool: TierWorker(i, n, make_pool, tier_blocks))
 
 
 def test_conversations_whose_blocks_the_pool_evicted_load_them_back_exact():

@@ -93,13 +93,14 @@ def expected(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 async def serve(batches, caching: bool, num_blocks=48, workers=1, max_running=6, max_step_tokens=12,
-                fail_at_step=None):
+                fail_at_step=None, make_worker=CachingWorker):
     """Requests submitted a batch at a time (each after the one before finished), as turns of
-    conversations arrive; returns ({seq_id: output}, batcher, workers)."""
+    conversations arrive; returns ({seq_id: output}, batcher, workers). `make_worker(index,
+    num_blocks, make_pool)`: the simulated workers."""
     cache = PrefixCache({HIGH: 1.0, MEDIUM: 0.5, LOW: 0.2}) if caching else None
     policy = create_policy("qos", QoSSettings(kv_caps=dict(CAPS), high_cut_in=False))
     batcher = ContinuousBatcher("sim", [], policy, max_running, max_step_tokens, prefix_cache=cache)
-    links = [CachingWorker(i, num_blocks, batcher.make_pool) for i in range(workers)]
+    links = [make_worker(i, num_blocks, batcher.make_pool) for i in range(workers)]
     for link in links:
         batcher.workers.add(link)
         batcher.planner.add_worker(link.index)
