@@ -74,6 +74,15 @@ def assert_continues(model: str, dtype: str, prompt_ids, token_ids, name: str = 
     assert broken is None, f"{name}: token {broken} of {list(token_ids)} is no greedy choice after the ones before it"
 
 
+def openai_client(cluster: LocalCluster, timeout: float = 120):
+    """The official `openai` client on the cluster's HTTP front (no retries: a test sees every
+    answer as it came); use it as a context manager."""
+    import openai
+    router = cluster.config.router
+    return openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
+                         max_retries=0, timeout=timeout)
+
+
 async def worker_dtype(cluster: LocalCluster, pool: str | None = None) -> str:
     """The dtype the pool's workers report running ("float32", "bfloat16")."""
     dtypes = {m.dtype for m in (await cluster.pool_stats(pool)).members if m.connected}

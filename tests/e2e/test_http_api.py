@@ -13,7 +13,7 @@ from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import router_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import cluster_config, openai_client, run
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +32,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def client(cluster) -> openai.OpenAI:
-    router = cluster.config.router
-    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=120) as api:
+    with openai_client(cluster) as api:
         yield api
 
 

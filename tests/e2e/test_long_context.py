@@ -14,7 +14,7 @@ import pytest
 from services.common.stream_window import StreamWindow
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import bench_model, cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, openai_client, run
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +35,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def client(cluster) -> openai.OpenAI:
-    router = cluster.config.router
-    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=300) as api:
+    with openai_client(cluster, timeout=300) as api:
         yield api
 
 

@@ -18,7 +18,7 @@ import pytest
 from services.common.config import AuthConfig, RouterConfig, SchedulerConfig, WorkerConfig, single_pool
 from services.local.cluster import LocalCluster, resolve_model
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import TEST_DTYPE, run
+from tests.e2e.conftest import TEST_DTYPE, openai_client, run
 
 pytestmark = pytest.mark.slow
 
@@ -49,9 +49,7 @@ def cluster(adapter_dir):
 
 @pytest.fixture(scope="module")
 def client(cluster) -> openai.OpenAI:
-    router = cluster.config.router
-    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=180) as api:
+    with openai_client(cluster, timeout=180) as api:
         yield api
 
 

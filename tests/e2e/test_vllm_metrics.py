@@ -6,14 +6,13 @@ import asyncio
 import time
 import urllib.request
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.priority import HIGH
 from services.tools.client import RouterClient, chat_request, sampling_params
 from services.local.cluster import LocalCluster
-from tests.e2e.conftest import bench_model, cluster_config, run
+from tests.e2e.conftest import bench_model, cluster_config, openai_client, run
 
 pytestmark = pytest.mark.slow
 
@@ -99,9 +98,7 @@ async def agreeing_snapshot(cluster):
 def test_the_openai_clients_vllm_priority_lands_in_high(cluster):
     def class_tokens():
         return {c.priority: c.output_tokens for c in run(cluster.pool_stats()).classes}
-    router = cluster.config.router
-    with openai.OpenAI(base_url=f"http://{router.host}:{router.http_port}/v1", api_key="unused",
-                       max_retries=0, timeout=120) as client:
+    with openai_client(cluster) as client:
         model = client.models.list().data[0].id
         before = class_tokens()
         answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
