@@ -78,11 +78,15 @@ class PrefixCache:
             names.append(block_name(names[-1] if names else None, request.token_ids(start, start + block_size), key))
         return names
 
-    def _cached_prefix(self, pool: PrefixCachingPool, request: Request) -> list[int]:
-        """The pool's blocks holding the request's longest cached prefix, within the blocks wholly
-        before its last known token (that one is always computed, for its logits)."""
+    def _usable_names(self, pool: PrefixCachingPool, request: Request) -> list[bytes]:
+        """The names of the request's blocks wholly before its last known token (that one is
+        always computed, for its logits): those a cache may give it."""
         usable = (request.num_tokens - 1) // pool.block_size
-        return pool.lookup(self.names(request, usable, pool.block_size)[:usable]) if usable > 0 else []
+        return self.names(request, usable, pool.block_size)[:usable] if usable > 0 else []
+
+    def _cached_prefix(self, pool: PrefixCachingPool, request: Request) -> list[int]:
+        """The pool's blocks holding the request's longest cached prefix of its usable blocks."""
+        return pool.lookup(self._usable_names(pool, request))
 
     def take_cached(self, pool: PrefixCachingPool, request: Request) -> tuple[list[int], dict]:
         """The request's cached prefix on the pool, now referenced for its class, and the blocks
@@ -93,10 +97,7 @@ class PrefixCache:
     def cached_blocks(self, pool: PrefixCachingPool, request: Request) -> int:
         """How many of the request's leading blocks the pool would give it now (take_cached,
         without taking them), or once the sequences running there have computed them."""
-        usable = (request.num_tokens - 1) // pool.block_size
-        if usable <= 0:
-            return 0
-        names = self.names(request, usable, pool.block_size)[:usable]
+        names = self._usable_names(pool, request)
         found = len(pool.lookup(names))
         return found + self.in_flight.run(pool, names[found:])
 
@@ -125,11 +126,10 @@ class PrefixCache:
         fresh pool blocks its copies are loaded into (when loading costs less than computing),
         or blocks the pool still holds further on (the tail of a prefix outlives its head when
         the head was evicted first)."""
-        tier, block_size = pool.tier, pool.block_size
-        usable, found = (request.num_tokens - 1) // block_size, len(cached)
-        if found >= usable or not tier.worth_loading:
+        tier, block_size, found = pool.tier, pool.block_size, len(cached)
+        names = self._usable_names(pool, request)[found:]
+        if not names or not tier.worth_loading:
             return cached
-        names = self.names(request, usable, block_size)[found:usable]
         blocks, loads = list(cached), []
         for name in names:
             held = pool.lookup((name,))
@@ -171,12 +171,11 @@ class PrefixCache:
         """Should the request stay queued this step, for the block after its cached prefix on
         `pool`, which a running leader of its class or a more urgent one is computing
         (prefix_in_flight.py)? Counted once per request, per class."""
-        usable = (request.num_tokens - 1) // pool.block_size
-        if usable <= 0 or request.window is not None:
+        if request.window is not None:
             return False
-        names = self.names(request, usable, pool.block_size)
-        found = len(pool.lookup(names[:usable]))
-        if found >= usable or self.in_flight.leader(pool, request, names[found]) is None:
+        names = self._usable_names(pool, request)
+        found = len(pool.lookup(names))
+        if found >= len(names) or self.in_flight.leader(pool, request, names[found]) is None:
             return False
         if not request.waited_for_prefix:
             request.waited_for_prefix = True
