@@ -14,7 +14,6 @@ again is a new pool to its scheduler, tier included.
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 
 from services.engine.kv_cache import PagedKVCache
 
-log = logging.getLogger(__name__)
 
 
 class KVTier:
