@@ -77,7 +77,7 @@ class EngineConfig:
     kv_cache_fraction: float = 0.1          # of free device memory, after the weights are loaded
     num_threads: int = 0                    # CPU intra-op threads; 0 = all cores of this process
     seed: int = 0                           # for requests that sample without a seed of their own
-    prepack_linear: bool = True             # CPU: oneDNN with prepacked weights (services/engine/linear.py)
+    prepack_linear: bool = True             # CPU: weights packed for the C kernel or oneDNN (services/engine/linear.py)
     max_loras: int = 4                      # LoRA adapters on the device at once (and in one step)
     max_cpu_loras: int = 16                 # adapters loaded (host copies); beyond, the least recently used idle one goes
     # Decode attention: "auto" = the paged C kernel on CPU in fp32 where it builds (else "torch"),
@@ -120,10 +120,10 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
-        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s",
+        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; linear: %s",
                  self.model_config.architecture, self.device, self.backend.name, self.threads, self.dtype,
                  dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
-                 "paged C kernel" if self.decode_kernel else "gather + SDPA")
+                 "paged C kernel" if self.decode_kernel else "gather + SDPA", self.model.layers[0].qkv.backend)
 
     def _decode_kernel(self) -> DecodeKernel | None:
         choice = self.config.decode_attention

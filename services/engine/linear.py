@@ -1,11 +1,13 @@
-"""Linear layers, with weights prepacked for oneDNN on CPU.
+"""Linear layers, with weights packed once at load on CPU: for the engine's C kernel where it
+builds (services/engine/linear_kernel.py: fp32 anywhere, bf16 with avx512_bf16), else for oneDNN.
 
 On the 2-core AMD EPYC we develop on, torch's default CPU matmul (MKL) runs the model's shapes
 1.3-3x slower than oneDNN with a prepacked weight (measured: decode at batch 32, 576x3072 takes
 1.30 ms vs 0.57 ms; the 49152-row output head 33 ms vs 11 ms). The prepacked path is used on
 CPU in fp32, and in bf16 where oneDNN multiplies bf16 natively (avx512_bf16, AMX), when this
 torch build has it and it reproduces F.linear on a probe input; otherwise, and on accelerators,
-plain F.linear.
+plain F.linear. The C kernel, where it applies, reads the weights faster than either at the
+few rows of a decode step and as fast at a prompt's hundreds (its docstring has the figures).
 
 oneDNN, and ideep (torch's wrapper around it), also cache one compiled primitive per input shape,
 1,024 of each by default, and a step's token count is anything from 1 to the step budget: a CPU
@@ -20,6 +22,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from services.engine.linear_kernel import LinearKernel, load_linear_kernel
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,18 @@ class Linear:
         self.bias = bias
         self.weight = weight
         self.packed = None
-        if prepack and weight.device.type == "cpu" and _onednn_available() and _packs(weight.dtype):
+        self.kernel: LinearKernel | None = None
+        kernel = load_linear_kernel() if prepack and weight.device.type == "cpu" else None
+        if kernel is not None and kernel.supports(weight):
+            self.kernel, self.packed = kernel, kernel.pack(weight)
+            self._kernel_bias = None if bias is None else bias.float().contiguous()
+            self.weight = None
+        elif prepack and weight.device.type == "cpu" and _onednn_available() and _packs(weight.dtype):
             self.packed = self._pack(weight, bias)
+
+    @property
+    def backend(self) -> str:
+        return "kernel" if self.kernel is not None else "onednn" if self.packed is not None else "torch"
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         try:
@@ -80,6 +94,8 @@ class Linear:
         return packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.packed, self._kernel_bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

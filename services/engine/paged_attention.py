@@ -15,29 +15,20 @@ third of every cached slot, and the loads stalled.
     kernel = load_decode_kernel()        # None (with the reason logged) when it cannot be built
     out = kernel(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
-It is compiled with the system C compiler ($CC, else cc) into $QOS_SERVE_KERNEL_CACHE, else
-kernels/ in the project's cache folder (services/common/paths.py), keyed by the source, the flags
-and the machine. OpenMP resolves to the libgomp torch has already loaded, so both share one
-thread pool; each call runs on torch.get_num_threads() threads. Without a compiler the engine
-keeps the torch path.
+It is compiled on first use (services/engine/kernel_build.py); each call runs on
+torch.get_num_threads() threads. Without a compiler the engine keeps the torch path.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
-from services.common.paths import cache_root
-from services.engine.device import read_lines
+from services.engine.kernel_build import KernelBuildError, build_library as build_kernel, vector_flags
 
 log = logging.getLogger(__name__)
 
@@ -46,59 +37,16 @@ SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
 # Compile-time only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process the moment the library loads (torch's maths included).
 _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}   # "kernel": the DecodeKernel or None once tried
 
-
-def _cpu_flags() -> set[str]:
-    for line in read_lines("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def compile_flags() -> list[str]:
-    """AVX2 + FMA where this CPU has them (every x86 server of the last decade), else generic."""
-    flags = list(_COMPILE_FLAGS)
-    if {"avx2", "fma"} <= _cpu_flags():
-        flags += ["-mavx2", "-mfma"]
-    return flags
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("QOS_SERVE_KERNEL_CACHE")
-    return Path(root) if root else cache_root() / "kernels"
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernel could not be compiled or loaded (the message says why)."""
+__all__ = ["DecodeKernel", "KernelBuildError", "build_library", "load_decode_kernel"]
 
 
 def build_library(compiler: str | None = None) -> Path:
     """Compile the kernel (once per source, flags and machine); returns the shared library."""
-    compiler = compiler or os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
-    source = SOURCE.read_bytes()
-    flags = compile_flags()
-    key = hashlib.sha256(source + " ".join(flags + _LINK_FLAGS).encode()
-                         + platform.machine().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: processes starting together never load half a file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, built = Path(tmp) / "kernel.o", Path(tmp) / target.name
-        for command in ([compiler, *flags, "-c", str(SOURCE), "-o", str(obj)],
-                        [compiler, *_LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
-            result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            if result.returncode != 0:
-                raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-800:]}")
-        os.replace(built, target)
-    return target
+    return build_kernel(SOURCE, _COMPILE_FLAGS + vector_flags(), compiler)
 
 
 class DecodeKernel:

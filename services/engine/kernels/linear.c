@@ -1,0 +1,157 @@
+/* y = x @ W^T (+ bias) for the model's linear layers on CPU, over a weight packed once at load.
+ *
+ * A decode step multiplies every weight by a few rows (one per sequence), so it is bound by
+ * reading the weights: the packing lets one pass stream each weight front to back with no
+ * horizontal sums. W [N, K] is stored as blocks of 16 output rows, interleaved along K
+ * (services/engine/linear_kernel.py packs it):
+ *   fp32  [N/16][K][16]      one vector = 16 outputs' weights for one input column
+ *   bf16  [N/16][K/2][16][2] one vector = 16 outputs' weights for two input columns
+ * so a tile's accumulators take one fused multiply-add (fp32) or one bf16 pair dot product
+ * (vdpbf16ps, fp32 accumulation) per vector of weights and broadcast input value (pair).
+ * A tile is 32 outputs x up to 8 input rows: each weight vector loaded serves every row, and a
+ * tile's weights (32 x K) stay in L2 while the next 8 rows reuse them.
+ *
+ * Every output row is computed the same way whatever the number of rows (each row's sum runs
+ * over K in order, with no fast-math reassociation), so a sequence's result does not depend on
+ * what else is in its batch.
+ *
+ * Layouts: x [M, K] and y [M, N] contiguous row-major; bias (optional) fp32 [N]; N padded to a
+ * multiple of 32 in the packed weight (the padding is zero and never stored to y).
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16           /* outputs per weight vector */
+#define TILE_ROWS 8        /* input rows per tile; a tile is 2 vectors (32 outputs) wide */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+/* ---- fp32 (portable: GCC's vector extension becomes AVX-512, AVX2 or SSE as the flags allow) ---- */
+
+static inline __attribute__((always_inline)) void tile_f32(
+    const float *restrict w0, const float *restrict w1, int64_t K, const float *restrict x,
+    const int rows, const float *restrict bias, float *restrict y, int64_t N, int64_t n) {
+    v16 acc[TILE_ROWS][2];
+    for (int m = 0; m < rows; m++)
+        acc[m][0] = acc[m][1] = (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+        v16 a, c;
+        memcpy(&a, w0 + k * LANES, sizeof a);
+        memcpy(&c, w1 + k * LANES, sizeof c);
+        for (int m = 0; m < rows; m++) {
+            const v16 xb = (v16){0} + x[m * K + k];
+            acc[m][0] += a * xb;
+            acc[m][1] += c * xb;
+        }
+    }
+    for (int b = 0; b < 2; b++) {
+        const int64_t first = n + b * LANES;
+        if (first >= N)
+            break;
+        const int64_t count = N - first < LANES ? N - first : LANES;
+        for (int m = 0; m < rows; m++) {
+            float out[LANES];
+            memcpy(out, &acc[m][b], sizeof out);
+            float *dst = y + m * N + first;
+            for (int64_t j = 0; j < count; j++)
+                dst[j] = bias ? out[j] + bias[first + j] : out[j];
+        }
+    }
+}
+
+int linear_f32(const float *w, const float *x, const float *bias, float *y,
+               int64_t M, int64_t N, int64_t K, int threads) {
+    const int64_t blocks = (N + LANES - 1) / LANES, tiles = (blocks + 1) / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const float *w0 = w + 2 * t * K * LANES;
+        const float *w1 = 2 * t + 1 < blocks ? w0 + K * LANES : w0;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N;
+            /* one specialised body per row count, so the accumulators stay in registers */
+            switch (M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS) {
+#define ROWS(r) case r: tile_f32(w0, w1, K, xm, r, bias, ym, N, 2 * t * LANES); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- bf16 (where the CPU has avx512_bf16; elsewhere the engine keeps oneDNN / F.linear) ---- */
+
+int linear_has_bf16(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+static inline __attribute__((always_inline)) void tile_bf16(
+    const uint16_t *restrict w0, const uint16_t *restrict w1, int64_t pairs,
+    const uint16_t *restrict x, int64_t K, const int rows, const float *restrict bias,
+    uint16_t *restrict y, int64_t N, int64_t n) {
+    __m512 acc[TILE_ROWS][2];
+    for (int m = 0; m < rows; m++)
+        acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh a = (__m512bh)_mm512_loadu_si512(w0 + p * 2 * LANES);
+        const __m512bh c = (__m512bh)_mm512_loadu_si512(w1 + p * 2 * LANES);
+        for (int m = 0; m < rows; m++) {
+            uint32_t pair;
+            memcpy(&pair, x + m * K + 2 * p, sizeof pair);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, xb);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], c, xb);
+        }
+    }
+    for (int b = 0; b < 2; b++) {
+        const int64_t first = n + b * LANES;
+        if (first >= N)
+            break;
+        const int64_t count = N - first < LANES ? N - first : LANES;
+        const __mmask16 mask = (__mmask16)((1u << count) - 1);
+        const __m512 add = bias ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+        for (int m = 0; m < rows; m++) {
+            /* the bias joins the fp32 sum; one rounding to bf16 (nearest even), as oneDNN does */
+            const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][b], add));
+            _mm256_mask_storeu_epi16(y + m * N + first, mask, (__m256i)out);
+        }
+    }
+}
+#endif
+
+/* K even (the engine keeps oneDNN for a weight with an odd K). */
+int linear_bf16(const uint16_t *w, const uint16_t *x, const float *bias, uint16_t *y,
+                int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX512BF16__)
+    if (K % 2)
+        return 2;
+    const int64_t pairs = K / 2, blocks = (N + LANES - 1) / LANES, tiles = (blocks + 1) / 2;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint16_t *w0 = w + 2 * t * pairs * 2 * LANES;
+        const uint16_t *w1 = 2 * t + 1 < blocks ? w0 + pairs * 2 * LANES : w0;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const uint16_t *xm = x + m0 * K;
+            uint16_t *ym = y + m0 * N;
+            switch (M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS) {
+#define ROWS(r) case r: tile_bf16(w0, w1, pairs, xm, K, r, bias, ym, N, 2 * t * LANES); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            }
+        }
+    }
+    return 0;
+#else
+    (void)w; (void)x; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)threads;
+    return 1;
+#endif
+}

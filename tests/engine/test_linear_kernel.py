@@ -1,0 +1,87 @@
+"""The linear-layer C kernel (services/engine/linear_kernel.py) against matmuls in float64, for
+the shapes models use and the awkward ones (an output count that is not a multiple of the
+32-row tile, one row, rows beyond a tile's 8), and the batch-invariance it promises."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine import linear as linear_module
+from services.engine.linear import Linear
+from services.engine.linear_kernel import load_linear_kernel
+from services.engine.kernel_build import vector_flags
+from tests.engine.conftest import require_decode_kernel_compiler
+
+ROWS = [1, 2, 7, 8, 9, 17, 33]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    require_decode_kernel_compiler("kernel")
+    built = load_linear_kernel()
+    assert built is not None, "a C compiler is present but the linear kernel did not build (see the log)"
+    return built
+
+
+def dtypes(kernel):
+    return sorted(kernel.dtypes, key=str)
+
+
+def test_bf16_is_built_exactly_where_the_cpu_has_its_dot_product(kernel):
+    assert (torch.bfloat16 in kernel.dtypes) == ("-mavx512bf16" in vector_flags(avx512=True))
+    assert torch.float32 in kernel.dtypes
+
+
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (576, 1536), (100, 64), (7, 6), (33, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_is_as_close_to_float64_as_torch(kernel, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(out_features * 7 + in_features)
+    for dtype in dtypes(kernel):
+        weight = (torch.randn(out_features, in_features, generator=generator) * 0.1).to(dtype)
+        bias = torch.randn(out_features, generator=generator).to(dtype) if with_bias else None
+        layer = Linear(weight, bias)
+        assert layer.backend == "kernel"
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+            got = layer(x)
+            assert got.dtype == dtype and got.shape == (rows, out_features)
+            torch_error = (F.linear(x, weight, bias).double() - exact).abs().max().item()
+            error = (got.double() - exact).abs().max().item()
+            # fp32: one running sum per output over K (torch sums in blocks: a few times closer);
+            # bf16: the same fp32 sums, one rounding of the output.
+            bound = 8 * torch_error + 1e-6 if dtype == torch.float32 else 1.01 * torch_error + 1e-6
+            assert error <= bound, (dtype, rows, error, torch_error)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch(kernel):
+    generator = torch.Generator().manual_seed(3)
+    for dtype in dtypes(kernel):
+        layer = Linear((torch.randn(200, 96, generator=generator) * 0.1).to(dtype))
+        batch = torch.randn(40, 96, generator=generator).to(dtype)
+        together = layer(batch)
+        for row in (0, 7, 8, 39):
+            assert torch.equal(layer(batch[row:row + 1]), together[row:row + 1])
+            assert torch.equal(layer(batch[row:]), together[row:])
+
+
+def test_kernel_refuses_what_it_cannot_compute(kernel):
+    layer = Linear(torch.randn(64, 32))
+    with pytest.raises(TypeError, match="2-D CPU input of torch.float32"):
+        layer(torch.randn(2, 32).double())
+    with pytest.raises(TypeError, match="2-D CPU input"):
+        layer(torch.randn(2, 2, 32))
+    with pytest.raises(ValueError, match="input has 31 features, the weight 32"):
+        layer(torch.randn(2, 31))
+
+
+def test_an_odd_bf16_width_and_a_missing_kernel_keep_the_other_paths(kernel, monkeypatch):
+    if torch.bfloat16 in kernel.dtypes:
+        assert Linear(torch.randn(16, 7).bfloat16()).backend != "kernel"
+    assert Linear(torch.randn(16, 8), prepack=False).backend == "torch"
+    monkeypatch.setattr(linear_module, "load_linear_kernel", lambda: None)
+    weight, x = torch.randn(16, 8), torch.randn(3, 8)
+    fallback = Linear(weight.clone())
+    assert fallback.backend in ("onednn", "torch")
+    assert torch.allclose(fallback(x), F.linear(x, weight), atol=1e-5)
