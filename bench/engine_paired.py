@@ -12,6 +12,8 @@ Changes (the "off" engine is the code as it was, rebuilt by this script, not a p
 one tried and reverted, bf16 caches in the paged C decode kernel, was measured at commit 62beec6:
 bench/results/engine_paired_bf16_kernel*.json):
   bf16-prepack   bf16 linear layers on oneDNN with prepacked weights (off: F.linear)
+  linear-kernel  linear layers on the engine's C kernel (services/engine/linear_kernel.py; off:
+                 oneDNN with prepacked weights, as before it), in the dtype given (default bf16)
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -22,11 +24,12 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_throughput import load_engine, make_workload  # noqa: E402
-from bench.engine_vs_llamacpp import ours_batched  # noqa: E402
+from bench.engine_vs_llamacpp import engine_commit, ours_batched  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
@@ -58,7 +61,12 @@ def bf16_prepack(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, prepack_linear=False)
 
 
-CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack)}
+def linear_kernel(base: Engine) -> tuple[Engine, Engine]:
+    with mock.patch("services.engine.linear.load_linear_kernel", lambda: None):
+        return base, with_config(base)
+
+
+CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel)}
 
 
 def main() -> None:
@@ -79,6 +87,8 @@ def main() -> None:
     model_dir = str(default_model_dir())
     config = load_model_config(model_dir)
     on, off = build(load_engine(model_dir, threads, args.prompt, args.gen, "cpu", dtype))
+    backends = {"on": on.model.layers[0].qkv.backend, "off": off.model.layers[0].qkv.backend}
+    print(f"linear layers: on {backends['on']}, off {backends['off']}", file=sys.stderr)
     workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
     for engine in (on, off):      # warm-up: kernel selection, first-touch memory
         ours_batched(engine, workload, args.batch)
@@ -100,6 +110,7 @@ def main() -> None:
           f"{mean:.3f}, 95% interval [{low:.3f}, {high:.3f}] over {args.pairs} pairs: {verdict}")
     write_json(args.json, {"change": args.change, "dtype": dtype, "batch": args.batch, "threads": threads,
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
+                           "linear_backends": backends, "engine_commit": engine_commit(),
                            "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 
