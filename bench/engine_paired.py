@@ -8,12 +8,12 @@ shared host's load moves both runs of a pair alike, so the ratio is steadier tha
 Reported: the mean ratio with a 95% t interval over the pairs; a change is kept only where the
 interval lies wholly above 1.
 
-Changes (the "off" engine is the code as it was, rebuilt by this script, not a product switch;
-one tried and reverted, bf16 caches in the paged C decode kernel, was measured at commit 62beec6:
-bench/results/engine_paired_bf16_kernel*.json):
+Changes (the "off" engine is the code as it was, rebuilt by this script, not a product switch):
   bf16-prepack   bf16 linear layers on oneDNN with prepacked weights (off: F.linear)
   linear-kernel  linear layers on the engine's C kernel (services/engine/linear_kernel.py; off:
                  oneDNN with prepacked weights, as before it), in the dtype given (default bf16)
+  bf16-kernel    bf16 decodes attended by the paged C kernel (off: gather + SDPA; tried
+                 first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -66,7 +66,12 @@ def linear_kernel(base: Engine) -> tuple[Engine, Engine]:
         return base, with_config(base)
 
 
-CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel)}
+def bf16_kernel(base: Engine) -> tuple[Engine, Engine]:
+    return base, with_config(base, decode_attention="torch")
+
+
+CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
+           "bf16-kernel": ("bfloat16", bf16_kernel)}
 
 
 def main() -> None:

@@ -182,7 +182,7 @@ class WorkerConfig(ServiceConfig):
                                         "(/v1/load_lora_adapter): the path, links and .. resolved, must lie inside "
                                         "one, else 403 (unset: the pool's [[pools.adapters]] folders; []: none)",
                                         kind=list, note="folders")
-    decode_attention: str = setting("auto", "decode attention on CPU fp32: the paged C kernel where it builds "
+    decode_attention: str = setting("auto", "decode attention on CPU (fp32, bf16): the paged C kernel where it builds "
                                     "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
                                     choices=DECODE_ATTENTION)
 

@@ -80,7 +80,7 @@ class EngineConfig:
     prepack_linear: bool = True             # CPU: weights packed for the C kernel or oneDNN (services/engine/linear.py)
     max_loras: int = 4                      # LoRA adapters on the device at once (and in one step)
     max_cpu_loras: int = 16                 # adapters loaded (host copies); beyond, the least recently used idle one goes
-    # Decode attention: "auto" = the paged C kernel on CPU in fp32 where it builds (else "torch"),
+    # Decode attention: "auto" = the paged C kernel on CPU in fp32 or bf16 where it builds (else "torch"),
     # "kernel" = that kernel or fail, "torch" = gather + SDPA (services/engine/paged_attention.py).
     decode_attention: str = "auto"
 
@@ -129,9 +129,10 @@ class Engine:
         choice = self.config.decode_attention
         if choice == "torch":
             return None
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             if choice == "kernel":
-                raise ValueError(f"decode_attention='kernel' needs fp32 on CPU, not {self.dtype} on {self.device}")
+                raise ValueError(f"decode_attention='kernel' needs fp32 or bf16 on CPU, not {self.dtype} "
+                                 f"on {self.device}")
             return None
         kernel = load_decode_kernel()
         if kernel is None and choice == "kernel":

@@ -55,35 +55,41 @@ class DecodeKernel:
     def __init__(self, library: Path):
         self.path = library
         lib = ctypes.CDLL(str(library))
-        fn = lib.paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
-        self._fn = fn
+        self._fns = {}            # the cache's dtype -> its entry point (q and out are fp32 in both)
+        for dtype, name in ((torch.float32, "paged_decode_attention"), (torch.bfloat16, "paged_decode_attention_bf16")):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
+            self._fns[dtype] = fn
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                  scale: float) -> torch.Tensor:
         """q [seqs, kv_heads, group, head_dim]; caches [slots, kv_heads, head_dim]; block_tables
         [seqs, max_blocks] int64; context_lens [seqs] int64. Returns [seqs, kv_heads, group,
-        head_dim]. The caller guarantees 1 <= context_lens[s] <= max_blocks * block_size and block
-        ids inside the cache (the engine checks every table before a step): the C code trusts them."""
+        head_dim] in q's dtype. q/k/v are all fp32 or all bf16 (bf16: the kernel widens each value
+        and computes in fp32, one rounding at the end). The caller guarantees
+        1 <= context_lens[s] <= max_blocks * block_size and block ids inside the cache (the engine
+        checks every table before a step): the C code trusts them."""
         num_seqs, kv_heads, group, head_dim = q.shape
-        if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in self._fns
                 and block_tables.dtype == context_lens.dtype == torch.int64):
-            raise TypeError("the decode kernel takes fp32 q/k/v and int64 block tables and lengths")
+            raise TypeError("the decode kernel takes fp32 or bf16 q/k/v (one dtype) and int64 block "
+                            "tables and lengths")
         if tuple(k_cache.shape[1:]) != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
             raise ValueError(f"cache shape {tuple(k_cache.shape)} does not match q {tuple(q.shape)}")
         if block_tables.shape[0] != num_seqs or tuple(context_lens.shape) != (num_seqs,):
             raise ValueError("one block table row and one context length per sequence")
-        tensors = [t.contiguous() for t in (q, k_cache, v_cache, block_tables, context_lens)]
+        tensors = [t.contiguous() for t in (q.float(), k_cache, v_cache, block_tables, context_lens)]
         if any(t.device.type != "cpu" for t in tensors):
             raise ValueError("the decode kernel runs on CPU tensors only")
         out = torch.empty_like(tensors[0])
-        status = self._fn(*(t.data_ptr() for t in tensors), out.data_ptr(), num_seqs, kv_heads, group,
-                          head_dim, block_size, block_tables.shape[1], scale, torch.get_num_threads())
+        status = self._fns[k_cache.dtype](*(t.data_ptr() for t in tensors), out.data_ptr(), num_seqs, kv_heads,
+                                          group, head_dim, block_size, block_tables.shape[1], scale,
+                                          torch.get_num_threads())
         if status != 0:
             raise MemoryError("the decode kernel could not allocate its score buffers")
-        return out
+        return out.to(q.dtype)
 
 
 def load_decode_kernel() -> DecodeKernel | None:

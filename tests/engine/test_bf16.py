@@ -103,18 +103,19 @@ def test_the_engine_picks_bf16_on_a_native_bf16_cpu_and_says_why(tiny_model_dir,
         engine = Engine(EngineConfig(model_dir=str(tiny_model_dir), num_threads=1, kv_cache_bytes=1 << 20),
                         backend)
     assert engine.dtype == torch.bfloat16 and engine.cache.keys[0].dtype == torch.bfloat16
-    assert engine.decode_kernel is None          # the paged C kernel is fp32 only: gather + SDPA
     assert "bfloat16 (the CPU multiplies bf16 natively (amx_bf16, avx512_bf16))" in caplog.text
     explicit = Engine(EngineConfig(model_dir=str(tiny_model_dir), num_threads=1, kv_cache_bytes=1 << 20,
                                    dtype="float32"), backend)
     assert explicit.dtype == torch.float32
 
 
-def test_bf16_logits_match_transformers_bf16(model_dir):
-    """Two prompts, then DECODE_STEPS greedy decodes of both in one step (a decode group: the
-    shorter context padded and masked)."""
-    engine = make_engine(model_dir, dtype="bfloat16")
-    assert engine.dtype == torch.bfloat16 and engine.decode_kernel is None
+@pytest.mark.parametrize("decode_attention", ["torch", "auto"])
+def test_bf16_logits_match_transformers_bf16(model_dir, decode_attention):
+    """Two prompts, then DECODE_STEPS greedy decodes of both in one step: by the torch path (a
+    decode group: the shorter context padded and masked) and by the paged C kernel where it
+    builds (auto; it computes in fp32 from the bf16 cache and rounds once)."""
+    engine = make_engine(model_dir, dtype="bfloat16", decode_attention=decode_attention)
+    assert engine.dtype == torch.bfloat16
     reference = load_reference(model_dir, torch.bfloat16)
     reference_fp32 = load_reference(model_dir, torch.float32)
     rng = random.Random(4)

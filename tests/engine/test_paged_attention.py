@@ -36,7 +36,8 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
 
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 24)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size, dtype):
     rng = random.Random(kv_heads * 100 + head_dim + block_size)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
     # One token, a block exactly, a block and one, and longer contexts of any length.
@@ -52,18 +53,24 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
         own = [free.pop() for _ in range(blocks_for_tokens(n, block_size))]
         tables.append(own + [0] * (widest - len(own)))
     q = torch.randn(len(lens), kv_heads, group, head_dim, generator=gen)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
     tables_t, lens_t = torch.tensor(tables), torch.tensor(lens)
     got = kernel(q, k_cache, v_cache, tables_t, lens_t, block_size, head_dim ** -0.5)
-    want = reference(q, k_cache, v_cache, tables, lens_t, block_size)
-    assert (got - want).abs().max().item() < 1e-5
+    assert got.dtype == dtype
+    # bf16: the same values computed in fp32 and rounded once (outputs are below 4 in magnitude,
+    # where a bf16 ulp is at most 2^-6).
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables, lens_t, block_size)
+    assert (got.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2 ** -6)
 
 
 def test_kernel_refuses_what_it_cannot_compute(kernel):
     q = torch.randn(2, 3, 3, 64)
     cache = torch.randn(64, 3, 64)
     tables, lens = torch.zeros(2, 4, dtype=torch.int64), torch.tensor([3, 5])
-    with pytest.raises(TypeError, match="fp32"):
+    with pytest.raises(TypeError, match="fp32 or bf16"):
         kernel(q.double(), cache, cache, tables, lens, 16, 0.125)
+    with pytest.raises(TypeError, match="one dtype"):
+        kernel(q.bfloat16(), cache, cache, tables, lens, 16, 0.125)
     with pytest.raises(TypeError, match="int64"):
         kernel(q, cache, cache, tables.int(), lens, 16, 0.125)
     with pytest.raises(ValueError, match="cache shape"):
@@ -97,8 +104,9 @@ def test_engine_decode_attention_setting(tiny_model_dir):
     assert make_engine(tiny_model_dir, decode_attention="torch").decode_kernel is None
     require_decode_kernel_compiler("kernel")
     assert make_engine(tiny_model_dir, decode_attention="auto").decode_kernel is not None
-    with pytest.raises(ValueError, match="needs fp32 on CPU"):
-        make_engine(tiny_model_dir, decode_attention="kernel", dtype="bfloat16")
+    assert make_engine(tiny_model_dir, decode_attention="auto", dtype="bfloat16").decode_kernel is not None
+    with pytest.raises(ValueError, match="needs fp32 or bf16 on CPU"):
+        make_engine(tiny_model_dir, decode_attention="kernel", dtype="float16")
 
 
 def test_loading_the_kernel_leaves_the_processs_float_environment_alone(kernel):
