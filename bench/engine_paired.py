@@ -12,6 +12,8 @@ Changes (the "off" engine is the code as it was, rebuilt by this script, not a p
   bf16-prepack   bf16 linear layers on oneDNN with prepacked weights (off: F.linear)
   linear-kernel  linear layers on the engine's C kernel (services/engine/linear_kernel.py; off:
                  oneDNN with prepacked weights, as before it), in the dtype given (default bf16)
+  huge-pages     the C kernel's packed weights in one buffer on 2 MiB pages (off: each in its own
+                 allocation), in the dtype given (default bf16)
   bf16-kernel    bf16 decodes attended by the paged C kernel (off: gather + SDPA; tried
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
 
@@ -70,7 +72,12 @@ def bf16_kernel(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, decode_attention="torch")
 
 
-CHANGES = {"bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
+def huge_pages(base: Engine) -> tuple[Engine, Engine]:
+    with mock.patch("services.engine.model.place_on_huge_pages", lambda layers: 0):
+        return base, with_config(base)
+
+
+CHANGES = {"huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
            "bf16-kernel": ("bfloat16", bf16_kernel)}
 
 

@@ -1,4 +1,5 @@
-"""Keep freed host memory in the process (glibc malloc), so CPU steps stop re-faulting pages.
+"""Host memory for CPU steps: keep freed memory in the process (glibc malloc), so steps stop
+re-faulting pages, and put the weights a decode step streams on 2 MiB pages (huge_page_buffer).
 
 torch's CPU allocator is plain malloc. With glibc's defaults, a multi-megabyte tensor freed at
 the top of the heap is handed back to the kernel (trimmed), and the next step's tensor of the
@@ -14,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +44,27 @@ def keep_freed_memory() -> bool:
     if not _done:
         log.warning("mallopt refused the malloc thresholds; CPU steps may re-fault freed memory")
     return _done
+
+
+_MADV_HUGEPAGE = 14               # linux/mman.h
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor of `numel` elements on 2 MiB pages where the kernel allows
+    (transparent huge pages, asked for with madvise before the first touch), else ordinary pages.
+
+    Weights read once a decode step from hundreds of separate allocations cost a TLB miss every
+    4 KiB; on 2 MiB pages the reads stream (services/engine/linear_kernel.py has the figures)."""
+    pad = HUGE_PAGE // dtype.itemsize
+    raw = torch.empty(numel + pad, dtype=dtype)
+    offset = (-raw.data_ptr() % HUGE_PAGE) // dtype.itemsize
+    buffer = raw[offset:offset + numel]
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        length = numel * dtype.itemsize // HUGE_PAGE * HUGE_PAGE
+        if length and libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE):
+            log.info("madvise(MADV_HUGEPAGE) refused (errno %d): weights on ordinary pages", ctypes.get_errno())
+    except (OSError, AttributeError):
+        pass
+    return buffer

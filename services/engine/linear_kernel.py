@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from services.engine.host_memory import huge_page_buffer
 from services.engine.kernel_build import KernelBuildError, build_library, vector_flags
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,22 @@ class LinearKernel:
         if status != 0:
             raise RuntimeError(f"the linear kernel refused its arguments (status {status})")
         return out
+
+
+def place_on_huge_pages(layers: list) -> int:
+    """Move the packed weights of the kernel's `layers` (Linear) into one buffer on 2 MiB pages
+    (host_memory.huge_page_buffer), in order, so a decode step reads them as one stream; returns
+    the bytes moved. The separate allocations each weight got at packing are freed."""
+    packed = [layer for layer in layers if layer.kernel is not None]
+    if not packed or len({layer.packed.dtype for layer in packed}) != 1:
+        return 0
+    buffer = huge_page_buffer(sum(layer.packed.numel() for layer in packed), packed[0].packed.dtype)
+    offset = 0
+    for layer in packed:
+        size = layer.packed.numel()
+        layer.packed = buffer[offset:offset + size].view(layer.packed.shape).copy_(layer.packed)
+        offset += size
+    return buffer.numel() * buffer.element_size()
 
 
 def load_linear_kernel() -> LinearKernel | None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from services.engine.config import ModelConfig, UnsupportedModelError
 from services.engine.kv_cache import PagedKVCache
 from services.engine.linear import Linear
+from services.engine.linear_kernel import place_on_huge_pages
 from services.engine.lora import LoraBatch
 from services.engine.paged_attention import DecodeKernel
 from services.engine.rope import RotaryTable, apply_rotary
@@ -167,6 +168,8 @@ class LlamaDecoder:
         self.lm_head = [Linear(lm_head[start:start + rows], prepack=self.prepack)
                         for start in range(0, config.vocab_size, rows)]
         reader.check_consumed()
+        place_on_huge_pages([linear for layer in self.layers for linear in
+                             (layer.qkv, layer.out, layer.gate_up, layer.down)] + self.lm_head)
         self.rotary = RotaryTable(config, device, dtype)
         c = config
         # q and k are adjacent in the fused projection: rotated together, in one call.

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from services.engine import linear as linear_module
 from services.engine.linear import Linear
-from services.engine.linear_kernel import load_linear_kernel
+from services.engine.linear_kernel import load_linear_kernel, place_on_huge_pages
 from services.engine.kernel_build import vector_flags
 from tests.engine.conftest import require_decode_kernel_compiler
 
@@ -85,3 +85,16 @@ def test_an_odd_bf16_width_and_a_missing_kernel_keep_the_other_paths(kernel, mon
     fallback = Linear(weight.clone())
     assert fallback.backend in ("onednn", "torch")
     assert torch.allclose(fallback(x), F.linear(x, weight), atol=1e-5)
+
+
+def test_weights_moved_to_one_buffer_give_the_same_results(kernel):
+    generator = torch.Generator().manual_seed(5)
+    layers = [Linear((torch.randn(n, 64, generator=generator) * 0.1)) for n in (96, 40, 200)]
+    x = torch.randn(3, 64, generator=generator)
+    before = [layer(x) for layer in layers]
+    moved = place_on_huge_pages(layers + [Linear(torch.randn(8, 64), prepack=False)])
+    assert moved >= sum(layer.packed.numel() * 4 for layer in layers)
+    # one buffer, in order, each weight right after the one before
+    for first, second in zip(layers, layers[1:]):
+        assert second.packed.data_ptr() == first.packed.data_ptr() + first.packed.numel() * 4
+    assert all(torch.equal(layer(x), want) for layer, want in zip(layers, before))
