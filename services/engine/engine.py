@@ -131,8 +131,7 @@ class Engine:
             return None
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
             if choice == "kernel":
-                raise ValueError(f"decode_attention='kernel' needs fp32 or bf16 on CPU, not {self.dtype} "
-                                 f"on {self.device}")
+                raise ValueError(f"decode_attention='kernel' needs fp32 or bf16 on CPU, not {self.dtype} on {self.device}")
             return None
         kernel = load_decode_kernel()
         if kernel is None and choice == "kernel":
