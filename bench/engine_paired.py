@@ -8,7 +8,9 @@ shared host's load moves both runs of a pair alike, so the ratio is steadier tha
 Reported: the mean ratio with a 95% t interval over the pairs; a change is kept only where the
 interval lies wholly above 1.
 
-Changes (the "off" engine is the code as it was, rebuilt by this script, not a product switch):
+Changes (the "off" engine is the code as it was, rebuilt by this script, not a product switch;
+one tried and not kept, bf16 RMSNorm through the fused fp32 kernel, is in
+bench/results/engine_paired_bf16_norm_b1.json):
   bf16-prepack   bf16 linear layers on oneDNN with prepacked weights (off: F.linear)
   linear-kernel  linear layers on the engine's C kernel (services/engine/linear_kernel.py; off:
                  oneDNN with prepacked weights, as before it), in the dtype given (default bf16)
