@@ -82,9 +82,9 @@ def best_seconds(call: Callable[[], object], sync: Callable[[], None]) -> float:
 
 def linear_gflops(rows: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device,
                   sync: Callable[[], None]) -> tuple[float, str]:
-    """The faster of F.linear and the engine's Linear (oneDNN on a prepacked weight, where it
-    applies: fp32 on CPU, bf16 where oneDNN has native bf16) on one shape, in GFLOPS, and which
-    it was."""
+    """The faster of F.linear and the engine's Linear (its C kernel or oneDNN on a prepacked
+    weight, where they apply: services/engine/linear.py) on one shape, in GFLOPS, and which it
+    was ("engine Linear (kernel)", "engine Linear (onednn)" or "F.linear")."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
     x = torch.randn(rows, shape[1], generator=generator).to(device=device, dtype=dtype)
@@ -92,7 +92,7 @@ def linear_gflops(rows: int, shape: tuple[int, int], dtype: torch.dtype, device:
     candidates = {"F.linear": lambda: F.linear(x, weight)}
     engine_linear = Linear(weight, prepack=True)
     if engine_linear.packed is not None:
-        candidates["oneDNN prepacked"] = lambda: engine_linear(x)
+        candidates[f"engine Linear ({engine_linear.backend})"] = lambda: engine_linear(x)
     speeds = {name: flops / best_seconds(call, sync) / 1e9 for name, call in candidates.items()}
     fastest = max(speeds, key=speeds.get)
     return speeds[fastest], fastest
