@@ -24,7 +24,7 @@ from pathlib import Path
 from statistics import median
 
 from bench.perf_doc_cache import SOURCES as CACHE_TIER_SOURCES, cache_tiers
-from bench.perf_doc_engine import engine_per_core, engine_roofline, engine_vs_llamacpp
+from bench.perf_doc_engine import PAIRED_SOURCES, engine_paired, engine_per_core, engine_roofline, engine_vs_llamacpp
 from bench.perf_doc_faults import fault_sim
 from bench.perf_doc_format import RESULTS, num, pct
 
@@ -133,6 +133,7 @@ def qos_virtual_real(result: dict) -> list[list[str]]:
 table("engine-roofline", "engine_throughput.json")(engine_roofline)
 table("engine-vs-llamacpp", "engine_vs_llamacpp.json")(engine_vs_llamacpp)
 table("engine-per-core", "engine_vs_llamacpp.json")(engine_per_core)
+table("engine-paired", *PAIRED_SOURCES)(engine_paired)
 table("fault-sim", "fault_sim.json")(fault_sim)
 table("cache-tiers", *CACHE_TIER_SOURCES)(cache_tiers)
 

@@ -39,3 +39,39 @@ def engine_per_core(result: dict) -> list[list[str]]:
         rows.append([dtype] + [f"{result[f'ours_tok_s_b{b}_{dtype}'] / threads:.0f} / "
                                f"{result[f'llamacpp_tok_s_b{b}_{dtype}'] / threads:.0f}" for b in result["batches"]])
     return rows
+
+
+# bench/engine_paired.py's runs, in the order they were taken: (JSON under bench/results, the
+# change as the table names it, whether the engine kept it).
+PAIRED_RUNS = (
+    ("engine_paired_bf16_prepack.json", "bf16 linear layers on oneDNN, prepacked (off: F.linear)", "kept"),
+    ("engine_paired_bf16_kernel.json", "bf16 caches read by the paged C decode kernel, with oneDNN's "
+                                       "linear layers (off: gather + SDPA)", "not kept"),
+    ("engine_paired_bf16_kernel_10_pairs.json", "", ""),
+    ("engine_paired_linear_kernel_bf16_b1.json", "linear layers on the engine's C kernel "
+                                                 "(off: oneDNN prepacked)", "kept"),
+    ("engine_paired_linear_kernel_bf16_b8.json", "", ""),
+    ("engine_paired_linear_kernel_bf16_b32.json", "", "(level)"),
+    ("engine_paired_linear_kernel_f32_b1.json", "", ""),
+    ("engine_paired_linear_kernel_f32_b32.json", "", "(level)"),
+    ("engine_paired_bf16_kernel_after_linear_b1.json", "bf16 caches read by the paged C decode kernel, "
+                                                       "with the linear kernel", "kept"),
+    ("engine_paired_bf16_kernel_after_linear_b8.json", "", ""),
+    ("engine_paired_huge_pages_f32_b1.json", "the linear kernel's weights in one buffer on 2 MiB pages "
+                                             "(off: one allocation each)", "kept"),
+    ("engine_paired_huge_pages_bf16_b1.json", "", "(no effect shown)"),
+    ("engine_paired_huge_pages_bf16_b1_10_pairs.json", "", ""),
+    ("engine_paired_bf16_norm_b1.json", "bf16 RMSNorm through the fused fp32 kernel, one cast "
+                                        "(off: eight ops)", "not kept"),
+)
+PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
+DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
+
+
+def engine_paired(*results: dict) -> list[list[str]]:
+    rows = [["change", "dtype, batch", "on / off decode tok/s [95% interval]", "pairs", "kept"]]
+    for (_, change, kept), r in zip(PAIRED_RUNS, results):
+        low, high = r["ci95"]
+        rows.append([change, f"{DTYPE_NAMES[r['dtype']]}, {r['batch']}",
+                     f"{r['mean_ratio']:.3f} [{low:.3f}, {high:.3f}]", str(len(r["pairs"])), kept])
+    return rows
