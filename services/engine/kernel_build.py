@@ -7,21 +7,32 @@ library it cannot run. OpenMP resolves to the libgomp torch has already loaded, 
 torch share one thread pool.
 
     path = build_library(SOURCE, flags)    # KernelBuildError (with the compiler's message) if not
+    kernel = load_once("linear layers", lambda: Kernel(build_library(...)), "oneDNN")
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from services.common.paths import cache_root
 from services.engine.device import cpu_flags
 
+log = logging.getLogger(__name__)
+
 LINK_FLAGS = ["-shared", "-fopenmp"]
+
+Kernel = TypeVar("Kernel")
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}      # what the kernel does -> the kernel, or None once it failed
 
 
 class KernelBuildError(RuntimeError):
@@ -69,3 +80,26 @@ def build_library(source_path: Path, flags: list[str], compiler: str | None = No
                 raise KernelBuildError(f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-800:]}")
         os.replace(built, target)
     return target
+
+
+def load_once(what: str, load: Callable[[], Kernel], fallback: str) -> Kernel | None:
+    """`load()` (build and open a kernel) on first use in this process; None where it cannot be,
+    logged once with the path the engine takes instead (`fallback`)."""
+    with _lock:
+        if what not in _loaded:
+            try:
+                _loaded[what] = load()
+                log.info("%s: C kernel %s", what, _loaded[what].path)
+            except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("%s: C kernel unavailable (%s); using %s", what, exc, fallback)
+                _loaded[what] = None
+        return _loaded[what]
+
+
+def build_or_exit(build: Callable[[], Path], what: str) -> None:
+    """`python -m` entry of a kernel's module: build it now (images do, so containers never
+    compile) and print the library; exit 1 with the reason where it cannot be built."""
+    try:
+        print(build())
+    except (KernelBuildError, subprocess.TimeoutExpired) as exc:
+        sys.exit(f"{what} not built: {exc}")

@@ -18,25 +18,18 @@ the kernel builds.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from services.engine.host_memory import huge_page_buffer
-from services.engine.kernel_build import KernelBuildError, build_library, vector_flags
-
-log = logging.getLogger(__name__)
+from services.engine.kernel_build import build_library, build_or_exit, load_once, vector_flags
 
 SOURCE = Path(__file__).with_name("kernels") / "linear.c"
 # No -ffast-math: each output's sum keeps its order, so results are the same in any batch.
 _COMPILE_FLAGS = ["-O3", "-fPIC", "-fopenmp"]
 LANES, TILE = 16, 32          # outputs per vector; outputs per tile (the packed N's multiple)
 
-_lock = threading.Lock()
-_loaded: dict[str, object] = {}
 
 
 class LinearKernel:
@@ -102,24 +95,14 @@ def place_on_huge_pages(layers: list) -> int:
     return buffer.numel() * buffer.element_size()
 
 
+def build() -> Path:
+    return build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True))
+
+
 def load_linear_kernel() -> LinearKernel | None:
     """The kernel, built on first use in this process; None (logged once) where it cannot be."""
-    with _lock:
-        if "kernel" not in _loaded:
-            try:
-                _loaded["kernel"] = LinearKernel(build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True)))
-                log.info("linear layers: C kernel %s", _loaded["kernel"].path)
-            except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("linear layers: C kernel unavailable (%s); using oneDNN", exc)
-                _loaded["kernel"] = None
-        return _loaded["kernel"]
+    return load_once("linear layers", lambda: LinearKernel(build()), "oneDNN")
 
 
 if __name__ == "__main__":
-    # `python -m services.engine.linear_kernel`: build now (images do, so containers never
-    # compile); exits 1 with the reason where it cannot be built.
-    import sys
-    try:
-        print(build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True)))
-    except (KernelBuildError, subprocess.TimeoutExpired) as exc:
-        sys.exit(f"linear kernel not built: {exc}")
+    build_or_exit(build, "linear kernel")

@@ -21,16 +21,12 @@ torch.get_num_threads() threads. Without a compiler the engine keeps the torch p
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
-from services.engine.kernel_build import KernelBuildError, build_library as build_kernel, vector_flags
-
-log = logging.getLogger(__name__)
+from services.engine.kernel_build import (KernelBuildError, build_library as build_kernel, build_or_exit,
+                                          load_once, vector_flags)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
 # -ffast-math: the dot products and exponentials vectorise only so (the C file avoids infinities).
@@ -38,8 +34,6 @@ SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
 # flush-to-zero for the whole process the moment the library loads (torch's maths included).
 _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
 
-_lock = threading.Lock()
-_loaded: dict[str, object] = {}   # "kernel": the DecodeKernel or None once tried
 
 __all__ = ["DecodeKernel", "KernelBuildError", "build_library", "load_decode_kernel"]
 
@@ -94,22 +88,8 @@ class DecodeKernel:
 
 def load_decode_kernel() -> DecodeKernel | None:
     """The kernel, built on first use in this process; None (logged once) where it cannot be."""
-    with _lock:
-        if "kernel" not in _loaded:
-            try:
-                _loaded["kernel"] = DecodeKernel(build_library())
-                log.info("paged decode attention: C kernel %s", _loaded["kernel"].path)
-            except (KernelBuildError, OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("paged decode attention: C kernel unavailable (%s); using gather + SDPA", exc)
-                _loaded["kernel"] = None
-        return _loaded["kernel"]
+    return load_once("paged decode attention", lambda: DecodeKernel(build_library()), "gather + SDPA")
 
 
 if __name__ == "__main__":
-    # `python -m services.engine.paged_attention`: build now (images do, so containers never
-    # compile); exits 1 with the reason where it cannot be built.
-    import sys
-    try:
-        print(build_library())
-    except (KernelBuildError, subprocess.TimeoutExpired) as exc:
-        sys.exit(f"paged decode kernel not built: {exc}")
+    build_or_exit(build_library, "paged decode kernel")
