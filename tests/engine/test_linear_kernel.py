@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.engine import kernel_build, linear_kernel
 from services.engine import linear as linear_module
 from services.engine.linear import Linear
-from services.engine.linear_kernel import load_linear_kernel, place_on_huge_pages
+from services.engine.linear_kernel import LinearKernel, load_linear_kernel, place_on_huge_pages
 from services.engine.kernel_build import vector_flags
 from tests.engine.conftest import require_decode_kernel_compiler
 
@@ -98,3 +99,22 @@ def test_weights_moved_to_one_buffer_give_the_same_results(kernel):
     for first, second in zip(layers, layers[1:]):
         assert second.packed.data_ptr() == first.packed.data_ptr() + first.packed.numel() * 4
     assert all(torch.equal(layer(x), want) for layer, want in zip(layers, before))
+
+
+@pytest.mark.parametrize("flags, same_bits", [({"avx2", "fma"}, True), (set(), False)])
+def test_hosts_without_avx512_build_the_fp32_kernel(kernel, monkeypatch, tmp_path, flags, same_bits):
+    """Built as an AVX2-only host (or one with no vector flags) would build it: fp32 only, as
+    close to float64 as torch; with FMA each output's sum is the same sequence of fused steps
+    whatever the vector width, so its bits equal this host's build."""
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
+    other = LinearKernel(linear_kernel.build())
+    assert other.dtypes == {torch.float32} and other.path != kernel.path
+    generator = torch.Generator().manual_seed(11)
+    weight, x = torch.randn(100, 576, generator=generator) * 0.1, torch.randn(9, 576, generator=generator)
+    got = other(x, other.pack(weight), None, 100)
+    exact = x.double() @ weight.double().T
+    torch_error = (F.linear(x, weight).double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 8 * torch_error + 1e-6
+    if same_bits:
+        assert torch.equal(got, kernel(x, kernel.pack(weight), None, 100))
