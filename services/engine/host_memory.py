@@ -46,6 +46,18 @@ def keep_freed_memory() -> bool:
     return _done
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel once (glibc malloc_trim): the thresholds
+    above keep freed memory for the steps' reuse, so what loading freed (a weight's copy made
+    while packing it) would otherwise stay in the process's resident size for good. False where
+    the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 _MADV_HUGEPAGE = 14               # linux/mman.h
 HUGE_PAGE = 2 << 20
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from services.engine.host_memory import huge_page_buffer
+from services.engine.host_memory import huge_page_buffer, release_freed_memory
 from services.engine.kernel_build import build_library, build_or_exit, load_once, vector_flags
 
 SOURCE = Path(__file__).with_name("kernels") / "linear.c"
@@ -82,7 +82,10 @@ class LinearKernel:
 def place_on_huge_pages(layers: list) -> int:
     """Move the packed weights of the kernel's `layers` (Linear) into one buffer on 2 MiB pages
     (host_memory.huge_page_buffer), in order, so a decode step reads them as one stream; returns
-    the bytes moved. The separate allocations each weight got at packing are freed."""
+    the bytes moved. The separate allocations each weight got at packing are freed and handed
+    back to the kernel: measured on SmolLM2-135M, the loaded engine's resident size is then 721
+    MB in bf16 and 1,594 MB in fp32 (oneDNN's layers: 754 and 1,642; loading peaks 300-350 MB
+    higher, while both copies exist)."""
     packed = [layer for layer in layers if layer.kernel is not None]
     if not packed or len({layer.packed.dtype for layer in packed}) != 1:
         return 0
@@ -92,6 +95,7 @@ def place_on_huge_pages(layers: list) -> int:
         size = layer.packed.numel()
         layer.packed = buffer[offset:offset + size].view(layer.packed.shape).copy_(layer.packed)
         offset += size
+    release_freed_memory()
     return buffer.numel() * buffer.element_size()
 
 
