@@ -22,7 +22,6 @@ import torch
 from services.engine.kv_cache import PagedKVCache
 
 
-
 class KVTier:
     def __init__(self, cache: PagedKVCache, num_slots: int, path: str | None = None):
         if num_slots <= 0:

@@ -31,7 +31,6 @@ _COMPILE_FLAGS = ["-O3", "-fPIC", "-fopenmp"]
 LANES, TILE = 16, 32          # outputs per vector; outputs per tile (the packed N's multiple)
 
 
-
 class LinearKernel:
     """The compiled kernel; calls release the GIL (ctypes) and run on torch's thread count."""
 
