@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 import torch
@@ -28,15 +29,23 @@ _TRIM_THRESHOLD = 1 << 30
 _done = False
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library (errno kept for madvise), None where it cannot be opened."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Apply the thresholds once per process; False where the C library is not glibc."""
     global _done
     if _done:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+        mallopt = _libc().mallopt
+    except AttributeError:                # no C library, or not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mallopt returns 1 on success, 0 on refusal (e.g. a value out of range).
@@ -52,9 +61,8 @@ def release_freed_memory() -> bool:
     while packing it) would otherwise stay in the process's resident size for good. False where
     the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
+        return bool(_libc().malloc_trim(0))
+    except AttributeError:                # no C library, or not glibc
         return False
 
 
@@ -72,11 +80,8 @@ def huge_page_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(numel + pad, dtype=dtype)
     offset = (-raw.data_ptr() % HUGE_PAGE) // dtype.itemsize
     buffer = raw[offset:offset + numel]
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        length = numel * dtype.itemsize // HUGE_PAGE * HUGE_PAGE
-        if length and libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE):
-            log.info("madvise(MADV_HUGEPAGE) refused (errno %d): weights on ordinary pages", ctypes.get_errno())
-    except (OSError, AttributeError):
-        pass
+    length = numel * dtype.itemsize // HUGE_PAGE * HUGE_PAGE
+    madvise = getattr(_libc(), "madvise", None)
+    if length and madvise and madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE):
+        log.info("madvise(MADV_HUGEPAGE) refused (errno %d): weights on ordinary pages", ctypes.get_errno())
     return buffer

@@ -65,12 +65,14 @@ class Linear:
         self.weight = weight
         self.packed = None
         self.kernel: LinearKernel | None = None
-        kernel = load_linear_kernel() if prepack and weight.device.type == "cpu" else None
+        if not (prepack and weight.device.type == "cpu"):
+            return
+        kernel = load_linear_kernel()
         if kernel is not None and kernel.supports(weight):
             self.kernel, self.packed = kernel, kernel.pack(weight)
             self._kernel_bias = None if bias is None else bias.float().contiguous()
             self.weight = None
-        elif prepack and weight.device.type == "cpu" and _onednn_available() and _packs(weight.dtype):
+        elif _onednn_available() and _packs(weight.dtype):
             self.packed = self._pack(weight, bias)
 
     @property

@@ -82,8 +82,8 @@ def place_on_huge_pages(layers: list) -> int:
     """Move the packed weights of the kernel's `layers` (Linear) into one buffer on 2 MiB pages
     (host_memory.huge_page_buffer), in order, so a decode step reads them as one stream; returns
     the bytes moved. The separate allocations each weight got at packing are freed and handed
-    back to the kernel: measured on SmolLM2-135M, the loaded engine's resident size is then 721
-    MB in bf16 and 1,594 MB in fp32 (oneDNN's layers: 754 and 1,642; loading peaks 300-350 MB
+    back to the kernel: measured on SmolLM2-135M, the loaded engine's resident size is then 726
+    MB in bf16 and 1,601 MB in fp32 (oneDNN's layers: 754 and 1,642; loading peaks 300-350 MB
     higher, while both copies exist)."""
     packed = [layer for layer in layers if layer.kernel is not None]
     if not packed or len({layer.packed.dtype for layer in packed}) != 1:
