@@ -15,6 +15,7 @@ from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import MAX_TOP_LOGPROBS
+from services.router.json_fields import json_kind, text_field
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
@@ -83,7 +84,7 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
         else:
             raise invalid(f"unknown field {name!r} for {'chat completions' if kind == CHAT else 'completions'}",
                           name)
-    request = OpenAIRequest(kind, _text(_required(body, "model"), "model", allow_empty=False),
+    request = OpenAIRequest(kind, text_field(_required(body, "model"), "model", allow_empty=False),
                             router_pb2.GenerateRequest())
     request.body.model = request.model
     if kind == CHAT:
@@ -111,22 +112,12 @@ def _json_object(raw: bytes) -> dict:
     except ValueError as exc:      # JSON syntax, invalid UTF-8, numbers with too many digits
         raise invalid(f"the request body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {_kind(body)}", "body")
+        raise invalid(f"the request body must be a JSON object, got {json_kind(body)}", "body")
     return body
 
 
 def _show(values: tuple) -> str:
     return " or ".join(json.dumps(v) for v in values)
-
-
-def _kind(value) -> str:
-    """A value's JSON type, for messages."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return {str: "string", int: "number", float: "number", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__)
 
 
 def _required(body: dict, name: str, field: str | None = None):
@@ -135,22 +126,9 @@ def _required(body: dict, name: str, field: str | None = None):
     return body[name]
 
 
-def _text(value, field: str, allow_empty: bool = True) -> str:
-    if not isinstance(value, str):
-        raise invalid(f"{field} must be a string, got {_kind(value)}", field)
-    if not allow_empty and not value:
-        raise invalid(f"{field} must not be empty", field)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:   # a lone surrogate from a \ud800-style escape
-        raise invalid(f"{field} is not valid Unicode (a lone surrogate at offset {exc.start})",
-                      field) from None
-    return value
-
-
 def _int(value, field: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{field} must be an integer, got {_kind(value)}", field)
+        raise invalid(f"{field} must be an integer, got {json_kind(value)}", field)
     if not low <= value <= high:
         raise invalid(f"{field} must be in {low}..{high}, got {value}", field)
     return value
@@ -158,7 +136,7 @@ def _int(value, field: str, low: int, high: int) -> int:
 
 def _number(value, field: str, low: float, high: float, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"{field} must be a finite number, got {value if isinstance(value, float) else _kind(value)}",
+        raise invalid(f"{field} must be a finite number, got {value if isinstance(value, float) else json_kind(value)}",
                       field)
     if value > high or value < low or (low_open and value == low):
         raise invalid(f"{field} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}",
@@ -168,7 +146,7 @@ def _number(value, field: str, low: float, high: float, low_open: bool = False) 
 
 def _bool(value, field: str) -> bool:
     if not isinstance(value, bool):
-        raise invalid(f"{field} must be true or false, got {_kind(value)}", field)
+        raise invalid(f"{field} must be true or false, got {json_kind(value)}", field)
     return value
 
 
@@ -180,7 +158,7 @@ def _messages(value) -> list[common_pb2.ChatMessage]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object with role and content", where)
-        role = _text(message.get("role"), f"{where}.role")
+        role = text_field(message.get("role"), f"{where}.role")
         if role not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         allowed = {"role", "content", *MESSAGE_EXTRAS.get(role, ())}
@@ -195,7 +173,7 @@ def _messages(value) -> list[common_pb2.ChatMessage]:
         if message.get("tool_calls") is not None:
             turn.tool_calls = tool_calls_text(message["tool_calls"], f"{where}.tool_calls")
         if role == "tool":
-            turn.tool_call_id = _text(_required(message, "tool_call_id", f"{where}.tool_call_id"),
+            turn.tool_call_id = text_field(_required(message, "tool_call_id", f"{where}.tool_call_id"),
                                       f"{where}.tool_call_id")
         out.append(turn)
     if not any(m.content or m.tool_calls for m in out):
@@ -206,14 +184,14 @@ def _messages(value) -> list[common_pb2.ChatMessage]:
 def _content(value, field: str) -> str:
     """A string, or a list of text parts (OpenAI's content-part form) joined together."""
     if isinstance(value, str) or not isinstance(value, list):
-        return _text(value, field)
+        return text_field(value, field)
     texts = []
     for j, part in enumerate(value):
         where = f"{field}[{j}]"
         if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
             raise invalid(f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}; "
                           "only text is supported", where)
-        texts.append(_text(part["text"], f"{where}.text"))
+        texts.append(text_field(part["text"], f"{where}.text"))
     return "".join(texts)
 
 
@@ -224,7 +202,7 @@ def _prompt(value) -> str:
         else:
             raise invalid("prompt must be a string (or a list of exactly one string); batches and "
                           "token ids are not supported", "prompt")
-    return _text(value, "prompt", allow_empty=False)
+    return text_field(value, "prompt", allow_empty=False)
 
 
 def _sampling(body: dict, request: OpenAIRequest) -> None:
@@ -253,7 +231,7 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
             raise invalid(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
         for i, v in enumerate(stops):
             field = f"stop[{i}]" if isinstance(stop, list) else "stop"
-            if len(_text(v, field, allow_empty=False)) > MAX_STOP_CHARS:
+            if len(text_field(v, field, allow_empty=False)) > MAX_STOP_CHARS:
                 raise invalid(f"{field} is {len(v)} characters long, at most {MAX_STOP_CHARS} are allowed", field)
             s.stop.append(v)
     ids = body.get("stop_token_ids")
@@ -303,19 +281,19 @@ def _options(body: dict, request: OpenAIRequest) -> None:
             request.include_usage = _bool(options["include_usage"], "stream_options.include_usage")
     _class(body, request)
     if body.get("user") is not None:
-        request.user = _text(body["user"], "user")
+        request.user = text_field(body["user"], "user")
     if body.get("context_mode") is not None:
-        request.context_mode = _text(body["context_mode"], "context_mode").strip().lower()
+        request.context_mode = text_field(body["context_mode"], "context_mode").strip().lower()
         try:
             parse_context_mode(request.context_mode, "context_mode")
         except ValueError as exc:
             raise invalid(str(exc), "context_mode") from None
     for hint in HINTS:
         if body.get(hint) is not None:
-            _text(body[hint], hint)
+            text_field(body[hint], hint)
     # vLLM's cache_salt and OpenAI's prompt_cache_key each narrow who shares cached KV with the
     # request (inside its tenant, by default): both given, both must match.
-    salts = [check_cache_salt(_text(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
+    salts = [check_cache_salt(text_field(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
              if body.get(name) is not None]
     request.body.cache_salt = "\x1f".join(salts)
 
@@ -332,7 +310,7 @@ def _class(body: dict, request: OpenAIRequest) -> None:
     asked = []
     tier = body.get("service_tier")
     if tier is not None:
-        if _text(tier, "service_tier") not in TIERS:
+        if text_field(tier, "service_tier") not in TIERS:
             raise invalid(f"service_tier must be one of {', '.join(TIERS)}, got {tier!r}", "service_tier")
         asked.append(("service_tier", TIERS[tier]))
     if body.get("priority") is not None:

@@ -16,12 +16,11 @@ cannot be compiled is a 400 naming its part (`tools[1].function.parameters.prope
 from __future__ import annotations
 
 import json
-import re
 
 from services.common.errors import invalid
 from services.common.grammar import ANY_OBJECT, check_schema
+from services.router.json_fields import name_field, text_field
 
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CALL_FIELDS = {"id", "type", "function"}
 
 
@@ -70,13 +69,11 @@ def _functions(tools) -> dict[str, tuple[int, str, str]]:
         where += ".function"
         if not isinstance(spec, dict) or set(spec) - {"name", "description", "parameters", "strict"}:
             raise invalid(f"{where} must be an object of name, description, parameters and strict", where)
-        name = spec.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise invalid(f"{where}.name must be 1-64 letters, digits, underscores or dashes", f"{where}.name")
+        name = name_field(spec.get("name"), f"{where}.name")
         if name in functions:
             raise invalid(f"{where}.name: two functions are called {name!r}", f"{where}.name")
         if spec.get("description") is not None:
-            _string(spec["description"], f"{where}.description")
+            text_field(spec["description"], f"{where}.description")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
             raise invalid(f"{where}.strict must be true or false", f"{where}.strict")
         if spec.get("parameters") is not None and (not isinstance(spec["parameters"], dict) or
@@ -127,20 +124,11 @@ def tool_calls_text(value, where: str) -> str:
             raise invalid(f'{at} must be {{"id": ..., "type": "function", "function": {{"name", "arguments"}}}}', at)
         if set(function) != {"name", "arguments"}:
             raise invalid(f"{at}.function must have a name and arguments (a JSON string)", f"{at}.function")
-        _string(function["name"], f"{at}.function.name")
-        _string(function["arguments"], f"{at}.function.arguments")
+        text_field(function["name"], f"{at}.function.name")
+        text_field(function["arguments"], f"{at}.function.arguments")
         if call.get("id") is not None:
-            _string(call["id"], f"{at}.id")
+            text_field(call["id"], f"{at}.id")
         calls.append({"id": call.get("id") or f"call_{j}", "type": "function",
                       "function": {"name": function["name"], "arguments": function["arguments"]}})
     return json.dumps(calls)
 
-
-def _string(value, field: str) -> str:
-    if not isinstance(value, str):
-        raise invalid(f"{field} must be a string", field)
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:   # a lone surrogate from a \ud800-style escape
-        raise invalid(f"{field} is not valid Unicode (a lone surrogate at offset {exc.start})", field) from None
-    return value

@@ -12,13 +12,11 @@ matches its schema (or ends early at max_tokens, finish_reason "length").
 """
 from __future__ import annotations
 
-import re
-
 from services.common.errors import invalid
 from services.common.grammar import ANY_OBJECT, check_schema
+from services.router.json_fields import name_field
 
 FIELD = "response_format"
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 SCHEMA_KEYS = {"name", "description", "schema", "strict"}
 
 
@@ -45,9 +43,7 @@ def json_schema_of(value) -> str:
     if extra:
         raise invalid(f"{where}.{extra[0]} is not supported ({where} takes {', '.join(sorted(SCHEMA_KEYS))})",
                       f"{where}.{extra[0]}")
-    name = spec.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise invalid(f"{where}.name must be 1-64 letters, digits, underscores or dashes", f"{where}.name")
+    name_field(spec.get("name"), f"{where}.name")
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise invalid(f"{where}.description must be a string", f"{where}.description")   # not sent on
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
