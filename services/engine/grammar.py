@@ -73,7 +73,6 @@ class Grammars:
             log.error("grammar matcher failed (%d tokens generated): %s", len(generated), matcher.get_error())
         return matcher
 
-
     def start_masks(self, sampled: list[SequenceWork]) -> StepMasks | None:
         """Begin computing the masks of the sampled entries that have a grammar (None: none has)."""
         rows = [i for i, work in enumerate(sampled) if work.constraint is not None]
