@@ -18,6 +18,8 @@ bench/results/engine_paired_bf16_norm_b1.json):
                  allocation), in the dtype given (default bf16)
   bf16-kernel    bf16 decodes attended by the paged C kernel (off: gather + SDPA; tried
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
+  fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
+                 off: torch's operations around the same kernels), in the dtype given (default bf16)
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -79,7 +81,12 @@ def huge_pages(base: Engine) -> tuple[Engine, Engine]:
         return base, with_config(base)
 
 
-CHANGES = {"huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
+def fused_layer(base: Engine) -> tuple[Engine, Engine]:
+    with mock.patch("services.engine.model.fused_decode_layers", lambda decoder: None):
+        return base, with_config(base)
+
+
+CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
            "bf16-kernel": ("bfloat16", bf16_kernel)}
 
 

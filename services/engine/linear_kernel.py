@@ -44,6 +44,10 @@ class LinearKernel:
         lib.linear_has_bf16.restype = ctypes.c_int
         self.dtypes = {torch.float32} | ({torch.bfloat16} if lib.linear_has_bf16() else set())
 
+    def address(self, dtype: torch.dtype) -> int:
+        """The C entry point for `dtype`, for a kernel that calls it (kernels/decode_layer.c)."""
+        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
+
     def supports(self, weight: torch.Tensor) -> bool:
         return (weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in self.dtypes
                 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0))

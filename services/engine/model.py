@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.config import ModelConfig, UnsupportedModelError
+from services.engine.decode_layer import fused_decode_layers
 from services.engine.kv_cache import PagedKVCache
 from services.engine.linear import Linear
 from services.engine.linear_kernel import place_on_huge_pages
@@ -175,6 +176,8 @@ class LlamaDecoder:
         # q and k are adjacent in the fused projection: rotated together, in one call.
         self._qk_width = (c.num_heads + c.num_kv_heads) * c.head_dim
         self._fused_norm = dtype == torch.float32
+        # Decode-only steps' layers in one C call each, where the kernels allow (decode_layer.py).
+        self.fused_layers = fused_decode_layers(self)
 
     def _read_layer(self, reader: _WeightReader, i: int) -> DecoderLayerWeights:
         p = f"model.layers.{i}."
@@ -217,6 +220,9 @@ class LlamaDecoder:
         sink_rotations = [None if g.sink_positions is None else self.rotary.lookup(g.sink_positions)
                           for g in layout.cached]
         x = self.embed[token_ids]
+        if self.fused_layers is not None and self.fused_layers.applies(layout, lora, num_tokens):
+            x = self.fused_layers.run(x, cos, sin, layout, cache, (index for index, _ in self._layers(pause)))
+            return self._norm(x, self.final_norm)
         for index, layer in self._layers(pause):
             h = self._norm(x, layer.input_norm)
             qkv = layer.qkv(h)

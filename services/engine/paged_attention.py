@@ -56,6 +56,11 @@ class DecodeKernel:
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
             self._fns[dtype] = fn
 
+    def address(self, cache_dtype: torch.dtype) -> int:
+        """The C entry point for a cache of `cache_dtype`, for a kernel that calls it
+        (kernels/decode_layer.c)."""
+        return ctypes.cast(self._fns[cache_dtype], ctypes.c_void_p).value
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                  scale: float) -> torch.Tensor:
