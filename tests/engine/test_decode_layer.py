@@ -1,0 +1,98 @@
+"""The fused decode layer (services/engine/decode_layer.py): taken for decode-only steps and only
+those, it computes what the torch path computes (bf16: the same rounding points; fp32: within the
+last bits of a norm's sum), a row's result does not depend on its batch, it pauses between layers
+as the torch path does, and it stands aside where its kernels are missing."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.common.step import SequenceWork, StepBatch
+from tests.engine.conftest import require_decode_kernel_compiler
+from tests.tiny_models import make_engine
+
+VOCAB = 512
+
+
+def fused_engine(model_dir, dtype: str):
+    require_decode_kernel_compiler("kernel")
+    engine = make_engine(model_dir, dtype=dtype)
+    kernel = engine.model.layers[0].qkv.kernel
+    if kernel is None or engine.dtype not in kernel.dtypes:
+        pytest.skip(f"the linear kernel has no {dtype} on this CPU (bf16 needs avx512_bf16)")
+    assert engine.model.fused_layers is not None
+    return engine
+
+
+def prefilled(engine, count: int = 5, seed: int = 0) -> StepBatch:
+    """`count` sequences of different lengths prefilled; returns the step decoding one token each."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(9 + 13 * i)] for i in range(count)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(count)]
+    engine.compute_logits(StepBatch([SequenceWork(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]))
+    return StepBatch([SequenceWork(i, [rng.randrange(3, VOCAB)], len(p), t)
+                      for i, (p, t) in enumerate(zip(prompts, tables))])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_compute_what_the_torch_path_computes(tiny_model_dir, dtype):
+    engine = fused_engine(tiny_model_dir, dtype)
+    decodes = prefilled(engine)
+    fused = engine.compute_logits(decodes)
+    fused_keys = [k.clone() for k in engine.cache.keys]
+    fused_values = [v.clone() for v in engine.cache.values]
+    engine.model.fused_layers = None                  # the same step again, through torch's operations
+    plain = engine.compute_logits(decodes)
+    # bf16: each elementwise result is rounded where torch rounds it; fp32: the norms' sums of
+    # squares run in another order (last bits), which the layers carry on.
+    tolerance = 1e-5 if dtype == "float32" else 2 ** -7
+    for seq in fused:
+        scale = plain[seq].float().abs().max().item()
+        assert (fused[seq].float() - plain[seq].float()).abs().max().item() <= tolerance * scale
+    for got, want in zip(fused_keys + fused_values, engine.cache.keys + engine.cache.values):
+        assert (got.float() - want.float()).abs().max().item() <= tolerance * want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir, dtype):
+    engine = fused_engine(tiny_model_dir, dtype)
+    decodes = prefilled(engine)
+    batched = engine.compute_logits(decodes)
+    for seq in (decodes.sequences[0], decodes.sequences[3]):
+        alone = engine.compute_logits(StepBatch([seq]))      # rewrites its own slot with the same K/V
+        assert torch.equal(alone[seq.seq_id], batched[seq.seq_id])
+
+
+def test_only_decode_only_steps_without_adapters_take_it(tiny_model_dir):
+    engine = fused_engine(tiny_model_dir, "float32")
+    decodes = prefilled(engine)
+    taken = []
+    run = engine.model.fused_layers.run
+    engine.model.fused_layers.run = lambda *args: taken.append(True) or run(*args)
+    engine.compute_logits(decodes)
+    assert taken == [True]
+    mixed = StepBatch([*decodes.sequences[:2], SequenceWork(9, list(range(3, 30)), 0, list(range(40, 44)))])
+    engine.compute_logits(mixed)                      # a prompt in the step: torch's operations
+    assert taken == [True]
+    _, _, layout = engine._prepare(decodes)
+    assert not engine.model.fused_layers.applies(layout, object(), len(decodes.sequences))   # an adapter
+
+
+def test_it_pauses_between_layers(tiny_model_dir):
+    engine = fused_engine(tiny_model_dir, "float32")
+    decodes = prefilled(engine)
+    fused, plain = [], []
+    engine.compute_logits(decodes)
+    engine.model.forward(*engine._prepare(decodes)[1:], engine.cache, pause=lambda: fused.append(1))
+    engine.model.fused_layers = None
+    engine.model.forward(*engine._prepare(decodes)[1:], engine.cache, pause=lambda: plain.append(1))
+    assert len(fused) == len(plain) == len(engine.model.layers) - 1
+
+
+def test_missing_kernels_leave_the_torch_path(tiny_model_dir, monkeypatch):
+    require_decode_kernel_compiler("kernel")
+    assert make_engine(tiny_model_dir, decode_attention="torch").model.fused_layers is None
+    monkeypatch.setattr("services.engine.linear.load_linear_kernel", lambda: None)
+    assert make_engine(tiny_model_dir).model.fused_layers is None          # oneDNN's linear layers
