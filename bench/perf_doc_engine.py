@@ -63,6 +63,12 @@ PAIRED_RUNS = (
     ("engine_paired_huge_pages_bf16_b1_10_pairs.json", "", ""),
     ("engine_paired_bf16_norm_b1.json", "bf16 RMSNorm through the fused fp32 kernel, one cast "
                                         "(off: eight ops)", "not kept"),
+    ("engine_paired_fused_layer_bf16_b1.json", "decode-only steps' layers in one C call each "
+                                               "(off: torch's operations around the same kernels)", "kept"),
+    ("engine_paired_fused_layer_bf16_b8.json", "", ""),
+    ("engine_paired_fused_layer_bf16_b32.json", "", ""),
+    ("engine_paired_fused_layer_f32_b1.json", "", ""),
+    ("engine_paired_fused_layer_f32_b32.json", "", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}

@@ -26,11 +26,12 @@ app)
     pip_install -c requirements.txt ".${2:+[$2]}"
     # Converted at build time: containers never download or convert anything.
     python -m services.engine.default_model
-    # The CPU kernels (decode attention, linear layers), compiled now where the image has a C
-    # compiler (the CPU image does); without one, CPU workers use torch's gather + SDPA and
-    # oneDNN, and say so in their log.
+    # The CPU kernels (decode attention, linear layers, the fused decode layer), compiled now
+    # where the image has a C compiler (the CPU image does); without one, CPU workers use torch's
+    # gather + SDPA, oneDNN and torch's operations, and say so in their log.
     if command -v cc >/dev/null 2>&1; then
-        python -m services.engine.paged_attention && python -m services.engine.linear_kernel
+        python -m services.engine.paged_attention && python -m services.engine.linear_kernel \
+            && python -m services.engine.decode_layer
     fi
     useradd --create-home --uid 10001 --user-group qos
     # Where compose mounts the routers' store volume: a new named volume takes this folder's owner.
