@@ -84,8 +84,8 @@ class FusedDecodeLayers:
                        for layer in decoder.layers]      # kept alive: the structures point into them
         self._layers = [_Layer(_pointer(inp), _pointer(post), layer.qkv.packed.data_ptr(),
                                layer.out.packed.data_ptr(), layer.gate_up.packed.data_ptr(),
-                               layer.down.packed.data_ptr(), _pointer(layer.qkv._kernel_bias),
-                               _pointer(layer.out._kernel_bias))
+                               layer.down.packed.data_ptr(), _pointer(layer.qkv.kernel_bias),
+                               _pointer(layer.out.kernel_bias))
                         for layer, (inp, post) in zip(decoder.layers, self._norms)]
 
     @staticmethod

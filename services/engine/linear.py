@@ -70,7 +70,7 @@ class Linear:
         kernel = load_linear_kernel()
         if kernel is not None and kernel.supports(weight):
             self.kernel, self.packed = kernel, kernel.pack(weight)
-            self._kernel_bias = None if bias is None else bias.float().contiguous()
+            self.kernel_bias = None if bias is None else bias.float().contiguous()   # added to the fp32 sums
             self.weight = None
         elif _onednn_available() and _packs(weight.dtype):
             self.packed = self._pack(weight, bias)
@@ -97,7 +97,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x, self.packed, self._kernel_bias, self.out_features)
+            return self.kernel(x, self.packed, self.kernel_bias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
