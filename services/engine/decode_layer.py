@@ -13,7 +13,7 @@ avx512_bf16): other steps keep the torch path. Its results follow the torch path
 (the C file says where its last bits may differ), row by row, whatever the batch.
 
     layers = fused_decode_layers(decoder)           # None where it does not apply
-    if layers is not None and layers.applies(layout, lora):
+    if layers is not None and layers.applies(layout, lora, num_tokens):
         x = layers.run(x, cos, sin, layout, cache, indices)
 """
 from __future__ import annotations
