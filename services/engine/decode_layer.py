@@ -57,9 +57,14 @@ class DecodeLayerKernel:
 
     def __init__(self, library: Path):
         self.path = library
-        self.decode_layer = ctypes.CDLL(str(library)).decode_layer
+        lib = ctypes.CDLL(str(library))
+        self.decode_layer = lib.decode_layer
         self.decode_layer.restype = ctypes.c_int
         self.decode_layer.argtypes = [c_void_p] * 5
+        self.rms_norm_rows = lib.rms_norm_rows
+        self.rms_norm_rows.argtypes = [c_void_p] * 3 + [c_int64] * 2 + [c_float, ctypes.c_int, ctypes.c_int]
+        self.silu_mul_rows = lib.silu_mul_rows
+        self.silu_mul_rows.argtypes = [c_void_p] * 2 + [c_int64] * 2 + [ctypes.c_int, ctypes.c_int]
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -71,8 +76,8 @@ class FusedDecodeLayers:
 
     def __init__(self, kernel: DecodeLayerKernel, decoder, linear_address: int, attention_address: int):
         c = decoder.config
-        self._call = kernel.decode_layer
-        self._dtype = decoder.dtype
+        self._kernel, self._call = kernel, kernel.decode_layer
+        self._dtype, self._eps = decoder.dtype, c.rms_norm_eps
         self._widths = {"h": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                         "q": c.num_heads * c.head_dim, "attended32": c.num_heads * c.head_dim,
                         "attended": c.num_heads * c.head_dim, "gate_up": 2 * c.intermediate_size,
@@ -87,6 +92,23 @@ class FusedDecodeLayers:
                                layer.down.packed.data_ptr(), _pointer(layer.qkv.kernel_bias),
                                _pointer(layer.out.kernel_bias))
                         for layer, (inp, post) in zip(decoder.layers, self._norms)]
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) * weight for rows x [T, hidden], as the layer computes it (for the steps that
+        keep torch's operations: a row then gets the same bits in every kind of step)."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._kernel.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                   self._eps, torch.get_num_threads(), int(self._dtype == torch.bfloat16))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows [T, 2 n] of [gate | up], as the layer computes it."""
+        gate_up = gate_up.contiguous()
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
+        self._kernel.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                                   torch.get_num_threads(), int(self._dtype == torch.bfloat16))
+        return out
 
     @staticmethod
     def applies(layout, lora, num_tokens: int) -> bool:

@@ -196,6 +196,8 @@ class LlamaDecoder:
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_layers is not None:
+            return self.fused_layers.norm(x, weight)      # as decode-only steps compute it
         if self._fused_norm:
             # One kernel instead of six; in fp32 it gives the reference's bits (tests check logits).
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
@@ -236,15 +238,19 @@ class LlamaDecoder:
                                        qkv[:, :c.num_heads * c.head_dim], sink_rotations)
             if lora is None:
                 x = x + layer.out(attended)
-                gate, up = layer.gate_up(self._norm(x, layer.post_attention_norm)).chunk(2, dim=-1)
-                x = x + layer.down(F.silu(gate).mul_(up))
+                x = x + layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.post_attention_norm))))
                 continue
             x = x + lora.apply(index, "out", attended, layer.out(attended))
             h = self._norm(x, layer.post_attention_norm)
-            gate, up = lora.apply(index, "gate_up", h, layer.gate_up(h)).chunk(2, dim=-1)
-            mixed = F.silu(gate).mul_(up)
+            mixed = self._silu_mul(lora.apply(index, "gate_up", h, layer.gate_up(h)))
             x = x + lora.apply(index, "down", mixed, layer.down(mixed))
         return self._norm(x, self.final_norm)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_layers is not None:
+            return self.fused_layers.silu_mul(gate_up)   # as decode-only steps compute it
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
 
     def _layers(self, pause: Callable[[], None] | None):
         """The layers with their index, calling `pause` before each but the first."""

@@ -1,7 +1,8 @@
 """The fused decode layer (services/engine/decode_layer.py): taken for decode-only steps and only
-those, it computes what the torch path computes (bf16: the same rounding points; fp32: within the
-last bits of a norm's sum), a row's result does not depend on its batch, it pauses between layers
-as the torch path does, and it stands aside where its kernels are missing."""
+those, it computes what torch's operations compute (bf16: the same rounding points; fp32: within
+the last bits of a norm's sum), a row's result depends neither on its batch nor on whether a
+prompt shared its step, it pauses between layers as the torch path does, and it stands aside
+where its kernels are missing."""
 from __future__ import annotations
 
 import random
@@ -63,6 +64,19 @@ def test_a_rows_result_does_not_depend_on_its_batch(tiny_model_dir, dtype):
     for seq in (decodes.sequences[0], decodes.sequences[3]):
         alone = engine.compute_logits(StepBatch([seq]))      # rewrites its own slot with the same K/V
         assert torch.equal(alone[seq.seq_id], batched[seq.seq_id])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_gets_the_same_bits_with_a_prompt_in_its_step(tiny_model_dir, dtype):
+    """Steps with a prompt keep torch's operations but the layer's norm and SiLU, so a decode's
+    logits do not depend on what kind of step it ran in."""
+    engine = fused_engine(tiny_model_dir, dtype)
+    decodes = prefilled(engine)
+    alone = engine.compute_logits(decodes)                               # the fused layer
+    prompt = SequenceWork(9, list(range(3, 40)), 0, list(range(40, 44)))
+    mixed = engine.compute_logits(StepBatch([*decodes.sequences, prompt]))   # torch's operations
+    for seq in decodes.sequences:
+        assert torch.equal(mixed[seq.seq_id], alone[seq.seq_id])
 
 
 def test_only_decode_only_steps_without_adapters_take_it(tiny_model_dir):
