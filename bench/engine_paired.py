@@ -76,8 +76,16 @@ def bf16_kernel(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, decode_attention="torch")
 
 
+def pack_separately(layers: list) -> int:
+    """The "off" side of huge-pages: each layer packed into an allocation of its own."""
+    for layer in layers:
+        if layer.kernel is not None:
+            layer.pack_into(None)
+    return 0
+
+
 def huge_pages(base: Engine) -> tuple[Engine, Engine]:
-    with mock.patch("services.engine.model.place_on_huge_pages", lambda layers: 0):
+    with mock.patch("services.engine.model.place_on_huge_pages", pack_separately):
         return base, with_config(base)
 
 

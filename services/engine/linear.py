@@ -59,7 +59,10 @@ def _packs(dtype: torch.dtype) -> bool:
 class Linear:
     """y = x @ weight.T + bias for 2-D x."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True,
+                 pack_later: bool = False):
+        """`pack_later`: where the C kernel takes the weight, leave the packing to pack_into (the
+        model packs all its layers into one buffer: linear_kernel.place_on_huge_pages)."""
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight = weight
@@ -69,11 +72,21 @@ class Linear:
             return
         kernel = load_linear_kernel()
         if kernel is not None and kernel.supports(weight):
-            self.kernel, self.packed = kernel, kernel.pack(weight)
+            self.kernel, self.kernel_dtype = kernel, weight.dtype
             self.kernel_bias = None if bias is None else bias.float().contiguous()   # added to the fp32 sums
-            self.weight = None
+            if not pack_later:
+                self.pack_into(None)
         elif _onednn_available() and _packs(weight.dtype):
             self.packed = self._pack(weight, bias)
+
+    def pack_into(self, out: torch.Tensor | None) -> None:
+        """Pack the weight for the kernel into `out` (a flat buffer of its packed size), or into an
+        allocation of its own (None); a layer packed already moves its packed copy there."""
+        if self.packed is None:
+            self.packed = self.kernel.pack(self.weight, out)
+            self.weight = None      # the packed copy replaces it (unless shared: the tied head)
+        elif out is not None:
+            self.packed = out.view(self.packed.shape).copy_(self.packed)
 
     @property
     def backend(self) -> str:

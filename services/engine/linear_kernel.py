@@ -53,15 +53,25 @@ class LinearKernel:
                 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0))
 
     @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
+    def packed_numel(weight: torch.Tensor) -> int:
+        """Elements of the packed copy of `weight` [N, K] (N padded to a multiple of 32)."""
+        return -(-weight.shape[0] // TILE) * TILE * weight.shape[1]
+
+    @staticmethod
+    def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] -> blocks of 16 output rows interleaved along K (fp32: [N/16, K, 16]; bf16:
-        [N/16, K/2, 16, 2]), N zero-padded to a multiple of 32."""
+        [N/16, K/2, 16, 2]), N zero-padded to a multiple of 32; written into `out` (a flat
+        buffer of packed_numel elements) when given."""
         n, k = weight.shape
-        padded = torch.zeros(-(-n // TILE) * TILE, k, dtype=weight.dtype)
-        padded[:n] = weight
+        padded = weight.contiguous()
+        if n % TILE:
+            padded = torch.zeros(-(-n // TILE) * TILE, k, dtype=weight.dtype)
+            padded[:n] = weight
         if weight.dtype == torch.bfloat16:
-            return padded.view(-1, LANES, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        return padded.view(-1, LANES, k).permute(0, 2, 1).contiguous()
+            blocks = padded.view(-1, LANES, k // 2, 2).permute(0, 2, 1, 3)
+        else:
+            blocks = padded.view(-1, LANES, k).permute(0, 2, 1)
+        return blocks.contiguous() if out is None else out.view(blocks.shape).copy_(blocks)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                  out_features: int) -> torch.Tensor:
@@ -83,20 +93,23 @@ class LinearKernel:
 
 
 def place_on_huge_pages(layers: list) -> int:
-    """Move the packed weights of the kernel's `layers` (Linear) into one buffer on 2 MiB pages
+    """Pack the kernel's `layers` (Linear) into one buffer on 2 MiB pages
     (host_memory.huge_page_buffer), in order, so a decode step reads them as one stream; returns
-    the bytes moved. The separate allocations each weight got at packing are freed and handed
-    back to the kernel: measured on SmolLM2-135M, the loaded engine's resident size is then 726
-    MB in bf16 and 1,601 MB in fp32 (oneDNN's layers: 754 and 1,642; loading peaks 300-350 MB
-    higher, while both copies exist)."""
-    packed = [layer for layer in layers if layer.kernel is not None]
-    if not packed or len({layer.packed.dtype for layer in packed}) != 1:
+    the buffer's bytes. A layer built with pack_later is packed straight into its place (the
+    model's do that: no second copy of the weights exists while loading); one packed already is
+    moved there, and its own allocation freed and handed back to the kernel."""
+    kernel_layers = [layer for layer in layers if layer.kernel is not None]
+    dtypes = {layer.kernel_dtype for layer in kernel_layers}
+    if len(dtypes) != 1:
+        for layer in kernel_layers:
+            layer.pack_into(None)
         return 0
-    buffer = huge_page_buffer(sum(layer.packed.numel() for layer in packed), packed[0].packed.dtype)
+    sizes = [LinearKernel.packed_numel(layer.weight) if layer.packed is None else layer.packed.numel()
+             for layer in kernel_layers]
+    buffer = huge_page_buffer(sum(sizes), dtypes.pop())
     offset = 0
-    for layer in packed:
-        size = layer.packed.numel()
-        layer.packed = buffer[offset:offset + size].view(layer.packed.shape).copy_(layer.packed)
+    for layer, size in zip(kernel_layers, sizes):
+        layer.pack_into(buffer[offset:offset + size])
         offset += size
     release_freed_memory()
     return buffer.numel() * buffer.element_size()

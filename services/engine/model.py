@@ -166,7 +166,7 @@ class LlamaDecoder:
         rows = config.vocab_size
         if device.type == "cpu":
             rows = max(1, LOGITS_PIECE_BYTES // (config.hidden_size * lm_head.element_size()))
-        self.lm_head = [Linear(lm_head[start:start + rows], prepack=self.prepack)
+        self.lm_head = [Linear(lm_head[start:start + rows], prepack=self.prepack, pack_later=True)
                         for start in range(0, config.vocab_size, rows)]
         reader.check_consumed()
         place_on_huge_pages([linear for layer in self.layers for linear in
@@ -186,13 +186,14 @@ class LlamaDecoder:
             input_norm=reader.take(p + "input_layernorm.weight"),
             qkv=Linear(torch.cat([reader.take(attn + f"{n}_proj.weight") for n in "qkv"]),
                        _fuse_optional([reader.take_optional(attn + f"{n}_proj.bias") for n in "qkv"]),
-                       prepack=self.prepack),
+                       prepack=self.prepack, pack_later=True),
             out=Linear(reader.take(attn + "o_proj.weight"), reader.take_optional(attn + "o_proj.bias"),
-                       prepack=self.prepack),
+                       prepack=self.prepack, pack_later=True),
             post_attention_norm=reader.take(p + "post_attention_layernorm.weight"),
             gate_up=Linear(torch.cat([reader.take(p + "mlp.gate_proj.weight"),
-                                      reader.take(p + "mlp.up_proj.weight")]), prepack=self.prepack),
-            down=Linear(reader.take(p + "mlp.down_proj.weight"), prepack=self.prepack),
+                                      reader.take(p + "mlp.up_proj.weight")]),
+                           prepack=self.prepack, pack_later=True),
+            down=Linear(reader.take(p + "mlp.down_proj.weight"), prepack=self.prepack, pack_later=True),
         )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

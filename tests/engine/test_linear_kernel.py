@@ -118,3 +118,19 @@ def test_hosts_without_avx512_build_the_fp32_kernel(kernel, monkeypatch, tmp_pat
     assert (got.double() - exact).abs().max().item() <= 8 * torch_error + 1e-6
     if same_bits:
         assert torch.equal(got, kernel(x, kernel.pack(weight), None, 100))
+
+
+def test_layers_packed_later_go_straight_into_the_buffer(kernel):
+    """The model's path: no packed copy until the buffer exists, then each packed into its place;
+    the results equal layers packed at once."""
+    generator = torch.Generator().manual_seed(6)
+    for dtype in dtypes(kernel):
+        weights = [(torch.randn(n, 64, generator=generator) * 0.1).to(dtype) for n in (96, 40, 200)]
+        x = torch.randn(5, 64, generator=generator).to(dtype)
+        later = [Linear(w.clone(), pack_later=True) for w in weights]
+        assert all(layer.packed is None and layer.backend == "kernel" for layer in later)
+        place_on_huge_pages(later)
+        for first, second in zip(later, later[1:]):
+            assert second.packed.data_ptr() == first.packed.data_ptr() + first.packed.numel() * first.packed.element_size()
+        assert all(layer.weight is None for layer in later)
+        assert all(torch.equal(layer(x), Linear(w)(x)) for layer, w in zip(later, weights))
