@@ -131,6 +131,7 @@ def test_layers_packed_later_go_straight_into_the_buffer(kernel):
         assert all(layer.packed is None and layer.backend == "kernel" for layer in later)
         place_on_huge_pages(later)
         for first, second in zip(later, later[1:]):
-            assert second.packed.data_ptr() == first.packed.data_ptr() + first.packed.numel() * first.packed.element_size()
+            end = first.packed.data_ptr() + first.packed.numel() * first.packed.element_size()
+            assert second.packed.data_ptr() == end
         assert all(layer.weight is None for layer in later)
         assert all(torch.equal(layer(x), Linear(w)(x)) for layer, w in zip(later, weights))

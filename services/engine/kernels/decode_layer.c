@@ -13,8 +13,10 @@
  * to the model's dtype where torch does (bf16: every elementwise result is rounded to bf16, each
  * from a single fp32 operation, so those match torch bit for bit). Two differ in their last fp32
  * bit: an RMSNorm's sum of squares runs in 16 lanes summed in a fixed order (torch's reduction
- * order is its own), and SiLU's exponential is a polynomial (exp_fast, within ~1 ulp). Both are per row, so a row's
- * result does not depend on the other rows of its batch.
+ * order is its own), and SiLU's exponential is a polynomial (exp_fast, within ~1 ulp). Both are
+ * per row, so a row's result does not depend on the other rows of its batch; and the steps that
+ * keep torch's operations call the same two (rms_norm_rows, silu_mul_rows, at the end), so it
+ * does not depend on the kind of step either.
  *
  * Compiled without -ffast-math and with -ffp-contract=off: a product and a sum stay two roundings,
  * as in torch's elementwise kernels.
@@ -95,8 +97,9 @@ static inline __attribute__((always_inline)) void put(void *a, int64_t i, float 
 
 /* out = RMSNorm(x) * weight, row by row. fp32 as F.rms_norm: (x * inv) * w; bf16 as the
  * reference: x * inv in fp32, rounded to bf16, then times the bf16 weight, rounded again. */
-static inline __attribute__((always_inline)) void rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t n,
-                     float eps, int threads, const int bf16) {
+static inline __attribute__((always_inline)) void rms_norm(
+        const void *x, const void *weight, void *out, int64_t rows, int64_t n, float eps, int threads,
+        const int bf16) {
     #pragma omp parallel for num_threads(threads) if (rows >= 8) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         float lanes[LANES] = {0};
@@ -126,7 +129,8 @@ static inline __attribute__((always_inline)) void rms_norm(const void *x, const 
 }
 
 /* x += y, rounded to the model dtype. */
-static inline __attribute__((always_inline)) void add_into(void *x, const void *y, int64_t count, const int bf16) {
+static inline __attribute__((always_inline)) void add_into(void *x, const void *y, int64_t count,
+                                                           const int bf16) {
     #pragma omp simd
     for (int64_t i = 0; i < count; i++)
         put(x, i, get(x, i, bf16) + get(y, i, bf16), bf16);
@@ -135,8 +139,8 @@ static inline __attribute__((always_inline)) void add_into(void *x, const void *
 /* Rotate q and k of every row (x * cos + roll(x, half) * signed_sin, each product rounded, then
  * the sum, as services/engine/rope.py's three torch operations), write each row's key and value to
  * its cache slot, and the queries, widened to fp32, to step->q. */
-static inline __attribute__((always_inline)) void rotate_and_store(const struct model *m, const struct step *s, void *k_cache, void *v_cache,
-                             const int bf16) {
+static inline __attribute__((always_inline)) void rotate_and_store(
+        const struct model *m, const struct step *s, void *k_cache, void *v_cache, const int bf16) {
     const int64_t d = m->head_dim, half = d / 2, slot = m->kv_heads * d;
     const int64_t width = (m->heads + 2 * m->kv_heads) * d;
     #pragma omp parallel for num_threads((int)s->threads) if (s->rows >= 8) schedule(static)
