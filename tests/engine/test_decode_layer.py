@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.common.step import SequenceWork, StepBatch
+from services.engine import decode_layer, kernel_build
 from tests.engine.conftest import require_decode_kernel_compiler
 from tests.tiny_models import make_engine
 
@@ -110,3 +111,29 @@ def test_missing_kernels_leave_the_torch_path(tiny_model_dir, monkeypatch):
     assert make_engine(tiny_model_dir, decode_attention="torch").model.fused_layers is None
     monkeypatch.setattr("services.engine.linear.load_linear_kernel", lambda: None)
     assert make_engine(tiny_model_dir).model.fused_layers is None          # oneDNN's linear layers
+
+
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, set()])
+def test_other_hosts_builds_give_the_same_norm_and_silu_bits(monkeypatch, tmp_path, flags):
+    """Built as an AVX2-only host (or one with no vector flags) would build it: no fast-math and
+    no contraction, so the norm's fixed-order sums and the elementwise steps give this host's bits
+    whatever the vector width."""
+    require_decode_kernel_compiler("kernel")
+    here = decode_layer.load_decode_layer_kernel()
+    assert here is not None, "a C compiler is present but the fused layer did not build (see the log)"
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
+    other = decode_layer.DecodeLayerKernel(decode_layer.build())
+    assert other.path != here.path
+    generator = torch.Generator().manual_seed(3)
+    for bf16, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        x = torch.randn(37, 576, generator=generator).to(dtype)
+        weight = torch.randn(576, generator=generator).to(dtype)
+        gate_up = (torch.randn(37, 3072, generator=generator) * 4).to(dtype)
+        results = []
+        for kernel in (here, other):
+            normed, mixed = torch.empty_like(x), torch.empty(37, 1536, dtype=dtype)
+            kernel.rms_norm_rows(x.data_ptr(), weight.data_ptr(), normed.data_ptr(), 37, 576, 1e-5, 2, bf16)
+            kernel.silu_mul_rows(gate_up.data_ptr(), mixed.data_ptr(), 37, 1536, 2, bf16)
+            results.append((normed, mixed))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
