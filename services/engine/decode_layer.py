@@ -77,7 +77,7 @@ class FusedDecodeLayers:
     def __init__(self, kernel: DecodeLayerKernel, decoder, linear_address: int, attention_address: int):
         c = decoder.config
         self._kernel, self._call = kernel, kernel.decode_layer
-        self._dtype, self._eps = decoder.dtype, c.rms_norm_eps
+        self._dtype = decoder.dtype
         self._widths = {"h": c.hidden_size, "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
                         "q": c.num_heads * c.head_dim, "attended32": c.num_heads * c.head_dim,
                         "attended": c.num_heads * c.head_dim, "gate_up": 2 * c.intermediate_size,
@@ -99,7 +99,7 @@ class FusedDecodeLayers:
         x = x.contiguous()
         out = torch.empty_like(x)
         self._kernel.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                                   self._eps, torch.get_num_threads(), int(self._dtype == torch.bfloat16))
+                                   self._model.eps, torch.get_num_threads(), self._model.bf16)
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class FusedDecodeLayers:
         gate_up = gate_up.contiguous()
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype)
         self._kernel.silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
-                                   torch.get_num_threads(), int(self._dtype == torch.bfloat16))
+                                   torch.get_num_threads(), self._model.bf16)
         return out
 
     @staticmethod
