@@ -59,6 +59,15 @@ def require_decode_kernel_compiler(decode_attention: str) -> None:
                     "(.ci/run installs gcc)")
 
 
+def built_kernel(load, what: str):
+    """A C kernel for a test (`load`: its load_* function): skipped without a compiler; with one,
+    it must build."""
+    require_decode_kernel_compiler("kernel")
+    built = load()
+    assert built is not None, f"a C compiler is present but the {what} did not build (see the log)"
+    return built
+
+
 def pytest_terminal_summary(terminalreporter):
     if LOGIT_DIFFS:
         terminalreporter.write_line(

@@ -12,7 +12,7 @@ import torch
 
 from services.common.step import SequenceWork, StepBatch
 from services.engine import decode_layer, kernel_build
-from tests.engine.conftest import require_decode_kernel_compiler
+from tests.engine.conftest import built_kernel, require_decode_kernel_compiler
 from tests.tiny_models import make_engine
 
 VOCAB = 512
@@ -118,9 +118,7 @@ def test_other_hosts_builds_give_the_same_norm_and_silu_bits(monkeypatch, tmp_pa
     """Built as an AVX2-only host (or one with no vector flags) would build it: no fast-math and
     no contraction, so the norm's fixed-order sums and the elementwise steps give this host's bits
     whatever the vector width."""
-    require_decode_kernel_compiler("kernel")
-    here = decode_layer.load_decode_layer_kernel()
-    assert here is not None, "a C compiler is present but the fused layer did not build (see the log)"
+    here = built_kernel(decode_layer.load_decode_layer_kernel, "fused layer")
     monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
     other = decode_layer.DecodeLayerKernel(decode_layer.build())

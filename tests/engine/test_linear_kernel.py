@@ -12,17 +12,14 @@ from services.engine import linear as linear_module
 from services.engine.linear import Linear
 from services.engine.linear_kernel import LinearKernel, load_linear_kernel, place_on_huge_pages
 from services.engine.kernel_build import vector_flags
-from tests.engine.conftest import require_decode_kernel_compiler
+from tests.engine.conftest import built_kernel
 
 ROWS = [1, 2, 7, 8, 9, 17, 33]
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    require_decode_kernel_compiler("kernel")
-    built = load_linear_kernel()
-    assert built is not None, "a C compiler is present but the linear kernel did not build (see the log)"
-    return built
+    return built_kernel(load_linear_kernel, "linear kernel")
 
 
 def dtypes(kernel):

@@ -10,15 +10,12 @@ import torch
 from services.common.kv_blocks import blocks_for_tokens
 from services.engine import paged_attention
 from services.engine.paged_attention import KernelBuildError, build_library, load_decode_kernel
-from tests.engine.conftest import require_decode_kernel_compiler
+from tests.engine.conftest import built_kernel, require_decode_kernel_compiler
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    require_decode_kernel_compiler("kernel")
-    built = load_decode_kernel()
-    assert built is not None, "a C compiler is present but the kernel did not build (see the log)"
-    return built
+    return built_kernel(load_decode_kernel, "kernel")
 
 
 def reference(q, k_cache, v_cache, tables, lens, block_size):
