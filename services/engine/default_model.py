@@ -55,7 +55,6 @@ def default_model_dir(progress: bool = True) -> Path:
 def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> None:
     """De-quantize a GGUF checkpoint into a Hugging Face folder at `target` (written atomically)."""
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -73,6 +72,16 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                  dtype=torch.float32)
     say("3/3 writing safetensors")
+    write_model_folder(model, tokenizer, target, source=f"{GGUF_DISTRIBUTION}/{gguf_path.name}")
+    say(f"done in {time.perf_counter() - started:.1f} s")
+
+
+def write_model_folder(model, tokenizer, target: Path, source: str) -> None:
+    """Write a transformers model (fp32 safetensors, config, generation config) and its tokenizer
+    as a Hugging Face folder at `target`, atomically (staged beside it, then renamed), every file
+    readable by all users. `source` goes into the safetensors metadata."""
+    from safetensors.torch import save_file
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     staging.chmod(0o755)   # mkdtemp makes it private; the cache is meant to be shared
@@ -81,7 +90,7 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> None:
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)   # the embedding matrix doubles as the output head
         save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "model.safetensors"),
-                  metadata={"format": "pt", "source": f"{GGUF_DISTRIBUTION}/{gguf_path.name}"})
+                  metadata={"format": "pt", "source": source})
         config = model.config.to_dict()
         config.pop("quantization_config", None)   # the safetensors are plain fp32 now
         config["architectures"] = [type(model).__name__]
@@ -97,7 +106,6 @@ def convert_gguf(gguf_path: Path, target: Path, progress: bool = True) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    say(f"done in {time.perf_counter() - started:.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The embedded default model (SmolLM2-135M-Instruct) against transformers, token for token."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -69,12 +71,25 @@ def test_greedy_batch_equals_transformers_generate(model_dir, tokenizer):
                                               tokenizer.decode(expected))
 
 
-def test_the_converted_folder_is_readable_by_every_user(tmp_path):
+def test_the_converted_folder_is_readable_by_every_user(model_dir, tmp_path):
     """An image converts the model as root and runs as user qos: every file must be readable by
-    all (safetensors writes 0600; the first CPU image built failed on exactly this)."""
-    from services.engine.default_model import convert_gguf, find_default_gguf
+    all (safetensors writes 0600; the first CPU image built failed on exactly this). The folder
+    writer convert_gguf ends with, on a tiny model (the whole conversion takes ~20 s; `make test`
+    has just run it for the cached folder, checked too), under a umask that would hide them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.engine.default_model import write_model_folder
+    from tests.tiny_models import write_tiny_model
+    tiny = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "tiny", "qwen2"))
     target = tmp_path / "model"
-    convert_gguf(find_default_gguf(), target, progress=False)
-    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in target.iterdir()}
-    assert "model.safetensors" in modes
-    assert all(int(mode, 8) & 0o444 == 0o444 for mode in modes.values()), modes
+    umask = os.umask(0o077)
+    try:
+        write_model_folder(tiny, AutoTokenizer.from_pretrained(model_dir), target, source="test")
+    finally:
+        os.umask(umask)
+    for folder in (target, model_dir):
+        modes = {f.name: oct(f.stat().st_mode & 0o777) for f in folder.iterdir()}
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(modes), modes
+        assert all(int(mode, 8) & 0o444 == 0o444 for mode in modes.values()), (folder, modes)
+    assert target.stat().st_mode & 0o555 == 0o555          # the folder itself: listable by all
+    assert AutoModelForCausalLM.from_pretrained(target).config.tie_word_embeddings   # loads back
