@@ -26,11 +26,12 @@ from services.engine.host_memory import keep_freed_memory
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCache, size_kv_cache
 from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
-from services.engine.model import AttentionLayout, ContextAttention, LlamaDecoder, PagedDecodes
+from services.engine.model import AttentionLayout, LlamaDecoder
 from services.engine.paged_attention import DecodeKernel, load_decode_kernel
 from services.engine.sampler import sample_step
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
+from services.engine.step_layout import StepLayouter
 from services.engine.weights import load_safetensors
 
 log = logging.getLogger(__name__)
@@ -38,33 +39,6 @@ log = logging.getLogger(__name__)
 
 class InvalidStepError(ValueError):
     """A step entry the engine refuses to compute (the message names the sequence)."""
-
-
-# What one more decode group costs (a gather and an attention call in every layer), in padded KV
-# blocks of one sequence: measured on 2 EPYC cores, a call costs about as much as 10 blocks.
-GROUP_COST_BLOCKS = 10
-
-
-def group_decodes(decodes: list[SequenceWork], block_size: int) -> list[list[SequenceWork]]:
-    """Decodes in groups of similar context length, each padded to its longest context.
-
-    Sorted by length, split where that minimises padded blocks + GROUP_COST_BLOCKS per group
-    (dynamic programming over the points where the block count changes: few). Fixed log2
-    buckets padded a batch-32 benchmark step by 21%."""
-    ordered = sorted(decodes, key=lambda s: s.end)
-    blocks = [blocks_for(s.end, block_size) for s in ordered]
-    cuts = [0] + [i + 1 for i in range(len(ordered)) if i + 1 == len(ordered) or blocks[i + 1] != blocks[i]]
-    best, previous = [0] + [float("inf")] * (len(cuts) - 1), [0] * len(cuts)
-    for j in range(1, len(cuts)):
-        for i in range(j):
-            cost = best[i] + (cuts[j] - cuts[i]) * blocks[cuts[j] - 1] + GROUP_COST_BLOCKS
-            if cost < best[j]:
-                best[j], previous[j] = cost, i
-    groups, j = [], len(cuts) - 1
-    while j > 0:
-        groups.append(ordered[cuts[previous[j]]:cuts[j]])
-        j = previous[j]
-    return groups[::-1]
 
 
 @dataclass(slots=True)
@@ -83,6 +57,10 @@ class EngineConfig:
     # Decode attention: "auto" = the paged C kernel on CPU in fp32 or bf16 where it builds (else "torch"),
     # "kernel" = that kernel or fail, "torch" = gather + SDPA (services/engine/paged_attention.py).
     decode_attention: str = "auto"
+    # Where the paged kernel attends decodes: prompt tokens too, each as a decode of its position, so
+    # that a token's logits are the same bits however it was batched, chunked or recomputed
+    # (services/engine/step_layout.py). No effect without the kernel (GPU, NPU, fp16, "torch").
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_fraction <= 1.0:
@@ -117,6 +95,8 @@ class Engine:
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
+        kernel = self.decode_kernel is not None
+        self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel, kernel and config.batch_invariant)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
@@ -220,6 +200,11 @@ class Engine:
 
     # --- checking and laying out a step -------------------------------------------------------
 
+    def _prepare(self, batch: StepBatch) -> tuple[list[SequenceWork], torch.Tensor, AttentionLayout]:
+        """Check the step's entries, then order them for the model and describe their attention."""
+        self._validate(batch)
+        return self.layouter(batch.sequences)
+
     def _validate(self, batch: StepBatch) -> None:
         if not batch.sequences:
             raise InvalidStepError("empty step: no sequences")
@@ -285,108 +270,3 @@ class Engine:
                                    f"text block {first_read}")
         return (kept_blocks(seq.end, dropped, block_size),
                 table_index(seq.position, dropped, block_size))
-
-    def _prepare(self, batch: StepBatch) -> tuple[list[SequenceWork], torch.Tensor, AttentionLayout]:
-        """Order the step's entries for the model and describe their attention.
-
-        Flat order: decode groups, then prefill chunks that continue a prompt, then chunks that
-        start one (their own K/V are their whole context, no gather needed)."""
-        self._validate(batch)
-        block_size = self.kv_spec.block_size
-        dense = [s for s in batch.sequences if s.window is None]
-        decodes = [s for s in dense if len(s.token_ids) == 1]
-        continued = [s for s in dense if len(s.token_ids) > 1 and s.position > 0]
-        fresh = [s for s in dense if len(s.token_ids) > 1 and s.position == 0]
-
-        ordered: list[SequenceWork] = []
-        cached: list[ContextAttention] = []
-        paged = None
-        if decodes and self.decode_kernel is not None:
-            # The kernel reads each context in place at its own length: one set, no groups.
-            paged = self._paged_decodes(decodes)
-            ordered.extend(decodes)
-            decodes = []
-        for members in [*group_decodes(decodes, block_size), *([seq] for seq in continued)]:
-            cached.append(self._context_attention(members, len_before=sum(
-                len(s.token_ids) for s in ordered)))
-            ordered.extend(members)
-        for members in self._streaming_groups([s for s in batch.sequences if s.window is not None]):
-            cached.append(self._windowed_attention(members, len_before=sum(
-                len(s.token_ids) for s in ordered)))
-            ordered.extend(members)
-        fresh_spans = []
-        for seq in fresh:
-            fresh_spans.append((sum(len(s.token_ids) for s in ordered), len(seq.token_ids)))
-            ordered.append(seq)
-
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for seq in ordered:
-            token_ids.extend(seq.token_ids)
-            positions.extend(range(seq.position, seq.end))
-            table, dropped = seq.block_table, seq.dropped_blocks
-            for pos in range(seq.position, seq.end):
-                slots.append(table[table_index(pos, dropped, block_size)] * block_size + pos % block_size)
-        device = self.device
-        layout = AttentionLayout(positions=torch.tensor(positions, device=device),
-                                 slots=torch.tensor(slots, device=device),
-                                 cached=cached, fresh=fresh_spans, decodes=paged,
-                                 max_position=max(positions))
-        return ordered, torch.tensor(token_ids, device=device), layout
-
-    @staticmethod
-    def _streaming_groups(streaming: list[SequenceWork]) -> list[list[SequenceWork]]:
-        """Streaming decodes with the same window attend together; each chunk alone."""
-        decodes: dict = {}
-        groups = []
-        for seq in streaming:
-            if len(seq.token_ids) == 1:
-                decodes.setdefault(seq.window, []).append(seq)
-            else:
-                groups.append([seq])
-        return [*decodes.values(), *groups]
-
-    def _paged_decodes(self, decodes: list[SequenceWork]) -> PagedDecodes:
-        block_size = self.kv_spec.block_size
-        widest = max(blocks_for(s.end, block_size) for s in decodes)
-        tables = [(s.block_table + [0] * widest)[:widest] for s in decodes]
-        return PagedDecodes(num_seqs=len(decodes), block_tables=torch.tensor(tables, dtype=torch.int64),
-                            context_lens=torch.tensor([s.end for s in decodes], dtype=torch.int64))
-
-    def _windowed_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
-        """Attention of streaming sequences (one chunk, or decodes sharing a window) over the blocks
-        they keep: the mask is the window rule of services/common/stream_window.py, by the text
-        position of every gathered slot."""
-        block_size, device = self.kv_spec.block_size, self.device
-        window = members[0].window
-        num_blocks = max(kept_blocks(s.end, s.dropped_blocks, block_size) for s in members)
-        block_ids = [b for s in members for b in (s.block_table + [0] * num_blocks)[:num_blocks]]
-        slots = torch.arange(num_blocks * block_size, device=device)
-        dropped = torch.tensor([[s.dropped_blocks * block_size] for s in members], device=device)
-        # Slot i of a row holds text position i in the sink block, i + dropped blocks after it.
-        keys = torch.where(slots < block_size, slots, slots + dropped).unsqueeze(1)      # [seqs, 1, K]
-        queries = torch.tensor([list(range(s.position, s.end)) for s in members], device=device)
-        query_positions = queries.unsqueeze(-1)                                          # [seqs, Q, 1]
-        mask = (keys <= query_positions) & (
-            (keys < window.sink_tokens) | (keys > query_positions - window.window_tokens))
-        return ContextAttention(
-            start=len_before, num_queries=sum(len(s.token_ids) for s in members),
-            num_seqs=len(members), num_blocks=num_blocks,
-            block_ids=torch.tensor(block_ids, device=device), mask=mask.unsqueeze(1),
-            sinks=window.sink_tokens,
-            sink_positions=queries.flatten().clamp(max=window.cache_tokens - 1))
-
-    def _context_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
-        """Attention over cached context for one decode group or one continued prefill chunk."""
-        block_size, device = self.kv_spec.block_size, self.device
-        num_blocks = max(blocks_for(s.end, block_size) for s in members)
-        block_ids = [b for s in members for b in (s.block_table + [0] * num_blocks)[:num_blocks]]
-        keys = torch.arange(num_blocks * block_size, device=device)
-        # Query at position p sees keys 0..p: causal within a chunk, padding hidden for a group.
-        query_positions = torch.tensor([list(range(s.position, s.end)) for s in members], device=device)
-        mask = (keys.view(1, 1, -1) <= query_positions.unsqueeze(-1)).unsqueeze(1)
-        return ContextAttention(
-            start=len_before, num_queries=sum(len(s.token_ids) for s in members),
-            num_seqs=len(members), num_blocks=num_blocks,
-            block_ids=torch.tensor(block_ids, device=device), mask=mask)

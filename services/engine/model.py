@@ -55,9 +55,10 @@ class ContextAttention:
 
 @dataclass(slots=True)
 class PagedDecodes:
-    """Decodes attended by the paged decode kernel, straight from the cache (no gather, no
-    padding): the first `num_seqs` tokens of the step's flat batch, one per sequence."""
-    num_seqs: int
+    """Tokens attended by the paged decode kernel, straight from the cache (no gather, no
+    padding), each a row of its own: decodes, one per sequence, or every token of prompt chunks
+    (services/engine/step_layout.py). Consecutive in the step's flat batch."""
+    num_seqs: int                 # rows (tokens)
     block_tables: torch.Tensor    # [num_seqs, most blocks of any of them] int64, rows zero-padded
     context_lens: torch.Tensor    # [num_seqs] int64: keys 0 .. len-1 (the token's own included)
 
@@ -67,12 +68,13 @@ class AttentionLayout:
     """Where every token of a step lives in the cache and what it attends to."""
     positions: torch.Tensor       # [T]
     slots: torch.Tensor           # [T] cache slot each token's K/V is written to
-    # In flat-batch order: kernel decodes (if any), then decode groups, then prefill chunks. A
-    # chunk given as (start, length) starts a prompt at position 0, so its own K/V are its whole
-    # context.
+    # In flat-batch order: kernel decodes (if any), prompt tokens on the kernel (if any), then
+    # decode groups, then prefill chunks. A chunk given as (start, length) starts a prompt at
+    # position 0, so its own K/V are its whole context.
     cached: list[ContextAttention]
     fresh: list[tuple[int, int]]
     decodes: PagedDecodes | None = None
+    prompts: PagedDecodes | None = None
     max_position: int = 0         # the largest of `positions` (streaming mode: may pass the context)
 
 
@@ -270,6 +272,17 @@ class LlamaDecoder:
             pieces.append(head(hidden))
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).float()
 
+    def _kernel_rows(self, q: torch.Tensor, start: int, rows: PagedDecodes, cache: PagedKVCache, layer: int,
+                     first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Attention of `rows` [first:end] (queries from q[start + first:]) by the paged kernel."""
+        c = self.config
+        end = rows.num_seqs if end is None else min(end, rows.num_seqs)
+        n = end - first
+        out = self.decode_kernel(q[start + first:start + end].reshape(n, c.num_kv_heads, -1, c.head_dim),
+                                 cache.keys[layer], cache.values[layer], rows.block_tables[first:end],
+                                 rows.context_lens[first:end], cache.block_size, c.head_dim ** -0.5)
+        return out.view(n, c.num_heads * c.head_dim)
+
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
                    buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None,
                    raw_q: torch.Tensor | None = None, sink_rotations: list | None = None) -> torch.Tensor:
@@ -279,11 +292,15 @@ class LlamaDecoder:
         width = c.num_heads * c.head_dim
         outputs = []
         if layout.decodes is not None:
-            n = layout.decodes.num_seqs
-            out = self.decode_kernel(q[:n].reshape(n, c.num_kv_heads, -1, c.head_dim),
-                                     cache.keys[layer], cache.values[layer], layout.decodes.block_tables,
-                                     layout.decodes.context_lens, cache.block_size, c.head_dim ** -0.5)
-            outputs.append(out.view(n, width))
+            outputs.append(self._kernel_rows(q, 0, layout.decodes, cache, layer))
+        if layout.prompts is not None:
+            # A prompt's tokens as decodes of their positions; with pauses, in pieces.
+            start, rows = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
+            piece = rows.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
+            for first in range(0, rows.num_seqs, piece):
+                outputs.append(self._kernel_rows(q, start, rows, cache, layer, first, first + piece))
+                if pause is not None:
+                    pause()
         for index, (group, (key_buffer, value_buffer)) in enumerate(zip(layout.cached, buffers)):
             cache.gather_blocks(layer, group.block_ids, key_buffer, value_buffer)
             rows = (group.num_seqs, -1, c.num_kv_heads, c.head_dim)
