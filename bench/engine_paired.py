@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""One engine change, on against off, paired: did it make decoding faster on this host?
+"""One engine change, on against off, paired: did it make decoding (or prompts) faster on this host?
 
 Both engines live in one process (same weights, threads, requests); each pair runs the same
-decode workload on each, alternating which goes first, and the figure is the pair's ratio of
-decode tokens/s, on / off (decode-only steps, as bench/engine_vs_llamacpp.py counts them). A
+workload on each, alternating which goes first, and the figure is the pair's ratio of decode
+tokens/s, on / off (decode-only steps, as bench/engine_vs_llamacpp.py counts them), or for a
+change to prompts, of prompt tokens/s (tokens computed in the steps that are not decode-only). A
 shared host's load moves both runs of a pair alike, so the ratio is steadier than either run.
 Reported: the mean ratio with a 95% t interval over the pairs; a change is kept only where the
 interval lies wholly above 1.
@@ -20,6 +21,8 @@ bench/results/engine_paired_bf16_norm_b1.json):
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
+  batch-invariant  prompt tokens attended by the paged decode kernel, each as a decode of its
+                 position (EngineConfig.batch_invariant; off: SDPA); prompt tokens/s
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -94,8 +97,13 @@ def fused_layer(base: Engine) -> tuple[Engine, Engine]:
         return base, with_config(base)
 
 
+def batch_invariant(base: Engine) -> tuple[Engine, Engine]:
+    return base, with_config(base, batch_invariant=False)
+
+
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
-           "bf16-kernel": ("bfloat16", bf16_kernel)}
+           "bf16-kernel": ("bfloat16", bf16_kernel), "batch-invariant": ("bfloat16", batch_invariant)}
+PROMPT_CHANGES = {"batch-invariant"}      # measured on prompt tokens/s; the rest on decode tokens/s
 
 
 def main() -> None:
@@ -121,6 +129,7 @@ def main() -> None:
     workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
     for engine in (on, off):      # warm-up: kernel selection, first-touch memory
         ours_batched(engine, workload, args.batch)
+    figure = "prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s"
     pairs = []
     for pair in range(args.pairs):
         order = ("on", "off") if pair % 2 == 0 else ("off", "on")
@@ -129,18 +138,18 @@ def main() -> None:
             load = os.getloadavg()[0]
             runs[side] = ours_batched(on if side == "on" else off, workload, args.batch)
             runs[side]["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-        runs["ratio"] = runs["on"]["tok_s"] / runs["off"]["tok_s"]
+        runs["ratio"] = runs["on"][figure] / runs["off"][figure]
         pairs.append(runs)
-        print(f"pair {pair + 1}/{args.pairs} ({order[0]} first): on {runs['on']['tok_s']:.1f}, "
-              f"off {runs['off']['tok_s']:.1f} tok/s, ratio {runs['ratio']:.3f}", file=sys.stderr)
+        print(f"pair {pair + 1}/{args.pairs} ({order[0]} first): on {runs['on'][figure]:.1f}, "
+              f"off {runs['off'][figure]:.1f} tok/s, ratio {runs['ratio']:.3f}", file=sys.stderr)
     mean, low, high = mean_interval([p["ratio"] for p in pairs])
     verdict = "keep" if low > 1 else "drop"
-    print(f"{args.change} ({dtype}, batch {args.batch}, {threads} threads): on / off decode tok/s "
+    print(f"{args.change} ({dtype}, batch {args.batch}, {threads} threads): on / off {figure} "
           f"{mean:.3f}, 95% interval [{low:.3f}, {high:.3f}] over {args.pairs} pairs: {verdict}")
     write_json(args.json, {"change": args.change, "dtype": dtype, "batch": args.batch, "threads": threads,
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
-                           "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
+                           "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 
 if __name__ == "__main__":

@@ -131,7 +131,8 @@ class TimedSteps:
 
     def __init__(self, engine):
         self.engine = engine
-        self.steps: list[tuple[float, bool, int]] = []     # (seconds, decode only, tokens sampled)
+        # (seconds, decode only, tokens sampled, tokens computed)
+        self.steps: list[tuple[float, bool, int, int]] = []
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
@@ -140,7 +141,8 @@ class TimedSteps:
         started = time.perf_counter()
         output = self.engine.step(batch)
         decode_only = all(s.num_generated > 0 for s in batch.sequences)
-        self.steps.append((time.perf_counter() - started, decode_only, len(output.tokens)))
+        self.steps.append((time.perf_counter() - started, decode_only, len(output.tokens),
+                           sum(len(s.token_ids) for s in batch.sequences)))
         return output
 
 
@@ -151,8 +153,10 @@ def ours_batched(engine, requests: list[Request], batch: int) -> dict:
     runner.run([GenerationRequest(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len,
                                                            ignore_eos=True)) for r in requests])
     seconds = time.perf_counter() - started
-    decode = [(s, n) for s, only, n in timed.steps if only]
+    decode = [(s, n) for s, only, n, _ in timed.steps if only]
+    prompt = [(s, n) for s, only, _, n in timed.steps if not only]
     return {"tok_s": sum(n for _, n in decode) / sum(s for s, _ in decode),
+            "prefill_tok_s": sum(n for _, n in prompt) / sum(s for s, _ in prompt),
             "e2e_tok_s": sum(r.output_len for r in requests) / seconds, "seconds": seconds,
             "decode_steps": len(decode), "steps": len(timed.steps)}
 

@@ -69,13 +69,18 @@ PAIRED_RUNS = (
     ("engine_paired_fused_layer_bf16_b32.json", "", ""),
     ("engine_paired_fused_layer_f32_b1.json", "", ""),
     ("engine_paired_fused_layer_f32_b32.json", "", ""),
+    ("engine_paired_batch_invariant_bf16_b8_p128.json", "prompt tokens attended by the paged decode kernel, "
+                                                        "each as a decode of its position (off: SDPA); prompt "
+                                                        "tok/s, 128-token prompts", "kept (numerics)"),
+    ("engine_paired_batch_invariant_f32_b8_p128.json", "", ""),
+    ("engine_paired_batch_invariant_bf16_b1_p512.json", "the same, 512-token prompts", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
 
 
 def engine_paired(*results: dict) -> list[list[str]]:
-    rows = [["change", "dtype, batch", "on / off decode tok/s [95% interval]", "pairs", "kept"]]
+    rows = [["change", "dtype, batch", "on / off tok/s [95% interval]", "pairs", "kept"]]
     for (_, change, kept), r in zip(PAIRED_RUNS, results):
         low, high = r["ci95"]
         rows.append([change, f"{DTYPE_NAMES[r['dtype']]}, {r['batch']}",
