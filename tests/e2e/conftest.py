@@ -7,9 +7,10 @@ thread. That keeps `make test` within its 15 minutes on 2 cores.
 
 Dtype: a test cluster's workers run the host's choice (bf16 where the CPU multiplies bf16
 natively, else fp32) unless QOS_TEST_DTYPE names one (fp32 or bf16: .ci/run's dtype legs set it)
-or the test pins it. A test that asserts texts equal to an undisturbed run pins fp32, where the
-numbers are batch-invariant; in bf16 a stream is checked to continue from exactly the tokens the
-client holds (bench/continuation.py)."""
+or the test pins it. A fault test asserts texts equal to the undisturbed run's where the worker's
+numbers are batch-invariant (texts_are_batch_invariant: fp32, and bf16 where the linear and decode
+kernels run it); elsewhere a stream is checked to continue from exactly the tokens the client holds
+(bench/continuation.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,6 +50,23 @@ def text_model() -> str:
 
 
 TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None
+
+
+@functools.cache
+def texts_are_batch_invariant(dtype: str) -> bool:
+    """Whether a CPU worker's greedy texts in `dtype` ("fp32", "bf16") stay the same bits under any
+    batch, chunking or recompute on this host. fp32: yes (its roundings are too small to flip a
+    token on these models, and with the C kernels it is exact). bf16: where the linear kernel
+    takes bf16 (avx512_bf16) and the paged decode kernel builds, with batch_invariant on (the
+    default: services/engine/step_layout.py); else oneDNN's or torch's sums depend on the batch."""
+    if dtype == "fp32":
+        return True
+    import torch
+
+    from services.engine.linear_kernel import load_linear_kernel
+    from services.engine.paged_attention import load_decode_kernel
+    linear = load_linear_kernel()
+    return linear is not None and torch.bfloat16 in linear.dtypes and load_decode_kernel() is not None
 
 
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,

@@ -19,7 +19,7 @@ from services.common.proto.qos.v1 import router_pb2, router_pb2_grpc, scheduler_
 from services.common.tokenizer import TextTokenizer
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import assert_continues, bench_model, cluster_config, run, text_model
+from tests.e2e.conftest import assert_continues, bench_model, cluster_config, run, text_model, texts_are_batch_invariant
 
 pytestmark = pytest.mark.slow
 
@@ -72,12 +72,13 @@ def assert_same(reference, got) -> None:
         assert tokens == ref_tokens and text == ref_text
 
 
-# The model each dtype's fault tests run. fp32: the random-weight bench model (cheap steps), and
-# every text must equal the undisturbed run's: fp32 numbers on a CPU do not depend on the batch
-# around a sequence. bf16: a random-weight model whose greedy text never repeats a token
-# (conftest.text_model; in the bench model's a lost or repeated token would not show), and every
-# stream must continue from exactly the tokens its client held; its text may part from the
-# undisturbed one at a near-tie. Both stay cheap where bf16 is emulated.
+# The model each dtype's fault tests run. fp32: the random-weight bench model (cheap steps). bf16:
+# a random-weight model whose greedy text never repeats a token (conftest.text_model; in the bench
+# model's a lost or repeated token would not show). Where the worker's numbers are batch-invariant
+# (conftest.texts_are_batch_invariant: fp32; bf16 on a CPU whose kernels run it) every text must
+# equal the undisturbed run's; elsewhere every stream must continue from exactly the tokens its
+# client held, and its text may part from the undisturbed one at a near-tie. Both stay cheap where
+# bf16 is emulated.
 FAULT_MODELS = {"fp32": bench_model, "bf16": text_model}
 DTYPES = ["fp32", "bf16"]
 
@@ -87,9 +88,10 @@ def fault_config(dtype: str, workers: int = 2, **scheduler) -> ClusterConfig:
 
 
 def assert_held(reference, got, model: str, dtype: str) -> None:
-    """Every stream finished whole: in fp32 equal to the undisturbed `reference`; in any dtype
-    each token the greedy choice after exactly the tokens before it (no gap, no repeat)."""
-    if dtype == "fp32":
+    """Every stream finished whole: where texts are batch-invariant, equal to the undisturbed
+    `reference`; in any dtype each token the greedy choice after exactly the tokens before it (no
+    gap, no repeat)."""
+    if texts_are_batch_invariant(dtype):
         assert_same(reference, got)
         return
     tokenizer = TextTokenizer.from_model_dir(model)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.e2e.conftest import texts_are_batch_invariant
 from tests.e2e.test_failover import DTYPES, assert_held
 
 pytestmark = pytest.mark.slow
@@ -70,8 +71,9 @@ def assert_same_texts(result: dict) -> None:
 
 
 def assert_streams_held(result: dict, dtype: str) -> None:
-    """fp32: every text the fault-free run's; any dtype: every stream continues exactly."""
-    if dtype == "fp32":
+    """Batch-invariant numbers: every text the fault-free run's; any dtype: every stream continues
+    exactly."""
+    if texts_are_batch_invariant(dtype):
         assert_same_texts(result)
         return
     def last_chunk(r: dict) -> SimpleNamespace:     # what assert_held reads of a stream's last chunk
