@@ -97,13 +97,16 @@ class Engine:
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         kernel = self.decode_kernel is not None
         self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel, kernel and config.batch_invariant)
+        # Same bits for a token however it is batched, chunked or recomputed (step_layout.py).
+        self.batch_invariant = self.layouter.prompts_by_kernel and self.model.linears_on_kernel()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
-        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; linear: %s",
-                 self.model_config.architecture, self.device, self.backend.name, self.threads, self.dtype,
-                 dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
-                 "paged C kernel" if self.decode_kernel else "gather + SDPA", self.model.layers[0].qkv.backend)
+        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; linear: %s; "
+                 "batch-invariant: %s", self.model_config.architecture, self.device, self.backend.name,
+                 self.threads, self.dtype, dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
+                 "paged C kernel" if self.decode_kernel else "gather + SDPA", self.model.layers[0].qkv.backend,
+                 "yes" if self.batch_invariant else "no")
 
     def _decode_kernel(self) -> DecodeKernel | None:
         choice = self.config.decode_attention

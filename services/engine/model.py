@@ -249,6 +249,11 @@ class LlamaDecoder:
             x = x + lora.apply(index, "down", mixed, layer.down(mixed))
         return self._norm(x, self.final_norm)
 
+    def linears_on_kernel(self) -> bool:
+        """Every linear layer on the C kernel, whose rows do not depend on their batch."""
+        layers = [linear for layer in self.layers for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+        return all(linear.backend == "kernel" for linear in layers + self.lm_head)
+
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_layers is not None:
             return self.fused_layers.silu_mul(gate_up)   # as decode-only steps compute it
@@ -295,10 +300,10 @@ class LlamaDecoder:
             outputs.append(self._kernel_rows(q, 0, layout.decodes, cache, layer))
         if layout.prompts is not None:
             # A prompt's tokens as decodes of their positions; with pauses, in pieces.
-            start, rows = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
-            piece = rows.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
-            for first in range(0, rows.num_seqs, piece):
-                outputs.append(self._kernel_rows(q, start, rows, cache, layer, first, first + piece))
+            start, prompts = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
+            piece = prompts.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
+            for first in range(0, prompts.num_seqs, piece):
+                outputs.append(self._kernel_rows(q, start, prompts, cache, layer, first, first + piece))
                 if pause is not None:
                     pause()
         for index, (group, (key_buffer, value_buffer)) in enumerate(zip(layout.cached, buffers)):

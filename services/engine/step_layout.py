@@ -22,6 +22,17 @@ from services.common.step import SequenceWork
 from services.common.stream_window import kept_blocks, table_index
 from services.engine.model import AttentionLayout, ContextAttention, PagedDecodes
 
+def batch_invariant_on_this_host(dtype: torch.dtype) -> bool:
+    """Whether a CPU engine in `dtype` here, with batch_invariant on, computes every token the same
+    way whatever its batch, chunking or recompute: the linear kernel takes the dtype (bf16 needs
+    avx512_bf16) and the paged decode kernel builds (a C compiler). Engine.batch_invariant says
+    it of one engine (all of its layers on the kernel)."""
+    from services.engine.linear_kernel import load_linear_kernel
+    from services.engine.paged_attention import load_decode_kernel
+    linear = load_linear_kernel()
+    return linear is not None and dtype in linear.dtypes and load_decode_kernel() is not None
+
+
 # What one more decode group costs (a gather and an attention call in every layer), in padded KV
 # blocks of one sequence: measured on 2 EPYC cores, a call costs about as much as 10 blocks.
 GROUP_COST_BLOCKS = 10

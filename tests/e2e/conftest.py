@@ -63,10 +63,8 @@ def texts_are_batch_invariant(dtype: str) -> bool:
         return True
     import torch
 
-    from services.engine.linear_kernel import load_linear_kernel
-    from services.engine.paged_attention import load_decode_kernel
-    linear = load_linear_kernel()
-    return linear is not None and torch.bfloat16 in linear.dtypes and load_decode_kernel() is not None
+    from services.engine.step_layout import batch_invariant_on_this_host
+    return batch_invariant_on_this_host(torch.bfloat16)
 
 
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.common.step import SequenceWork, StepBatch
+from services.engine.step_layout import batch_invariant_on_this_host
 from tests.engine.conftest import require_decode_kernel_compiler
 from tests.tiny_models import make_engine
 
@@ -24,6 +25,9 @@ def invariant_engine(model_dir, dtype: str, **kwargs):
     if engine.dtype != {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]:
         pytest.skip(f"{dtype} is not this host's to run")
     assert engine.layouter.prompts_by_kernel
+    if not engine.batch_invariant:
+        pytest.skip(f"the linear kernel does not take {dtype} on this CPU (bf16 needs avx512_bf16)")
+    assert batch_invariant_on_this_host(engine.dtype)
     return engine
 
 
@@ -69,7 +73,7 @@ def test_a_tokens_logits_do_not_depend_on_chunking_company_or_recompute(tiny_mod
 def test_without_it_the_prompt_path_is_torchs_and_still_correct(tiny_model_dir):
     on = invariant_engine(tiny_model_dir, "float32")
     off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32", batch_invariant=False)
-    assert not off.layouter.prompts_by_kernel
+    assert not off.layouter.prompts_by_kernel and not off.batch_invariant
     rng = random.Random(3)
     tokens = [rng.randrange(3, VOCAB) for _ in range(50)]
     a, b = chunked(on, tokens, [20], slot=0), chunked(off, tokens, [20], slot=0)
