@@ -185,11 +185,11 @@ class WorkerConfig(ServiceConfig):
     decode_attention: str = setting("auto", "decode attention on CPU (fp32, bf16): the paged C kernel where it builds "
                                     "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
                                     choices=DECODE_ATTENTION)
-    batch_invariant: bool = setting(True, "where the paged decode kernel runs (CPU, fp32 or bf16), prompt tokens are "
-                                    "attended by it too, each as a decode of its position: a token's logits are "
-                                    "the same bits whatever shares its step, however its prompt is chunked, and "
-                                    "when it is recomputed (false: torch's SDPA for prompts, faster on long bf16 "
-                                    "prompts: docs/performance.md)")
+    batch_invariant: bool = setting(False, "attend prompt tokens with the paged decode kernel too (CPU, fp32 or bf16), "
+                                    "each as a decode of its position: a token's logits are then the same bits "
+                                    "whatever shares its step, however its prompt is chunked, and when it is "
+                                    "recomputed (a failover's text equals the undisturbed one); prompts over "
+                                    "long contexts are slower (docs/models.md)")
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An

@@ -59,8 +59,9 @@ class EngineConfig:
     decode_attention: str = "auto"
     # Where the paged kernel attends decodes: prompt tokens too, each as a decode of its position, so
     # that a token's logits are the same bits however it was batched, chunked or recomputed
-    # (services/engine/step_layout.py). No effect without the kernel (GPU, NPU, fp16, "torch").
-    batch_invariant: bool = True
+    # (services/engine/step_layout.py). Off by default: over long contexts it is slower than SDPA
+    # (bench/engine_paired.py batch-invariant). No effect without the kernel (GPU, NPU, fp16, "torch").
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.kv_cache_fraction <= 1.0:

@@ -1,5 +1,5 @@
-"""Batch invariance (EngineConfig.batch_invariant, services/engine/step_layout.py): where the paged
-decode kernel runs, a token's logits are the same bits however its prompt is chunked, whatever
+"""Batch invariance (EngineConfig.batch_invariant, an opt-in: services/engine/step_layout.py): where
+the paged decode kernel runs, a token's logits are the same bits however its prompt is chunked, whatever
 else shares its step, and whether it is computed as a decode or recomputed inside a prompt (a
 preempted or moved sequence), in fp32 and in bf16; the cache holds the same K/V either way. The
 prompt path's pauses still come between pieces of a long chunk's attention."""
@@ -21,7 +21,7 @@ BLOCKS = 16          # per sequence: 256 tokens at block size 16
 
 def invariant_engine(model_dir, dtype: str, **kwargs):
     require_decode_kernel_compiler("kernel")
-    engine = make_engine(model_dir, num_blocks=4 * BLOCKS, dtype=dtype, **kwargs)
+    engine = make_engine(model_dir, num_blocks=4 * BLOCKS, dtype=dtype, batch_invariant=True, **kwargs)
     if engine.dtype != {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]:
         pytest.skip(f"{dtype} is not this host's to run")
     assert engine.layouter.prompts_by_kernel
@@ -70,9 +70,9 @@ def test_a_tokens_logits_do_not_depend_on_chunking_company_or_recompute(tiny_mod
     assert torch.equal(keys[0, :70], keys[1, :70])
 
 
-def test_without_it_the_prompt_path_is_torchs_and_still_correct(tiny_model_dir):
+def test_without_it_the_default_the_prompt_path_is_torchs_and_still_correct(tiny_model_dir):
     on = invariant_engine(tiny_model_dir, "float32")
-    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32", batch_invariant=False)
+    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32")
     assert not off.layouter.prompts_by_kernel and not off.batch_invariant
     rng = random.Random(3)
     tokens = [rng.randrange(3, VOCAB) for _ in range(50)]
