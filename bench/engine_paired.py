@@ -22,7 +22,7 @@ bench/results/engine_paired_bf16_norm_b1.json):
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
   batch-invariant  prompt tokens attended by the paged decode kernel, each as a decode of its
-                 position (EngineConfig.batch_invariant; off: SDPA); prompt tokens/s
+                 position (EngineConfig.batch_invariant, an opt-in; off: SDPA); prompt tokens/s
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -98,7 +98,7 @@ def fused_layer(base: Engine) -> tuple[Engine, Engine]:
 
 
 def batch_invariant(base: Engine) -> tuple[Engine, Engine]:
-    return base, with_config(base, batch_invariant=False)
+    return with_config(base, batch_invariant=True), base
 
 
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),

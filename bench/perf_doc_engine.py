@@ -71,9 +71,10 @@ PAIRED_RUNS = (
     ("engine_paired_fused_layer_f32_b32.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b8_p128.json", "prompt tokens attended by the paged decode kernel, "
                                                         "each as a decode of its position (off: SDPA); prompt "
-                                                        "tok/s, 128-token prompts", "kept (numerics)"),
+                                                        "tok/s, 128-token prompts", "kept, opt-in (numerics)"),
     ("engine_paired_batch_invariant_f32_b8_p128.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b1_p512.json", "the same, 512-token prompts", ""),
+    ("engine_paired_batch_invariant_bf16_b1_p2048_t1.json", "the same, 2,048-token prompts, 1 thread", "(opt-in)"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
