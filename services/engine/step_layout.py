@@ -5,7 +5,8 @@ K/V is written, and what each attends to (services/engine/model.py: AttentionLay
     ordered, token_ids, attention = layout(batch.sequences)     # entries already checked
 
 Where the paged decode kernel exists, decodes are its rows, read from the cache in place. With
-`prompts_by_kernel` (the engine's batch_invariant setting), every token of a prompt chunk is a row
+`prompts_by_kernel` (the engine's batch_invariant setting, an opt-in: over long contexts it is
+slower than SDPA, bench/engine_paired.py batch-invariant), every token of a prompt chunk is a row
 of that kernel too, at its own context length: computed exactly as a decode of that position is,
 so a token's logits do not depend on how its prompt was chunked, on what else ran in its step, or
 on whether it is being recomputed (a preempted or moved sequence). Otherwise a chunk attends with
