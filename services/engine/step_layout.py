@@ -134,13 +134,11 @@ class StepLayouter:
     def _kernel_rows(self, sequences: list[SequenceWork]) -> PagedDecodes:
         """One kernel row per token: its sequence's block table and the keys up to its own."""
         widest = max(blocks_for(s.end, self.block_size) for s in sequences)
-        tables, lengths = [], []
-        for s in sequences:
-            table = (s.block_table + [0] * widest)[:widest]
-            for position in range(s.position, s.end):
-                tables.append(table)
-                lengths.append(position + 1)
-        return PagedDecodes(num_seqs=len(lengths), block_tables=torch.tensor(tables, dtype=torch.int64),
+        tables = torch.tensor([(s.block_table + [0] * widest)[:widest] for s in sequences], dtype=torch.int64)
+        lengths = [position + 1 for s in sequences for position in range(s.position, s.end)]
+        if len(lengths) > len(sequences):      # prompt chunks: each table once per token, in torch
+            tables = tables.repeat_interleave(torch.tensor([len(s.token_ids) for s in sequences]), dim=0)
+        return PagedDecodes(num_seqs=len(lengths), block_tables=tables,
                             context_lens=torch.tensor(lengths, dtype=torch.int64))
 
     def _windowed_attention(self, members: list[SequenceWork], len_before: int) -> ContextAttention:
