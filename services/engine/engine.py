@@ -102,9 +102,8 @@ class Engine:
         self.batch_invariant = self.layouter.prompts_by_kernel and self.model.linears_on_kernel()
         if config.batch_invariant and not self.batch_invariant:
             log.warning("batch_invariant is set but cannot hold here: it needs the paged decode kernel and "
-                        "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16); decode "
-                        "attention: %s, linear: %s", "paged C kernel" if kernel else "gather + SDPA",
-                        self.model.layers[0].qkv.backend)
+                        "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16); the "
+                        "engine-ready line names the paths this engine has")
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
