@@ -59,7 +59,7 @@ import grpc  # noqa: E402
 
 from bench.chaos_faults import (KINDS, NETNS_ENV, NETWORK_KINDS, Faults, MemoryWatch, make_namespace,  # noqa: E402
                                 network_unavailable, plot_memory)
-from bench.continuation import GreedyChecker, continuity  # noqa: E402
+from bench.continuation import GreedyChecker, continuity, texts_equal_undisturbed  # noqa: E402
 from bench.delay_proxy import ProxiedCluster  # noqa: E402
 from bench.harness import PRIORITIES, machine, make_parser, model_or_bench, progress, quantile, write_json  # noqa: E402
 from bench.qos_workloads import text_of_tokens  # noqa: E402
@@ -275,16 +275,6 @@ def main() -> None:
     report(args, results, completed, reference, faults, memory, live, missing, why_not, continuations)
 
 
-def invariant_texts(dtype: str, batch_invariant: bool) -> bool:
-    """Whether the CPU workers' texts in `dtype` ("float32", "bfloat16") do not depend on batch,
-    chunking or recompute on this host: fp32 yes (as the fp32 runs have always shown); bf16 with
-    the workers' batch_invariant on where the kernels run it."""
-    import torch
-
-    from services.engine.step_layout import batch_invariant_on_this_host
-    return dtype == "float32" or (batch_invariant and batch_invariant_on_this_host(getattr(torch, dtype)))
-
-
 def report(args, results, completed, reference, faults, memory, live, missing, why_not, continuations) -> None:
     mismatched = [r for r in completed if r.text != reference[r.prompt].text]
     first_fault = faults.log[0].at if faults.log else float("inf")
@@ -300,7 +290,7 @@ def report(args, results, completed, reference, faults, memory, live, missing, w
         "migrated": faults.migrations + sum(m for _, m in live),
         "failovers": faults.failovers + sum(f for f, _ in live),
         "texts_checked": len(completed), "texts_mismatched": len(mismatched), "unbilled": len(missing),
-        **continuations, "batch_invariant": invariant_texts(continuations["dtype"], args.batch_invariant),
+        **continuations, "batch_invariant": texts_equal_undisturbed(continuations["dtype"], args.batch_invariant),
         "worker_kills": faults.count("kill-worker"), "scheduler_kills": faults.count("kill-scheduler"),
         "router_kills": faults.count("kill-router"), "hangs": faults.count("hang"),
         "losses": faults.count("loss"), "partitions": faults.count("partition"), "delays": faults.count("delay"),

@@ -54,18 +54,11 @@ TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None
 
 @functools.cache
 def texts_are_batch_invariant(dtype: str) -> bool:
-    """Whether the fault tests' workers (test_failover.fault_config) in `dtype` ("fp32", "bf16")
-    keep greedy texts the same bits under any batch, chunking or recompute on this host. fp32 (the
-    workers' default settings): yes, its roundings are too small to flip a token on these models.
-    bf16 (batch_invariant on: services/engine/step_layout.py): where the linear kernel takes bf16
-    (avx512_bf16) and the paged decode kernel builds; else oneDNN's or torch's sums depend on the
-    batch."""
-    if dtype == "fp32":
-        return True
-    import torch
-
-    from services.engine.step_layout import batch_invariant_on_this_host
-    return batch_invariant_on_this_host(torch.bfloat16)
+    """Whether the fault tests' workers (test_failover.fault_config: fp32 with default settings,
+    bf16 with batch_invariant on) keep greedy texts equal to an undisturbed run's on this host
+    (bench/continuation.py)."""
+    from bench.continuation import texts_equal_undisturbed
+    return texts_equal_undisturbed(dtype, batch_invariant=dtype == "bf16")
 
 
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,
