@@ -22,7 +22,11 @@ bench/results/engine_paired_bf16_norm_b1.json):
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
   batch-invariant  prompt tokens attended by the paged decode kernel, each as a decode of its
-                 position (EngineConfig.batch_invariant, an opt-in; off: SDPA); prompt tokens/s
+                 position (EngineConfig.batch_invariant, an opt-in; off: the default prompt path,
+                 SDPA before the prompt kernel, bench/results/engine_paired_batch_invariant*.json);
+                 prompt tokens/s
+  prompt-kernel  prompt chunks attended by the paged prompt kernel (EngineConfig.prompt_attention;
+                 off: SDPA over the gathered context); prompt tokens/s
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
 """
@@ -101,9 +105,14 @@ def batch_invariant(base: Engine) -> tuple[Engine, Engine]:
     return with_config(base, batch_invariant=True), base
 
 
+def prompt_kernel(base: Engine) -> tuple[Engine, Engine]:
+    return base, with_config(base, prompt_attention="torch")
+
+
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
-           "bf16-kernel": ("bfloat16", bf16_kernel), "batch-invariant": ("bfloat16", batch_invariant)}
-PROMPT_CHANGES = {"batch-invariant"}      # measured on prompt tokens/s; the rest on decode tokens/s
+           "bf16-kernel": ("bfloat16", bf16_kernel), "batch-invariant": ("bfloat16", batch_invariant),
+           "prompt-kernel": ("bfloat16", prompt_kernel)}
+PROMPT_CHANGES = {"batch-invariant", "prompt-kernel"}      # measured on prompt tokens/s; the rest on decode tokens/s
 
 
 def main() -> None:

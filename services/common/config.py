@@ -41,7 +41,7 @@ ROUTING_MODES = ("cost", "primary", "slo-cost")           # RouterConfig.routing
 SCHEDULER_LINKS = ("stream", "calls")                     # RouterConfig.scheduler_link
 KV_CAP_MODES = ("strict", "elastic")                # SchedulerConfig.kv_cap_mode
 LONG_PROMPTS = ("refuse", "stream")                 # SchedulerConfig.long_prompts
-DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention
+DECODE_ATTENTION = ("auto", "kernel", "torch")      # WorkerConfig / EngineConfig.decode_attention, prompt_attention
 DEVICES = ("cuda", "npu", "cpu")
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")   # WorkerConfig.dtype
 
@@ -184,6 +184,10 @@ class WorkerConfig(ServiceConfig):
                                         kind=list, note="folders")
     decode_attention: str = setting("auto", "decode attention on CPU (fp32, bf16): the paged C kernel where it builds "
                                     "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
+                                    choices=DECODE_ATTENTION)
+    prompt_attention: str = setting("auto", "prompt attention on CPU (fp32, bf16): the paged prompt kernel where it "
+                                    "builds and takes the model (head size a multiple of 16) (auto), that or refuse to "
+                                    "start (kernel), or SDPA over the gathered context (torch)",
                                     choices=DECODE_ATTENTION)
     batch_invariant: bool = setting(False, "attend prompt tokens with the paged decode kernel too (CPU, fp32 or bf16), "
                                     "each as a decode of its position: a token's logits are then the same bits "

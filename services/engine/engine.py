@@ -27,7 +27,7 @@ from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCac
 from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, LlamaDecoder
-from services.engine.paged_attention import DecodeKernel, load_decode_kernel
+from services.engine.paged_attention import DecodeKernel, load_decode_kernel, load_prompt_kernel
 from services.engine.sampler import sample_step
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
@@ -57,6 +57,10 @@ class EngineConfig:
     # Decode attention: "auto" = the paged C kernel on CPU in fp32 or bf16 where it builds (else "torch"),
     # "kernel" = that kernel or fail, "torch" = gather + SDPA (services/engine/paged_attention.py).
     decode_attention: str = "auto"
+    # Prompt attention: "auto" = the paged prompt kernel on CPU in fp32 or bf16 where it builds and
+    # takes the model's head size (else "torch"), "kernel" = that kernel or fail, "torch" = SDPA over
+    # the gathered context. With batch_invariant on, prompts take the decode kernel instead.
+    prompt_attention: str = "auto"
     # Where the paged kernel attends decodes: prompt tokens too, each as a decode of its position, so
     # that a token's logits are the same bits however it was batched, chunked or recomputed
     # (services/engine/step_layout.py). Off by default: over long contexts it is slower than SDPA
@@ -70,9 +74,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)}, "
-                             f"got {self.decode_attention!r}")
+        for name in ("decode_attention", "prompt_attention"):
+            if getattr(self, name) not in DECODE_ATTENTION:
+                raise ValueError(f"{name} must be one of {', '.join(DECODE_ATTENTION)}, got {getattr(self, name)!r}")
         if not 1 <= self.max_loras <= self.max_cpu_loras:
             raise ValueError(f"need 1 <= max_loras <= max_cpu_loras, got {self.max_loras} and {self.max_cpu_loras}")
 
@@ -89,17 +93,22 @@ class Engine:
             keep_freed_memory()          # activations live in host memory (services/engine/host_memory.py)
             bound_onednn_caches()        # before the first primitive (services/engine/linear.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
-        self.decode_kernel = self._decode_kernel()
-        self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir),
-                                  self.device, self.dtype, config.prepack_linear, self.decode_kernel)
+        self.decode_kernel = self._kernel("decode_attention", load_decode_kernel)
+        c = self.model_config
+        # With batch_invariant, prompt tokens are decodes of their positions (step_layout.py).
+        self.prompt_kernel = None if config.batch_invariant and self.decode_kernel else self._kernel(
+            "prompt_attention", load_prompt_kernel, DecodeKernel.prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
+        self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir), self.device, self.dtype,
+                                  config.prepack_linear, self.decode_kernel, self.prompt_kernel)
         budget = config.kv_cache_bytes or int(self.backend.memory().free_bytes * config.kv_cache_fraction)
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         kernel = self.decode_kernel is not None
-        self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel, kernel and config.batch_invariant)
+        self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel,
+                                     (kernel and config.batch_invariant) or self.prompt_kernel is not None)
         # Same bits for a token however it is batched, chunked or recomputed (step_layout.py).
-        self.batch_invariant = self.layouter.prompts_by_kernel and self.model.linears_on_kernel()
+        self.batch_invariant = kernel and config.batch_invariant and self.model.linears_on_kernel()
         if config.batch_invariant and not self.batch_invariant:
             log.warning("batch_invariant is set but cannot hold here: it needs the paged decode kernel and "
                         "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16); the "
@@ -107,24 +116,27 @@ class Engine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
-        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; linear: %s; "
-                 "batch-invariant: %s", self.model_config.architecture, self.device, self.backend.name,
+        prompts = ("paged prompt kernel" if self.prompt_kernel else
+                   "paged decode kernel" if self.layouter.prompts_by_kernel else "SDPA")
+        log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; prompt attention: %s; "
+                 "linear: %s; batch-invariant: %s", self.model_config.architecture, self.device, self.backend.name,
                  self.threads, self.dtype, dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
-                 "paged C kernel" if self.decode_kernel else "gather + SDPA", self.model.layers[0].qkv.backend,
-                 "yes" if self.batch_invariant else "no")
+                 "paged C kernel" if self.decode_kernel else "gather + SDPA", prompts,
+                 self.model.layers[0].qkv.backend, "yes" if self.batch_invariant else "no")
 
-    def _decode_kernel(self) -> DecodeKernel | None:
-        choice = self.config.decode_attention
+    def _kernel(self, setting: str, load: Callable[[], DecodeKernel | None], takes_model: bool = True) -> DecodeKernel | None:
+        """The paged attention kernel that EngineConfig.<setting> asks for, or None (torch's path)."""
+        choice = getattr(self.config, setting)
         if choice == "torch":
             return None
-        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or not takes_model:
             if choice == "kernel":
-                raise ValueError(f"decode_attention='kernel' needs fp32 or bf16 on CPU, not {self.dtype} on {self.device}")
+                raise ValueError(f"{setting}='kernel' needs fp32 or bf16 on CPU and a model its kernel takes, not "
+                                 f"{self.dtype} on {self.device} with head_dim {self.model_config.head_dim}")
             return None
-        kernel = load_decode_kernel()
+        kernel = load()
         if kernel is None and choice == "kernel":
-            raise RuntimeError("decode_attention='kernel' but the paged decode kernel could not be "
-                               "built (the log says why)")
+            raise RuntimeError(f"{setting}='kernel' but its kernel could not be built (the log says why)")
         return kernel
 
     @property

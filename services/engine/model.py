@@ -144,10 +144,11 @@ def windowed_attention(query: torch.Tensor, sink_query: torch.Tensor, keys: torc
 class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, prepack_linear: bool = True,
-                 decode_kernel: DecodeKernel | None = None):
-        """`decode_kernel`: attends the layouts' PagedDecodes (services/engine/paged_attention.py)."""
+                 decode_kernel: DecodeKernel | None = None, prompt_kernel: DecodeKernel | None = None):
+        """`decode_kernel`: attends the layouts' decodes, and their prompts where `prompt_kernel` is
+        None (services/engine/paged_attention.py)."""
         self.config = config
-        self.decode_kernel = decode_kernel
+        self.decode_kernel, self.prompt_kernel = decode_kernel, prompt_kernel
         self.prepack = prepack_linear
         self.device, self.dtype = device, dtype
         reader = _WeightReader(tensors, device, dtype)
@@ -277,13 +278,13 @@ class LlamaDecoder:
             pieces.append(head(hidden))
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).float()
 
-    def _kernel_rows(self, q: torch.Tensor, start: int, rows: PagedDecodes, cache: PagedKVCache, layer: int,
-                     first: int = 0, end: int | None = None) -> torch.Tensor:
-        """Attention of `rows` [first:end] (queries from q[start + first:]) by the paged kernel."""
+    def _kernel_rows(self, kernel: DecodeKernel, q: torch.Tensor, start: int, rows: PagedDecodes,
+                     cache: PagedKVCache, layer: int, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Attention of `rows` [first:end] (queries from q[start + first:]) by a paged kernel."""
         c = self.config
         end = rows.num_seqs if end is None else min(end, rows.num_seqs)
         n = end - first
-        out = self.decode_kernel(q[start + first:start + end].reshape(n, c.num_kv_heads, -1, c.head_dim),
+        out = kernel(q[start + first:start + end].reshape(n, c.num_kv_heads, -1, c.head_dim),
                                  cache.keys[layer], cache.values[layer], rows.block_tables[first:end],
                                  rows.context_lens[first:end], cache.block_size, c.head_dim ** -0.5)
         return out.view(n, c.num_heads * c.head_dim)
@@ -297,13 +298,15 @@ class LlamaDecoder:
         width = c.num_heads * c.head_dim
         outputs = []
         if layout.decodes is not None:
-            outputs.append(self._kernel_rows(q, 0, layout.decodes, cache, layer))
+            outputs.append(self._kernel_rows(self.decode_kernel, q, 0, layout.decodes, cache, layer))
         if layout.prompts is not None:
-            # A prompt's tokens as decodes of their positions; with pauses, in pieces.
+            # A prompt's tokens as rows of the prompt kernel, or (batch-invariant) as decodes of
+            # their positions; with pauses, in pieces.
+            kernel = self.prompt_kernel or self.decode_kernel
             start, prompts = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
             piece = prompts.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
             for first in range(0, prompts.num_seqs, piece):
-                outputs.append(self._kernel_rows(q, start, prompts, cache, layer, first, first + piece))
+                outputs.append(self._kernel_rows(kernel, q, start, prompts, cache, layer, first, first + piece))
                 if pause is not None:
                     pause()
         for index, (group, (key_buffer, value_buffer)) in enumerate(zip(layout.cached, buffers)):

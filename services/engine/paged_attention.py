@@ -15,7 +15,14 @@ third of every cached slot, and the loads stalled.
     kernel = load_decode_kernel()        # None (with the reason logged) when it cannot be built
     out = kernel(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
 
-It is compiled on first use (services/engine/kernel_build.py); each call runs on
+Prompt chunks take the same rows (a token each, at its own context length) through a second
+kernel, kernels/paged_prompt_attention.c (load_prompt_kernel()), which tiles a chunk's query rows
+against transposed 16-key tiles instead of scoring key by key: measured against SDPA over the
+gathered context on this 2-core EPYC, SmolLM2's heads, fp32, per layer: a 136-token prompt 0.21
+vs 0.63 ms, 512 tokens 2.0 vs 5.4 ms, a 512-token chunk over 4,096 cached tokens 28 vs 39 ms
+(SDPA's figures without its gather); the decode kernel takes 0.53, 6.2 and 92 ms for them.
+
+They are compiled on first use (services/engine/kernel_build.py); each call runs on
 torch.get_num_threads() threads. Without a compiler the engine keeps the torch path.
 """
 from __future__ import annotations
@@ -29,13 +36,15 @@ from services.engine.kernel_build import (KernelBuildError, build_library as bui
                                           load_once, vector_flags)
 
 SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
+PROMPT_SOURCE = Path(__file__).with_name("kernels") / "paged_prompt_attention.c"
 # -ffast-math: the dot products and exponentials vectorise only so (the C file avoids infinities).
 # Compile-time only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process the moment the library loads (torch's maths included).
 _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
 
 
-__all__ = ["DecodeKernel", "KernelBuildError", "build_library", "load_decode_kernel"]
+__all__ = ["DecodeKernel", "KernelBuildError", "build_library", "build_prompt_library", "load_decode_kernel",
+           "load_prompt_kernel"]
 
 
 def build_library(compiler: str | None = None) -> Path:
@@ -43,14 +52,20 @@ def build_library(compiler: str | None = None) -> Path:
     return build_kernel(SOURCE, _COMPILE_FLAGS + vector_flags(), compiler)
 
 
-class DecodeKernel:
-    """The compiled kernel with its argument checks; calls release the GIL (ctypes)."""
+def build_prompt_library(compiler: str | None = None) -> Path:
+    """The prompt kernel: its micro-tile wants AVX-512's 32 vector registers where the CPU has them."""
+    return build_kernel(PROMPT_SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True), compiler)
 
-    def __init__(self, library: Path):
-        self.path = library
+
+class DecodeKernel:
+    """A compiled paged attention kernel (the decode one, or with `entry` the prompt one: same
+    arguments) with its argument checks; calls release the GIL (ctypes)."""
+
+    def __init__(self, library: Path, entry: str = "paged_decode_attention"):
+        self.path, self.entry = library, entry
         lib = ctypes.CDLL(str(library))
         self._fns = {}            # the cache's dtype -> its entry point (q and out are fp32 in both)
-        for dtype, name in ((torch.float32, "paged_decode_attention"), (torch.bfloat16, "paged_decode_attention_bf16")):
+        for dtype, name in ((torch.float32, entry), (torch.bfloat16, entry + "_bf16")):
             fn = getattr(lib, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
@@ -86,9 +101,17 @@ class DecodeKernel:
         status = self._fns[k_cache.dtype](*(t.data_ptr() for t in tensors), out.data_ptr(), num_seqs, kv_heads,
                                           group, head_dim, block_size, block_tables.shape[1], scale,
                                           torch.get_num_threads())
+        if status == 2:
+            raise ValueError(f"{self.entry} takes head_dim a multiple of 16 and at most 16 query heads "
+                             f"per kv head, not {head_dim} and {group}")
         if status != 0:
-            raise MemoryError("the decode kernel could not allocate its score buffers")
+            raise MemoryError(f"{self.entry} could not allocate its buffers")
         return out.to(q.dtype)
+
+    @staticmethod
+    def prompt_kernel_takes(head_dim: int, group: int) -> bool:
+        """Whether the prompt kernel takes a model of these shapes (its vectors are 16 wide)."""
+        return head_dim % 16 == 0 and group <= 16
 
 
 def load_decode_kernel() -> DecodeKernel | None:
@@ -96,5 +119,12 @@ def load_decode_kernel() -> DecodeKernel | None:
     return load_once("paged decode attention", lambda: DecodeKernel(build_library()), "gather + SDPA")
 
 
+def load_prompt_kernel() -> DecodeKernel | None:
+    """The prompt kernel, built on first use in this process; None (logged once) where it cannot be."""
+    return load_once("paged prompt attention",
+                     lambda: DecodeKernel(build_prompt_library(), "paged_prompt_attention"), "SDPA")
+
+
 if __name__ == "__main__":
     build_or_exit(build_library, "paged decode kernel")
+    build_or_exit(build_prompt_library, "paged prompt kernel")

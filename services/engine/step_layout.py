@@ -5,14 +5,15 @@ K/V is written, and what each attends to (services/engine/model.py: AttentionLay
     ordered, token_ids, attention = layout(batch.sequences)     # entries already checked
 
 Where the paged decode kernel exists, decodes are its rows, read from the cache in place. With
-`prompts_by_kernel` (the engine's batch_invariant setting, an opt-in: over long contexts it is
-slower than SDPA, bench/engine_paired.py batch-invariant), every token of a prompt chunk is a row
-of that kernel too, at its own context length: computed exactly as a decode of that position is,
-so a token's logits do not depend on how its prompt was chunked, on what else ran in its step, or
-on whether it is being recomputed (a preempted or moved sequence). Otherwise a chunk attends with
-torch's SDPA over its gathered context (or over its own K/V when it starts a prompt), whose sums
-run in an order that depends on the chunk's shape. Streaming-mode entries always take the
-windowed path (model.windowed_attention).
+`prompts_by_kernel`, every token of a prompt chunk is a row too, at its own context length, for
+the engine's prompt kernel (kernels/paged_prompt_attention.c, the default on CPU: it tiles a
+chunk's rows against its keys in place, faster than SDPA over a gathered copy) or, with the
+engine's batch_invariant setting (an opt-in), for the decode kernel: computed exactly as a decode
+of that position is, so a token's logits do not depend on how its prompt was chunked, on what else
+ran in its step, or on whether it is being recomputed (a preempted or moved sequence); over long
+contexts that is slower (bench/engine_paired.py batch-invariant). Otherwise (GPU, NPU, the kernels
+off) a chunk attends with torch's SDPA over its gathered context (or over its own K/V when it
+starts a prompt). Streaming-mode entries always take the windowed path (model.windowed_attention).
 """
 from __future__ import annotations
 
@@ -63,8 +64,6 @@ def group_decodes(decodes: list[SequenceWork], block_size: int) -> list[list[Seq
 
 class StepLayouter:
     def __init__(self, block_size: int, device: torch.device, decode_kernel: bool, prompts_by_kernel: bool):
-        if prompts_by_kernel and not decode_kernel:
-            raise ValueError("prompts_by_kernel needs the paged decode kernel")
         self.block_size, self.device = block_size, device
         self.decode_kernel, self.prompts_by_kernel = decode_kernel, prompts_by_kernel
 

@@ -319,7 +319,8 @@ def build_engine_config(model_dir: str, worker) -> EngineConfig:
                         block_size=worker.block_size, kv_cache_bytes=kv_bytes,
                         kv_cache_fraction=kv_fraction, num_threads=worker.threads,
                         max_loras=worker.max_loras, max_cpu_loras=worker.max_cpu_loras,
-                        decode_attention=worker.decode_attention, batch_invariant=worker.batch_invariant)
+                        decode_attention=worker.decode_attention, prompt_attention=worker.prompt_attention,
+                        batch_invariant=worker.batch_invariant)
 
 
 async def join_pool(scheduler: str, advertised: str, drain: Drain, trust: ClusterTrust) -> None:

@@ -70,10 +70,13 @@ def test_a_tokens_logits_do_not_depend_on_chunking_company_or_recompute(tiny_mod
     assert torch.equal(keys[0, :70], keys[1, :70])
 
 
-def test_without_it_the_default_the_prompt_path_is_torchs_and_still_correct(tiny_model_dir):
+@pytest.mark.parametrize("prompt_attention", ["auto", "torch"])
+def test_without_it_the_default_the_prompt_path_is_not_a_decodes_and_still_correct(tiny_model_dir, prompt_attention):
     on = invariant_engine(tiny_model_dir, "float32")
-    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32")
-    assert not off.layouter.prompts_by_kernel and not off.batch_invariant
+    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32", prompt_attention=prompt_attention)
+    assert not off.batch_invariant
+    # auto: the prompt kernel (its own arithmetic, not a decode's); torch: SDPA.
+    assert (off.prompt_kernel is not None) == (prompt_attention == "auto") == off.layouter.prompts_by_kernel
     rng = random.Random(3)
     tokens = [rng.randrange(3, VOCAB) for _ in range(50)]
     a, b = chunked(on, tokens, [20], slot=0), chunked(off, tokens, [20], slot=0)
