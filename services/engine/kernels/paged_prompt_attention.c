@@ -39,14 +39,6 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-static inline __attribute__((always_inline)) float load1(const void *cache, int64_t i, const int bf16) {
-    if (bf16) {
-        union { uint32_t u; float f; } v = { .u = (uint32_t)((const uint16_t *)cache)[i] << 16 };
-        return v.f;
-    }
-    return ((const float *)cache)[i];
-}
-
 /* Sixteen cache values from element i, widened to fp32 (bf16 is the top half of an fp32: exact). */
 static inline __attribute__((always_inline)) v16 load16(const void *cache, int64_t i, const int bf16) {
     v16 out;
@@ -69,19 +61,49 @@ struct run {                /* consecutive rows of one sequence */
     int64_t *where;         /* [len] element offset of each key's slot in the caches */
 };
 
+/* A 16 x 16 transpose in registers: at s = 8, 4, 2, 1, rows s apart swap the (s x s)-lane blocks
+ * that lie off the diagonal of their (2s x 2s) block. */
+static inline __attribute__((always_inline)) void transpose16(v16 r[LANES]) {
+    for (int i = 0; i < 8; i++) {
+        const v16 a = r[i], b = r[i + 8];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+        r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < LANES; i++) {
+        if (i & 4)
+            continue;
+        const v16 a = r[i], b = r[i + 4];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+        r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < LANES; i++) {
+        if (i & 2)
+            continue;
+        const v16 a = r[i], b = r[i + 2];
+        r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+        r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+    for (int i = 0; i < LANES; i += 2) {
+        const v16 a = r[i], b = r[i + 1];
+        r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+        r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    }
+}
+
+/* Keys 16 tile .. 16 tile + 15 of kv head h as kt[d][key] (zero past the run's keys), 16
+ * dimensions at a time through registers. */
 static inline __attribute__((always_inline)) void transpose_tile(
         const void *k_cache, const struct run *run, int64_t h, int64_t tile, int64_t head_dim,
         float *restrict kt, const int bf16) {
-    for (int64_t j = 0; j < LANES; j++) {
-        const int64_t t = tile * LANES + j;
-        if (t >= run->len) {
-            for (int64_t d = 0; d < head_dim; d++)
-                kt[d * LANES + j] = 0.0f;
-            continue;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {
+        v16 r[LANES];
+        for (int64_t j = 0; j < LANES; j++) {
+            const int64_t t = tile * LANES + j;
+            r[j] = t < run->len ? load16(k_cache, run->where[t] + h * head_dim + d0, bf16) : (v16){0};
         }
-        const int64_t key = run->where[t] + h * head_dim;
-        for (int64_t d = 0; d < head_dim; d++)
-            kt[d * LANES + j] = load1(k_cache, key + d, bf16);
+        transpose16(r);
+        for (int64_t d = 0; d < LANES; d++)
+            memcpy(kt + (d0 + d) * LANES, &r[d], sizeof r[d]);
     }
 }
 
