@@ -75,6 +75,15 @@ PAIRED_RUNS = (
     ("engine_paired_batch_invariant_f32_b8_p128.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b1_p512.json", "the same, 512-token prompts", ""),
     ("engine_paired_batch_invariant_bf16_b1_p2048_t1.json", "the same, 2,048-token prompts, 1 thread", "(opt-in)"),
+    ("engine_paired_prompt_kernel_bf16_b1_p512.json", "prompt chunks attended by the paged prompt kernel "
+                                                      "(off: SDPA over the gathered context); prompt tok/s, "
+                                                      "512-token prompts", "kept"),
+    ("engine_paired_prompt_kernel_bf16_b1_p2048.json", "the same, 2,048-token prompts", ""),
+    ("engine_paired_prompt_kernel_f32_b1_p2048.json", "", ""),
+    ("engine_paired_prompt_kernel_bf16_b8_p128.json", "the same, 128-token prompts", ""),
+    ("engine_paired_prompt_kernel_f32_b8_p128.json", "", ""),
+    ("engine_paired_batch_invariant_bf16_b1_p2048_vs_prompt_kernel.json", "prompt tokens as decodes "
+     "(batch_invariant) against the prompt kernel; 2,048-token prompts", "(opt-in)"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
