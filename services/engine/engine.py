@@ -63,8 +63,8 @@ class EngineConfig:
     prompt_attention: str = "auto"
     # Where the paged kernel attends decodes: prompt tokens too, each as a decode of its position, so
     # that a token's logits are the same bits however it was batched, chunked or recomputed
-    # (services/engine/step_layout.py). Off by default: over long contexts it is slower than SDPA
-    # (bench/engine_paired.py batch-invariant). No effect without the kernel (GPU, NPU, fp16, "torch").
+    # (services/engine/step_layout.py). Off by default: over long contexts it is slower than the
+    # prompt kernel (bench/engine_paired.py batch-invariant). No effect without the kernel (GPU, NPU, fp16, "torch").
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:

@@ -285,8 +285,8 @@ class LlamaDecoder:
         end = rows.num_seqs if end is None else min(end, rows.num_seqs)
         n = end - first
         out = kernel(q[start + first:start + end].reshape(n, c.num_kv_heads, -1, c.head_dim),
-                                 cache.keys[layer], cache.values[layer], rows.block_tables[first:end],
-                                 rows.context_lens[first:end], cache.block_size, c.head_dim ** -0.5)
+                     cache.keys[layer], cache.values[layer], rows.block_tables[first:end],
+                     rows.context_lens[first:end], cache.block_size, c.head_dim ** -0.5)
         return out.view(n, c.num_heads * c.head_dim)
 
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
