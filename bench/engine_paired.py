@@ -21,14 +21,15 @@ bench/results/engine_paired_bf16_norm_b1.json):
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
-  batch-invariant  prompt tokens attended by the paged decode kernel, each as a decode of its
-                 position (EngineConfig.batch_invariant, an opt-in; off: the default prompt path,
-                 SDPA before the prompt kernel, bench/results/engine_paired_batch_invariant*.json);
-                 prompt tokens/s
+  batch-invariant  EngineConfig.batch_invariant, an opt-in: decodes attended by the paged prompt
+                 kernel too (off: the paged decode kernel); prompt tokens/s, or with
+                 --figure tok_s decode tokens/s. Its first form, prompt tokens attended by the
+                 decode kernel (off: SDPA, then the prompt kernel), is in
+                 bench/results/engine_paired_batch_invariant_{bf16,f32}_b*_p*.json
   prompt-kernel  prompt chunks attended by the paged prompt kernel (EngineConfig.prompt_attention;
                  off: SDPA over the gathered context); prompt tokens/s
 
-    python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--json PATH]
+    python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--figure tok_s] [--json PATH]
 """
 from __future__ import annotations
 
@@ -124,6 +125,8 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", help="the engines' dtype (default: the change's)")
+    parser.add_argument("--figure", choices=["tok_s", "prefill_tok_s"],
+                        help="the ratio of decode (tok_s) or prompt tok/s (default: the change's)")
     args = parser.parse_args()
     if args.pairs < 2:
         parser.error("need at least 2 pairs for an interval")
@@ -138,7 +141,7 @@ def main() -> None:
     workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
     for engine in (on, off):      # warm-up: kernel selection, first-touch memory
         ours_batched(engine, workload, args.batch)
-    figure = "prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s"
+    figure = args.figure or ("prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s")
     pairs = []
     for pair in range(args.pairs):
         order = ("on", "off") if pair % 2 == 0 else ("off", "on")

@@ -59,12 +59,12 @@ class EngineConfig:
     decode_attention: str = "auto"
     # Prompt attention: "auto" = the paged prompt kernel on CPU in fp32 or bf16 where it builds and
     # takes the model's head size (else "torch"), "kernel" = that kernel or fail, "torch" = SDPA over
-    # the gathered context. With batch_invariant on, prompts take the decode kernel instead.
+    # the gathered context.
     prompt_attention: str = "auto"
-    # Where the paged kernel attends decodes: prompt tokens too, each as a decode of its position, so
-    # that a token's logits are the same bits however it was batched, chunked or recomputed
-    # (services/engine/step_layout.py). Off by default: over long contexts it is slower than the
-    # prompt kernel (bench/engine_paired.py batch-invariant). No effect without the kernel (GPU, NPU, fp16, "torch").
+    # Decodes attended by the prompt kernel too, so that a token's logits are the same bits however
+    # it was batched, chunked or recomputed (services/engine/step_layout.py). Off by default for its
+    # price on decodes over long contexts (bench/engine_paired.py batch-invariant). No effect without
+    # both kernels (GPU, NPU, fp16, either attention setting "torch").
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -93,11 +93,14 @@ class Engine:
             keep_freed_memory()          # activations live in host memory (services/engine/host_memory.py)
             bound_onednn_caches()        # before the first primitive (services/engine/linear.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
-        self.decode_kernel = self._kernel("decode_attention", load_decode_kernel)
         c = self.model_config
-        # With batch_invariant, prompt tokens are decodes of their positions (step_layout.py).
-        self.prompt_kernel = None if config.batch_invariant and self.decode_kernel else self._kernel(
-            "prompt_attention", load_prompt_kernel, DecodeKernel.prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
+        self.prompt_kernel = self._kernel("prompt_attention", load_prompt_kernel,
+                                          DecodeKernel.prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
+        self.decode_kernel = self._kernel("decode_attention", load_decode_kernel)
+        # Batch-invariant: decodes attended by the prompt kernel too, so that a token is computed
+        # alike as a decode and inside a prompt (kernels/paged_prompt_attention.c).
+        if config.batch_invariant and self.decode_kernel is not None and self.prompt_kernel is not None:
+            self.decode_kernel = self.prompt_kernel
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir), self.device, self.dtype,
                                   config.prepack_linear, self.decode_kernel, self.prompt_kernel)
         budget = config.kv_cache_bytes or int(self.backend.memory().free_bytes * config.kv_cache_fraction)
@@ -105,23 +108,22 @@ class Engine:
                                                   config.block_size)
         self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
         kernel = self.decode_kernel is not None
-        self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel,
-                                     (kernel and config.batch_invariant) or self.prompt_kernel is not None)
+        self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel, self.prompt_kernel is not None)
         # Same bits for a token however it is batched, chunked or recomputed (step_layout.py).
-        self.batch_invariant = kernel and config.batch_invariant and self.model.linears_on_kernel()
+        self.batch_invariant = kernel and self.decode_kernel is self.prompt_kernel and self.model.linears_on_kernel()
         if config.batch_invariant and not self.batch_invariant:
-            log.warning("batch_invariant is set but cannot hold here: it needs the paged decode kernel and "
-                        "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16); the "
-                        "engine-ready line names the paths this engine has")
+            log.warning("batch_invariant is set but cannot hold here: it needs the paged attention kernels and "
+                        "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16, head size a "
+                        "multiple of 16); the engine-ready line names the paths this engine has")
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
-        prompts = ("paged prompt kernel" if self.prompt_kernel else
-                   "paged decode kernel" if self.layouter.prompts_by_kernel else "SDPA")
+        decodes = ("gather + SDPA" if not kernel else
+                   "paged prompt kernel" if self.decode_kernel is self.prompt_kernel else "paged decode kernel")
         log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; prompt attention: %s; "
                  "linear: %s; batch-invariant: %s", self.model_config.architecture, self.device, self.backend.name,
                  self.threads, self.dtype, dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
-                 "paged C kernel" if self.decode_kernel else "gather + SDPA", prompts,
+                 decodes, "paged prompt kernel" if self.prompt_kernel else "SDPA",
                  self.model.layers[0].qkv.backend, "yes" if self.batch_invariant else "no")
 
     def _kernel(self, setting: str, load: Callable[[], DecodeKernel | None], takes_model: bool = True) -> DecodeKernel | None:

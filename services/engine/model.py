@@ -145,8 +145,8 @@ class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, prepack_linear: bool = True,
                  decode_kernel: DecodeKernel | None = None, prompt_kernel: DecodeKernel | None = None):
-        """`decode_kernel`: attends the layouts' decodes, and their prompts where `prompt_kernel` is
-        None (services/engine/paged_attention.py)."""
+        """`decode_kernel`, `prompt_kernel`: attend the layouts' decodes and prompt chunks
+        (services/engine/paged_attention.py; one kernel for both in a batch-invariant engine)."""
         self.config = config
         self.decode_kernel, self.prompt_kernel = decode_kernel, prompt_kernel
         self.prepack = prepack_linear
@@ -300,13 +300,12 @@ class LlamaDecoder:
         if layout.decodes is not None:
             outputs.append(self._kernel_rows(self.decode_kernel, q, 0, layout.decodes, cache, layer))
         if layout.prompts is not None:
-            # A prompt's tokens as rows of the prompt kernel, or (batch-invariant) as decodes of
-            # their positions; with pauses, in pieces.
-            kernel = self.prompt_kernel or self.decode_kernel
+            # A prompt's tokens as rows of the prompt kernel; with pauses, in pieces.
             start, prompts = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
             piece = prompts.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
             for first in range(0, prompts.num_seqs, piece):
-                outputs.append(self._kernel_rows(kernel, q, start, prompts, cache, layer, first, first + piece))
+                outputs.append(self._kernel_rows(self.prompt_kernel, q, start, prompts, cache, layer, first,
+                                                 first + piece))
                 if pause is not None:
                     pause()
         for index, (group, (key_buffer, value_buffer)) in enumerate(zip(layout.cached, buffers)):

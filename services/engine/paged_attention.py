@@ -102,8 +102,8 @@ class DecodeKernel:
                                           group, head_dim, block_size, block_tables.shape[1], scale,
                                           torch.get_num_threads())
         if status == 2:
-            raise ValueError(f"{self.entry} takes head_dim a multiple of 16 and at most 16 query heads "
-                             f"per kv head, not {head_dim} and {group}")
+            raise ValueError(f"{self.entry} takes head_dim a multiple of 16 up to 256 and at most 16 query "
+                             f"heads per kv head, not {head_dim} and {group}")
         if status != 0:
             raise MemoryError(f"{self.entry} could not allocate its buffers")
         return out.to(q.dtype)
@@ -111,7 +111,7 @@ class DecodeKernel:
     @staticmethod
     def prompt_kernel_takes(head_dim: int, group: int) -> bool:
         """Whether the prompt kernel takes a model of these shapes (its vectors are 16 wide)."""
-        return head_dim % 16 == 0 and group <= 16
+        return head_dim % 16 == 0 and head_dim <= 256 and group <= 16
 
 
 def load_decode_kernel() -> DecodeKernel | None:

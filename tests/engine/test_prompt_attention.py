@@ -68,10 +68,12 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_how_its_chunk_is_cut(kernel, dtype):
-    """Chunked prefill, pieces between pauses, other prompts in the call: the same bits per token."""
+    """Chunked prefill, pieces between pauses, other prompts in the call, one token at a time (as
+    decodes): the same bits per token."""
     q, k_cache, v_cache, tables, lens = random_case(11, [(40, 61), (0, 23)], 3, 3, 64, 16, dtype)
     whole = kernel(q, k_cache, v_cache, tables, lens, 16, 0.125)
-    for cuts in ([0, 1, 61], [0, 13, 14, 47, 84], [0, 61, 84], [30, 84]):
+    singles = list(range(85))         # every token alone: a decode of its position
+    for cuts in ([0, 1, 61], [0, 13, 14, 47, 84], [0, 61, 84], [30, 84], singles):
         for start, end in zip(cuts, cuts[1:]):
             piece = kernel(q[start:end], k_cache, v_cache, tables[start:end], lens[start:end], 16, 0.125)
             assert torch.equal(piece, whole[start:end]), (cuts, start, end)
@@ -119,6 +121,7 @@ def test_engine_prompt_attention_setting(tiny_model_dir):
         make_engine(tiny_model_dir, prompt_attention="kernel", dtype="float16")
     require_decode_kernel_compiler("kernel")
     assert make_engine(tiny_model_dir).prompt_kernel is not None          # auto, on CPU
-    # batch_invariant keeps prompts on the decode kernel: a decode's arithmetic, not this one's.
+    # batch_invariant: decodes on the prompt kernel too, one arithmetic for a token either way.
     invariant = make_engine(tiny_model_dir, batch_invariant=True)
-    assert invariant.prompt_kernel is None and invariant.layouter.prompts_by_kernel
+    assert invariant.decode_kernel is invariant.prompt_kernel is not None and invariant.batch_invariant
+    assert make_engine(tiny_model_dir).decode_kernel is not make_engine(tiny_model_dir).prompt_kernel

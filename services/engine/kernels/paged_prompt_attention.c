@@ -1,28 +1,33 @@
-/* Prompt attention read straight from the paged KV cache (an fp32 or bf16 cache, CPU).
+/* Prompt attention read straight from the paged KV cache (an fp32 or bf16 cache, CPU), and, for a
+ * batch-invariant engine, decode attention too.
  *
  * The rows are those of the paged decode kernel (kernels/paged_decode_attention.c): one query
  * token per row, with its sequence's block table and its own context length. A prompt chunk is
- * a run of such rows: the same table, lengths one apart. The decode kernel scores each (query
- * row, key) pair as a dot product ending in a horizontal sum, and reads every key once per query
- * token; over long contexts that is several times slower than SDPA. Here a run's keys are
- * transposed once per call into 16-key tiles ([head_dim][16], fp32), and a micro-tile of MR query
- * rows scores 16 keys with one fused multiply-add per (row, dimension): the scores of a row are a
- * chain over the dimensions in order, in the lanes of one vector, as a matrix product computes
- * them. The weighted values are summed the same way, MR rows x 64 dimensions in registers, the
- * keys in order. The keys are read where they lie in the cache: no gathered copy of the context,
- * which the SDPA path makes in every layer.
+ * a run of such rows: the same table, lengths one apart; a decode is a run of one. The decode
+ * kernel scores each (query row, key) pair as a dot product ending in a horizontal sum, and reads
+ * every key once per query token; over long contexts that is several times slower than SDPA.
+ * Here a micro-tile of MR query rows scores a 16-key tile, the keys transposed to [head_dim][16]
+ * fp32, with one fused multiply-add per (row, dimension): the scores of a row are a chain over the
+ * dimensions in order, in the lanes of one vector, as a matrix product computes them. The weighted
+ * values are summed the same way, MR rows x 64 dimensions in registers, the keys in order. The
+ * keys are read where they lie in the cache: no gathered copy of the context, which the SDPA path
+ * makes in every layer. A long chunk's keys are transposed once per call into a buffer its tasks
+ * share; a decode's or a short chunk's, tile by tile as they are scored.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
- * share its micro-tile or its call: a prompt token's attention is the same bits however its
- * prompt was chunked. It differs in its last bits from the decode kernel's, whose sums run in
- * another order; the engine's batch_invariant setting keeps prompts on the decode kernel.
+ * share its micro-tile, its task or its call: the arithmetic (score_tile, softmax_row, values_*)
+ * is one copy of machine code whichever path feeds it. So a token's attention is the same bits
+ * however its prompt was chunked, and whether it is computed as a decode or inside a prompt
+ * (recomputed after a preemption or a failover). It differs in its last bits from the decode
+ * kernel's, whose sums run in another order: an engine with batch_invariant on attends its
+ * decodes here too.
  *
  * Layouts (all contiguous, row-major), as the decode kernel's:
  *   q, out        [rows, kv_heads, group, head_dim] fp32
  *   k_cache, v    [num_slots, kv_heads, head_dim] fp32 (paged_prompt_attention) or bf16 (_bf16)
  *   block_tables  [rows, max_blocks] int64; context_lens [rows] int64 (>= 1)
- * head_dim must be a multiple of 16 and group at most 16 (else the call returns 2 and does
- * nothing). Built with -ffast-math (the exponentials vectorise only so); no infinity is used.
+ * head_dim must be a multiple of 16 up to 256 and group at most 16 (else the call returns 2 and
+ * does nothing). Built with -ffast-math (the exponentials vectorise only so); no infinity is used.
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +38,7 @@
 #define MR 4            /* query rows a micro-tile keeps in registers */
 #define TOKENS 8        /* query tokens of a task (times the group: its rows) */
 #define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
 #define CHUNK 4         /* vectors of a value row summed at once (64 dimensions) */
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -107,90 +113,124 @@ static inline __attribute__((always_inline)) void transpose_tile(
     }
 }
 
-/* Rows of `count` tokens (from token t0 of the run) for kv head h: scores, softmax, values. */
+/* Scores of MR query rows against one 16-key tile, each a chain of fused multiply-adds over the
+ * dimensions in order, times the scale. Never inlined: prompt tasks and decode tasks run these
+ * very instructions, so a row's scores are the same bits whichever computes it. */
+static __attribute__((noinline)) void score_tile(const float *restrict kt, const float *const qm[MR],
+                                                 int64_t head_dim, float scale, v16 out[MR]) {
+    v16 acc[MR] = {{0}};
+    for (int64_t d = 0; d < head_dim; d++) {
+        v16 k;
+        memcpy(&k, kt + d * LANES, sizeof k);
+        for (int m = 0; m < MR; m++)
+            acc[m] += k * qm[m][d];
+    }
+    for (int m = 0; m < MR; m++)
+        out[m] = acc[m] * scale;
+}
+
+/* Softmax of a row's scores over its `len` keys in place, zero up to `width`; returns 1 / sum.
+ * Not inlined, as score_tile. */
+static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t len, int64_t width) {
+    float best = sr[0];
+    for (int64_t t = 1; t < len; t++)
+        best = sr[t] > best ? sr[t] : best;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        sr[t] = expf(sr[t] - best);
+        sum += sr[t];
+    }
+    for (int64_t t = len; t < width; t++)       /* keys past the row's own: weight 0 */
+        sr[t] = 0.0f;
+    return 1.0f / sum;
+}
+
+/* o[m] = sum over keys t of p[m][t] * value t (dimensions d0 .. d0 + 16 chunks), keys in order,
+ * for MR rows at once. Not inlined, as score_tile; one copy per cache dtype. */
+#define VALUES(name, bf16)                                                                            \
+static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                  \
+        const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks,               \
+        v16 o[MR][CHUNK]) {                                                                           \
+    for (int m = 0; m < MR; m++)                                                                      \
+        for (int c = 0; c < CHUNK; c++)                                                               \
+            o[m][c] = (v16){0};                                                                       \
+    for (int64_t t = 0; t < keys; t++) {                                                              \
+        v16 v[CHUNK];                                                                                 \
+        for (int c = 0; c < CHUNK; c++)                                                               \
+            v[c] = c < chunks ? load16(v_cache, where[t] + offset + c * LANES, bf16) : (v16){0};     \
+        for (int m = 0; m < MR; m++)                                                                  \
+            for (int c = 0; c < CHUNK; c++)                                                           \
+                o[m][c] += pm[m][t] * v[c];                                                           \
+    }                                                                                                 \
+}
+VALUES(values_f32, 0)
+VALUES(values_bf16, 1)
+
+/* Rows of `count` tokens (from token t0 of the run) for kv heads h0 .. h0 + heads - 1: scores,
+ * softmax, values. The keys come transposed from the run's buffer where it has one (a long chunk,
+ * whose tasks share it), else each tile is transposed here as it is needed (a decode, a short
+ * chunk: read once). */
 static inline __attribute__((always_inline)) void attend_task(
-        const float *q, const void *v_cache, const struct run *run, const int64_t *lens, int64_t t0,
-        int64_t count, int64_t h, float *out, float *restrict scores, int64_t kv_heads, int64_t group,
-        int64_t head_dim, float scale, const int bf16) {
+        const float *q, const void *k_cache, const void *v_cache, const struct run *run,
+        const int64_t *lens, int64_t t0, int64_t count, int64_t h0, int64_t heads, float *out,
+        float *restrict scores, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
+        const int bf16) {
     const int64_t rows = count * group;
     const int64_t width = (lens[run->first + t0 + count - 1] + LANES - 1) / LANES * LANES;
     const float *qrow[TOKENS * MAX_GROUP];
     float *orow[TOKENS * MAX_GROUP];
     int64_t len[TOKENS * MAX_GROUP];
     float inverse[TOKENS * MAX_GROUP];
-    for (int64_t r = 0; r < rows; r++) {          /* token-major, so lengths never decrease */
-        const int64_t row = run->first + t0 + r / group;
-        const int64_t at = ((row * kv_heads + h) * group + r % group) * head_dim;
-        qrow[r] = q + at;
-        orow[r] = out + at;
-        len[r] = lens[row];
-    }
-    const float *kt_head = run->kt + h * run->tiles * head_dim * LANES;
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
-        /* a short micro-tile repeats its first row in the unused lanes, never stored */
-        const float *qm[MR];
-        for (int m = 0; m < MR; m++)
-            qm[m] = qrow[r0 + (m < m_rows ? m : 0)];
-        for (int64_t tile = 0; tile * LANES < len[r0 + m_rows - 1]; tile++) {
-            const float *restrict kt = kt_head + tile * head_dim * LANES;
-            v16 acc[MR] = {{0}};
-            for (int64_t d = 0; d < head_dim; d++) {
-                v16 k;
-                memcpy(&k, kt + d * LANES, sizeof k);
+    float local[MAX_HEAD_DIM * LANES];
+    for (int64_t h = h0; h < h0 + heads; h++) {
+        for (int64_t r = 0; r < rows; r++) {          /* token-major, so lengths never decrease */
+            const int64_t row = run->first + t0 + r / group;
+            const int64_t at = ((row * kv_heads + h) * group + r % group) * head_dim;
+            qrow[r] = q + at;
+            orow[r] = out + at;
+            len[r] = lens[row];
+        }
+        for (int64_t tile = 0; tile * LANES < len[rows - 1]; tile++) {
+            const float *kt = run->kt ? run->kt + (h * run->tiles + tile) * head_dim * LANES : local;
+            if (run->kt == NULL)
+                transpose_tile(k_cache, run, h, tile, head_dim, local, bf16);
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
+                if (tile * LANES >= len[r0 + m_rows - 1])
+                    continue;
+                /* a short micro-tile repeats its first row in the unused lanes, never stored */
+                const float *qm[MR];
                 for (int m = 0; m < MR; m++)
-                    acc[m] += k * qm[m][d];
-            }
-            for (int m = 0; m < m_rows; m++) {
-                const v16 s = acc[m] * scale;
-                memcpy(scores + (r0 + m) * width + tile * LANES, &s, sizeof s);
+                    qm[m] = qrow[r0 + (m < m_rows ? m : 0)];
+                v16 s[MR];
+                score_tile(kt, qm, head_dim, scale, s);
+                for (int m = 0; m < m_rows; m++)
+                    memcpy(scores + (r0 + m) * width + tile * LANES, &s[m], sizeof s[m]);
             }
         }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        float *restrict sr = scores + r * width;
-        float best = sr[0];
-        for (int64_t t = 1; t < len[r]; t++)
-            best = sr[t] > best ? sr[t] : best;
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len[r]; t++) {
-            sr[t] = expf(sr[t] - best);
-            sum += sr[t];
-        }
-        for (int64_t t = len[r]; t < width; t++)       /* keys past the row's own: weight 0 */
-            sr[t] = 0.0f;
-        inverse[r] = 1.0f / sum;
-    }
-    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-        const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
-        const float *pm[MR];
-        for (int m = 0; m < MR; m++)
-            pm[m] = scores + (r0 + (m < m_rows ? m : 0)) * width;
-        const int64_t keys = len[r0 + m_rows - 1];
-        for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
-            const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
-            v16 o[MR][CHUNK] = {{{0}}};
-            for (int64_t t = 0; t < keys; t++) {
-                const int64_t value = run->where[t] + h * head_dim + d0;
-                v16 v[CHUNK];
-                for (int c = 0; c < CHUNK; c++)
-                    v[c] = c < chunks ? load16(v_cache, value + c * LANES, bf16) : (v16){0};
-                for (int m = 0; m < MR; m++)
-                    for (int c = 0; c < CHUNK; c++)
-                        o[m][c] += pm[m][t] * v[c];
+        for (int64_t r = 0; r < rows; r++)
+            inverse[r] = softmax_row(scores + r * width, len[r], width);
+        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+            const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
+            const float *pm[MR];
+            for (int m = 0; m < MR; m++)
+                pm[m] = scores + (r0 + (m < m_rows ? m : 0)) * width;
+            for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
+                const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
+                v16 o[MR][CHUNK];
+                (bf16 ? values_bf16 : values_f32)(pm, len[r0 + m_rows - 1], run->where, v_cache,
+                                                  h * head_dim + d0, chunks, o);
+                for (int m = 0; m < m_rows; m++)
+                    for (int c = 0; c < chunks; c++) {
+                        const v16 result = o[m][c] * inverse[r0 + m];
+                        memcpy(orow[r0 + m] + d0 + c * LANES, &result, sizeof result);
+                    }
             }
-            for (int m = 0; m < m_rows; m++)
-                for (int c = 0; c < chunks; c++) {
-                    const v16 result = o[m][c] * inverse[r0 + m];
-                    memcpy(orow[r0 + m] + d0 + c * LANES, &result, sizeof result);
-                }
         }
     }
 }
 
-static inline int64_t tasks_of(const struct run *run) {
-    return (run->tokens + TOKENS - 1) / TOKENS;
-}
+struct task { int64_t run, h0, heads, t0, count; };
 
 /* Returns 0; 2 for a shape it does not take; -1 when it could not allocate its buffers.
  * `threads` as the decode kernel's (torch.get_num_threads(), passed by the caller). */
@@ -198,11 +238,14 @@ static inline __attribute__((always_inline)) int attend_all(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
         const int64_t *lens, float *out, int64_t num_rows, int64_t kv_heads, int64_t group,
         int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int threads, const int bf16) {
-    if (head_dim % LANES || group > MAX_GROUP || num_rows < 1)
+    if (head_dim % LANES || head_dim > MAX_HEAD_DIM || group > MAX_GROUP || num_rows < 1)
         return num_rows < 1 ? 0 : 2;
     struct run *runs = malloc(sizeof(struct run) * (size_t)num_rows);
-    if (runs == NULL)
+    struct task *tasks = malloc(sizeof(struct task) * (size_t)(num_rows * kv_heads));
+    if (runs == NULL || tasks == NULL) {
+        free(runs), free(tasks);
         return -1;
+    }
     int64_t num_runs = 0;
     for (int64_t s = 0; s < num_rows; s++) {
         const int64_t *table = block_tables + s * max_blocks;
@@ -212,59 +255,75 @@ static inline __attribute__((always_inline)) int attend_all(
         else
             runs[num_runs++] = (struct run){ .first = s, .tokens = 1 };
     }
-    int64_t kt_floats = 0, where_ints = 0, tiles = 0, tasks = 0;
+    /* A run of up to TOKENS tokens is one task over all kv heads, reading each cached slot front to
+     * back (a task per head read a third of each slot, and stalled on its loads: the decode
+     * kernel's measurement); a longer one is a task per (kv head, TOKENS tokens), its keys
+     * transposed once into a buffer the tasks share. */
+    int64_t kt_floats = 0, where_ints = 0, tiles = 0, num_tasks = 0;
     for (int64_t i = 0; i < num_runs; i++) {
         struct run *run = &runs[i];
         run->len = lens[run->first + run->tokens - 1];
         run->tiles = (run->len + LANES - 1) / LANES;
-        kt_floats += kv_heads * run->tiles * head_dim * LANES;
         where_ints += run->len;
+        if (run->tokens <= TOKENS) {
+            tasks[num_tasks++] = (struct task){ i, 0, kv_heads, 0, run->tokens };
+            continue;
+        }
+        kt_floats += kv_heads * run->tiles * head_dim * LANES;
         tiles += kv_heads * run->tiles;
-        tasks += kv_heads * tasks_of(run);
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t t0 = 0; t0 < run->tokens; t0 += TOKENS)
+                tasks[num_tasks++] = (struct task){ i, h, 1, t0,
+                                                    run->tokens - t0 < TOKENS ? run->tokens - t0 : TOKENS };
     }
-    float *kt = malloc(sizeof(float) * (size_t)kt_floats);
+    float *kt = kt_floats ? malloc(sizeof(float) * (size_t)kt_floats) : NULL;
     int64_t *where = malloc(sizeof(int64_t) * (size_t)where_ints);
-    if (kt == NULL || where == NULL) {
-        free(runs), free(kt), free(where);
+    if ((kt_floats && kt == NULL) || where == NULL) {
+        free(runs), free(tasks), free(kt), free(where);
         return -1;
     }
     for (int64_t i = 0, k = 0, w = 0; i < num_runs; i++) {
         struct run *run = &runs[i];
         const int64_t *table = block_tables + run->first * max_blocks;
-        run->kt = kt + k;
         run->where = where + w;
-        k += kv_heads * run->tiles * head_dim * LANES;
         w += run->len;
         for (int64_t t = 0; t < run->len; t++)
             run->where[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * head_dim;
+        run->kt = NULL;
+        if (run->tokens > TOKENS) {
+            run->kt = kt + k;
+            k += kv_heads * run->tiles * head_dim * LANES;
+        }
     }
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-    for (int64_t u = 0; u < tiles; u++) {
-        int64_t i = 0, rest = u;
-        while (rest >= kv_heads * runs[i].tiles)
-            rest -= kv_heads * runs[i++].tiles;
-        transpose_tile(k_cache, &runs[i], rest / runs[i].tiles, rest % runs[i].tiles, head_dim,
-                       runs[i].kt + rest * head_dim * LANES, bf16);
+    if (tiles) {
+        #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
+        for (int64_t u = 0; u < tiles; u++) {
+            int64_t i = 0, rest = u;
+            while (runs[i].kt == NULL || rest >= kv_heads * runs[i].tiles) {
+                if (runs[i].kt != NULL)
+                    rest -= kv_heads * runs[i].tiles;
+                i++;
+            }
+            transpose_tile(k_cache, &runs[i], rest / runs[i].tiles, rest % runs[i].tiles, head_dim,
+                           runs[i].kt + rest * head_dim * LANES, bf16);
+        }
     }
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|: failed)
-    for (int64_t task = 0; task < tasks; task++) {
-        int64_t i = 0, rest = task;
-        while (rest >= kv_heads * tasks_of(&runs[i]))
-            rest -= kv_heads * tasks_of(&runs[i++]);
-        const struct run *run = &runs[i];
-        const int64_t h = rest / tasks_of(run), t0 = rest % tasks_of(run) * TOKENS;
-        const int64_t count = run->tokens - t0 < TOKENS ? run->tokens - t0 : TOKENS;
-        const int64_t width = (lens[run->first + t0 + count - 1] + LANES - 1) / LANES * LANES;
-        float *scores = malloc(sizeof(float) * (size_t)(count * group * width));
+    for (int64_t i = 0; i < num_tasks; i++) {
+        const struct task *task = &tasks[i];
+        const struct run *run = &runs[task->run];
+        const int64_t width = (lens[run->first + task->t0 + task->count - 1] + LANES - 1) / LANES * LANES;
+        float *scores = malloc(sizeof(float) * (size_t)(task->count * group * width));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        attend_task(q, v_cache, run, lens, t0, count, h, out, scores, kv_heads, group, head_dim, scale, bf16);
+        attend_task(q, k_cache, v_cache, run, lens, task->t0, task->count, task->h0, task->heads, out, scores,
+                    kv_heads, group, head_dim, scale, bf16);
         free(scores);
     }
-    free(runs), free(kt), free(where);
+    free(runs), free(tasks), free(kt), free(where);
     return failed ? -1 : 0;
 }
 
