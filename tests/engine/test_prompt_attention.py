@@ -55,8 +55,9 @@ def random_case(seed: int, chunks, kv_heads: int, group: int, head_dim: int, blo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size, dtype):
     # A fresh prompt, chunks over cached context (one ending a block exactly, one a token past it),
-    # a one-token chunk and one of 9 tokens (a micro-tile and a task boundary crossed), in one call.
-    chunks = [(0, 37), (3 * block_size, 20), (2 * block_size - 1, 1), (150, 9), (0, 1)]
+    # a one-token chunk and one of 9 tokens over 300 (a micro-tile, a task and a value segment
+    # boundary crossed), in one call.
+    chunks = [(0, 37), (3 * block_size, 20), (2 * block_size - 1, 1), (300, 9), (0, 1)]
     q, k_cache, v_cache, tables, lens = random_case(kv_heads + head_dim + block_size, chunks, kv_heads,
                                                     group, head_dim, block_size, dtype)
     got = kernel(q, k_cache, v_cache, tables, lens, block_size, head_dim ** -0.5)
@@ -70,7 +71,7 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
 def test_a_rows_result_does_not_depend_on_how_its_chunk_is_cut(kernel, dtype):
     """Chunked prefill, pieces between pauses, other prompts in the call, one token at a time (as
     decodes): the same bits per token."""
-    q, k_cache, v_cache, tables, lens = random_case(11, [(40, 61), (0, 23)], 3, 3, 64, 16, dtype)
+    q, k_cache, v_cache, tables, lens = random_case(11, [(240, 61), (0, 23)], 3, 3, 64, 16, dtype)
     whole = kernel(q, k_cache, v_cache, tables, lens, 16, 0.125)
     singles = list(range(85))         # every token alone: a decode of its position
     for cuts in ([0, 1, 61], [0, 13, 14, 47, 84], [0, 61, 84], [30, 84], singles):

@@ -40,6 +40,7 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define CHUNK 4         /* vectors of a value row summed at once (64 dimensions) */
+#define SEGMENT 256     /* keys whose values are summed before the next kv head's */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -169,28 +170,28 @@ VALUES(values_bf16, 1)
 /* Rows of `count` tokens (from token t0 of the run) for kv heads h0 .. h0 + heads - 1: scores,
  * softmax, values. The keys come transposed from the run's buffer where it has one (a long chunk,
  * whose tasks share it), else each tile is transposed here as it is needed (a decode, a short
- * chunk: read once). */
+ * chunk: read once). Every head's scores are taken tile by tile and its values segment by
+ * segment, so that a long context's slots (all heads side by side) are read while in cache; a
+ * segment's sums are added to the output in order, the same for every path. `scores` holds
+ * heads x rows x width floats and then heads x rows more (the softmax sums). */
 static inline __attribute__((always_inline)) void attend_task(
         const float *q, const void *k_cache, const void *v_cache, const struct run *run,
         const int64_t *lens, int64_t t0, int64_t count, int64_t h0, int64_t heads, float *out,
         float *restrict scores, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
         const int bf16) {
     const int64_t rows = count * group;
-    const int64_t width = (lens[run->first + t0 + count - 1] + LANES - 1) / LANES * LANES;
-    const float *qrow[TOKENS * MAX_GROUP];
-    float *orow[TOKENS * MAX_GROUP];
+    const int64_t keys = lens[run->first + t0 + count - 1];
+    const int64_t width = (keys + LANES - 1) / LANES * LANES;
+    float *inverse = scores + heads * rows * width;
     int64_t len[TOKENS * MAX_GROUP];
-    float inverse[TOKENS * MAX_GROUP];
     float local[MAX_HEAD_DIM * LANES];
-    for (int64_t h = h0; h < h0 + heads; h++) {
-        for (int64_t r = 0; r < rows; r++) {          /* token-major, so lengths never decrease */
-            const int64_t row = run->first + t0 + r / group;
-            const int64_t at = ((row * kv_heads + h) * group + r % group) * head_dim;
-            qrow[r] = q + at;
-            orow[r] = out + at;
-            len[r] = lens[row];
-        }
-        for (int64_t tile = 0; tile * LANES < len[rows - 1]; tile++) {
+    for (int64_t r = 0; r < rows; r++)               /* token-major, so lengths never decrease */
+        len[r] = lens[run->first + t0 + r / group];
+    /* row r of kv head h, in q and out */
+#define AT(h, r) ((((run->first + t0 + (r) / group) * kv_heads + (h)) * group + (r) % group) * head_dim)
+#define SCORES(h, r) (scores + (((h) - h0) * rows + (r)) * width)
+    for (int64_t tile = 0; tile * LANES < keys; tile++)
+        for (int64_t h = h0; h < h0 + heads; h++) {
             const float *kt = run->kt ? run->kt + (h * run->tiles + tile) * head_dim * LANES : local;
             if (run->kt == NULL)
                 transpose_tile(k_cache, run, h, tile, head_dim, local, bf16);
@@ -201,33 +202,56 @@ static inline __attribute__((always_inline)) void attend_task(
                 /* a short micro-tile repeats its first row in the unused lanes, never stored */
                 const float *qm[MR];
                 for (int m = 0; m < MR; m++)
-                    qm[m] = qrow[r0 + (m < m_rows ? m : 0)];
+                    qm[m] = q + AT(h, r0 + (m < m_rows ? m : 0));
                 v16 s[MR];
                 score_tile(kt, qm, head_dim, scale, s);
                 for (int m = 0; m < m_rows; m++)
-                    memcpy(scores + (r0 + m) * width + tile * LANES, &s[m], sizeof s[m]);
+                    memcpy(SCORES(h, r0 + m) + tile * LANES, &s[m], sizeof s[m]);
             }
         }
+    for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t r = 0; r < rows; r++)
-            inverse[r] = softmax_row(scores + r * width, len[r], width);
-        for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-            const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
-            const float *pm[MR];
-            for (int m = 0; m < MR; m++)
-                pm[m] = scores + (r0 + (m < m_rows ? m : 0)) * width;
-            for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
-                const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
-                v16 o[MR][CHUNK];
-                (bf16 ? values_bf16 : values_f32)(pm, len[r0 + m_rows - 1], run->where, v_cache,
-                                                  h * head_dim + d0, chunks, o);
-                for (int m = 0; m < m_rows; m++)
-                    for (int c = 0; c < chunks; c++) {
-                        const v16 result = o[m][c] * inverse[r0 + m];
-                        memcpy(orow[r0 + m] + d0 + c * LANES, &result, sizeof result);
+            inverse[(h - h0) * rows + r] = softmax_row(SCORES(h, r), len[r], width);
+    for (int64_t first = 0; first < keys; first += SEGMENT)
+        for (int64_t h = h0; h < h0 + heads; h++)
+            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
+                const int64_t end = len[r0 + m_rows - 1] < first + SEGMENT ? len[r0 + m_rows - 1] : first + SEGMENT;
+                if (end <= first)
+                    continue;
+                const float *pm[MR];
+                for (int m = 0; m < MR; m++)
+                    pm[m] = SCORES(h, r0 + (m < m_rows ? m : 0)) + first;
+                for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
+                    const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
+                    v16 o[MR][CHUNK];
+                    (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
+                                                      h * head_dim + d0, chunks, o);
+                    for (int m = 0; m < m_rows; m++) {
+                        if (len[r0 + m] <= first)          /* none of this segment is the row's */
+                            continue;
+                        float *o_row = out + AT(h, r0 + m) + d0;
+                        for (int c = 0; c < chunks; c++) {
+                            v16 sum = o[m][c];
+                            if (first > 0) {
+                                v16 before;
+                                memcpy(&before, o_row + c * LANES, sizeof before);
+                                sum = before + sum;
+                            }
+                            memcpy(o_row + c * LANES, &sum, sizeof sum);
+                        }
                     }
+                }
             }
+    for (int64_t h = h0; h < h0 + heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            float *o_row = out + AT(h, r);
+            const float factor = inverse[(h - h0) * rows + r];
+            for (int64_t d = 0; d < head_dim; d++)
+                o_row[d] *= factor;
         }
-    }
+#undef AT
+#undef SCORES
 }
 
 struct task { int64_t run, h0, heads, t0, count; };
@@ -314,7 +338,7 @@ static inline __attribute__((always_inline)) int attend_all(
         const struct task *task = &tasks[i];
         const struct run *run = &runs[task->run];
         const int64_t width = (lens[run->first + task->t0 + task->count - 1] + LANES - 1) / LANES * LANES;
-        float *scores = malloc(sizeof(float) * (size_t)(task->count * group * width));
+        float *scores = malloc(sizeof(float) * (size_t)(task->heads * task->count * group * (width + 1)));
         if (scores == NULL) {
             failed = 1;
             continue;
