@@ -156,6 +156,8 @@ static __attribute__((noinline)) void name(const float *const pm[MR], int64_t ke
         for (int c = 0; c < CHUNK; c++)                                                               \
             o[m][c] = (v16){0};                                                                       \
     for (int64_t t = 0; t < keys; t++) {                                                              \
+        if (t + LANES < keys)       /* a tile ahead: across the jump to the next block */            \
+            __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset) * (bf16 ? 2 : 4)); \
         v16 v[CHUNK];                                                                                 \
         for (int c = 0; c < CHUNK; c++)                                                               \
             v[c] = c < chunks ? load16(v_cache, where[t] + offset + c * LANES, bf16) : (v16){0};     \
@@ -193,8 +195,14 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t tile = 0; tile * LANES < keys; tile++)
         for (int64_t h = h0; h < h0 + heads; h++) {
             const float *kt = run->kt ? run->kt + (h * run->tiles + tile) * head_dim * LANES : local;
-            if (run->kt == NULL)
+            if (run->kt == NULL) {
+                /* the next tile's slots (all heads side by side), ahead of the jump between blocks */
+                const int64_t next = (tile + 1) * LANES;
+                if (h == h0 && next < keys)
+                    for (int64_t j = 0; j < LANES && next + j < keys; j++)
+                        __builtin_prefetch((const char *)k_cache + run->where[next + j] * (bf16 ? 2 : 4));
                 transpose_tile(k_cache, run, h, tile, head_dim, local, bf16);
+            }
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
                 if (tile * LANES >= len[r0 + m_rows - 1])
