@@ -46,8 +46,8 @@ def texts_equal_undisturbed(dtype: str, batch_invariant: bool) -> bool:
     same greedy text however a sequence is batched, chunked or recomputed, so that a disturbed
     run's texts must equal the undisturbed run's: fp32 yes (its roundings are too small to flip a
     token on the models here, as every fp32 run has shown); other dtypes with the workers'
-    batch_invariant on, where the linear kernel takes the dtype and the paged decode kernel builds
-    (services/engine/step_layout.py)."""
+    batch_invariant on, where the linear kernel takes the dtype and the paged attention kernels
+    build (services/engine/step_layout.py)."""
     import torch
 
     from services.engine.step_layout import batch_invariant_on_this_host

@@ -71,7 +71,7 @@ PAIRED_RUNS = (
     ("engine_paired_fused_layer_f32_b32.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b8_p128.json", "prompt tokens attended by the paged decode kernel, "
                                                         "each as a decode of its position (off: SDPA); prompt "
-                                                        "tok/s, 128-token prompts", "kept, opt-in (numerics)"),
+                                                        "tok/s, 128-token prompts", "replaced (below)"),
     ("engine_paired_batch_invariant_f32_b8_p128.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b1_p512.json", "the same, 512-token prompts", ""),
     ("engine_paired_batch_invariant_bf16_b1_p2048_t1.json", "the same, 2,048-token prompts, 1 thread", "(opt-in)"),
@@ -83,7 +83,16 @@ PAIRED_RUNS = (
     ("engine_paired_prompt_kernel_bf16_b8_p128.json", "the same, 128-token prompts", ""),
     ("engine_paired_prompt_kernel_f32_b8_p128.json", "", ""),
     ("engine_paired_batch_invariant_bf16_b1_p2048_vs_prompt_kernel.json", "prompt tokens as decodes "
-     "(batch_invariant) against the prompt kernel; 2,048-token prompts", "(opt-in)"),
+     "against the prompt kernel; 2,048-token prompts", ""),
+    ("engine_paired_batch_invariant_prompt_kernel_bf16_b1.json", "batch invariance through the prompt kernel: "
+     "decodes attended by it too (off: the decode kernel); decode tok/s, 128-token prompts",
+     "kept, opt-in (numerics)"),
+    ("engine_paired_batch_invariant_prompt_kernel_bf16_b32.json", "", ""),
+    ("engine_paired_batch_invariant_prompt_kernel_f32_b32.json", "", ""),
+    ("engine_paired_batch_invariant_prompt_kernel_bf16_b8_p1536.json", "the same, 1,536-token prompts", ""),
+    ("engine_paired_batch_invariant_prompt_kernel_f32_b8_p1536.json", "", ""),
+    ("engine_paired_batch_invariant_prompt_kernel_bf16_b1_p2048.json", "the same, prompt tok/s, 2,048-token "
+     "prompts", "(opt-in)"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}

@@ -189,11 +189,10 @@ class WorkerConfig(ServiceConfig):
                                     "builds and takes the model (head size a multiple of 16) (auto), that or refuse to "
                                     "start (kernel), or SDPA over the gathered context (torch)",
                                     choices=DECODE_ATTENTION)
-    batch_invariant: bool = setting(False, "attend prompt tokens with the paged decode kernel too (CPU, fp32 or bf16), "
-                                    "each as a decode of its position: a token's logits are then the same bits "
-                                    "whatever shares its step, however its prompt is chunked, and when it is "
-                                    "recomputed (a failover's text equals the undisturbed one); prompts over "
-                                    "long contexts are slower (docs/models.md)")
+    batch_invariant: bool = setting(False, "attend decodes with the paged prompt kernel too (CPU, fp32 or bf16): a "
+                                    "token's logits are then the same bits whatever shares its step, however its "
+                                    "prompt is chunked, and when it is recomputed (a failover's text equals the "
+                                    "undisturbed one); decodes over long contexts are slower (docs/models.md)")
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An
