@@ -126,3 +126,24 @@ def test_engine_prompt_attention_setting(tiny_model_dir):
     invariant = make_engine(tiny_model_dir, batch_invariant=True)
     assert invariant.decode_kernel is invariant.prompt_kernel is not None and invariant.batch_invariant
     assert make_engine(tiny_model_dir).decode_kernel is not make_engine(tiny_model_dir).prompt_kernel
+
+
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, set()])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hosts_without_avx512_build_it_and_it_still_holds(kernel, monkeypatch, tmp_path, flags, dtype):
+    """Built as an AVX2-only host (or one with no vector flags) would build it (its 16-wide
+    vectors then split into narrower ones): it must compile, match attention written out and keep a
+    row's result independent of how its chunk is cut (batch invariance there rests on it)."""
+    from services.engine import kernel_build, paged_attention
+    from services.engine.paged_attention import DecodeKernel
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
+    other = DecodeKernel(paged_attention.build_prompt_library(), "paged_prompt_attention")
+    assert other.path != kernel.path
+    q, k_cache, v_cache, tables, lens = random_case(5, [(270, 20), (0, 9)], 3, 3, 64, 16, dtype)
+    whole = other(q, k_cache, v_cache, tables, lens, 16, 0.125)
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables.tolist(), lens, 16)
+    assert (whole.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2 ** -6)
+    alone = torch.cat([other(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], 16, 0.125)
+                       for i in range(len(lens))])
+    assert torch.equal(alone, whole)
