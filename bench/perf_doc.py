@@ -226,6 +226,9 @@ def paired_burst(paired: dict) -> list[list[str]]:
     return rows
 
 
+table("paired-burst-prompt-kernel", "paired_burst_prompt_kernel.json")(paired_burst)
+
+
 @table("prefix-cache", "prefix_cache.json", "prefix_cache_bf16.json", "prefix_cache_smollm2.json")
 def prefix_cache(*results: dict) -> list[list[str]]:
     rows = [["workload, model, dtype", "prompt tokens computed, off / on", "hit rate (ideal)",
