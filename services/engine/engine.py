@@ -27,7 +27,8 @@ from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCac
 from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, LlamaDecoder
-from services.engine.paged_attention import DecodeKernel, load_decode_kernel, load_prompt_kernel
+from services.engine.paged_attention import (PagedKernel, load_decode_kernel, load_prompt_kernel,
+                                             prompt_kernel_takes)
 from services.engine.sampler import sample_step
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
@@ -95,7 +96,7 @@ class Engine:
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         c = self.model_config
         self.prompt_kernel = self._kernel("prompt_attention", load_prompt_kernel,
-                                          DecodeKernel.prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
+                                          prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
         self.decode_kernel = self._kernel("decode_attention", load_decode_kernel)
         # Batch-invariant: decodes attended by the prompt kernel too, so that a token is computed
         # alike as a decode and inside a prompt (kernels/paged_prompt_attention.c).
@@ -126,7 +127,8 @@ class Engine:
                  decodes, "paged prompt kernel" if self.prompt_kernel else "SDPA",
                  self.model.layers[0].qkv.backend, "yes" if self.batch_invariant else "no")
 
-    def _kernel(self, setting: str, load: Callable[[], DecodeKernel | None], takes_model: bool = True) -> DecodeKernel | None:
+    def _kernel(self, setting: str, load: Callable[[], PagedKernel | None],
+                takes_model: bool = True) -> PagedKernel | None:
         """The paged attention kernel that EngineConfig.<setting> asks for, or None (torch's path)."""
         choice = getattr(self.config, setting)
         if choice == "torch":

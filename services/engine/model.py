@@ -18,7 +18,7 @@ from services.engine.kv_cache import PagedKVCache
 from services.engine.linear import Linear
 from services.engine.linear_kernel import place_on_huge_pages
 from services.engine.lora import LoraBatch
-from services.engine.paged_attention import DecodeKernel
+from services.engine.paged_attention import PagedKernel
 from services.engine.rope import RotaryTable, apply_rotary
 
 
@@ -55,9 +55,9 @@ class ContextAttention:
 
 @dataclass(slots=True)
 class PagedDecodes:
-    """Tokens attended by the paged decode kernel, straight from the cache (no gather, no
-    padding), each a row of its own: decodes, one per sequence, or every token of prompt chunks
-    (services/engine/step_layout.py). Consecutive in the step's flat batch."""
+    """Tokens attended by a paged kernel straight from the cache (no gather, no padding), each a
+    row of its own: decodes, one per sequence (the decode kernel), or every token of prompt chunks
+    (the prompt kernel; services/engine/step_layout.py). Consecutive in the step's flat batch."""
     num_seqs: int                 # rows (tokens)
     block_tables: torch.Tensor    # [num_seqs, most blocks of any of them] int64, rows zero-padded
     context_lens: torch.Tensor    # [num_seqs] int64: keys 0 .. len-1 (the token's own included)
@@ -144,7 +144,7 @@ def windowed_attention(query: torch.Tensor, sink_query: torch.Tensor, keys: torc
 class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, prepack_linear: bool = True,
-                 decode_kernel: DecodeKernel | None = None, prompt_kernel: DecodeKernel | None = None):
+                 decode_kernel: PagedKernel | None = None, prompt_kernel: PagedKernel | None = None):
         """`decode_kernel`, `prompt_kernel`: attend the layouts' decodes and prompt chunks
         (services/engine/paged_attention.py; one kernel for both in a batch-invariant engine)."""
         self.config = config
@@ -278,7 +278,7 @@ class LlamaDecoder:
             pieces.append(head(hidden))
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)).float()
 
-    def _kernel_rows(self, kernel: DecodeKernel, q: torch.Tensor, start: int, rows: PagedDecodes,
+    def _kernel_rows(self, kernel: PagedKernel, q: torch.Tensor, start: int, rows: PagedDecodes,
                      cache: PagedKVCache, layer: int, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Attention of `rows` [first:end] (queries from q[start + first:]) by a paged kernel."""
         c = self.config

@@ -43,8 +43,8 @@ PROMPT_SOURCE = Path(__file__).with_name("kernels") / "paged_prompt_attention.c"
 _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
 
 
-__all__ = ["DecodeKernel", "KernelBuildError", "build_library", "build_prompt_library", "load_decode_kernel",
-           "load_prompt_kernel"]
+__all__ = ["PagedKernel", "KernelBuildError", "build_library", "build_prompt_library", "load_decode_kernel",
+           "load_prompt_kernel", "prompt_kernel_takes"]
 
 
 def build_library(compiler: str | None = None) -> Path:
@@ -57,7 +57,7 @@ def build_prompt_library(compiler: str | None = None) -> Path:
     return build_kernel(PROMPT_SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True), compiler)
 
 
-class DecodeKernel:
+class PagedKernel:
     """A compiled paged attention kernel (the decode one, or with `entry` the prompt one: same
     arguments) with its argument checks; calls release the GIL (ctypes)."""
 
@@ -108,21 +108,21 @@ class DecodeKernel:
             raise MemoryError(f"{self.entry} could not allocate its buffers")
         return out.to(q.dtype)
 
-    @staticmethod
-    def prompt_kernel_takes(head_dim: int, group: int) -> bool:
-        """Whether the prompt kernel takes a model of these shapes (its vectors are 16 wide)."""
-        return head_dim % 16 == 0 and head_dim <= 256 and group <= 16
+
+def prompt_kernel_takes(head_dim: int, group: int) -> bool:
+    """Whether the prompt kernel takes a model of these shapes (its vectors are 16 wide)."""
+    return head_dim % 16 == 0 and head_dim <= 256 and group <= 16
 
 
-def load_decode_kernel() -> DecodeKernel | None:
+def load_decode_kernel() -> PagedKernel | None:
     """The kernel, built on first use in this process; None (logged once) where it cannot be."""
-    return load_once("paged decode attention", lambda: DecodeKernel(build_library()), "gather + SDPA")
+    return load_once("paged decode attention", lambda: PagedKernel(build_library()), "gather + SDPA")
 
 
-def load_prompt_kernel() -> DecodeKernel | None:
+def load_prompt_kernel() -> PagedKernel | None:
     """The prompt kernel, built on first use in this process; None (logged once) where it cannot be."""
     return load_once("paged prompt attention",
-                     lambda: DecodeKernel(build_prompt_library(), "paged_prompt_attention"), "SDPA")
+                     lambda: PagedKernel(build_prompt_library(), "paged_prompt_attention"), "SDPA")
 
 
 if __name__ == "__main__":

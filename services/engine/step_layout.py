@@ -25,6 +25,7 @@ from services.common.step import SequenceWork
 from services.common.stream_window import kept_blocks, table_index
 from services.engine.model import AttentionLayout, ContextAttention, PagedDecodes
 
+
 def batch_invariant_on_this_host(dtype: torch.dtype) -> bool:
     """Whether a CPU engine in `dtype` here, with batch_invariant on, computes every token the same
     way whatever its batch, chunking or recompute: the linear kernel takes the dtype (bf16 needs

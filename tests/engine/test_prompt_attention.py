@@ -135,10 +135,10 @@ def test_hosts_without_avx512_build_it_and_it_still_holds(kernel, monkeypatch, t
     vectors then split into narrower ones): it must compile, match attention written out and keep a
     row's result independent of how its chunk is cut (batch invariance there rests on it)."""
     from services.engine import kernel_build, paged_attention
-    from services.engine.paged_attention import DecodeKernel
+    from services.engine.paged_attention import PagedKernel
     monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
-    other = DecodeKernel(paged_attention.build_prompt_library(), "paged_prompt_attention")
+    other = PagedKernel(paged_attention.build_prompt_library(), "paged_prompt_attention")
     assert other.path != kernel.path
     q, k_cache, v_cache, tables, lens = random_case(5, [(270, 20), (0, 9)], 3, 3, 64, 16, dtype)
     whole = other(q, k_cache, v_cache, tables, lens, 16, 0.125)
