@@ -7,9 +7,8 @@ worker, healed, 50 ms of delay (and 20 ms jitter) each way between a scheduler a
 Counts what happened to every request; checks that every completed stream continued from exactly
 the tokens its client held (bench/continuation.py: each token the greedy choice after the ones
 before it, in the workers' dtype) and compares its text with a fault-free run (equal wherever the
-numbers are batch-invariant: CPU workers in fp32, and in bf16 with --batch-invariant where the
-engine's kernels run it: services/engine/step_layout.py); and every completion against the
-billing ledger.
+numbers are batch-invariant: CPU workers in fp32, and in bf16 where the engine's kernels run it:
+services/engine/step_layout.py); and every completion against the billing ledger.
 
 Cluster: two routers sharing the store ([auth] replicas = 2), two pools ("a", the primary, and
 "b"), each a scheduler and two CPU workers (1 thread, step timeout 5 s, --dtype or the host's),
@@ -93,13 +92,12 @@ class Result:
     cut_by_router: int = 0        # attempts cut because their router died
 
 
-def cluster_config(model: str, store_url: str, dtype: str | None, batch_invariant: bool = False) -> ClusterConfig:
+def cluster_config(model: str, store_url: str, dtype: str | None) -> ClusterConfig:
     def pool(name: str) -> PoolConfig:
         return PoolConfig(name=name, device="cpu", primary=name == "a",
                           scheduler=SchedulerConfig(port=0, max_step_tokens=128, orphan_grace_s=20.0,
                                                     step_timeout_s=5.0),
-                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype=dtype,
-                                                batch_invariant=batch_invariant) for _ in range(2)])
+                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype=dtype) for _ in range(2)])
     config = ClusterConfig(model=model, router=RouterConfig(port=0, http_port=-1), pools=[pool(n) for n in POOLS])
     config.auth.replicas, config.store.url, config.billing.flush_seconds = 2, store_url, 0.5
     return config
@@ -233,8 +231,6 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=300.0, help="seconds before a request counts as lost")
     parser.add_argument("--model", help="model folder (default: the random-weight bench model)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="the workers' dtype (default: the host's)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="the workers' batch_invariant on (texts then equal the fault-free run's in bf16 too)")
     parser.add_argument("--plot", type=Path, help="write every service's resident memory over the run as a PNG")
     args = parser.parse_args()
     if (code := in_namespace(sys.argv)) is not None:
@@ -256,7 +252,7 @@ def main() -> None:
     prompts = [text_of_tokens(tokenizer, rng, rng.randint(48, 256))[0] for _ in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="qos-chaos-") as folder:
         store_url = f"sqlite:///{folder}/store.db"
-        config = cluster_config(model, store_url, args.dtype, args.batch_invariant)
+        config = cluster_config(model, store_url, args.dtype)
         every_worker = [(pool.name, i) for pool in config.pools for i in range(len(pool.workers))]
         with ProxiedCluster(config, every_worker, quiet=True) as cluster:
             reference = asyncio.run(reference_runs(cluster.router_address, prompts))
@@ -290,7 +286,7 @@ def report(args, results, completed, reference, faults, memory, live, missing, w
         "migrated": faults.migrations + sum(m for _, m in live),
         "failovers": faults.failovers + sum(f for f, _ in live),
         "texts_checked": len(completed), "texts_mismatched": len(mismatched), "unbilled": len(missing),
-        **continuations, "batch_invariant": texts_equal_undisturbed(continuations["dtype"], args.batch_invariant),
+        **continuations, "batch_invariant": texts_equal_undisturbed(continuations["dtype"]),
         "worker_kills": faults.count("kill-worker"), "scheduler_kills": faults.count("kill-scheduler"),
         "router_kills": faults.count("kill-router"), "hangs": faults.count("hang"),
         "losses": faults.count("loss"), "partitions": faults.count("partition"), "delays": faults.count("delay"),

@@ -41,18 +41,18 @@ def ulp(value: float, dtype: str) -> float:
     return 2.0 ** (math.floor(math.log2(max(abs(value), 1e-30))) - MANTISSA_BITS[DTYPE_NAMES[dtype]] + 1)
 
 
-def texts_equal_undisturbed(dtype: str, batch_invariant: bool) -> bool:
-    """Whether CPU workers in `dtype` ("fp32"/"float32", "bf16"/"bfloat16") give, on this host, the
-    same greedy text however a sequence is batched, chunked or recomputed, so that a disturbed
-    run's texts must equal the undisturbed run's: fp32 yes (its roundings are too small to flip a
-    token on the models here, as every fp32 run has shown); other dtypes with the workers'
-    batch_invariant on, where the linear kernel takes the dtype and the paged attention kernels
-    build (services/engine/step_layout.py)."""
+def texts_equal_undisturbed(dtype: str) -> bool:
+    """Whether CPU workers in `dtype` ("fp32"/"float32", "bf16"/"bfloat16") with their default
+    settings give, on this host, the same greedy text however a sequence is batched, chunked or
+    recomputed, so that a disturbed run's texts must equal the undisturbed run's: fp32 yes (its
+    roundings are too small to flip a token on the models here, as every fp32 run has shown, and
+    where the kernels run they are batch-invariant too); other dtypes where the linear kernel takes
+    the dtype and the paged attention kernel builds (services/engine/step_layout.py)."""
     import torch
 
     from services.engine.step_layout import batch_invariant_on_this_host
     name = DTYPE_NAMES[dtype]
-    return name == "float32" or (batch_invariant and batch_invariant_on_this_host(getattr(torch, name)))
+    return name == "float32" or batch_invariant_on_this_host(getattr(torch, name))
 
 
 class GreedyChecker:

@@ -10,7 +10,7 @@ a migration does). For each dtype it reports how many texts stayed identical, wh
 first part, and whether every stream still continued exactly (bench/continuation.py: each token
 the greedy choice after the ones before it).
 
-    python bench/dtype_divergence.py [--prompts 32] [--tokens 48] [--batch-invariant] [--json PATH]
+    python bench/dtype_divergence.py [--prompts 32] [--tokens 48] [--json PATH]
 
 Model: the embedded SmolLM2-135M-Instruct (--model to change), 1 thread. bf16 runs wherever
 torch runs it (emulated, and slower, on a CPU without avx512_bf16 or amx_bf16); the figures do
@@ -42,9 +42,8 @@ def prompts(count: int) -> list[str]:
 
 
 def measure(model: str, dtype: str, prompt_ids: list[list[int]], tokens: int, step_tokens: int,
-            rng: random.Random, bar, batch_invariant: bool = False) -> dict:
-    engine = Engine(EngineConfig(model_dir=model, num_threads=1, dtype=dtype, kv_cache_bytes=256 * 2**20,
-                                 batch_invariant=batch_invariant))
+            rng: random.Random, bar) -> dict:
+    engine = Engine(EngineConfig(model_dir=model, num_threads=1, dtype=dtype, kv_cache_bytes=256 * 2**20))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     alone = []
     for ids in prompt_ids:
@@ -60,7 +59,8 @@ def measure(model: str, dtype: str, prompt_ids: list[list[int]], tokens: int, st
     recomputed = [ref[:k] + r.token_ids for ref, k, r in zip(alone, cuts, rest)]
     bar.update(len(prompt_ids))
     checker = GreedyChecker(model, dtype)
-    return {"batched": continuity(checker, list(zip(prompt_ids, alone, batched))),
+    return {"engine_batch_invariant": engine.batch_invariant,
+            "batched": continuity(checker, list(zip(prompt_ids, alone, batched))),
             "recomputed": {**continuity(checker, list(zip(prompt_ids, alone, recomputed))),
                            "cut_at_tokens": cuts}}
 
@@ -72,20 +72,18 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=64, help="tokens a step when batched")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--model", default="default", help="model folder (default: the embedded SmolLM2)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="the engine's batch_invariant on (services/engine/step_layout.py)")
     args = parser.parse_args()
     model = model_or_bench(args.model)
     tokenizer = TextTokenizer.from_model_dir(model)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts(args.prompts)]
     dtypes = args.dtypes.split(",")
     out = {"model": Path(model).name, "prompts": args.prompts, "tokens": args.tokens,
-           "step_tokens": args.step_tokens, "seed": args.seed, "batch_invariant": args.batch_invariant,
+           "step_tokens": args.step_tokens, "seed": args.seed,
            "machine": machine()}
     with progress(2 * args.prompts * len(dtypes), "dtype divergence") as bar:
         for dtype in dtypes:
             out[dtype] = measure(model, dtype, prompt_ids, args.tokens, args.step_tokens,
-                                 random.Random(args.seed), bar, args.batch_invariant)
+                                 random.Random(args.seed), bar)
     print(f"\n{args.prompts} prompts x {args.tokens} greedy tokens, {out['model']}; {out['machine']}")
     print(f"{'dtype':<6}{'disturbance':<12}{'identical':>10}{'diverged':>10}{'first at (min/median)':>24}"
           f"{'continuations broken':>22}")

@@ -21,21 +21,26 @@ bench/results/engine_paired_bf16_norm_b1.json):
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
-  batch-invariant  EngineConfig.batch_invariant, an opt-in: decodes attended by the paged prompt
-                 kernel too (off: the paged decode kernel); prompt tokens/s, or with
-                 --figure tok_s decode tokens/s. Its first form, prompt tokens attended by the
-                 decode kernel (off: SDPA, then the prompt kernel), is in
-                 bench/results/engine_paired_batch_invariant_{bf16,f32}_b*_p*.json
+  (batch-invariant, decodes attended by the prompt kernel rather than a decode kernel of their
+                 own, was a change here until one kernel took both: its pairs are in
+                 bench/results/engine_paired_batch_invariant*.json)
   prompt-kernel  prompt chunks attended by the paged prompt kernel (EngineConfig.prompt_attention;
                  off: SDPA over the gathered context); prompt tokens/s
+  commit         this checkout's engine (on) against another commit's (off: --against, checked out
+                 into a git worktree under /tmp/qos-paired), for a change no switch turns off (a
+                 cache layout); each side runs in a process of its own, kept between runs.
+                 Decode tokens/s, or prompt tokens/s with --figure prefill_tok_s
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--figure tok_s] [--json PATH]
+    python bench/engine_paired.py commit --against 3dbb5da --batch 32 --dtype bfloat16
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.engine_throughput import load_engine, make_workload  # noqa: E402
 from bench.engine_vs_llamacpp import engine_commit, ours_batched  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
+from bench.paired_commits import worktree  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
 from services.engine.device import set_cpu_threads  # noqa: E402
@@ -102,18 +108,62 @@ def fused_layer(base: Engine) -> tuple[Engine, Engine]:
         return base, with_config(base)
 
 
-def batch_invariant(base: Engine) -> tuple[Engine, Engine]:
-    return with_config(base, batch_invariant=True), base
-
-
 def prompt_kernel(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, prompt_attention="torch")
 
 
+# Run inside a checkout (its own bench/ and services/): one engine, then one run of the workload per
+# line read, its ours_batched figures printed as a JSON line. Both commits must have these modules.
+SIDE = """
+import json, sys
+sys.path.insert(0, ".")
+from bench.engine_throughput import load_engine, make_workload
+from bench.engine_vs_llamacpp import ours_batched
+from services.engine.config import load_model_config
+from services.engine.default_model import default_model_dir
+from services.engine.device import set_cpu_threads
+a = json.loads(sys.argv[1])
+threads = set_cpu_threads(a["threads"])
+model_dir = str(default_model_dir())
+engine = load_engine(model_dir, threads, a["prompt"], a["gen"], "cpu", a["dtype"])
+workload = make_workload(a["batch"], a["seed"], load_model_config(model_dir).vocab_size, (a["prompt"],) * 2,
+                         (a["gen"],) * 2)
+ours_batched(engine, workload, a["batch"])
+print(json.dumps({"ready": True}), flush=True)
+for _ in sys.stdin:
+    print(json.dumps(ours_batched(engine, workload, a["batch"])), flush=True)
+"""
+
+
+class CheckoutSide:
+    """An engine of one checkout in a process of its own, run on request (CheckoutSide.run)."""
+
+    def __init__(self, tree: Path, settings: dict):
+        self.tree = tree
+        self.process = subprocess.Popen([sys.executable, "-c", SIDE, json.dumps(settings)], cwd=tree,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            sys.exit(f"the engine of {self.tree} ended (exit {self.process.wait()})")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.process.stdin.write("run\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
-           "bf16-kernel": ("bfloat16", bf16_kernel), "batch-invariant": ("bfloat16", batch_invariant),
-           "prompt-kernel": ("bfloat16", prompt_kernel)}
-PROMPT_CHANGES = {"batch-invariant", "prompt-kernel"}      # measured on prompt tokens/s; the rest on decode tokens/s
+           "bf16-kernel": ("bfloat16", bf16_kernel),
+           "prompt-kernel": ("bfloat16", prompt_kernel), "commit": ("bfloat16", None)}
+PROMPT_CHANGES = {"prompt-kernel"}      # measured on prompt tokens/s; the rest on decode tokens/s
 
 
 def main() -> None:
@@ -127,33 +177,49 @@ def main() -> None:
     parser.add_argument("--dtype", help="the engines' dtype (default: the change's)")
     parser.add_argument("--figure", choices=["tok_s", "prefill_tok_s"],
                         help="the ratio of decode (tok_s) or prompt tok/s (default: the change's)")
+    parser.add_argument("--against", help="commit: the other commit (the off side)")
     args = parser.parse_args()
     if args.pairs < 2:
         parser.error("need at least 2 pairs for an interval")
+    if (args.change == "commit") != bool(args.against):
+        parser.error("--against goes with the change commit, and only with it")
     dtype, build = CHANGES[args.change]
     dtype = args.dtype or dtype
     threads = set_cpu_threads(args.threads)
-    model_dir = str(default_model_dir())
-    config = load_model_config(model_dir)
-    on, off = build(load_engine(model_dir, threads, args.prompt, args.gen, "cpu", dtype))
-    backends = {"on": on.model.layers[0].qkv.backend, "off": off.model.layers[0].qkv.backend}
-    print(f"linear layers: on {backends['on']}, off {backends['off']}", file=sys.stderr)
-    workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
-    for engine in (on, off):      # warm-up: kernel selection, first-touch memory
-        ours_batched(engine, workload, args.batch)
     figure = args.figure or ("prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s")
+    if args.change == "commit":
+        settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
+                    "batch": args.batch, "seed": args.seed}
+        off_tree, off_sha = worktree(args.against, Path("/tmp/qos-paired"))
+        sides = {"on": CheckoutSide(Path(__file__).resolve().parent.parent, settings),
+                 "off": CheckoutSide(off_tree, settings)}
+        run = {name: side.run for name, side in sides.items()}
+        backends = None                          # each checkout picks its own
+    else:
+        model_dir = str(default_model_dir())
+        config = load_model_config(model_dir)
+        on, off = build(load_engine(model_dir, threads, args.prompt, args.gen, "cpu", dtype))
+        backends = {"on": on.model.layers[0].qkv.backend, "off": off.model.layers[0].qkv.backend}
+        print(f"linear layers: on {backends['on']}, off {backends['off']}", file=sys.stderr)
+        workload = make_workload(args.batch, args.seed, config.vocab_size, (args.prompt,) * 2, (args.gen,) * 2)
+        run = {"on": lambda: ours_batched(on, workload, args.batch), "off": lambda: ours_batched(off, workload, args.batch)}
+        for side in run.values():      # warm-up: kernel selection, first-touch memory
+            side()
     pairs = []
     for pair in range(args.pairs):
         order = ("on", "off") if pair % 2 == 0 else ("off", "on")
         runs = {}
         for side in order:
             load = os.getloadavg()[0]
-            runs[side] = ours_batched(on if side == "on" else off, workload, args.batch)
+            runs[side] = run[side]()
             runs[side]["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
         runs["ratio"] = runs["on"][figure] / runs["off"][figure]
         pairs.append(runs)
         print(f"pair {pair + 1}/{args.pairs} ({order[0]} first): on {runs['on'][figure]:.1f}, "
               f"off {runs['off'][figure]:.1f} tok/s, ratio {runs['ratio']:.3f}", file=sys.stderr)
+    if args.change == "commit":
+        for side in sides.values():
+            side.close()
     mean, low, high = mean_interval([p["ratio"] for p in pairs])
     verdict = "keep" if low > 1 else "drop"
     print(f"{args.change} ({dtype}, batch {args.batch}, {threads} threads): on / off {figure} "
@@ -161,6 +227,7 @@ def main() -> None:
     write_json(args.json, {"change": args.change, "dtype": dtype, "batch": args.batch, "threads": threads,
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
+                           "against": off_sha if args.change == "commit" else None,
                            "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 

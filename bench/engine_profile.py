@@ -5,7 +5,7 @@ The engine alone (no transformers) runs the b32 phase (same requests, same Batch
 Steps are split into those that carry prompt chunks and decode-only ones; every `--every`-th
 step of the kind asked for runs under torch.profiler, and the report gives, per profiled step,
 its wall time, the torch operators' self time (the largest first) and what is left outside them
-(the paged decode kernel, called through ctypes, and Python), next to the unprofiled steps' mean
+(the C kernels, called through ctypes, and Python), next to the unprofiled steps' mean
 wall time, since the profiler slows what it watches. Matmul GFLOPS are estimated from
 the model's shapes: 2 x (layer parameters x tokens + output-head parameters x sampled rows).
 
@@ -96,7 +96,7 @@ def main() -> None:
           "profiled: " + "; ".join(f"{plain[k]} {k}, {wall_ms[k] / max(plain[k], 1):.1f} ms each"
                                    for k in ("prompt", "decode")))
     print(f"\n{args.kind} steps profiled: {profiled['steps']}, {profiled['wall_ms'] / n:.1f} ms each; "
-          f"torch operators {ops_total:.1f} ms, outside them (decode kernel, Python) "
+          f"torch operators {ops_total:.1f} ms, outside them (C kernels, Python) "
           f"{profiled['wall_ms'] / n - ops_total:.1f} ms; matmul FLOPs ~{gflops:.0f} GFLOPS "
           + ("of the matmul operators' time" if torch_matmuls else "of the steps' wall time (matmuls in C kernels)"))
     for name, total in op_ms.most_common(TOP_OPS):

@@ -11,7 +11,7 @@ dtype, per repeat (the two sides alternate which goes first):
               once per dtype also llama-bench -p P -n G (its tg is batch-1 decode from an empty
               context, the figure llama.cpp users quote).
   ours        BatchRunner on the Engine (the benchmark's settings, bench/engine_throughput.py:
-              paged C decode kernel, 512-token step budget as llama.cpp's -ub 512), B requests of
+              paged C attention kernel, 512-token step budget as llama.cpp's -ub 512), B requests of
               P random tokens, G tokens forced (EOS ignored), all arriving at once.
 
 Two figures per side and batch, best of the repeats (the least disturbed run on a shared host):

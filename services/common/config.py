@@ -183,16 +183,17 @@ class WorkerConfig(ServiceConfig):
                                         "one, else 403 (unset: the pool's [[pools.adapters]] folders; []: none)",
                                         kind=list, note="folders")
     decode_attention: str = setting("auto", "decode attention on CPU (fp32, bf16): the paged C kernel where it builds "
-                                    "(auto), that or refuse to start (kernel), or gather + SDPA (torch)",
+                                    "and takes the model (head size a multiple of 16) (auto), that or refuse to start "
+                                    "(kernel), or gather + SDPA (torch)", choices=DECODE_ATTENTION)
+    prompt_attention: str = setting("auto", "prompt attention on CPU (fp32, bf16): the same paged C kernel (auto, "
+                                    "kernel, as decode_attention) or SDPA over the gathered context (torch)",
                                     choices=DECODE_ATTENTION)
-    prompt_attention: str = setting("auto", "prompt attention on CPU (fp32, bf16): the paged prompt kernel where it "
-                                    "builds and takes the model (head size a multiple of 16) (auto), that or refuse to "
-                                    "start (kernel), or SDPA over the gathered context (torch)",
-                                    choices=DECODE_ATTENTION)
-    batch_invariant: bool = setting(False, "attend decodes with the paged prompt kernel too (CPU, fp32 or bf16): a "
-                                    "token's logits are then the same bits whatever shares its step, however its "
-                                    "prompt is chunked, and when it is recomputed (a failover's text equals the "
-                                    "undisturbed one); decodes over long contexts are slower (docs/models.md)")
+    batch_invariant: bool = setting(False, "ask for batch invariance (a token's logits the same bits whatever shares "
+                                    "its step, however its prompt is chunked, and when it is recomputed: a "
+                                    "failover's text equals the undisturbed one). It holds by default where the "
+                                    "paged kernel attends decodes and prompts and the linear layers run on the C "
+                                    "kernel (CPU, fp32, or bf16 with avx512_bf16); set, the worker logs a warning at "
+                                    "start where it cannot (docs/models.md)")
 
     def kv_budget(self) -> tuple[int | None, float]:
         """(explicit KV bytes or None, share of free memory used when there are none). An

@@ -27,8 +27,7 @@ from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheSpec, PagedKVCac
 from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, LlamaDecoder
-from services.engine.paged_attention import (PagedKernel, load_decode_kernel, load_prompt_kernel,
-                                             prompt_kernel_takes)
+from services.engine.paged_attention import PagedKernel, load_paged_kernel, paged_kernel_takes
 from services.engine.sampler import sample_step
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
@@ -55,17 +54,15 @@ class EngineConfig:
     prepack_linear: bool = True             # CPU: weights packed for the C kernel or oneDNN (services/engine/linear.py)
     max_loras: int = 4                      # LoRA adapters on the device at once (and in one step)
     max_cpu_loras: int = 16                 # adapters loaded (host copies); beyond, the least recently used idle one goes
-    # Decode attention: "auto" = the paged C kernel on CPU in fp32 or bf16 where it builds (else "torch"),
-    # "kernel" = that kernel or fail, "torch" = gather + SDPA (services/engine/paged_attention.py).
+    # Decode and prompt attention: "auto" = the paged C kernel on CPU in fp32 or bf16 where it builds
+    # and takes the model's head size (else "torch"), "kernel" = that kernel or fail, "torch" = SDPA
+    # over the gathered context (services/engine/paged_attention.py).
     decode_attention: str = "auto"
-    # Prompt attention: "auto" = the paged prompt kernel on CPU in fp32 or bf16 where it builds and
-    # takes the model's head size (else "torch"), "kernel" = that kernel or fail, "torch" = SDPA over
-    # the gathered context.
     prompt_attention: str = "auto"
-    # Decodes attended by the prompt kernel too, so that a token's logits are the same bits however
-    # it was batched, chunked or recomputed (services/engine/step_layout.py). Off by default for its
-    # price on decodes over long contexts (bench/engine_paired.py batch-invariant). No effect without
-    # both kernels (GPU, NPU, fp16, either attention setting "torch").
+    # Where the kernel attends decodes and prompts and every linear layer runs on the C kernel, a
+    # token's logits are the same bits however it was batched, chunked or recomputed
+    # (services/engine/step_layout.py); this setting asks for that, and warns at start where it
+    # cannot hold (GPU, NPU, fp16, an attention setting "torch", bf16 without avx512_bf16).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -95,40 +92,38 @@ class Engine:
             bound_onednn_caches()        # before the first primitive (services/engine/linear.py)
         self.model_config: ModelConfig = load_model_config(config.model_dir)
         c = self.model_config
-        self.prompt_kernel = self._kernel("prompt_attention", load_prompt_kernel,
-                                          prompt_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads))
-        self.decode_kernel = self._kernel("decode_attention", load_decode_kernel)
-        # Batch-invariant: decodes attended by the prompt kernel too, so that a token is computed
-        # alike as a decode and inside a prompt (kernels/paged_prompt_attention.c).
-        if config.batch_invariant and self.decode_kernel is not None and self.prompt_kernel is not None:
-            self.decode_kernel = self.prompt_kernel
+        takes = paged_kernel_takes(c.head_dim, c.num_heads // c.num_kv_heads)
+        # One kernel for both: a token is computed alike as a decode and inside a prompt.
+        self.prompt_kernel = self._kernel("prompt_attention", takes)
+        self.decode_kernel = self._kernel("decode_attention", takes)
         self.model = LlamaDecoder(self.model_config, load_safetensors(config.model_dir), self.device, self.dtype,
                                   config.prepack_linear, self.decode_kernel, self.prompt_kernel)
         budget = config.kv_cache_bytes or int(self.backend.memory().free_bytes * config.kv_cache_fraction)
         self.kv_spec: KVCacheSpec = size_kv_cache(self.model_config, self.dtype, budget,
                                                   config.block_size)
-        self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype)
+        # Keys transposed within their blocks where the kernel reads them (kv_cache.py).
+        self.cache = PagedKVCache(self.model_config, self.kv_spec, self.device, self.dtype,
+                                  keys_transposed=self.decode_kernel is not None or self.prompt_kernel is not None)
         kernel = self.decode_kernel is not None
         self.layouter = StepLayouter(self.kv_spec.block_size, self.device, kernel, self.prompt_kernel is not None)
         # Same bits for a token however it is batched, chunked or recomputed (step_layout.py).
-        self.batch_invariant = kernel and self.decode_kernel is self.prompt_kernel and self.model.linears_on_kernel()
+        self.batch_invariant = (kernel and self.decode_kernel is self.prompt_kernel
+                                and self.model.linears_on_kernel())
         if config.batch_invariant and not self.batch_invariant:
-            log.warning("batch_invariant is set but cannot hold here: it needs the paged attention kernels and "
-                        "every linear layer on the C kernel (CPU, fp32, or bf16 with avx512_bf16, head size a "
-                        "multiple of 16); the engine-ready line names the paths this engine has")
+            log.warning("batch_invariant is set but cannot hold here: it needs the paged attention kernel for "
+                        "decodes and prompts and every linear layer on the C kernel (CPU, fp32, or bf16 with "
+                        "avx512_bf16, head size a multiple of 16); the engine-ready line names the paths this "
+                        "engine has")
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)   # returns itself
         self.adapters = AdapterSet(self.device, config.max_loras, config.max_cpu_loras)
         self.grammars = Grammars(config.model_dir, self.model_config, overlap_masks(self.device, self.threads))
-        decodes = ("gather + SDPA" if not kernel else
-                   "paged prompt kernel" if self.decode_kernel is self.prompt_kernel else "paged decode kernel")
         log.info("engine ready: %s on %s, %s (%d threads); %s (%s); %s; decode attention: %s; prompt attention: %s; "
                  "linear: %s; batch-invariant: %s", self.model_config.architecture, self.device, self.backend.name,
                  self.threads, self.dtype, dtype_reason(config.dtype, self.backend), self.kv_spec.describe(),
-                 decodes, "paged prompt kernel" if self.prompt_kernel else "SDPA",
+                 "paged kernel" if kernel else "gather + SDPA", "paged kernel" if self.prompt_kernel else "SDPA",
                  self.model.layers[0].qkv.backend, "yes" if self.batch_invariant else "no")
 
-    def _kernel(self, setting: str, load: Callable[[], PagedKernel | None],
-                takes_model: bool = True) -> PagedKernel | None:
+    def _kernel(self, setting: str, takes_model: bool) -> PagedKernel | None:
         """The paged attention kernel that EngineConfig.<setting> asks for, or None (torch's path)."""
         choice = getattr(self.config, setting)
         if choice == "torch":
@@ -138,7 +133,7 @@ class Engine:
                 raise ValueError(f"{setting}='kernel' needs fp32 or bf16 on CPU and a model its kernel takes, not "
                                  f"{self.dtype} on {self.device} with head_dim {self.model_config.head_dim}")
             return None
-        kernel = load()
+        kernel = load_paged_kernel()
         if kernel is None and choice == "kernel":
             raise RuntimeError(f"{setting}='kernel' but its kernel could not be built (the log says why)")
         return kernel

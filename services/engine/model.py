@@ -56,8 +56,8 @@ class ContextAttention:
 @dataclass(slots=True)
 class PagedDecodes:
     """Tokens attended by a paged kernel straight from the cache (no gather, no padding), each a
-    row of its own: decodes, one per sequence (the decode kernel), or every token of prompt chunks
-    (the prompt kernel; services/engine/step_layout.py). Consecutive in the step's flat batch."""
+    row of its own: decodes, one per sequence, or every token of prompt chunks
+    (services/engine/step_layout.py). Consecutive in the step's flat batch."""
     num_seqs: int                 # rows (tokens)
     block_tables: torch.Tensor    # [num_seqs, most blocks of any of them] int64, rows zero-padded
     context_lens: torch.Tensor    # [num_seqs] int64: keys 0 .. len-1 (the token's own included)
@@ -145,8 +145,8 @@ class LlamaDecoder:
     def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
                  device: torch.device, dtype: torch.dtype, prepack_linear: bool = True,
                  decode_kernel: PagedKernel | None = None, prompt_kernel: PagedKernel | None = None):
-        """`decode_kernel`, `prompt_kernel`: attend the layouts' decodes and prompt chunks
-        (services/engine/paged_attention.py; one kernel for both in a batch-invariant engine)."""
+        """`decode_kernel`, `prompt_kernel`: the paged attention kernel where it attends the
+        layouts' decodes and prompt chunks (services/engine/paged_attention.py), else None."""
         self.config = config
         self.decode_kernel, self.prompt_kernel = decode_kernel, prompt_kernel
         self.prepack = prepack_linear
@@ -300,7 +300,7 @@ class LlamaDecoder:
         if layout.decodes is not None:
             outputs.append(self._kernel_rows(self.decode_kernel, q, 0, layout.decodes, cache, layer))
         if layout.prompts is not None:
-            # A prompt's tokens as rows of the prompt kernel; with pauses, in pieces.
+            # A prompt's tokens as rows of the kernel; with pauses, in pieces.
             start, prompts = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
             piece = prompts.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
             for first in range(0, prompts.num_seqs, piece):

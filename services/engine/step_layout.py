@@ -4,17 +4,16 @@ K/V is written, and what each attends to (services/engine/model.py: AttentionLay
     layout = StepLayouter(block_size, device, decode_kernel=True, prompts_by_kernel=True)
     ordered, token_ids, attention = layout(batch.sequences)     # entries already checked
 
-Where the paged decode kernel exists, decodes are its rows, read from the cache in place. With
-`prompts_by_kernel`, every token of a prompt chunk is a row too, at its own context length, for
-the engine's prompt kernel (kernels/paged_prompt_attention.c, the default on CPU: it tiles a
-chunk's rows against its keys in place, faster than SDPA over a gathered copy, and a token's
-result does not depend on how its prompt was chunked). With the engine's batch_invariant setting
-(an opt-in) the prompt kernel attends the decodes as well: a token is then computed exactly as a
-decode of its position and inside a prompt, so its logits do not depend on what else ran in its
-step, on how its prompt was chunked, or on whether it is being recomputed (a preempted or moved
-sequence). Otherwise (GPU, NPU, the kernels off) a chunk attends with torch's SDPA over its
-gathered context (or over its own K/V when it starts a prompt). Streaming-mode entries always
-take the windowed path (model.windowed_attention).
+Where the paged attention kernel attends decodes (`decode_kernel`, the default on CPU), each decode
+is a row of it, read from the cache in place. With `prompts_by_kernel`, every token of a prompt
+chunk is a row too, at its own context length (kernels/paged_attention.c: it tiles a chunk's rows
+against its keys in place, faster than SDPA over a gathered copy). With both, a token is computed
+exactly as a decode of its position and inside a prompt, so (with the linear layers on the C
+kernel) its logits do not depend on what else ran in its step, on how its prompt was chunked, or
+on whether it is being recomputed (a preempted or moved sequence): Engine.batch_invariant.
+Otherwise (GPU, NPU, the kernel off) a chunk attends with torch's SDPA over its gathered context
+(or over its own K/V when it starts a prompt). Streaming-mode entries always take the windowed
+path (model.windowed_attention).
 """
 from __future__ import annotations
 
@@ -27,15 +26,14 @@ from services.engine.model import AttentionLayout, ContextAttention, PagedDecode
 
 
 def batch_invariant_on_this_host(dtype: torch.dtype) -> bool:
-    """Whether a CPU engine in `dtype` here, with batch_invariant on, computes every token the same
+    """Whether a CPU engine in `dtype` here, with its default settings, computes every token the same
     way whatever its batch, chunking or recompute: the linear kernel takes the dtype (bf16 needs
-    avx512_bf16) and the paged attention kernels build (a C compiler). Engine.batch_invariant says
-    it of one engine (all of its layers on the kernel, a head size the prompt kernel takes)."""
+    avx512_bf16) and the paged attention kernel builds (a C compiler). Engine.batch_invariant says
+    it of one engine (all of its layers on the kernel, a head size the attention kernel takes)."""
     from services.engine.linear_kernel import load_linear_kernel
-    from services.engine.paged_attention import load_decode_kernel, load_prompt_kernel
+    from services.engine.paged_attention import load_paged_kernel
     linear = load_linear_kernel()
-    return (linear is not None and dtype in linear.dtypes and load_decode_kernel() is not None
-            and load_prompt_kernel() is not None)
+    return linear is not None and dtype in linear.dtypes and load_paged_kernel() is not None
 
 
 # What one more decode group costs (a gather and an attention call in every layer), in padded KV

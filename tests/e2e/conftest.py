@@ -8,9 +8,9 @@ thread. That keeps `make test` within its 15 minutes on 2 cores.
 Dtype: a test cluster's workers run the host's choice (bf16 where the CPU multiplies bf16
 natively, else fp32) unless QOS_TEST_DTYPE names one (fp32 or bf16: .ci/run's dtype legs set it)
 or the test pins it. A fault test asserts texts equal to the undisturbed run's where the worker's
-numbers are batch-invariant (texts_are_batch_invariant: fp32, and bf16 with the workers'
-batch_invariant on where the linear and decode kernels run it); elsewhere a stream is checked to
-continue from exactly the tokens the client holds (bench/continuation.py)."""
+numbers are batch-invariant (texts_are_batch_invariant: fp32, and bf16 where the linear and
+attention kernels run it); elsewhere a stream is checked to continue from exactly the tokens the
+client holds (bench/continuation.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -54,20 +54,18 @@ TEST_DTYPE: str | None = os.environ.get("QOS_TEST_DTYPE") or None
 
 @functools.cache
 def texts_are_batch_invariant(dtype: str) -> bool:
-    """Whether the fault tests' workers (test_failover.fault_config: fp32 with default settings,
-    bf16 with batch_invariant on) keep greedy texts equal to an undisturbed run's on this host
-    (bench/continuation.py)."""
+    """Whether the fault tests' workers (default settings) keep greedy texts equal to an
+    undisturbed run's on this host (bench/continuation.py)."""
     from bench.continuation import texts_equal_undisturbed
-    return texts_equal_undisturbed(dtype, batch_invariant=dtype == "bf16")
+    return texts_equal_undisturbed(dtype)
 
 
 def cluster_config(kv_cache_mb: int = 256, model: str = "default", dtype: str | None = TEST_DTYPE,
-                   workers: int = 1, batch_invariant: bool = False, **scheduler) -> ClusterConfig:
+                   workers: int = 1, **scheduler) -> ClusterConfig:
     """One pool of `workers` workers (1 thread each, in `dtype`; None: the host's choice)."""
     return single_pool(router=RouterConfig(port=0, http_port=0),
                        scheduler=SchedulerConfig(port=0, **scheduler),
-                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb, dtype=dtype,
-                                             batch_invariant=batch_invariant)
+                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=kv_cache_mb, dtype=dtype)
                                 for _ in range(workers)], model=model)
 
 

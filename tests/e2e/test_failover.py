@@ -74,9 +74,9 @@ def assert_same(reference, got) -> None:
 
 # The model each dtype's fault tests run. fp32: the random-weight bench model (cheap steps), the
 # workers' default settings. bf16: a random-weight model whose greedy text never repeats a token
-# (conftest.text_model; in the bench model's a lost or repeated token would not show), its workers
-# batch-invariant (an opt-in: services/engine/step_layout.py). Where the numbers are
-# batch-invariant (conftest.texts_are_batch_invariant: fp32; bf16 on a CPU whose kernels run it)
+# (conftest.text_model; in the bench model's a lost or repeated token would not show), with the
+# workers' default settings too. Where the numbers are batch-invariant (services/engine/
+# step_layout.py; conftest.texts_are_batch_invariant: fp32; bf16 on a CPU whose kernels run it)
 # every text must equal the undisturbed run's; elsewhere every stream must continue from exactly
 # the tokens its client held, and its text may part from the undisturbed one at a near-tie. Both
 # stay cheap where bf16 is emulated.
@@ -85,8 +85,7 @@ DTYPES = ["fp32", "bf16"]
 
 
 def fault_config(dtype: str, workers: int = 2, **scheduler) -> ClusterConfig:
-    return cluster_config(model=FAULT_MODELS[dtype](), dtype=dtype, workers=workers, kv_cache_mb=128,
-                          batch_invariant=dtype == "bf16", **scheduler)
+    return cluster_config(model=FAULT_MODELS[dtype](), dtype=dtype, workers=workers, kv_cache_mb=128, **scheduler)
 
 
 def assert_held(reference, got, model: str, dtype: str) -> None:
@@ -171,8 +170,7 @@ def two_pools(dtype: str) -> ClusterConfig:
     def pool(name: str, primary: bool) -> PoolConfig:
         return PoolConfig(name=name, device="cpu", primary=primary,
                           scheduler=SchedulerConfig(port=0, max_step_tokens=128),
-                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype=dtype,
-                                                batch_invariant=dtype == "bf16")])
+                          workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=128, dtype=dtype)])
     return ClusterConfig(router=RouterConfig(port=0, http_port=0, routing="primary"), model=FAULT_MODELS[dtype](),
                          pools=[pool("first", True), pool("second", False)])
 

@@ -68,6 +68,18 @@ def built_kernel(load, what: str):
     return built
 
 
+class SlotKeys:
+    """The paged attention kernel called with keys by slot, as a test writes them out: they are
+    put in the kernel's layout (kv_cache.keys_by_block) first."""
+
+    def __init__(self, kernel):
+        self.kernel, self.path = kernel, kernel.path
+
+    def __call__(self, q, k_cache, v_cache, tables, lens, block_size, scale):
+        from services.engine.kv_cache import keys_by_block
+        return self.kernel(q, keys_by_block(k_cache, block_size), v_cache, tables, lens, block_size, scale)
+
+
 def pytest_terminal_summary(terminalreporter):
     if LOGIT_DIFFS:
         terminalreporter.write_line(

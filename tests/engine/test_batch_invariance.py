@@ -1,8 +1,8 @@
-"""Batch invariance (EngineConfig.batch_invariant, an opt-in: services/engine/step_layout.py): where
-the paged decode kernel runs, a token's logits are the same bits however its prompt is chunked, whatever
-else shares its step, and whether it is computed as a decode or recomputed inside a prompt (a
-preempted or moved sequence), in fp32 and in bf16; the cache holds the same K/V either way. The
-prompt path's pauses still come between pieces of a long chunk's attention."""
+"""Batch invariance (Engine.batch_invariant, the default where the kernels run:
+services/engine/step_layout.py): a token's logits are the same bits however its prompt is chunked,
+whatever else shares its step, and whether it is computed as a decode or recomputed inside a
+prompt (a preempted or moved sequence), in fp32 and in bf16; the cache holds the same K/V either
+way. The prompt path's pauses still come between pieces of a long chunk's attention."""
 from __future__ import annotations
 
 import random
@@ -21,7 +21,7 @@ BLOCKS = 16          # per sequence: 256 tokens at block size 16
 
 def invariant_engine(model_dir, dtype: str, **kwargs):
     require_decode_kernel_compiler("kernel")
-    engine = make_engine(model_dir, num_blocks=4 * BLOCKS, dtype=dtype, batch_invariant=True, **kwargs)
+    engine = make_engine(model_dir, num_blocks=4 * BLOCKS, dtype=dtype, **kwargs)
     if engine.dtype != {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]:
         pytest.skip(f"{dtype} is not this host's to run")
     assert engine.layouter.prompts_by_kernel
@@ -66,17 +66,16 @@ def test_a_tokens_logits_do_not_depend_on_chunking_company_or_recompute(tiny_mod
     for way, logits in ways.items():
         assert torch.equal(logits, whole), f"{way}: max abs diff {(logits - whole).abs().max().item():.3g}"
     # And the K/V the two slots hold are the same bits.
-    keys = engine.cache.keys[1].view(-1, BLOCKS * 16, *engine.cache.keys[1].shape[1:])
-    assert torch.equal(keys[0, :70], keys[1, :70])
+    first, second = (engine.cache.read(1, table(slot)[0] * 16 + torch.arange(70)) for slot in (0, 1))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
-@pytest.mark.parametrize("prompt_attention", ["auto", "torch"])
-def test_without_it_the_default_the_prompt_path_is_not_a_decodes_and_still_correct(tiny_model_dir, prompt_attention):
-    on = invariant_engine(tiny_model_dir, "float32")
-    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32", prompt_attention=prompt_attention)
-    assert not off.batch_invariant
-    # auto: the prompt kernel (its own arithmetic, not a decode's); torch: SDPA.
-    assert (off.prompt_kernel is not None) == (prompt_attention == "auto") == off.layouter.prompts_by_kernel
+@pytest.mark.parametrize("attention", [{"prompt_attention": "torch"}, {"decode_attention": "torch"}])
+def test_with_either_attention_on_torch_it_does_not_hold_and_results_stay_correct(tiny_model_dir, attention):
+    on = invariant_engine(tiny_model_dir, "float32", batch_invariant=True)
+    off = make_engine(tiny_model_dir, num_blocks=4 * BLOCKS, dtype="float32", batch_invariant=True, **attention)
+    assert not off.batch_invariant          # asked for, and a warning says it cannot hold
+    assert (off.prompt_kernel is None) == ("prompt_attention" in attention) == (not off.layouter.prompts_by_kernel)
     rng = random.Random(3)
     tokens = [rng.randrange(3, VOCAB) for _ in range(50)]
     a, b = chunked(on, tokens, [20], slot=0), chunked(off, tokens, [20], slot=0)

@@ -31,7 +31,8 @@ def test_kv_cache_sized_from_budget(tiny_model_dir):
         size_kv_cache(config, torch.float32, budget_bytes=100)
     engine = make_engine(tiny_model_dir, num_blocks=37, block_size=8)
     assert (engine.kv_spec.num_blocks, engine.kv_spec.block_size) == (37, 8)
-    assert engine.cache.keys[0].shape == (37 * 8, 2, 16)
+    assert engine.cache.values[0].shape == (37 * 8, 2, 16)
+    assert engine.cache.keys[0].shape == ((37, 2, 16, 8) if engine.cache.keys_transposed else (37 * 8, 2, 16))
 
 
 def test_kv_cache_sized_from_free_memory_fraction(tiny_model_dir):

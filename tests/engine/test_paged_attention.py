@@ -1,5 +1,7 @@
-"""The paged decode kernel (services/engine/paged_attention.py) against attention written out in
-torch, on caches whose blocks are scattered, for the shapes Llama-family models use."""
+"""The paged attention kernel (services/engine/paged_attention.py) against attention written out in
+torch, for decodes, on caches whose blocks are scattered, for the shapes Llama-family models use;
+its argument checks, its build, the engine's decode_attention setting and the cache's key layout.
+Prompt chunks: test_prompt_attention.py."""
 from __future__ import annotations
 
 import random
@@ -9,13 +11,18 @@ import torch
 
 from services.common.kv_blocks import blocks_for_tokens
 from services.engine import paged_attention
-from services.engine.paged_attention import KernelBuildError, build_library, load_decode_kernel
-from tests.engine.conftest import built_kernel, require_decode_kernel_compiler
+from services.engine.paged_attention import KernelBuildError, build_library, load_paged_kernel
+from tests.engine.conftest import SlotKeys, built_kernel, require_decode_kernel_compiler
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    return built_kernel(load_decode_kernel, "kernel")
+def raw_kernel():
+    return built_kernel(load_paged_kernel, "paged attention kernel")
+
+
+@pytest.fixture(scope="module")
+def kernel(raw_kernel):
+    return SlotKeys(raw_kernel)
 
 
 def reference(q, k_cache, v_cache, tables, lens, block_size):
@@ -31,8 +38,8 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
     return out
 
 
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 24)])
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 32)])
+@pytest.mark.parametrize("block_size", [16, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size, dtype):
     rng = random.Random(kv_heads * 100 + head_dim + block_size)
@@ -60,20 +67,22 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
     assert (got.float() - want).abs().max().item() < (1e-5 if dtype == torch.float32 else 2 ** -6)
 
 
-def test_kernel_refuses_what_it_cannot_compute(kernel):
+def test_kernel_refuses_what_it_cannot_compute(raw_kernel):
     q = torch.randn(2, 3, 3, 64)
-    cache = torch.randn(64, 3, 64)
+    keys, values = torch.randn(4, 3, 64, 16), torch.randn(64, 3, 64)
     tables, lens = torch.zeros(2, 4, dtype=torch.int64), torch.tensor([3, 5])
     with pytest.raises(TypeError, match="fp32 or bf16"):
-        kernel(q.double(), cache, cache, tables, lens, 16, 0.125)
+        raw_kernel(q.double(), keys.double(), values.double(), tables, lens, 16, 0.125)
     with pytest.raises(TypeError, match="one dtype"):
-        kernel(q.bfloat16(), cache, cache, tables, lens, 16, 0.125)
+        raw_kernel(q.bfloat16(), keys, values, tables, lens, 16, 0.125)
     with pytest.raises(TypeError, match="int64"):
-        kernel(q, cache, cache, tables.int(), lens, 16, 0.125)
-    with pytest.raises(ValueError, match="cache shape"):
-        kernel(q, torch.randn(64, 2, 64), torch.randn(64, 2, 64), tables, lens, 16, 0.125)
+        raw_kernel(q, keys, values, tables.int(), lens, 16, 0.125)
+    with pytest.raises(ValueError, match="cache shapes"):             # keys by slot, not by block
+        raw_kernel(q, values, values, tables, lens, 16, 0.125)
+    with pytest.raises(ValueError, match="cache shapes"):             # another block size
+        raw_kernel(q, keys, values, tables, lens, 8, 0.125)
     with pytest.raises(ValueError, match="one block table row"):
-        kernel(q, cache, cache, tables[:1], lens, 16, 0.125)
+        raw_kernel(q, keys, values, tables[:1], lens, 16, 0.125)
 
 
 def test_a_missing_compiler_is_a_clear_build_error(tmp_path, monkeypatch):
@@ -104,6 +113,26 @@ def test_engine_decode_attention_setting(tiny_model_dir):
     assert make_engine(tiny_model_dir, decode_attention="auto", dtype="bfloat16").decode_kernel is not None
     with pytest.raises(ValueError, match="needs fp32 or bf16 on CPU"):
         make_engine(tiny_model_dir, decode_attention="kernel", dtype="float16")
+
+
+@pytest.mark.parametrize("keys_transposed", [True, False])
+def test_the_cache_reads_back_what_it_wrote_in_either_layout(keys_transposed):
+    """Keys by block (the kernel's layout) or by slot: write, read and whole-block gathers agree."""
+    from types import SimpleNamespace
+    from services.engine.kv_cache import KVCacheSpec, PagedKVCache, keys_by_block
+    config = SimpleNamespace(num_kv_heads=2, head_dim=16, num_layers=1)
+    cache = PagedKVCache(config, KVCacheSpec(6, 5, 0), torch.device("cpu"), torch.float32, keys_transposed)
+    slots = torch.tensor([7, 0, 29, 12, 13, 14])
+    keys, values = torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    cache.write(0, slots, keys, values)
+    got_keys, got_values = cache.read(0, slots)
+    assert torch.equal(got_keys, keys) and torch.equal(got_values, values)
+    by_slot = torch.zeros(30, 2, 16)
+    by_slot[slots] = keys
+    assert torch.equal(cache.keys[0], keys_by_block(by_slot, 5) if keys_transposed else by_slot)
+    key_rows, value_rows = cache.new_gather_buffers(2)
+    cache.gather_blocks(0, torch.tensor([5, 1]), key_rows, value_rows)
+    assert torch.equal(key_rows.view(2, 5, 2, 16), by_slot.view(6, 5, 2, 16)[[5, 1]])
 
 
 def test_loading_the_kernel_leaves_the_processs_float_environment_alone(kernel):

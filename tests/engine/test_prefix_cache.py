@@ -57,7 +57,7 @@ def computed_and_named(engine, pool, owner, ids, n_out=0, lora="", adapter_key="
 
 def kv_of(engine, blocks) -> list[torch.Tensor]:
     slots = torch.tensor([b * BS + i for b in blocks for i in range(BS)])
-    return [t[slots].clone() for t in (*engine.cache.keys, *engine.cache.values)]
+    return [kv for layer in range(len(engine.cache.keys)) for kv in engine.cache.read(layer, slots)]
 
 
 def hit_against_cold(engine, pool, ids, owner, n_out, lora="", adapter_key="") -> tuple[int, float, bool]:

@@ -1,7 +1,7 @@
-"""The paged prompt kernel (services/engine/paged_attention.py: load_prompt_kernel) against attention
-written out in torch: prompt chunks as rows (a token each, at its own context length) over caches
-whose blocks are scattered; a row's result the same bits however its chunk is cut; the engine's
-prompt_attention setting."""
+"""The paged attention kernel (services/engine/paged_attention.py) on prompt chunks, against
+attention written out in torch: chunks as rows (a token each, at its own context length) over
+caches whose blocks are scattered; a row's result the same bits however its chunk is cut and as a
+decode; the engine's prompt_attention setting."""
 from __future__ import annotations
 
 import random
@@ -11,15 +11,15 @@ import torch
 
 from services.common.kv_blocks import blocks_for_tokens
 from services.common.step import SequenceWork, StepBatch
-from services.engine.paged_attention import load_prompt_kernel
-from tests.engine.conftest import built_kernel, require_decode_kernel_compiler
+from services.engine.paged_attention import load_paged_kernel
+from tests.engine.conftest import SlotKeys, built_kernel, require_decode_kernel_compiler
 from tests.engine.test_paged_attention import reference
 from tests.tiny_models import make_engine
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return built_kernel(load_prompt_kernel, "prompt kernel")
+    return SlotKeys(built_kernel(load_paged_kernel, "paged attention kernel"))
 
 
 def chunk_rows(rng: random.Random, chunks: list[tuple[int, int]], block_size: int):
@@ -51,7 +51,7 @@ def random_case(seed: int, chunks, kv_heads: int, group: int, head_dim: int, blo
 
 
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (2, 2, 16), (1, 7, 32)])
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("block_size", [16, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size, dtype):
     # A fresh prompt, chunks over cached context (one ending a block exactly, one a token past it),
@@ -121,11 +121,13 @@ def test_engine_prompt_attention_setting(tiny_model_dir):
     with pytest.raises(ValueError, match="needs fp32 or bf16 on CPU"):
         make_engine(tiny_model_dir, prompt_attention="kernel", dtype="float16")
     require_decode_kernel_compiler("kernel")
-    assert make_engine(tiny_model_dir).prompt_kernel is not None          # auto, on CPU
-    # batch_invariant: decodes on the prompt kernel too, one arithmetic for a token either way.
-    invariant = make_engine(tiny_model_dir, batch_invariant=True)
-    assert invariant.decode_kernel is invariant.prompt_kernel is not None and invariant.batch_invariant
-    assert make_engine(tiny_model_dir).decode_kernel is not make_engine(tiny_model_dir).prompt_kernel
+    # auto, on CPU: one kernel for decodes and prompts, one arithmetic for a token either way.
+    engine = make_engine(tiny_model_dir)
+    assert engine.decode_kernel is engine.prompt_kernel is not None and engine.batch_invariant
+    assert engine.cache.keys_transposed
+    assert not make_engine(tiny_model_dir, prompt_attention="torch").batch_invariant
+    off = make_engine(tiny_model_dir, prompt_attention="torch", decode_attention="torch")
+    assert not off.cache.keys_transposed and off.cache.keys[0].shape == off.cache.values[0].shape
 
 
 @pytest.mark.parametrize("flags", [{"avx2", "fma"}, set()])
@@ -138,7 +140,7 @@ def test_hosts_without_avx512_build_it_and_it_still_holds(kernel, monkeypatch, t
     from services.engine.paged_attention import PagedKernel
     monkeypatch.setattr(kernel_build, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setenv("QOS_SERVE_KERNEL_CACHE", str(tmp_path))
-    other = PagedKernel(paged_attention.build_prompt_library(), "paged_prompt_attention")
+    other = SlotKeys(PagedKernel(paged_attention.build_library()))
     assert other.path != kernel.path
     q, k_cache, v_cache, tables, lens = random_case(5, [(270, 20), (0, 9)], 3, 3, 64, 16, dtype)
     whole = other(q, k_cache, v_cache, tables, lens, 16, 0.125)

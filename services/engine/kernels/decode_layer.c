@@ -1,12 +1,12 @@
 /* One decoder layer of a decode step, in one call: the steps between the engine's linear and
  * attention kernels, which torch ran as ~25 small operations a layer.
  *
- * A step whose every token is a decode (one per sequence, attended by the paged decode kernel)
+ * A step whose every token is a decode (one per sequence, attended by the paged attention kernel)
  * spends most of its time, at a few rows, not in the matmuls but in dispatching the small
  * operations around them (norms, rotary, cache writes, residual adds, SiLU): about 6 ms of a
  * 15 ms bf16 step of SmolLM2-135M on 2 EPYC cores. Here they run as plain loops over the rows,
  * and the linear layers and the attention are the engine's own kernels (kernels/linear.c,
- * kernels/paged_decode_attention.c), reached through the function pointers the caller passes,
+ * kernels/paged_attention.c), reached through the function pointers the caller passes,
  * so each keeps its own compile flags.
  *
  * The arithmetic follows services/engine/model.py's torch path operation by operation, rounding
@@ -138,7 +138,8 @@ static inline __attribute__((always_inline)) void add_into(void *x, const void *
 
 /* Rotate q and k of every row (x * cos + roll(x, half) * signed_sin, each product rounded, then
  * the sum, as services/engine/rope.py's three torch operations), write each row's key and value to
- * its cache slot, and the queries, widened to fp32, to step->q. */
+ * its cache slot (keys transposed within their block, as kernels/paged_attention.c reads them:
+ * [block][kv head][dimension][offset]), and the queries, widened to fp32, to step->q. */
 static inline __attribute__((always_inline)) void rotate_and_store(
         const struct model *m, const struct step *s, void *k_cache, void *v_cache, const int bf16) {
     const int64_t d = m->head_dim, half = d / 2, slot = m->kv_heads * d;
@@ -147,6 +148,7 @@ static inline __attribute__((always_inline)) void rotate_and_store(
     for (int64_t r = 0; r < s->rows; r++) {
         const int64_t row = r * width;
         const int64_t cache = s->slots[r] * slot;
+        const int64_t block = s->slots[r] / s->block_size, offset = s->slots[r] % s->block_size;
         for (int64_t h = 0; h < m->heads + m->kv_heads; h++) {
             const int64_t head = row + h * d;
             for (int64_t j = 0; j < d; j++) {
@@ -163,7 +165,7 @@ static inline __attribute__((always_inline)) void rotate_and_store(
                 if (h < m->heads)
                     s->q[r * m->heads * d + h * d + j] = v;
                 else
-                    put(k_cache, cache + (h - m->heads) * d + j, v, bf16);
+                    put(k_cache, ((block * m->kv_heads + h - m->heads) * d + j) * s->block_size + offset, v, bf16);
             }
         }
         const int64_t values = row + (m->heads + m->kv_heads) * d;

@@ -1,30 +1,30 @@
-/* Prompt attention read straight from the paged KV cache (an fp32 or bf16 cache, CPU), and, for a
- * batch-invariant engine, decode attention too.
+/* Attention read straight from the paged KV cache (an fp32 or bf16 cache, CPU): decodes and prompt
+ * chunks alike.
  *
- * The rows are those of the paged decode kernel (kernels/paged_decode_attention.c): one query
- * token per row, with its sequence's block table and its own context length. A prompt chunk is
- * a run of such rows: the same table, lengths one apart; a decode is a run of one. The decode
- * kernel scores each (query row, key) pair as a dot product ending in a horizontal sum, and reads
- * every key once per query token; over long contexts that is several times slower than SDPA.
- * Here a micro-tile of MR query rows scores a 16-key tile, the keys transposed to [head_dim][16]
- * fp32, with one fused multiply-add per (row, dimension): the scores of a row are a chain over the
- * dimensions in order, in the lanes of one vector, as a matrix product computes them. The weighted
- * values are summed the same way, MR rows x 64 dimensions in registers, the keys in order. The
- * keys are read where they lie in the cache: no gathered copy of the context, which the SDPA path
- * makes in every layer. A long chunk's keys are transposed once per call into a buffer its tasks
- * share; a decode's or a short chunk's, tile by tile as they are scored.
+ * Every query token is a row with its sequence's block table and its own context length: a
+ * decode is one row, a prompt chunk a run of rows (the same table, lengths one apart). A
+ * micro-tile of MR query rows scores a tile of up to 16 keys with one fused multiply-add per
+ * (row, dimension): the scores of a row are a chain over the dimensions in order, in the lanes of
+ * one vector, as a matrix product computes them. This needs the keys transposed, and the cache
+ * keeps them so: each block's keys are stored [kv_heads][head_dim][block_size] (the engine writes
+ * them that way: services/engine/kv_cache.py, kernels/decode_layer.c), so a tile is one vector
+ * load per dimension. The weighted values are summed the same way, MR rows x 64 dimensions in
+ * registers, the keys in order. K and V are read where they lie: no gathered copy of the
+ * context, which the SDPA path makes in every layer.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
- * share its micro-tile, its task or its call: the arithmetic (score_tile, softmax_row, values_*)
- * is one copy of machine code whichever path feeds it. So a token's attention is the same bits
- * however its prompt was chunked, and whether it is computed as a decode or inside a prompt
- * (recomputed after a preemption or a failover). It differs in its last bits from the decode
- * kernel's, whose sums run in another order: an engine with batch_invariant on attends its
- * decodes here too.
+ * share its micro-tile, its task or its call: the arithmetic (score_*, softmax_row, values_*) is
+ * one copy of machine code per cache dtype whichever path feeds it, and a lane's score does not
+ * depend on the tile's width. So a token's attention is the same bits whether it is a decode or
+ * inside a prompt, however its prompt was chunked, whatever else shares its step, and when it is
+ * recomputed (after a preemption or a failover).
  *
- * Layouts (all contiguous, row-major), as the decode kernel's:
+ * Layouts (all contiguous, row-major):
  *   q, out        [rows, kv_heads, group, head_dim] fp32
- *   k_cache, v    [num_slots, kv_heads, head_dim] fp32 (paged_prompt_attention) or bf16 (_bf16)
+ *   k_cache       [num_blocks, kv_heads, head_dim, block_size] fp32 (paged_attention) or bf16
+ *                 (paged_attention_bf16): keys transposed within each block
+ *   v_cache       [num_blocks * block_size, kv_heads, head_dim], same dtype (slot = block *
+ *                 block_size + offset)
  *   block_tables  [rows, max_blocks] int64; context_lens [rows] int64 (>= 1)
  * head_dim must be a multiple of 16 up to 256 and group at most 16 (else the call returns 2 and
  * does nothing). Built with -ffast-math (the exponentials vectorise only so); no infinity is used.
@@ -63,72 +63,28 @@ static inline __attribute__((always_inline)) v16 load16(const void *cache, int64
 struct run {                /* consecutive rows of one sequence */
     int64_t first, tokens;  /* its first row, and how many */
     int64_t len;            /* keys of its last (longest) row */
-    int64_t tiles;          /* 16-key tiles covering them */
-    float *kt;              /* [kv_heads][tiles][head_dim][16] transposed keys, zero past len */
-    int64_t *where;         /* [len] element offset of each key's slot in the caches */
+    const int64_t *table;   /* its block table */
+    int64_t *where;         /* [len] element offset of each key's slot in the value cache */
 };
 
-/* A 16 x 16 transpose in registers: at s = 8, 4, 2, 1, rows s apart swap the (s x s)-lane blocks
- * that lie off the diagonal of their (2s x 2s) block. */
-static inline __attribute__((always_inline)) void transpose16(v16 r[LANES]) {
-    for (int i = 0; i < 8; i++) {
-        const v16 a = r[i], b = r[i + 8];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-        r[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-    for (int i = 0; i < LANES; i++) {
-        if (i & 4)
-            continue;
-        const v16 a = r[i], b = r[i + 4];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-        r[i + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    }
-    for (int i = 0; i < LANES; i++) {
-        if (i & 2)
-            continue;
-        const v16 a = r[i], b = r[i + 2];
-        r[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-        r[i + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    }
-    for (int i = 0; i < LANES; i += 2) {
-        const v16 a = r[i], b = r[i + 1];
-        r[i] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-        r[i + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    }
+/* Scores of MR query rows against a 16-key tile of one kv head (kt: its dimension-0 keys; those of
+ * dimension d lie d * stride elements further), each a chain of fused multiply-adds over the
+ * dimensions in order, times the scale. Never inlined: every row of every path runs these very
+ * instructions, so a row's scores are the same bits whichever computes it. One copy per dtype. */
+#define SCORES_OF(name, bf16)                                                                         \
+static __attribute__((noinline)) void name(const void *kt, int64_t stride, const float *const qm[MR], \
+                                           int64_t head_dim, float scale, v16 out[MR]) {            \
+    v16 acc[MR] = {{0}};                                                                              \
+    for (int64_t d = 0; d < head_dim; d++) {                                                          \
+        const v16 k = load16(kt, d * stride, bf16);                                                   \
+        for (int m = 0; m < MR; m++)                                                                  \
+            acc[m] += k * qm[m][d];                                                                   \
+    }                                                                                                 \
+    for (int m = 0; m < MR; m++)                                                                      \
+        out[m] = acc[m] * scale;                                                                      \
 }
-
-/* Keys 16 tile .. 16 tile + 15 of kv head h as kt[d][key] (zero past the run's keys), 16
- * dimensions at a time through registers. */
-static inline __attribute__((always_inline)) void transpose_tile(
-        const void *k_cache, const struct run *run, int64_t h, int64_t tile, int64_t head_dim,
-        float *restrict kt, const int bf16) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {
-        v16 r[LANES];
-        for (int64_t j = 0; j < LANES; j++) {
-            const int64_t t = tile * LANES + j;
-            r[j] = t < run->len ? load16(k_cache, run->where[t] + h * head_dim + d0, bf16) : (v16){0};
-        }
-        transpose16(r);
-        for (int64_t d = 0; d < LANES; d++)
-            memcpy(kt + (d0 + d) * LANES, &r[d], sizeof r[d]);
-    }
-}
-
-/* Scores of MR query rows against one 16-key tile, each a chain of fused multiply-adds over the
- * dimensions in order, times the scale. Never inlined: prompt tasks and decode tasks run these
- * very instructions, so a row's scores are the same bits whichever computes it. */
-static __attribute__((noinline)) void score_tile(const float *restrict kt, const float *const qm[MR],
-                                                 int64_t head_dim, float scale, v16 out[MR]) {
-    v16 acc[MR] = {{0}};
-    for (int64_t d = 0; d < head_dim; d++) {
-        v16 k;
-        memcpy(&k, kt + d * LANES, sizeof k);
-        for (int m = 0; m < MR; m++)
-            acc[m] += k * qm[m][d];
-    }
-    for (int m = 0; m < MR; m++)
-        out[m] = acc[m] * scale;
-}
+SCORES_OF(scores_f32, 0)
+SCORES_OF(scores_bf16, 1)
 
 /* Softmax of a row's scores over its `len` keys in place, zero up to `width`; returns 1 / sum.
  * Not inlined, as score_tile. */
@@ -156,8 +112,10 @@ static __attribute__((noinline)) void name(const float *const pm[MR], int64_t ke
         for (int c = 0; c < CHUNK; c++)                                                               \
             o[m][c] = (v16){0};                                                                       \
     for (int64_t t = 0; t < keys; t++) {                                                              \
-        if (t + LANES < keys)       /* a tile ahead: across the jump to the next block */            \
-            __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset) * (bf16 ? 2 : 4)); \
+        if (t + LANES < keys)       /* a tile ahead, every line read: across the jumps to other  \
+                                       blocks and heads, which the hardware's prefetch does not follow */ \
+            for (int c = 0; c < chunks; c += bf16 ? 2 : 1)     /* a chunk: a 64-byte line in fp32 */    \
+                __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset + c * LANES) * (bf16 ? 2 : 4)); \
         v16 v[CHUNK];                                                                                 \
         for (int c = 0; c < CHUNK; c++)                                                               \
             v[c] = c < chunks ? load16(v_cache, where[t] + offset + c * LANES, bf16) : (v16){0};     \
@@ -170,53 +128,56 @@ VALUES(values_f32, 0)
 VALUES(values_bf16, 1)
 
 /* Rows of `count` tokens (from token t0 of the run) for kv heads h0 .. h0 + heads - 1: scores,
- * softmax, values. The keys come transposed from the run's buffer where it has one (a long chunk,
- * whose tasks share it), else each tile is transposed here as it is needed (a decode, a short
- * chunk: read once). Every head's scores are taken tile by tile and its values segment by
- * segment, so that a long context's slots (all heads side by side) are read while in cache; a
- * segment's sums are added to the output in order, the same for every path. `scores` holds
- * heads x rows x width floats and then heads x rows more (the softmax sums). */
+ * softmax, values. Every head's scores are taken tile by tile (a block's keys, all heads side by
+ * side, are read front to back) and its values segment by segment, so that a long context is
+ * read while in cache; a segment's sums are added to the output in order, the same for every
+ * path. `scores` holds heads x rows x width floats and then heads x rows more (the softmax sums). */
 static inline __attribute__((always_inline)) void attend_task(
         const float *q, const void *k_cache, const void *v_cache, const struct run *run,
         const int64_t *lens, int64_t t0, int64_t count, int64_t h0, int64_t heads, float *out,
-        float *restrict scores, int64_t kv_heads, int64_t group, int64_t head_dim, float scale,
-        const int bf16) {
+        float *restrict scores, int64_t kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+        float scale, const int bf16) {
     const int64_t rows = count * group;
     const int64_t keys = lens[run->first + t0 + count - 1];
     const int64_t width = (keys + LANES - 1) / LANES * LANES;
     float *inverse = scores + heads * rows * width;
     int64_t len[TOKENS * MAX_GROUP];
-    float local[MAX_HEAD_DIM * LANES];
+    const int64_t element = bf16 ? 2 : 4;
+    _Alignas(64) char local[MAX_HEAD_DIM * LANES * 4];    /* a tile narrower than 16 keys, widened */
     for (int64_t r = 0; r < rows; r++)               /* token-major, so lengths never decrease */
         len[r] = lens[run->first + t0 + r / group];
     /* row r of kv head h, in q and out */
 #define AT(h, r) ((((run->first + t0 + (r) / group) * kv_heads + (h)) * group + (r) % group) * head_dim)
 #define SCORES(h, r) (scores + (((h) - h0) * rows + (r)) * width)
-    for (int64_t tile = 0; tile * LANES < keys; tile++)
+    /* Tiles of up to 16 keys inside one block: 16 whenever the block size is a multiple of 16. */
+    for (int64_t start = 0, lanes; start < keys; start += lanes) {
+        const int64_t offset = start % block_size, block = run->table[start / block_size];
+        lanes = block_size - offset < LANES ? block_size - offset : LANES;
+        const int64_t stored = keys - start < lanes ? keys - start : lanes;
         for (int64_t h = h0; h < h0 + heads; h++) {
-            const float *kt = run->kt ? run->kt + (h * run->tiles + tile) * head_dim * LANES : local;
-            if (run->kt == NULL) {
-                /* the next tile's slots (all heads side by side), ahead of the jump between blocks */
-                const int64_t next = (tile + 1) * LANES;
-                if (h == h0 && next < keys)
-                    for (int64_t j = 0; j < LANES && next + j < keys; j++)
-                        __builtin_prefetch((const char *)k_cache + run->where[next + j] * (bf16 ? 2 : 4));
-                transpose_tile(k_cache, run, h, tile, head_dim, local, bf16);
+            const char *kt = (const char *)k_cache + (((block * kv_heads + h) * head_dim) * block_size + offset) * element;
+            int64_t stride = block_size;
+            if (lanes < LANES) {         /* zero-padded to 16 lanes: the same arithmetic per lane */
+                memset(local, 0, (size_t)(head_dim * LANES * element));
+                for (int64_t d = 0; d < head_dim; d++)
+                    memcpy(local + d * LANES * element, kt + d * block_size * element, (size_t)(lanes * element));
+                kt = local, stride = LANES;
             }
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
                 const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
-                if (tile * LANES >= len[r0 + m_rows - 1])
+                if (start >= len[r0 + m_rows - 1])
                     continue;
                 /* a short micro-tile repeats its first row in the unused lanes, never stored */
                 const float *qm[MR];
                 for (int m = 0; m < MR; m++)
                     qm[m] = q + AT(h, r0 + (m < m_rows ? m : 0));
                 v16 s[MR];
-                score_tile(kt, qm, head_dim, scale, s);
+                (bf16 ? scores_bf16 : scores_f32)(kt, stride, qm, head_dim, scale, s);
                 for (int m = 0; m < m_rows; m++)
-                    memcpy(SCORES(h, r0 + m) + tile * LANES, &s[m], sizeof s[m]);
+                    memcpy(SCORES(h, r0 + m) + start, &s[m], sizeof(float) * (size_t)stored);
             }
         }
+    }
     for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t r = 0; r < rows; r++)
             inverse[(h - h0) * rows + r] = softmax_row(SCORES(h, r), len[r], width);
@@ -265,7 +226,8 @@ static inline __attribute__((always_inline)) void attend_task(
 struct task { int64_t run, h0, heads, t0, count; };
 
 /* Returns 0; 2 for a shape it does not take; -1 when it could not allocate its buffers.
- * `threads` as the decode kernel's (torch.get_num_threads(), passed by the caller). */
+ * `threads`: torch.get_num_threads(), passed by the caller (OpenMP's own default is per calling
+ * thread, and the worker steps the engine in a thread of its own). */
 static inline __attribute__((always_inline)) int attend_all(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
         const int64_t *lens, float *out, int64_t num_rows, int64_t kv_heads, int64_t group,
@@ -287,58 +249,35 @@ static inline __attribute__((always_inline)) int attend_all(
         else
             runs[num_runs++] = (struct run){ .first = s, .tokens = 1 };
     }
-    /* A run of up to TOKENS tokens is one task over all kv heads, reading each cached slot front to
-     * back (a task per head read a third of each slot, and stalled on its loads: the decode
-     * kernel's measurement); a longer one is a task per (kv head, TOKENS tokens), its keys
-     * transposed once into a buffer the tasks share. */
-    int64_t kt_floats = 0, where_ints = 0, tiles = 0, num_tasks = 0;
+    /* A run of up to TOKENS tokens is one task over all kv heads, reading each block's keys and each
+     * cached slot's values front to back (a task per head read a third of each slot, and stalled
+     * on its loads); a longer one is a task per (kv head, TOKENS tokens). */
+    int64_t where_ints = 0, num_tasks = 0;
     for (int64_t i = 0; i < num_runs; i++) {
         struct run *run = &runs[i];
         run->len = lens[run->first + run->tokens - 1];
-        run->tiles = (run->len + LANES - 1) / LANES;
+        run->table = block_tables + run->first * max_blocks;
         where_ints += run->len;
         if (run->tokens <= TOKENS) {
             tasks[num_tasks++] = (struct task){ i, 0, kv_heads, 0, run->tokens };
             continue;
         }
-        kt_floats += kv_heads * run->tiles * head_dim * LANES;
-        tiles += kv_heads * run->tiles;
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t t0 = 0; t0 < run->tokens; t0 += TOKENS)
                 tasks[num_tasks++] = (struct task){ i, h, 1, t0,
                                                     run->tokens - t0 < TOKENS ? run->tokens - t0 : TOKENS };
     }
-    float *kt = kt_floats ? malloc(sizeof(float) * (size_t)kt_floats) : NULL;
     int64_t *where = malloc(sizeof(int64_t) * (size_t)where_ints);
-    if ((kt_floats && kt == NULL) || where == NULL) {
-        free(runs), free(tasks), free(kt), free(where);
+    if (where == NULL) {
+        free(runs), free(tasks);
         return -1;
     }
-    for (int64_t i = 0, k = 0, w = 0; i < num_runs; i++) {
+    for (int64_t i = 0, w = 0; i < num_runs; i++) {
         struct run *run = &runs[i];
-        const int64_t *table = block_tables + run->first * max_blocks;
         run->where = where + w;
         w += run->len;
         for (int64_t t = 0; t < run->len; t++)
-            run->where[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * head_dim;
-        run->kt = NULL;
-        if (run->tokens > TOKENS) {
-            run->kt = kt + k;
-            k += kv_heads * run->tiles * head_dim * LANES;
-        }
-    }
-    if (tiles) {
-        #pragma omp parallel for num_threads(threads) schedule(dynamic, 16)
-        for (int64_t u = 0; u < tiles; u++) {
-            int64_t i = 0, rest = u;
-            while (runs[i].kt == NULL || rest >= kv_heads * runs[i].tiles) {
-                if (runs[i].kt != NULL)
-                    rest -= kv_heads * runs[i].tiles;
-                i++;
-            }
-            transpose_tile(k_cache, &runs[i], rest / runs[i].tiles, rest % runs[i].tiles, head_dim,
-                           runs[i].kt + rest * head_dim * LANES, bf16);
-        }
+            run->where[t] = (run->table[t / block_size] * block_size + t % block_size) * kv_heads * head_dim;
     }
     int failed = 0;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(|: failed)
@@ -352,14 +291,14 @@ static inline __attribute__((always_inline)) int attend_all(
             continue;
         }
         attend_task(q, k_cache, v_cache, run, lens, task->t0, task->count, task->h0, task->heads, out, scores,
-                    kv_heads, group, head_dim, scale, bf16);
+                    kv_heads, group, head_dim, block_size, scale, bf16);
         free(scores);
     }
-    free(runs), free(tasks), free(kt), free(where);
+    free(runs), free(tasks), free(where);
     return failed ? -1 : 0;
 }
 
-int paged_prompt_attention(const float *q, const float *k_cache, const float *v_cache,
+int paged_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int64_t num_rows, int64_t kv_heads, int64_t group, int64_t head_dim,
                            int64_t block_size, int64_t max_blocks, float scale, int threads) {
@@ -367,7 +306,7 @@ int paged_prompt_attention(const float *q, const float *k_cache, const float *v_
                       head_dim, block_size, max_blocks, scale, threads, 0);
 }
 
-int paged_prompt_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+int paged_attention_bf16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                 const int64_t *block_tables, const int64_t *context_lens, float *out,
                                 int64_t num_rows, int64_t kv_heads, int64_t group, int64_t head_dim,
                                 int64_t block_size, int64_t max_blocks, float scale, int threads) {
