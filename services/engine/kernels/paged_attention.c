@@ -87,7 +87,7 @@ SCORES_OF(scores_f32, 0)
 SCORES_OF(scores_bf16, 1)
 
 /* Softmax of a row's scores over its `len` keys in place, zero up to `width`; returns 1 / sum.
- * Not inlined, as score_tile. */
+ * Not inlined, as the scores. */
 static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t len, int64_t width) {
     float best = sr[0];
     for (int64_t t = 1; t < len; t++)
@@ -103,17 +103,18 @@ static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t l
 }
 
 /* o[m] = sum over keys t of p[m][t] * value t (dimensions d0 .. d0 + 16 chunks), keys in order,
- * for MR rows at once. Not inlined, as score_tile; one copy per cache dtype. */
+ * for MR rows at once; with `ahead`, the lines it reads are prefetched a tile ahead. Not inlined,
+ * as the scores; one copy per cache dtype. */
 #define VALUES(name, bf16)                                                                            \
 static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                  \
-        const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks,               \
+        const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks, int ahead,     \
         v16 o[MR][CHUNK]) {                                                                           \
     for (int m = 0; m < MR; m++)                                                                      \
         for (int c = 0; c < CHUNK; c++)                                                               \
             o[m][c] = (v16){0};                                                                       \
     for (int64_t t = 0; t < keys; t++) {                                                              \
-        if (t + LANES < keys)       /* a tile ahead, every line read: across the jumps to other  \
-                                       blocks and heads, which the hardware's prefetch does not follow */ \
+        if (ahead && t + LANES < keys)  /* a tile ahead, every line read: across the jumps to other \
+                                           blocks and heads, which the hardware's prefetch misses */ \
             for (int c = 0; c < chunks; c += bf16 ? 2 : 1)     /* a chunk: a 64-byte line in fp32 */    \
                 __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset + c * LANES) * (bf16 ? 2 : 4)); \
         v16 v[CHUNK];                                                                                 \
@@ -194,8 +195,9 @@ static inline __attribute__((always_inline)) void attend_task(
                 for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
                     const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
                     v16 o[MR][CHUNK];
+                    /* the first micro-tile's pass prefetches; the others find the values in cache */
                     (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
-                                                      h * head_dim + d0, chunks, o);
+                                                      h * head_dim + d0, chunks, r0 == 0, o);
                     for (int m = 0; m < m_rows; m++) {
                         if (len[r0 + m] <= first)          /* none of this segment is the row's */
                             continue;
