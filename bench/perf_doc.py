@@ -379,11 +379,6 @@ def dtype_divergence(result: dict) -> list[list[str]]:
     return rows
 
 
-@table("dtype-divergence-invariant", "dtype_divergence_batch_invariant.json")
-def dtype_divergence_invariant(result: dict) -> list[list[str]]:
-    return dtype_divergence(result)
-
-
 def render_table(name: str) -> str:
     """The marker, the table from its JSON files as they are now, and the closing marker."""
     spec = TABLES[name]

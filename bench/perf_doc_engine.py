@@ -92,7 +92,15 @@ PAIRED_RUNS = (
     ("engine_paired_batch_invariant_prompt_kernel_bf16_b8_p1536.json", "the same, 1,536-token prompts", ""),
     ("engine_paired_batch_invariant_prompt_kernel_f32_b8_p1536.json", "", ""),
     ("engine_paired_batch_invariant_prompt_kernel_bf16_b1_p2048.json", "the same, prompt tok/s, 2,048-token "
-     "prompts", "(opt-in)"),
+     "prompts", "(opt-in; replaced below)"),
+    ("engine_paired_commit_paged_attention_bf16_b1.json", "one paged kernel for decodes and prompts, over keys "
+     "stored transposed in each block (off: the decode and prompt kernels, at 3dbb5da); decode tok/s, "
+     "128-token prompts", "kept (batch-invariant by default)"),
+    ("engine_paired_commit_paged_attention_bf16_b32.json", "", ""),
+    ("engine_paired_commit_paged_attention_f32_b32.json", "", ""),
+    ("engine_paired_commit_paged_attention_bf16_b8_p1536.json", "the same, 1,536-token prompts", ""),
+    ("engine_paired_commit_paged_attention_f32_b8_p1536.json", "", ""),
+    ("engine_paired_commit_paged_attention_bf16_b1_p2048.json", "the same, prompt tok/s, 2,048-token prompts", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}

@@ -26,7 +26,7 @@ app)
     pip_install -c requirements.txt ".${2:+[$2]}"
     # Converted at build time: containers never download or convert anything.
     python -m services.engine.default_model
-    # The CPU kernels (decode attention, linear layers, the fused decode layer), compiled now
+    # The CPU kernels (paged attention, linear layers, the fused decode layer), compiled now
     # where the image has a C compiler (the CPU image does); without one, CPU workers use torch's
     # gather + SDPA, oneDNN and torch's operations, and say so in their log.
     if command -v cc >/dev/null 2>&1; then
