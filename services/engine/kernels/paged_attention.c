@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void attend_task(
     float *inverse = scores + heads * rows * width;
     int64_t len[TOKENS * MAX_GROUP];
     const int64_t element = bf16 ? 2 : 4;
-    _Alignas(64) char local[MAX_HEAD_DIM * LANES * 4];    /* a tile narrower than 16 keys, widened */
+    _Alignas(64) char local[MAX_HEAD_DIM * LANES * 4];    /* a tile of fewer than 16 keys, zero-padded */
     for (int64_t r = 0; r < rows; r++)               /* token-major, so lengths never decrease */
         len[r] = lens[run->first + t0 + r / group];
     /* row r of kv head h, in q and out */
