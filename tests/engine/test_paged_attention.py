@@ -38,7 +38,7 @@ def reference(q, k_cache, v_cache, tables, lens, block_size):
     return out
 
 
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 32)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (3, 3, 64), (2, 4, 128), (4, 2, 32), (6, 2, 32)])
 @pytest.mark.parametrize("block_size", [16, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim, block_size, dtype):

@@ -68,10 +68,12 @@ def test_kernel_matches_attention_written_out(kernel, kv_heads, group, head_dim,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_how_its_chunk_is_cut(kernel, dtype):
+@pytest.mark.parametrize("kv_heads, group", [(3, 3), (6, 2)])
+def test_a_rows_result_does_not_depend_on_how_its_chunk_is_cut(kernel, dtype, kv_heads, group):
     """Chunked prefill, pieces between pauses, other prompts in the call, one token at a time (as
-    decodes): the same bits per token."""
-    q, k_cache, v_cache, tables, lens = random_case(11, [(240, 61), (0, 23)], 3, 3, 64, 16, dtype)
+    decodes, whose values take another loop: all heads in one pass, in groups of four): the same
+    bits per token."""
+    q, k_cache, v_cache, tables, lens = random_case(11, [(240, 61), (0, 23)], kv_heads, group, 64, 16, dtype)
     whole = kernel(q, k_cache, v_cache, tables, lens, 16, 0.125)
     singles = list(range(85))         # every token alone: a decode of its position
     for cuts in ([0, 1, 61], [0, 13, 14, 47, 84], [0, 61, 84], [30, 84], singles):

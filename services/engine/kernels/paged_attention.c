@@ -13,9 +13,10 @@
  * context, which the SDPA path makes in every layer.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
- * share its micro-tile, its task or its call: the arithmetic (score_*, softmax_row, values_*) is
- * one copy of machine code per cache dtype whichever path feeds it, and a lane's score does not
- * depend on the tile's width. So a token's attention is the same bits whether it is a decode or
+ * share its micro-tile, its task or its call: the scores and the softmax are one copy of machine
+ * code per cache dtype whichever path feeds them, a lane's score does not depend on the tile's
+ * width, and a decode's value sums (values_heads_*) are the same operations in the same order as
+ * a prompt row's (values_*). So a token's attention is the same bits whether it is a decode or
  * inside a prompt, however its prompt was chunked, whatever else shares its step, and when it is
  * recomputed (after a preemption or a failover).
  *
@@ -41,6 +42,7 @@
 #define MAX_HEAD_DIM 256
 #define CHUNK 4         /* vectors of a value row summed at once (64 dimensions) */
 #define SEGMENT 256     /* keys whose values are summed before the next kv head's */
+#define HG 4            /* kv heads whose values a decode sums in one pass */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -128,6 +130,38 @@ static __attribute__((noinline)) void name(const float *const pm[MR], int64_t ke
 VALUES(values_f32, 0)
 VALUES(values_bf16, 1)
 
+/* The same sums for up to HG heads' micro-tiles at once (o[h][m], values at offset[h] of each
+ * slot), keys in order: a decode reads each slot's heads side by side in one pass, where a pass
+ * per head read a third of every slot and streamed the cache at two thirds of the speed (fp32,
+ * a sequence's blocks side by side). Each sum is the same operations in the same order as in
+ * values_*, so a row's values are the same bits on either path (the tests hold a token alone,
+ * which takes this one, to the same token in a chunk, which takes the other). */
+#define VALUES_HEADS(name, bf16)                                                                      \
+static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,      \
+        const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,    \
+        v16 o[HG][MR][CHUNK]) {                                                                       \
+    for (int h = 0; h < nh; h++)                                                                      \
+        for (int m = 0; m < MR; m++)                                                                  \
+            for (int c = 0; c < CHUNK; c++)                                                           \
+                o[h][m][c] = (v16){0};                                                                \
+    for (int64_t t = 0; t < keys; t++) {                                                              \
+        if (t + LANES < keys)                                                                         \
+            for (int h = 0; h < nh; h++)                                                              \
+                for (int c = 0; c < chunks; c += bf16 ? 2 : 1)                                        \
+                    __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset[h] + c * LANES) * (bf16 ? 2 : 4)); \
+        for (int h = 0; h < nh; h++) {                                                                \
+            v16 v[CHUNK];                                                                             \
+            for (int c = 0; c < CHUNK; c++)                                                           \
+                v[c] = c < chunks ? load16(v_cache, where[t] + offset[h] + c * LANES, bf16) : (v16){0}; \
+            for (int m = 0; m < MR; m++)                                                              \
+                for (int c = 0; c < CHUNK; c++)                                                       \
+                    o[h][m][c] += pm[h][m][t] * v[c];                                                 \
+        }                                                                                             \
+    }                                                                                                 \
+}
+VALUES_HEADS(values_heads_f32, 0)
+VALUES_HEADS(values_heads_bf16, 1)
+
 /* Rows of `count` tokens (from token t0 of the run) for kv heads h0 .. h0 + heads - 1: scores,
  * softmax, values. Every head's scores are taken tile by tile (a block's keys, all heads side by
  * side, are read front to back) and its values segment by segment, so that a long context is
@@ -182,6 +216,40 @@ static inline __attribute__((always_inline)) void attend_task(
     for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t r = 0; r < rows; r++)
             inverse[(h - h0) * rows + r] = softmax_row(SCORES(h, r), len[r], width);
+    if (rows <= MR && heads > 1) {      /* a decode: its heads' values in one pass over the keys */
+        for (int64_t first = 0; first < keys; first += SEGMENT) {
+            const int64_t end = keys < first + SEGMENT ? keys : first + SEGMENT;
+            for (int64_t g = h0; g < h0 + heads; g += HG) {
+                const int nh = h0 + heads - g < HG ? (int)(h0 + heads - g) : HG;
+                for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
+                    const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
+                    const float *pm[HG][MR];
+                    int64_t offset[HG];
+                    for (int i = 0; i < nh; i++) {
+                        offset[i] = (g + i) * head_dim + d0;
+                        for (int m = 0; m < MR; m++)
+                            pm[i][m] = SCORES(g + i, m < rows ? m : 0) + first;
+                    }
+                    v16 o[HG][MR][CHUNK];
+                    (bf16 ? values_heads_bf16 : values_heads_f32)(pm, nh, end - first, run->where + first, v_cache,
+                                                                  offset, chunks, o);
+                    for (int i = 0; i < nh; i++)
+                        for (int m = 0; m < rows; m++) {
+                            float *o_row = out + AT(g + i, m) + d0;
+                            for (int c = 0; c < chunks; c++) {
+                                v16 sum = o[i][m][c];
+                                if (first > 0) {
+                                    v16 before;
+                                    memcpy(&before, o_row + c * LANES, sizeof before);
+                                    sum = before + sum;
+                                }
+                                memcpy(o_row + c * LANES, &sum, sizeof sum);
+                            }
+                        }
+                }
+            }
+        }
+    } else
     for (int64_t first = 0; first < keys; first += SEGMENT)
         for (int64_t h = h0; h < h0 + heads; h++)
             for (int64_t r0 = 0; r0 < rows; r0 += MR) {
