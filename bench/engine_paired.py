@@ -24,7 +24,7 @@ bench/results/engine_paired_bf16_norm_b1.json):
   (batch-invariant, decodes attended by the prompt kernel rather than a decode kernel of their
                  own, was a change here until one kernel took both: its pairs are in
                  bench/results/engine_paired_batch_invariant*.json)
-  prompt-kernel  prompt chunks attended by the paged prompt kernel (EngineConfig.prompt_attention;
+  prompt-kernel  prompt chunks attended by the paged kernel (EngineConfig.prompt_attention;
                  off: SDPA over the gathered context); prompt tokens/s
   commit         this checkout's engine (on) against another commit's (off: --against, checked out
                  into a git worktree under /tmp/qos-paired), for a change no switch turns off (a

@@ -55,7 +55,7 @@ def device_engine(tiny_model_dir, request):
 
 def require_decode_kernel_compiler(decode_attention: str) -> None:
     if decode_attention == "kernel" and shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("the paged decode kernel needs a C compiler (cc or $CC) and this machine has none "
+        pytest.skip("the C kernels need a C compiler (cc or $CC) and this machine has none "
                     "(.ci/run installs gcc)")
 
 
