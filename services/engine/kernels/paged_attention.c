@@ -162,6 +162,21 @@ static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh
 VALUES_HEADS(values_heads_f32, 0)
 VALUES_HEADS(values_heads_bf16, 1)
 
+/* A segment's sums into a row's output (dimensions d0 ..): the first segment stores, the later ones
+ * add, in order, on both paths. */
+static inline __attribute__((always_inline)) void add_segment(float *o_row, const v16 o[CHUNK], int chunks,
+                                                              int first_segment) {
+    for (int c = 0; c < chunks; c++) {
+        v16 sum = o[c];
+        if (!first_segment) {
+            v16 before;
+            memcpy(&before, o_row + c * LANES, sizeof before);
+            sum = before + sum;
+        }
+        memcpy(o_row + c * LANES, &sum, sizeof sum);
+    }
+}
+
 /* Rows of `count` tokens (from token t0 of the run) for kv heads h0 .. h0 + heads - 1: scores,
  * softmax, values. Every head's scores are taken tile by tile (a block's keys, all heads side by
  * side, are read front to back) and its values segment by segment, so that a long context is
@@ -234,54 +249,35 @@ static inline __attribute__((always_inline)) void attend_task(
                     (bf16 ? values_heads_bf16 : values_heads_f32)(pm, nh, end - first, run->where + first, v_cache,
                                                                   offset, chunks, o);
                     for (int i = 0; i < nh; i++)
-                        for (int m = 0; m < rows; m++) {
-                            float *o_row = out + AT(g + i, m) + d0;
-                            for (int c = 0; c < chunks; c++) {
-                                v16 sum = o[i][m][c];
-                                if (first > 0) {
-                                    v16 before;
-                                    memcpy(&before, o_row + c * LANES, sizeof before);
-                                    sum = before + sum;
-                                }
-                                memcpy(o_row + c * LANES, &sum, sizeof sum);
-                            }
-                        }
+                        for (int m = 0; m < rows; m++)
+                            add_segment(out + AT(g + i, m) + d0, o[i][m], chunks, first == 0);
                 }
             }
         }
-    } else
-    for (int64_t first = 0; first < keys; first += SEGMENT)
-        for (int64_t h = h0; h < h0 + heads; h++)
-            for (int64_t r0 = 0; r0 < rows; r0 += MR) {
-                const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
-                const int64_t end = len[r0 + m_rows - 1] < first + SEGMENT ? len[r0 + m_rows - 1] : first + SEGMENT;
-                if (end <= first)
-                    continue;
-                const float *pm[MR];
-                for (int m = 0; m < MR; m++)
-                    pm[m] = SCORES(h, r0 + (m < m_rows ? m : 0)) + first;
-                for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
-                    const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
-                    v16 o[MR][CHUNK];
-                    /* the first micro-tile's pass prefetches; the others find the values in cache */
-                    (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
-                                                      h * head_dim + d0, chunks, r0 == 0, o);
-                    for (int m = 0; m < m_rows; m++) {
-                        if (len[r0 + m] <= first)          /* none of this segment is the row's */
-                            continue;
-                        float *o_row = out + AT(h, r0 + m) + d0;
-                        for (int c = 0; c < chunks; c++) {
-                            v16 sum = o[m][c];
-                            if (first > 0) {
-                                v16 before;
-                                memcpy(&before, o_row + c * LANES, sizeof before);
-                                sum = before + sum;
-                            }
-                            memcpy(o_row + c * LANES, &sum, sizeof sum);
-                        }
+    } else {                            /* a head at a time, MR rows at a time */
+        for (int64_t first = 0; first < keys; first += SEGMENT)
+            for (int64_t h = h0; h < h0 + heads; h++)
+                for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+                    const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
+                    const int64_t last = len[r0 + m_rows - 1];
+                    const int64_t end = last < first + SEGMENT ? last : first + SEGMENT;
+                    if (end <= first)
+                        continue;
+                    const float *pm[MR];
+                    for (int m = 0; m < MR; m++)
+                        pm[m] = SCORES(h, r0 + (m < m_rows ? m : 0)) + first;
+                    for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
+                        const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
+                        v16 o[MR][CHUNK];
+                        /* the first micro-tile's pass prefetches; the others find the values in cache */
+                        (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
+                                                          h * head_dim + d0, chunks, r0 == 0, o);
+                        for (int m = 0; m < m_rows; m++)
+                            if (len[r0 + m] > first)        /* else none of this segment is the row's */
+                                add_segment(out + AT(h, r0 + m) + d0, o[m], chunks, first == 0);
                     }
                 }
-            }
+    }
     for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t r = 0; r < rows; r++) {
             float *o_row = out + AT(h, r);
