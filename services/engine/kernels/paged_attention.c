@@ -10,9 +10,7 @@
  * them that way: services/engine/kv_cache.py, kernels/decode_layer.c), so a tile is one vector
  * load per dimension. The weighted values are summed the same way, MR rows x 64 dimensions in
  * registers, the keys in order. K and V are read where they lie: no gathered copy of the
- * context, which the SDPA path makes in every layer. A decode's cache is cold (a step reads every
- * layer's weights and KV between two visits to one layer), so each new block asks for its values
- * and for the keys a few blocks on ahead of use (to L2): the loads stalled on memory otherwise.
+ * context, which the SDPA path makes in every layer.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
  * share its micro-tile, its task or its call: the scores and the softmax are one copy of machine
@@ -45,8 +43,6 @@
 #define CHUNK 4         /* vectors of a value row summed at once (64 dimensions) */
 #define SEGMENT 256     /* keys whose values are summed before the next kv head's */
 #define HG 4            /* kv heads whose values a decode sums in one pass */
-#define KEYS_AHEAD 4    /* blocks ahead whose keys a task prefetches (to L2) */
-#define TO_L2 1         /* __builtin_prefetch's locality for prefetcht2: the line goes to L2 */
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -135,14 +131,11 @@ VALUES(values_f32, 0)
 VALUES(values_bf16, 1)
 
 /* The same sums for up to HG heads' micro-tiles at once (o[h][m], values at offset[h] of each
- * slot), keys in order: a decode reads each slot's heads side by side, where a pass per head over
- * the whole context read a third of every slot and streamed the cache at two thirds of the speed
- * (fp32, a sequence's blocks side by side). It goes 16 keys at a time, head after head, so that a
- * head's MR x CHUNK sums stay in registers over the 16 (HG heads' sums do not fit: held in memory,
- * every multiply-add was a load and a store) while the 16 slots stay in L1 for the next head.
- * Each sum is the same operations in the same order as in values_*, so a row's values are the
- * same bits on either path (the tests hold a token alone, which takes this one, to the same token
- * in a chunk, which takes the other). */
+ * slot), keys in order: a decode reads each slot's heads side by side in one pass, where a pass
+ * per head read a third of every slot and streamed the cache at two thirds of the speed (fp32,
+ * a sequence's blocks side by side). Each sum is the same operations in the same order as in
+ * values_*, so a row's values are the same bits on either path (the tests hold a token alone,
+ * which takes this one, to the same token in a chunk, which takes the other). */
 #define VALUES_HEADS(name, bf16)                                                                      \
 static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,      \
         const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,    \
@@ -151,28 +144,18 @@ static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh
         for (int m = 0; m < MR; m++)                                                                  \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 o[h][m][c] = (v16){0};                                                                \
-    for (int64_t t0 = 0; t0 < keys; t0 += LANES) {                                                    \
-        const int64_t t1 = keys < t0 + LANES ? keys : t0 + LANES;                                     \
+    for (int64_t t = 0; t < keys; t++) {                                                              \
+        if (t + LANES < keys)                                                                         \
+            for (int h = 0; h < nh; h++)                                                              \
+                for (int c = 0; c < chunks; c += bf16 ? 2 : 1)                                        \
+                    __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset[h] + c * LANES) * (bf16 ? 2 : 4)); \
         for (int h = 0; h < nh; h++) {                                                                \
-            v16 acc[MR][CHUNK];                                                                       \
+            v16 v[CHUNK];                                                                             \
+            for (int c = 0; c < CHUNK; c++)                                                           \
+                v[c] = c < chunks ? load16(v_cache, where[t] + offset[h] + c * LANES, bf16) : (v16){0}; \
             for (int m = 0; m < MR; m++)                                                              \
                 for (int c = 0; c < CHUNK; c++)                                                       \
-                    acc[m][c] = o[h][m][c];                                                           \
-            for (int64_t t = t0; t < t1; t++) {                                                       \
-                if (h == 0 && t + LANES < keys)     /* every head's lines of the slot 16 ahead, to L1 */ \
-                    for (int i = 0; i < nh; i++)                                                      \
-                        for (int c = 0; c < chunks; c += bf16 ? 2 : 1)                                \
-                            __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset[i] + c * LANES) * (bf16 ? 2 : 4)); \
-                v16 v[CHUNK];                                                                         \
-                for (int c = 0; c < CHUNK; c++)                                                       \
-                    v[c] = c < chunks ? load16(v_cache, where[t] + offset[h] + c * LANES, bf16) : (v16){0}; \
-                for (int m = 0; m < MR; m++)                                                          \
-                    for (int c = 0; c < CHUNK; c++)                                                   \
-                        acc[m][c] += pm[h][m][t] * v[c];                                              \
-            }                                                                                         \
-            for (int m = 0; m < MR; m++)                                                              \
-                for (int c = 0; c < CHUNK; c++)                                                       \
-                    o[h][m][c] = acc[m][c];                                                           \
+                    o[h][m][c] += pm[h][m][t] * v[c];                                                 \
         }                                                                                             \
     }                                                                                                 \
 }
@@ -221,20 +204,6 @@ static inline __attribute__((always_inline)) void attend_task(
         const int64_t offset = start % block_size, block = run->table[start / block_size];
         lanes = block_size - offset < LANES ? block_size - offset : LANES;
         const int64_t stored = keys - start < lanes ? keys - start : lanes;
-        if (offset == 0) {  /* a new block: start the memory's work early (a decode's cache is cold) */
-            const int64_t head_bytes = head_dim * block_size * element;
-            if (heads == kv_heads) {     /* this block's values, all heads: read after the softmax */
-                const char *values = (const char *)v_cache + block * block_size * kv_heads * head_dim * element;
-                for (int64_t i = 0; i < block_size * kv_heads * head_dim * element; i += 64)
-                    __builtin_prefetch(values + i, 0, TO_L2);
-            }
-            const int64_t ahead = start / block_size + KEYS_AHEAD;
-            if (ahead * block_size < keys) {    /* the task's heads' keys in the block KEYS_AHEAD on */
-                const char *later = (const char *)k_cache + run->table[ahead] * kv_heads * head_bytes;
-                for (int64_t i = h0 * head_bytes; i < (h0 + heads) * head_bytes; i += 64)
-                    __builtin_prefetch(later + i, 0, TO_L2);
-            }
-        }
         for (int64_t h = h0; h < h0 + heads; h++) {
             const char *kt = (const char *)k_cache + (((block * kv_heads + h) * head_dim) * block_size + offset) * element;
             int64_t stride = block_size;
