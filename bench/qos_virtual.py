@@ -11,9 +11,9 @@ whose every step takes the time an accelerator profile gives for what it compute
 every run gives the same figures.
 
 Profiles:
-  local-cpu  this machine's engine (the bench model, 1 thread, the burst's limits: 32 running,
-             128 tokens a step), fitted from its measured steps (bench/step_profile.py, read
-             from --local-profile)
+  local-cpu  this machine's engine (the bench model, 1 thread, the host's dtype, the burst's
+             limits: 32 running, 128 tokens a step), fitted from its measured steps
+             (bench/step_profile.py, read from --local-profile)
   h100, a100 datacenter GPUs, Llama-3-8B in bf16 (bench/sim/accelerators.py says where each
              figure comes from), 8,192-token context, 256 running, 2,048 tokens a step
   910b       a datacenter NPU (Ascend 910B), the same model, 128 running, 1,024 tokens a step
