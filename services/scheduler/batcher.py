@@ -28,6 +28,7 @@ from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.prefix_cache import PrefixCache
 from services.scheduler.request import Phase, Request
 from services.scheduler.step_builder import charge_decodes
+from services.scheduler.step_totals import StepTotals, estimated_wait_ms
 from services.scheduler.stream_out import SampledText, StreamOut
 from services.scheduler.worker_set import Worker, WorkerGone, WorkerSet
 
@@ -73,12 +74,7 @@ class ContinuousBatcher(WorkerChanges):
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.failovers: Counter = Counter()         # sequences moved off a worker, by reason
         self.quarantines: Counter = Counter()       # address -> answers that did not match plans
-        self.tokens_per_second = 0.0                # served tokens, smoothed over recent steps
-        # Since start, for the router's latency model: steps' wall time, worker-steps, tokens.
-        self.step_seconds = 0.0
-        self.worker_steps = 0
-        self.step_tokens = 0
-        self.step_kv_tokens = 0
+        self.totals = StepTotals()                  # for the router's latency model (step_totals.py)
         self.finished = 0                           # requests completed since start
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
         self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
@@ -196,15 +192,9 @@ class ContinuousBatcher(WorkerChanges):
         await self.cut_ins.settle()
         tokens = sum(b.num_tokens for b in plans.values())
         if tokens:
-            elapsed = time.perf_counter() - started
-            self.step_seconds += elapsed
-            self.worker_steps += sum(1 for b in plans.values() if b.num_tokens)
-            self.step_tokens += tokens
-            self.step_kv_tokens += sum(self.workers[i].pool.num_used * self.workers[i].pool.block_size
-                                       for i, b in plans.items() if b.num_tokens and self.workers[i].pool)
-            rate = tokens / max(elapsed, 1e-6)
-            self.tokens_per_second = rate if not self.tokens_per_second \
-                else 0.8 * self.tokens_per_second + 0.2 * rate
+            stepped = [self.workers[i] for i, b in plans.items() if b.num_tokens]
+            self.totals.record(time.perf_counter() - started, tokens, len(stepped),
+                               sum(l.pool.num_used * l.pool.block_size for l in stepped if l.pool))
 
     def plan_step(self) -> dict[int, StepBuilder]:
         """Plans for every connected worker with something to do (tested directly)."""
@@ -372,15 +362,6 @@ class ContinuousBatcher(WorkerChanges):
     # --- stats --------------------------------------------------------------------------------
 
     def estimated_wait_ms(self, priority: int, prompt_tokens: int) -> float:
-        """Rough time to a new request's first token: the tokens queued ahead of it in its lane
-        plus its own prompt, at the lane's fair share of the recent token rate. 0 when no rate
-        has been measured yet."""
-        if not self.tokens_per_second:
-            return 0.0
-        policy = self.policy
-        lane = policy.lane_of_priority(priority)
-        ahead = sum(r.pending for r in policy.queue(lane))
-        backlogged = {l for l in policy.lanes if policy.queue(l)} | self.planner.lanes_running() | {lane}
-        share = policy.share(lane, backlogged)
-        return (ahead + prompt_tokens) / (self.tokens_per_second * share) * 1000
-
+        """The wait admission quotes a request with an SLO (step_totals.estimated_wait_ms)."""
+        return estimated_wait_ms(self.policy, self.planner.lanes_running(), self.totals.tokens_per_second,
+                                 priority, prompt_tokens)

@@ -86,8 +86,8 @@ def pool_stats(name: str, model: str, batcher: ContinuousBatcher, monitor: Resou
             utilization=c.utilization, free_kv=c.free_kv)
             for c in (monitor.changes if monitor else ())],
         adapters=sorted(frozenset().union(*(l.adapters for l in connected))),
-        step_seconds=b.step_seconds, worker_steps=b.worker_steps, step_tokens=b.step_tokens,
-        step_kv_tokens=b.step_kv_tokens, finished=b.finished,
+        step_seconds=b.totals.step_seconds, worker_steps=b.totals.worker_steps,
+        step_tokens=b.totals.step_tokens, step_kv_tokens=b.totals.step_kv_tokens, finished=b.finished,
         max_step_tokens=b.planner.max_step_tokens, max_running=b.planner.max_running,
         desired_workers=advisor.desired, min_workers=advisor.min_workers, max_workers=advisor.max_workers,
         scale_reason=advisor.reason)
