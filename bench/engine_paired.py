@@ -29,10 +29,15 @@ bench/results/engine_paired_bf16_norm_b1.json):
   commit         this checkout's engine (on) against another commit's (off: --against, checked out
                  into a git worktree under /tmp/qos-paired), for a change no switch turns off (a
                  cache layout); each side runs in a process of its own, kept between runs.
-                 Decode tokens/s, or prompt tokens/s with --figure prefill_tok_s
+                 Decode tokens/s, or prompt tokens/s with --figure prefill_tok_s. With --as-host
+                 avx2 (or none), both sides run as a host without AVX-512 (or without AVX) runs
+                 them: the kernels built with that host's flags (its CPU flags as the engine
+                 reads them) and torch held to its instruction set (ATEN_CPU_CAPABILITY,
+                 ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS); pass --dtype float32, its default
 
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--figure tok_s] [--json PATH]
     python bench/engine_paired.py commit --against 3dbb5da --batch 32 --dtype bfloat16
+    python bench/engine_paired.py commit --against 2e84a42 --as-host avx2 --dtype float32
 """
 from __future__ import annotations
 
@@ -123,6 +128,9 @@ from services.engine.config import load_model_config
 from services.engine.default_model import default_model_dir
 from services.engine.device import set_cpu_threads
 a = json.loads(sys.argv[1])
+if a.get("cpu_flags") is not None:        # --as-host: the engine reads these flags, not the CPU's
+    import services.engine.device as device, services.engine.kernel_build as kernel_build
+    device.cpu_flags = kernel_build.cpu_flags = lambda: frozenset(a["cpu_flags"])
 threads = set_cpu_threads(a["threads"])
 model_dir = str(default_model_dir())
 engine = load_engine(model_dir, threads, a["prompt"], a["gen"], "cpu", a["dtype"])
@@ -138,10 +146,11 @@ for _ in sys.stdin:
 class CheckoutSide:
     """An engine of one checkout in a process of its own, run on request (CheckoutSide.run)."""
 
-    def __init__(self, tree: Path, settings: dict):
+    def __init__(self, tree: Path, settings: dict, env: dict | None = None):
         self.tree = tree
         self.process = subprocess.Popen([sys.executable, "-c", SIDE, json.dumps(settings)], cwd=tree,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                        env={**os.environ, **(env or {})})
         self._read()
 
     def _read(self) -> dict:
@@ -164,6 +173,13 @@ CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", 
            "bf16-kernel": ("bfloat16", bf16_kernel),
            "prompt-kernel": ("bfloat16", prompt_kernel), "commit": ("bfloat16", None)}
 PROMPT_CHANGES = {"prompt-kernel"}      # measured on prompt tokens/s; the rest on decode tokens/s
+# --as-host: the CPU flags the engine then reads, and torch's own limits to the same instruction set
+HOSTS = {
+    "avx2": ({"sse2", "sse4_2", "avx", "avx2", "fma", "f16c"},
+             {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}),
+    "none": (set(), {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                     "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}),
+}
 
 
 def main() -> None:
@@ -178,11 +194,15 @@ def main() -> None:
     parser.add_argument("--figure", choices=["tok_s", "prefill_tok_s"],
                         help="the ratio of decode (tok_s) or prompt tok/s (default: the change's)")
     parser.add_argument("--against", help="commit: the other commit (the off side)")
+    parser.add_argument("--as-host", choices=sorted(HOSTS),
+                        help="commit: both sides as a host without AVX-512 (avx2) or without AVX (none)")
     args = parser.parse_args()
     if args.pairs < 2:
         parser.error("need at least 2 pairs for an interval")
     if (args.change == "commit") != bool(args.against):
         parser.error("--against goes with the change commit, and only with it")
+    if args.as_host and args.change != "commit":
+        parser.error("--as-host goes with the change commit")
     dtype, build = CHANGES[args.change]
     dtype = args.dtype or dtype
     threads = set_cpu_threads(args.threads)
@@ -190,9 +210,12 @@ def main() -> None:
     if args.change == "commit":
         settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
                     "batch": args.batch, "seed": args.seed}
+        flags, env = HOSTS[args.as_host] if args.as_host else (None, None)
+        if flags is not None:
+            settings["cpu_flags"] = sorted(flags)
         off_tree, off_sha = worktree(args.against, Path("/tmp/qos-paired"))
-        sides = {"on": CheckoutSide(Path(__file__).resolve().parent.parent, settings),
-                 "off": CheckoutSide(off_tree, settings)}
+        sides = {"on": CheckoutSide(Path(__file__).resolve().parent.parent, settings, env),
+                 "off": CheckoutSide(off_tree, settings, env)}
         run = {name: side.run for name, side in sides.items()}
         backends = None                          # each checkout picks its own
     else:
@@ -227,7 +250,7 @@ def main() -> None:
     write_json(args.json, {"change": args.change, "dtype": dtype, "batch": args.batch, "threads": threads,
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
-                           "against": off_sha if args.change == "commit" else None,
+                           "against": off_sha if args.change == "commit" else None, "as_host": args.as_host,
                            "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 

@@ -8,8 +8,9 @@
  *   bf16  [N/16][K/2][16][2] one vector = 16 outputs' weights for two input columns
  * so a tile's accumulators take one fused multiply-add (fp32) or one bf16 pair dot product
  * (vdpbf16ps, fp32 accumulation) per vector of weights and broadcast input value (pair).
- * A tile is 32 outputs x up to 8 input rows: each weight vector loaded serves every row, and a
- * tile's weights (32 x K) stay in L2 while the next 8 rows reuse them.
+ * A tile is 32 outputs x up to TILE_ROWS input rows (8 with AVX-512; fewer where the registers
+ * are fewer, below): each weight vector loaded serves every row, and a tile's weights (32 x K)
+ * stay in L2 while the next rows reuse them.
  *
  * Every output row is computed the same way whatever the number of rows (each row's sum runs
  * over K in order, with no fast-math reassociation), so a sequence's result does not depend on
@@ -24,27 +25,46 @@
 #include <immintrin.h>
 #endif
 
-#define LANES 16           /* outputs per weight vector */
-#define TILE_ROWS 8        /* input rows per tile; a tile is 2 vectors (32 outputs) wide */
+#define LANES 16           /* outputs per block of the packed weight */
 
-typedef float v16 __attribute__((vector_size(64)));
+/* ---- fp32 (portable: vectors as wide as the flags' registers) ---- */
 
-/* ---- fp32 (portable: GCC's vector extension becomes AVX-512, AVX2 or SSE as the flags allow) ---- */
+/* GCC keeps a vector wider than the machine's registers in memory, where every operation on it
+ * loads and stores: built for AVX2 with 16-wide vectors this tile ran at 3 GFLOPS, where F.linear
+ * runs 56-110. So the vector is the registers' width, a block of 16 outputs is LANES / VEC of
+ * them, and a tile takes as many rows as its accumulators leave registers for (AVX-512: 32
+ * registers, 8 rows x 4 vectors; AVX2: 16 registers, 3 x 4; SSE and others: 16 of 4 lanes, 1 x 8). */
+#if defined(__AVX512F__)
+#define VEC 16
+#define TILE_ROWS 8
+#elif defined(__AVX__)
+#define VEC 8
+#define TILE_ROWS 3
+#else
+#define VEC 4
+#define TILE_ROWS 1
+#endif
+#define PARTS (2 * LANES / VEC)    /* vectors across a tile's two blocks (32 outputs) */
+
+typedef float vf __attribute__((vector_size(VEC * 4)));
 
 static inline __attribute__((always_inline)) void tile_f32(
     const float *restrict w0, const float *restrict w1, int64_t K, const float *restrict x,
     const int rows, const float *restrict bias, float *restrict y, int64_t N, int64_t n) {
-    v16 acc[TILE_ROWS][2];
+    vf acc[TILE_ROWS][PARTS];
     for (int m = 0; m < rows; m++)
-        acc[m][0] = acc[m][1] = (v16){0};
+        for (int p = 0; p < PARTS; p++)
+            acc[m][p] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
-        v16 a, c;
-        memcpy(&a, w0 + k * LANES, sizeof a);
-        memcpy(&c, w1 + k * LANES, sizeof c);
+        vf a[PARTS];
+        for (int p = 0; p < PARTS / 2; p++) {
+            memcpy(&a[p], w0 + k * LANES + p * VEC, sizeof a[p]);
+            memcpy(&a[PARTS / 2 + p], w1 + k * LANES + p * VEC, sizeof a[p]);
+        }
         for (int m = 0; m < rows; m++) {
-            const v16 xb = (v16){0} + x[m * K + k];
-            acc[m][0] += a * xb;
-            acc[m][1] += c * xb;
+            const vf xb = (vf){0} + x[m * K + k];
+            for (int p = 0; p < PARTS; p++)
+                acc[m][p] += a[p] * xb;
         }
     }
     for (int b = 0; b < 2; b++) {
@@ -54,7 +74,7 @@ static inline __attribute__((always_inline)) void tile_f32(
         const int64_t count = N - first < LANES ? N - first : LANES;
         for (int m = 0; m < rows; m++) {
             float out[LANES];
-            memcpy(out, &acc[m][b], sizeof out);
+            memcpy(out, &acc[m][b * PARTS / 2], sizeof out);
             float *dst = y + m * N + first;
             for (int64_t j = 0; j < count; j++)
                 dst[j] = bias ? out[j] + bias[first + j] : out[j];
@@ -75,7 +95,13 @@ int linear_f32(const float *w, const float *x, const float *bias, float *y,
             /* one specialised body per row count, so the accumulators stay in registers */
             switch (M - m0 < TILE_ROWS ? (int)(M - m0) : TILE_ROWS) {
 #define ROWS(r) case r: tile_f32(w0, w1, K, xm, r, bias, ym, N, 2 * t * LANES); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+                ROWS(1)
+#if TILE_ROWS >= 3
+                ROWS(2) ROWS(3)
+#endif
+#if TILE_ROWS >= 8
+                ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
 #undef ROWS
             }
         }

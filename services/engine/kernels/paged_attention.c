@@ -3,12 +3,12 @@
  *
  * Every query token is a row with its sequence's block table and its own context length: a
  * decode is one row, a prompt chunk a run of rows (the same table, lengths one apart). A
- * micro-tile of MR query rows scores a tile of up to 16 keys with one fused multiply-add per
+ * micro-tile of MR query rows scores a tile of up to LANES keys with one fused multiply-add per
  * (row, dimension): the scores of a row are a chain over the dimensions in order, in the lanes of
  * one vector, as a matrix product computes them. This needs the keys transposed, and the cache
  * keeps them so: each block's keys are stored [kv_heads][head_dim][block_size] (the engine writes
  * them that way: services/engine/kv_cache.py, kernels/decode_layer.c), so a tile is one vector
- * load per dimension. The weighted values are summed the same way, MR rows x 64 dimensions in
+ * load per dimension. The weighted values are summed the same way, MR rows x CHUNK vectors in
  * registers, the keys in order. K and V are read where they lie: no gathered copy of the
  * context, which the SDPA path makes in every layer.
  *
@@ -35,26 +35,43 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16        /* keys scored at once: one vector of scores */
+/* A vector is as wide as the flags' registers, and so is a tile of keys (LANES): GCC keeps a
+ * vector wider than the registers in memory, where every operation loads and stores (built for
+ * AVX2 with 16-wide vectors, prompt chunks ran at a quarter of their speed with 8-wide ones, and
+ * decodes at a third of the dot-product kernel's this one replaced). The per-lane arithmetic is the
+ * same at every width, so on each build a row's result does not depend on its tile, and batch
+ * invariance holds. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
 #define MR 4            /* query rows a micro-tile keeps in registers */
 #define TOKENS 8        /* query tokens of a task (times the group: its rows) */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
-#define CHUNK 4         /* vectors of a value row summed at once (64 dimensions) */
 #define SEGMENT 256     /* keys whose values are summed before the next kv head's */
 #define HG 4            /* kv heads whose values a decode sums in one pass */
+/* Value vectors summed at once: MR x CHUNK = 16 accumulators, half of AVX-512's registers and
+ * all of AVX2's (there 4 ran 1.1-1.2x faster than 2 on prompts, with half the passes over the
+ * values; without AVX 1.1x too). */
+#define CHUNK 4
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+/* chunks in a 64-byte cache line */
+#define LINE_CHUNKS(bf16) (64 / (LANES * ((bf16) ? 2 : 4)) > 1 ? 64 / (LANES * ((bf16) ? 2 : 4)) : 1)
 
-/* Sixteen cache values from element i, widened to fp32 (bf16 is the top half of an fp32: exact). */
-static inline __attribute__((always_inline)) v16 load16(const void *cache, int64_t i, const int bf16) {
-    v16 out;
+/* LANES cache values from element i, widened to fp32 (bf16 is the top half of an fp32: exact). */
+static inline __attribute__((always_inline)) vf load_lanes(const void *cache, int64_t i, const int bf16) {
+    vf out;
     if (bf16) {
-        u16x16 half;
+        vh half;
         memcpy(&half, (const uint16_t *)cache + i, sizeof half);
-        const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+        const vu wide = __builtin_convertvector(half, vu) << 16;
         memcpy(&out, &wide, sizeof out);
     } else {
         memcpy(&out, (const float *)cache + i, sizeof out);
@@ -69,16 +86,16 @@ struct run {                /* consecutive rows of one sequence */
     int64_t *where;         /* [len] element offset of each key's slot in the value cache */
 };
 
-/* Scores of MR query rows against a 16-key tile of one kv head (kt: its dimension-0 keys; those of
+/* Scores of MR query rows against a LANES-key tile of one kv head (kt: its dimension-0 keys; those of
  * dimension d lie d * stride elements further), each a chain of fused multiply-adds over the
  * dimensions in order, times the scale. Never inlined: every row of every path runs these very
  * instructions, so a row's scores are the same bits whichever computes it. One copy per dtype. */
 #define SCORES_OF(name, bf16)                                                                         \
 static __attribute__((noinline)) void name(const void *kt, int64_t stride, const float *const qm[MR], \
-                                           int64_t head_dim, float scale, v16 out[MR]) {            \
-    v16 acc[MR] = {{0}};                                                                              \
+                                           int64_t head_dim, float scale, vf out[MR]) {            \
+    vf acc[MR] = {{0}};                                                                              \
     for (int64_t d = 0; d < head_dim; d++) {                                                          \
-        const v16 k = load16(kt, d * stride, bf16);                                                   \
+        const vf k = load_lanes(kt, d * stride, bf16);                                                   \
         for (int m = 0; m < MR; m++)                                                                  \
             acc[m] += k * qm[m][d];                                                                   \
     }                                                                                                 \
@@ -104,24 +121,24 @@ static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t l
     return 1.0f / sum;
 }
 
-/* o[m] = sum over keys t of p[m][t] * value t (dimensions d0 .. d0 + 16 chunks), keys in order,
+/* o[m] = sum over keys t of p[m][t] * value t (`chunks` vectors from offset), keys in order,
  * for MR rows at once; with `ahead`, the lines it reads are prefetched a tile ahead. Not inlined,
  * as the scores; one copy per cache dtype. */
 #define VALUES(name, bf16)                                                                            \
 static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                  \
         const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks, int ahead,     \
-        v16 o[MR][CHUNK]) {                                                                           \
+        vf o[MR][CHUNK]) {                                                                           \
     for (int m = 0; m < MR; m++)                                                                      \
         for (int c = 0; c < CHUNK; c++)                                                               \
-            o[m][c] = (v16){0};                                                                       \
+            o[m][c] = (vf){0};                                                                       \
     for (int64_t t = 0; t < keys; t++) {                                                              \
         if (ahead && t + LANES < keys)  /* a tile ahead, every line read: across the jumps to other \
                                            blocks and heads, which the hardware's prefetch misses */ \
-            for (int c = 0; c < chunks; c += bf16 ? 2 : 1)     /* a chunk: a 64-byte line in fp32 */    \
+            for (int c = 0; c < chunks; c += LINE_CHUNKS(bf16))     /* a 64-byte line at a time */   \
                 __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset + c * LANES) * (bf16 ? 2 : 4)); \
-        v16 v[CHUNK];                                                                                 \
+        vf v[CHUNK];                                                                                 \
         for (int c = 0; c < CHUNK; c++)                                                               \
-            v[c] = c < chunks ? load16(v_cache, where[t] + offset + c * LANES, bf16) : (v16){0};     \
+            v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset + c * LANES, bf16) : (vf){0};     \
         for (int m = 0; m < MR; m++)                                                                  \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 o[m][c] += pm[m][t] * v[c];                                                           \
@@ -139,20 +156,20 @@ VALUES(values_bf16, 1)
 #define VALUES_HEADS(name, bf16)                                                                      \
 static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,      \
         const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,    \
-        v16 o[HG][MR][CHUNK]) {                                                                       \
+        vf o[HG][MR][CHUNK]) {                                                                       \
     for (int h = 0; h < nh; h++)                                                                      \
         for (int m = 0; m < MR; m++)                                                                  \
             for (int c = 0; c < CHUNK; c++)                                                           \
-                o[h][m][c] = (v16){0};                                                                \
+                o[h][m][c] = (vf){0};                                                                \
     for (int64_t t = 0; t < keys; t++) {                                                              \
         if (t + LANES < keys)                                                                         \
             for (int h = 0; h < nh; h++)                                                              \
-                for (int c = 0; c < chunks; c += bf16 ? 2 : 1)                                        \
+                for (int c = 0; c < chunks; c += LINE_CHUNKS(bf16))                                   \
                     __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset[h] + c * LANES) * (bf16 ? 2 : 4)); \
         for (int h = 0; h < nh; h++) {                                                                \
-            v16 v[CHUNK];                                                                             \
+            vf v[CHUNK];                                                                             \
             for (int c = 0; c < CHUNK; c++)                                                           \
-                v[c] = c < chunks ? load16(v_cache, where[t] + offset[h] + c * LANES, bf16) : (v16){0}; \
+                v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset[h] + c * LANES, bf16) : (vf){0}; \
             for (int m = 0; m < MR; m++)                                                              \
                 for (int c = 0; c < CHUNK; c++)                                                       \
                     o[h][m][c] += pm[h][m][t] * v[c];                                                 \
@@ -164,12 +181,12 @@ VALUES_HEADS(values_heads_bf16, 1)
 
 /* A segment's sums into a row's output (dimensions d0 ..): the first segment stores, the later ones
  * add, in order, on both paths. */
-static inline __attribute__((always_inline)) void add_segment(float *o_row, const v16 o[CHUNK], int chunks,
+static inline __attribute__((always_inline)) void add_segment(float *o_row, const vf o[CHUNK], int chunks,
                                                               int first_segment) {
     for (int c = 0; c < chunks; c++) {
-        v16 sum = o[c];
+        vf sum = o[c];
         if (!first_segment) {
-            v16 before;
+            vf before;
             memcpy(&before, o_row + c * LANES, sizeof before);
             sum = before + sum;
         }
@@ -193,13 +210,13 @@ static inline __attribute__((always_inline)) void attend_task(
     float *inverse = scores + heads * rows * width;
     int64_t len[TOKENS * MAX_GROUP];
     const int64_t element = bf16 ? 2 : 4;
-    _Alignas(64) char local[MAX_HEAD_DIM * LANES * 4];    /* a tile of fewer than 16 keys, zero-padded */
+    _Alignas(64) char local[MAX_HEAD_DIM * LANES * 4];    /* a tile of fewer than LANES keys, zero-padded */
     for (int64_t r = 0; r < rows; r++)               /* token-major, so lengths never decrease */
         len[r] = lens[run->first + t0 + r / group];
     /* row r of kv head h, in q and out */
 #define AT(h, r) ((((run->first + t0 + (r) / group) * kv_heads + (h)) * group + (r) % group) * head_dim)
 #define SCORES(h, r) (scores + (((h) - h0) * rows + (r)) * width)
-    /* Tiles of up to 16 keys inside one block: 16 whenever the block size is a multiple of 16. */
+    /* Tiles of up to LANES keys inside one block: LANES whenever the block size is a multiple of it. */
     for (int64_t start = 0, lanes; start < keys; start += lanes) {
         const int64_t offset = start % block_size, block = run->table[start / block_size];
         lanes = block_size - offset < LANES ? block_size - offset : LANES;
@@ -207,7 +224,7 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int64_t h = h0; h < h0 + heads; h++) {
             const char *kt = (const char *)k_cache + (((block * kv_heads + h) * head_dim) * block_size + offset) * element;
             int64_t stride = block_size;
-            if (lanes < LANES) {         /* zero-padded to 16 lanes: the same arithmetic per lane */
+            if (lanes < LANES) {         /* zero-padded to LANES: the same arithmetic per lane */
                 memset(local, 0, (size_t)(head_dim * LANES * element));
                 for (int64_t d = 0; d < head_dim; d++)
                     memcpy(local + d * LANES * element, kt + d * block_size * element, (size_t)(lanes * element));
@@ -221,7 +238,7 @@ static inline __attribute__((always_inline)) void attend_task(
                 const float *qm[MR];
                 for (int m = 0; m < MR; m++)
                     qm[m] = q + AT(h, r0 + (m < m_rows ? m : 0));
-                v16 s[MR];
+                vf s[MR];
                 (bf16 ? scores_bf16 : scores_f32)(kt, stride, qm, head_dim, scale, s);
                 for (int m = 0; m < m_rows; m++)
                     memcpy(SCORES(h, r0 + m) + start, &s[m], sizeof(float) * (size_t)stored);
@@ -245,7 +262,7 @@ static inline __attribute__((always_inline)) void attend_task(
                         for (int m = 0; m < MR; m++)
                             pm[i][m] = SCORES(g + i, m < rows ? m : 0) + first;
                     }
-                    v16 o[HG][MR][CHUNK];
+                    vf o[HG][MR][CHUNK];
                     (bf16 ? values_heads_bf16 : values_heads_f32)(pm, nh, end - first, run->where + first, v_cache,
                                                                   offset, chunks, o);
                     for (int i = 0; i < nh; i++)
@@ -268,7 +285,7 @@ static inline __attribute__((always_inline)) void attend_task(
                         pm[m] = SCORES(h, r0 + (m < m_rows ? m : 0)) + first;
                     for (int64_t d0 = 0; d0 < head_dim; d0 += CHUNK * LANES) {
                         const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
-                        v16 o[MR][CHUNK];
+                        vf o[MR][CHUNK];
                         /* the first micro-tile's pass prefetches; the others find the values in cache */
                         (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
                                                           h * head_dim + d0, chunks, r0 == 0, o);
