@@ -101,6 +101,10 @@ PAIRED_RUNS = (
     ("engine_paired_commit_paged_attention_bf16_b8_p1536.json", "the same, 1,536-token prompts", ""),
     ("engine_paired_commit_paged_attention_f32_b8_p1536.json", "", ""),
     ("engine_paired_commit_paged_attention_bf16_b1_p2048.json", "the same, prompt tok/s, 2,048-token prompts", ""),
+    ("engine_paired_commit_registers_width_avx2_f32_b1.json", "as a host without AVX-512 (AVX2 builds, torch held "
+     "to AVX2): the kernels' vectors as wide as its registers (off: 16-wide, at 2e84a42); decode tok/s, "
+     "128-token prompts", "kept"),
+    ("engine_paired_commit_registers_width_avx2_f32_b8.json", "", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
