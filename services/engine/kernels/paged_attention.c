@@ -92,10 +92,10 @@ struct run {                /* consecutive rows of one sequence */
  * instructions, so a row's scores are the same bits whichever computes it. One copy per dtype. */
 #define SCORES_OF(name, bf16)                                                                         \
 static __attribute__((noinline)) void name(const void *kt, int64_t stride, const float *const qm[MR], \
-                                           int64_t head_dim, float scale, vf out[MR]) {            \
-    vf acc[MR] = {{0}};                                                                              \
+                                           int64_t head_dim, float scale, vf out[MR]) {               \
+    vf acc[MR] = {{0}};                                                                               \
     for (int64_t d = 0; d < head_dim; d++) {                                                          \
-        const vf k = load_lanes(kt, d * stride, bf16);                                                   \
+        const vf k = load_lanes(kt, d * stride, bf16);                                                \
         for (int m = 0; m < MR; m++)                                                                  \
             acc[m] += k * qm[m][d];                                                                   \
     }                                                                                                 \
@@ -125,20 +125,20 @@ static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t l
  * for MR rows at once; with `ahead`, the lines it reads are prefetched a tile ahead. Not inlined,
  * as the scores; one copy per cache dtype. */
 #define VALUES(name, bf16)                                                                            \
-static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                  \
-        const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks, int ahead,     \
-        vf o[MR][CHUNK]) {                                                                           \
+static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                   \
+        const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks, int ahead,    \
+        vf o[MR][CHUNK]) {                                                                            \
     for (int m = 0; m < MR; m++)                                                                      \
         for (int c = 0; c < CHUNK; c++)                                                               \
-            o[m][c] = (vf){0};                                                                       \
+            o[m][c] = (vf){0};                                                                        \
     for (int64_t t = 0; t < keys; t++) {                                                              \
-        if (ahead && t + LANES < keys)  /* a tile ahead, every line read: across the jumps to other \
-                                           blocks and heads, which the hardware's prefetch misses */ \
-            for (int c = 0; c < chunks; c += LINE_CHUNKS(bf16))     /* a 64-byte line at a time */   \
+        if (ahead && t + LANES < keys)  /* a tile ahead, every line read: across the jumps to other   \
+                                           blocks and heads, which the hardware's prefetch misses */  \
+            for (int c = 0; c < chunks; c += LINE_CHUNKS(bf16))     /* a 64-byte line at a time */    \
                 __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset + c * LANES) * (bf16 ? 2 : 4)); \
-        vf v[CHUNK];                                                                                 \
+        vf v[CHUNK];                                                                                  \
         for (int c = 0; c < CHUNK; c++)                                                               \
-            v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset + c * LANES, bf16) : (vf){0};     \
+            v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset + c * LANES, bf16) : (vf){0};   \
         for (int m = 0; m < MR; m++)                                                                  \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 o[m][c] += pm[m][t] * v[c];                                                           \
@@ -154,20 +154,20 @@ VALUES(values_bf16, 1)
  * values_*, so a row's values are the same bits on either path (the tests hold a token alone,
  * which takes this one, to the same token in a chunk, which takes the other). */
 #define VALUES_HEADS(name, bf16)                                                                      \
-static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,      \
-        const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,    \
-        vf o[HG][MR][CHUNK]) {                                                                       \
+static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,       \
+        const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,     \
+        vf o[HG][MR][CHUNK]) {                                                                        \
     for (int h = 0; h < nh; h++)                                                                      \
         for (int m = 0; m < MR; m++)                                                                  \
             for (int c = 0; c < CHUNK; c++)                                                           \
-                o[h][m][c] = (vf){0};                                                                \
+                o[h][m][c] = (vf){0};                                                                 \
     for (int64_t t = 0; t < keys; t++) {                                                              \
         if (t + LANES < keys)                                                                         \
             for (int h = 0; h < nh; h++)                                                              \
                 for (int c = 0; c < chunks; c += LINE_CHUNKS(bf16))                                   \
                     __builtin_prefetch((const char *)v_cache + (where[t + LANES] + offset[h] + c * LANES) * (bf16 ? 2 : 4)); \
         for (int h = 0; h < nh; h++) {                                                                \
-            vf v[CHUNK];                                                                             \
+            vf v[CHUNK];                                                                              \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset[h] + c * LANES, bf16) : (vf){0}; \
             for (int m = 0; m < MR; m++)                                                              \
