@@ -105,6 +105,8 @@ PAIRED_RUNS = (
      "to AVX2): the kernels' vectors as wide as its registers (off: 16-wide, at 2e84a42); decode tok/s, "
      "128-token prompts", "kept"),
     ("engine_paired_commit_registers_width_avx2_f32_b8.json", "", ""),
+    ("engine_paired_commit_tile_avx2_f32_b8_p1536.json", "the same host: a tile of 16 keys in two vectors (off: "
+     "8 keys, one vector, at b38f0fc); decode tok/s, 1,536-token prompts", "kept"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
