@@ -10,17 +10,13 @@ from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.policy import create_policy
 from services.scheduler.request import Request
 from services.scheduler.step_totals import RATE_SMOOTHING, StepTotals, estimated_wait_ms
-
-
-class Letters:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i % 26) for i in ids)
+from tests.unit.test_batcher import LetterDecoder
 
 
 def request(seq_id: int, priority: int, prompt_len: int) -> Request:
     prompt = list(range(3, 3 + prompt_len))
     return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant="", prompt_ids=prompt,
-                   sampling=SamplingParams(max_tokens=8), detokenizer=IncrementalDetokenizer(Letters(), prompt))
+                   sampling=SamplingParams(max_tokens=8), detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt))
 
 
 def test_totals_accumulate_and_the_rate_is_smoothed():

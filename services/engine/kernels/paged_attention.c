@@ -5,12 +5,12 @@
  * decode is one row, a prompt chunk a run of rows (the same table, lengths one apart). A
  * micro-tile of MR query rows scores a tile of up to TILE keys with a fused multiply-add per
  * (row, dimension, vector): the scores of a row are a chain over the dimensions in order, in the
- * lanes of the tile's vectors, as a matrix product computes them. This needs the keys transposed, and the cache
- * keeps them so: each block's keys are stored [kv_heads][head_dim][block_size] (the engine writes
- * them that way: services/engine/kv_cache.py, kernels/decode_layer.c), so a tile is one or two
- * vector loads per dimension. The weighted values are summed the same way, MR rows x CHUNK vectors in
- * registers, the keys in order. K and V are read where they lie: no gathered copy of the
- * context, which the SDPA path makes in every layer.
+ * lanes of the tile's vectors, as a matrix product computes them. This needs the keys transposed,
+ * and the cache keeps them so: each block's keys are stored [kv_heads][head_dim][block_size] (the
+ * engine writes them that way: services/engine/kv_cache.py, kernels/decode_layer.c), so a tile is
+ * one or two vector loads per dimension. The weighted values are summed the same way, MR rows x
+ * CHUNK vectors in registers, the keys in order. K and V are read where they lie: no gathered
+ * copy of the context, which the SDPA path makes in every layer.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
  * share its micro-tile, its task or its call: the scores and the softmax are one copy of machine
