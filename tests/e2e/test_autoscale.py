@@ -18,22 +18,36 @@ from tests.e2e.conftest import bench_model, cluster_config, run
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 40
+# High requests kept in flight (4 run, the rest queue: over the backlog threshold of 3) until the
+# extra worker has taken work. A fixed burst raced the new worker's start: on a fast host the first
+# worker had admitted the last of it by the time the second joined, and the second took nothing.
+IN_FLIGHT = 12
+GIVE_UP_S = 60.0             # so that an autoscaler that never helps fails instead of running on
 
 
-async def burst(cluster) -> list[str]:
-    async def one(stub, i):
-        request = chat_request(f"Story {i}:", sampling_params(max_tokens=48, ignore_eos=True))
-        try:
-            async for chunk in stub.Generate(request, metadata=[("x-priority", "high")]):
-                if chunk.finish_reason:
-                    return "completed"
-        except grpc.aio.AioRpcError as error:
-            return f"failed: {error.code().name}"
-        return "lost"
+async def one(stub, i) -> str:
+    request = chat_request(f"Story {i}:", sampling_params(max_tokens=48, ignore_eos=True))
+    try:
+        async for chunk in stub.Generate(request, metadata=[("x-priority", "high")]):
+            if chunk.finish_reason:
+                return "completed"
+    except grpc.aio.AioRpcError as error:
+        return f"failed: {error.code().name}"
+    return "lost"
+
+
+async def burst(cluster, enough: asyncio.Event) -> list[str]:
+    """Keep IN_FLIGHT requests going until `enough` is set; then every answer."""
     async with grpc.aio.insecure_channel(cluster.router_address, options=CHANNEL_OPTIONS) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        return await asyncio.gather(*(one(stub, i) for i in range(REQUESTS)))
+        calls: list[asyncio.Task] = []
+        give_up = time.monotonic() + GIVE_UP_S
+        while not enough.is_set() and time.monotonic() < give_up:
+            if sum(not c.done() for c in calls) < IN_FLIGHT:
+                calls.append(asyncio.create_task(one(stub, len(calls))))
+            else:
+                await asyncio.sleep(0.05)
+        return await asyncio.gather(*calls)
 
 
 async def pool_stats(cluster) -> scheduler_pb2.PoolStats:
@@ -49,20 +63,24 @@ def test_a_high_backlog_scales_out_then_idle_scales_back_in_losing_nothing():
     with LocalCluster(config, quiet=True, autoscale=True) as cluster:
         cluster.autoscaler.say = lines.append
 
+        def extra_members(seen):
+            return [m for s in seen for m in s.members if m.address != config.pools[0].workers[0].address]
+
         async def watched_burst():
-            seen = []
-            task = asyncio.create_task(burst(cluster))
+            seen, enough = [], asyncio.Event()
+            task = asyncio.create_task(burst(cluster, enough))
             while not task.done():
                 seen.append(await pool_stats(cluster))
+                if any(m.admitted for m in extra_members(seen)):
+                    enough.set()
                 await asyncio.sleep(0.3)
             return await task, seen
 
         outcomes, seen = run(watched_burst())
-        assert outcomes.count("completed") == REQUESTS, outcomes
+        assert outcomes.count("completed") == len(outcomes), outcomes
         assert max(s.desired_workers for s in seen) == 2 and max(s.workers for s in seen) == 2
         assert any(s.scale_reason.startswith("High backlog") for s in seen)
-        extra = [m for s in seen for m in s.members if m.address != config.pools[0].workers[0].address]
-        assert max(m.admitted for m in extra) > 0          # the new worker took work
+        assert max(m.admitted for m in extra_members(seen)) > 0          # the new worker took work
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             stats = run(pool_stats(cluster))

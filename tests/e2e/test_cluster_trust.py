@@ -147,7 +147,7 @@ def test_without_the_cluster_token_a_stranger_gets_nothing():
         for stub, method, request, stream in (
                 (scheduler_pb2_grpc.SchedulerStub, "Submit", scheduler_pb2.SubmitRequest(request_id="r", prompt="Hi"), True),
                 (scheduler_pb2_grpc.SchedulerStub, "LoadAdapter", worker_pb2.LoadAdapterRequest(name="x", path="/tmp"), False),
-                (worker_pb2_grpc.WorkerStub, "Execute", iter([worker_pb2.StepPlan(step_id=0)]), True),
+                (worker_pb2_grpc.WorkerStub, "Execute", iter(()), True),   # no plan: as execute() above
                 (worker_pb2_grpc.WorkerStub, "Drain", worker_pb2.DrainRequest(), False)):
             error = refused(lambda: as_worker(stub, method, request, stream))
             assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (method, error.details())
