@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass
 
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.errors import ErrorKind, ServiceError, unavailable
-from services.common.priority import priority_name
+from services.common.errors import ErrorKind, ServiceError, invalid, unavailable
+from services.common.priority import TENANT_HEADER, parse_tenant, priority_name
 from services.control.limit_shares import FORGET_S, KINDS, SYNC_S, SharedLimits, ShareRow
 from services.control.limits import Limiter, Reservation
 from services.store.store import Store, Tenant, hash_key
@@ -205,7 +205,11 @@ class TenantBook:
                                "an API key is required: send 'authorization: Bearer <key>' "
                                "(qos-serve keys create TENANT)", field="authorization",
                                reason="bad_key" if key else "no_key")
-        name = tenant_header or ANONYMOUS
+        # Every endpoint reading x-tenant (usage, alerts, the console) holds it to Generate's rule.
+        try:
+            name = parse_tenant(tenant_header) or ANONYMOUS
+        except ValueError as exc:
+            raise invalid(str(exc), field=TENANT_HEADER) from None
         return Caller(self.tenants.get(name, Tenant(name)))
 
     def admit(self, caller: Caller, priority: int, estimated_tokens: int) -> Pass:

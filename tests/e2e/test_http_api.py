@@ -182,6 +182,9 @@ def test_a_bad_header_and_a_max_tokens_over_the_context_name_what_is_wrong(clust
     assert status == 400 and json.loads(answer)["error"]["param"] == "x-tenant"
     status, _, _ = raw(cluster, "POST", "/v1/completions", fits, {"X-Tenant": "t" * 64})
     assert status == 200
+    for path in ("/v1/usage", "/v1/alerts"):       # the same rule wherever x-tenant is read
+        status, _, answer = raw(cluster, "GET", path, None, {"X-Tenant": "t" * 65})
+        assert status == 400 and json.loads(answer)["error"]["param"] == "x-tenant", (path, answer)
 
 
 def test_an_unknown_model_is_a_404(client):

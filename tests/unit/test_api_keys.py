@@ -33,6 +33,17 @@ def test_with_auth_off_such_a_key_is_no_key(store):
     assert book.authenticate("Bearer qsk_clé").name == ANONYMOUS
 
 
+@pytest.mark.parametrize("tenant, says", [("t" * 65, "65 characters"), ("a\x01b", "control character")])
+def test_with_auth_off_a_tenant_header_that_names_no_tenant_is_invalid(store, tenant, says):
+    # As on Generate: /v1/usage, /v1/alerts and the console read x-tenant here.
+    book = TenantBook(store, required=False)
+    with pytest.raises(ServiceError) as caught:
+        book.authenticate(None, tenant)
+    assert (caught.value.kind, caught.value.field) == (ErrorKind.INVALID, "x-tenant")
+    assert says in caught.value.message
+    assert book.authenticate(None, "t" * 64).name == "t" * 64
+
+
 def test_the_admin_key_still_opens(store):
     book = TenantBook(store, required=True, admin_key="admin-secret")
     assert book.authenticate("Bearer admin-secret").admin
