@@ -63,10 +63,15 @@ def _cache_dir() -> Path:
     return Path(root) if root else cache_root() / "kernels"
 
 
+def default_compiler() -> str:
+    """The C compiler the kernels are built with: $CC, else cc."""
+    return os.environ.get("CC") or "cc"
+
+
 def build_library(source_path: Path, flags: list[str], compiler: str | None = None) -> Path:
     """Compile `source_path` with `flags` (once per source, flags and machine); returns the
     shared library."""
-    compiler = compiler or os.environ.get("CC") or "cc"
+    compiler = compiler or default_compiler()
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C compiler: {compiler!r} is not on PATH (install gcc, or set CC)")
     source = source_path.read_bytes()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.engine.device import set_cpu_threads
+from services.engine.kernel_build import default_compiler
 from tests.tiny_models import make_engine, write_tiny_model
 
 set_cpu_threads(1)  # tests set their thread count explicitly, like every torch process here
@@ -54,7 +55,7 @@ def device_engine(tiny_model_dir, request):
 
 
 def require_decode_kernel_compiler(decode_attention: str) -> None:
-    if decode_attention == "kernel" and shutil.which(os.environ.get("CC") or "cc") is None:
+    if decode_attention == "kernel" and shutil.which(default_compiler()) is None:
         pytest.skip("the C kernels need a C compiler (cc or $CC) and this machine has none "
                     "(.ci/run installs gcc)")
 

@@ -2,7 +2,6 @@
 allow is refused, where GCC would have compiled it into code that keeps every vector in memory."""
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import subprocess
@@ -10,9 +9,7 @@ import subprocess
 import pytest
 
 from services.engine import kernel_build
-from services.engine.kernel_build import KernelBuildError
-
-COMPILER = os.environ.get("CC") or "cc"
+from services.engine.kernel_build import KernelBuildError, default_compiler
 
 # y += a * x sixteen floats at a time, in one 64-byte vector: AVX-512's width.
 WIDE = """typedef float v16 __attribute__((vector_size(64)));
@@ -29,9 +26,9 @@ void axpy(float *y, const float *x, float a, int n) {
 
 
 def gcc() -> bool:
-    if shutil.which(COMPILER) is None:
+    if shutil.which(default_compiler()) is None:
         return False
-    version = subprocess.run([COMPILER, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([default_compiler(), "--version"], capture_output=True, text=True).stdout
     return "Free Software Foundation" in version
 
 
