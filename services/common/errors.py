@@ -33,6 +33,7 @@ class ErrorKind(Enum):
     UNAVAILABLE = "unavailable"           # nothing can serve it now (no worker, draining, failure)
     CANCELLED = "cancelled"               # the client went away
     DEADLINE = "deadline_exceeded"        # the client's deadline passed
+    REQUEST_TIMEOUT = "request_timeout"   # the client stopped sending its request (HTTP 408)
     INTERNAL = "internal"                 # a bug on our side
 
     @property
@@ -56,6 +57,7 @@ STATUS: dict[ErrorKind, Status] = {
     ErrorKind.UNAVAILABLE: Status("UNAVAILABLE", 503, "service_unavailable"),
     ErrorKind.CANCELLED: Status("CANCELLED", 499, "cancelled"),
     ErrorKind.DEADLINE: Status("DEADLINE_EXCEEDED", 504, "timeout"),
+    ErrorKind.REQUEST_TIMEOUT: Status("DEADLINE_EXCEEDED", 408, "invalid_request_error"),
     ErrorKind.INTERNAL: Status("INTERNAL", 500, "server_error"),
 }
 
@@ -63,7 +65,14 @@ STATUS: dict[ErrorKind, Status] = {
 # reached, the connection broke) back to kinds. A status our services send carries its kind in
 # trailing metadata, so it comes back exactly (TOO_LARGE and EXHAUSTED share a gRPC status).
 _KIND_OF_GRPC = {status.grpc: kind for kind, status in STATUS.items()
-                 if kind not in (ErrorKind.TOO_LARGE, ErrorKind.PAYLOAD_TOO_LARGE, ErrorKind.CONFLICT)}
+                 if kind not in (ErrorKind.TOO_LARGE, ErrorKind.PAYLOAD_TOO_LARGE, ErrorKind.CONFLICT,
+                                 ErrorKind.REQUEST_TIMEOUT)}
+
+# A message as gRPC sends it (grpc-message: printable ASCII as is, every other byte as %XX) must
+# fit, with the other trailers, in the 8 KiB of metadata a client takes; past that the client sees
+# RESOURCE_EXHAUSTED "received metadata size exceeds ..." instead of our status. Messages that
+# quote a request's value (a model name, a role, an id) are cut in the middle to this many bytes.
+MESSAGE_WIRE_BYTES = 2048
 
 RETRY_AFTER_TRAILER = "retry-after-ms"
 KIND_TRAILER = "qos-error-kind"
@@ -81,10 +90,11 @@ class ServiceError(Exception):
 
     def __init__(self, kind: ErrorKind, message: str, *, field: str | None = None,
                  retry_after_ms: int | None = None, reason: str | None = None):
+        message = bounded(message)
         super().__init__(message)
         self.kind = kind
         self.message = message
-        self.field = field
+        self.field = None if field is None else bounded(field, MESSAGE_WIRE_BYTES // 8)
         self.retry_after_ms = retry_after_ms
         self.reason = reason or kind.value
 
@@ -118,6 +128,27 @@ class ServiceError(Exception):
         return cls(kind, message, field=trailers.get(FIELD_TRAILER) or None,
                    retry_after_ms=int(retry) if retry.isdigit() else None,
                    reason=trailers.get(REASON_TRAILER) or None)
+
+
+def _wire_bytes(char: str) -> int:
+    return 1 if " " <= char <= "~" and char != "%" else 3 * len(char.encode("utf-8", "surrogatepass"))
+
+
+def bounded(text: str, limit: int = MESSAGE_WIRE_BYTES) -> str:
+    """`text` as is when it takes at most `limit` bytes on the wire (MESSAGE_WIRE_BYTES), else its
+    start and end with the middle cut: the start says what went wrong, the end what to do."""
+    if len(text) * 12 <= limit or sum(map(_wire_bytes, text)) <= limit:   # 12: the most one character takes
+        return text
+    half = (limit - 40) // 2
+    head, used = 0, 0
+    while used + _wire_bytes(text[head]) <= half:
+        used += _wire_bytes(text[head])
+        head += 1
+    tail, used = len(text), 0
+    while used + _wire_bytes(text[tail - 1]) <= half:
+        tail -= 1
+        used += _wire_bytes(text[tail])
+    return f"{text[:head]} [... {tail - head} characters cut ...] {text[tail:]}"
 
 
 def kind_of_transport_status(name: str) -> ErrorKind:

@@ -46,6 +46,9 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
      [], "either prompt or messages"),
     (router_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")]), [],
      "messages[0].role"),
+    # A message quoting 40,000 characters came back as RESOURCE_EXHAUSTED: gRPC's metadata limit.
+    (router_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="r" * 40_000, content="x")]), [],
+     "messages[0].role"),
     (router_pb2.GenerateRequest(prompt="word " * 9000), [], "context window is 8192 tokens"),
     (ask(max_tokens=0), [], "sampling.max_tokens must be > 0"),
     (ask(max_tokens=-3), [], "sampling.max_tokens must be > 0"),
@@ -95,6 +98,8 @@ def test_unknown_model_is_failed_precondition(cluster):
     code, details = run(call(cluster.router_address, request))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     assert "'gpt-17'" in details
+    code, details = run(call(cluster.router_address, router_pb2.GenerateRequest(prompt="hi", model="m" * 60_000)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "characters cut" in details, details[:200]
 
 
 def test_valid_request_still_succeeds(cluster):

@@ -23,6 +23,7 @@ EXPECTED = {
     ErrorKind.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, 503),
     ErrorKind.CANCELLED: (grpc.StatusCode.CANCELLED, 499),
     ErrorKind.DEADLINE: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    ErrorKind.REQUEST_TIMEOUT: (grpc.StatusCode.DEADLINE_EXCEEDED, 408),
     ErrorKind.INTERNAL: (grpc.StatusCode.INTERNAL, 500),
 }
 
@@ -137,3 +138,25 @@ def test_a_status_no_service_of_ours_sent_names_the_peer():
     error = error_from_rpc(asyncio.run(unreachable()), "pool cpu scheduler 127.0.0.1:1 unavailable")
     assert error.kind is ErrorKind.UNAVAILABLE
     assert error.message.startswith("pool cpu scheduler 127.0.0.1:1 unavailable: ")
+
+
+@pytest.mark.parametrize("quoted", ["m" * 60_000, "é" * 20_000, "\U0001F600" * 9_000 + "%" * 9_000])
+def test_a_message_quoting_a_long_value_arrives_with_its_own_status_cut_in_the_middle(quoted):
+    """gRPC sends the message as metadata, percent-encoded; a client refuses more than 8 KiB of
+    metadata, and reported RESOURCE_EXHAUSTED 'received metadata size exceeds...' in place of
+    our status (a 60,000-character model name, a 15,000-character role)."""
+    error = ServiceError(ErrorKind.UNSUPPORTED, f"no pool serves model {quoted!r}; models here: 'a', 'b'",
+                         field="model")
+    failures, _ = asyncio.run(call_both(error))
+    assert len(failures) == 2
+    for exc in failures:
+        assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION, exc.details()
+        details = exc.details()
+        assert details.startswith("no pool serves model '") and details.endswith("models here: 'a', 'b'")
+        assert "characters cut ...]" in details and details == error.message
+        assert error_from_rpc(exc, "peer").kind is ErrorKind.UNSUPPORTED
+
+
+def test_a_short_message_is_kept_whole():
+    message = "sampling.top_p must be in (0, 1], got 1.5 " + "é" * 100
+    assert ServiceError(ErrorKind.INVALID, message).message == message
