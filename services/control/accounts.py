@@ -10,10 +10,12 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.errors import ErrorKind, ServiceError
+from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.priority import ORDER, priority_name
 from services.control.ledger import LedgerWriter
 from services.control.tenancy import Caller, Pass, TenantBook
+
+REQUEST_ID_MAX = 64          # the ledger's request_id column (services/store/schema.py)
 
 
 # What this module reads of the request path's objects (the router's RequestHead, PoolSpec and
@@ -149,14 +151,20 @@ class Accounts:
         if entry is not None:
             return {"request_id": request_id, "tenant": entry.tenant, "priority": entry.priority,
                     "status": "in_flight", "started_at": entry.started}
+        if len(request_id) > REQUEST_ID_MAX or not request_id.isprintable():
+            raise not_found(request_id)     # no ledger row has such an id (PostgreSQL refuses a NUL)
         rows = await asyncio.to_thread(self.book.store.ledger_rows, request_id=request_id)
         if not rows or not self._owns(caller, rows[0]["tenant"]):
             raise not_found(request_id)
         return {**rows[0], "status": rows[0]["outcome"]}
 
-    async def usage(self, caller: Caller, tenant: str | None = None, since: float | None = None) -> dict:
+    async def usage(self, caller: Caller, tenant: str | None = None, since: float | None = None,
+                    since_field: str = "since") -> dict:
         """Totals from the ledger by tenant and priority (summed by the store's database), for the
-        caller's tenant; the admin key may name any tenant, or none for all."""
+        caller's tenant; the admin key may name any tenant, or none for all. `since`: unix seconds
+        (0 up to 12 digits, as HTTP's parameter allows), else INVALID naming `since_field`."""
+        if since is not None and not 0.0 <= since < 1e12:       # NaN fails this too
+            raise invalid(f"{since_field} must be unix seconds from 0 to 12 digits, got {since!r}", field=since_field)
         if tenant and not caller.admin and tenant != caller.name:
             raise ServiceError(ErrorKind.PERMISSION_DENIED, "a tenant key sees only its own usage",
                                field="tenant", reason="not_your_tenant")

@@ -141,7 +141,7 @@ class RouterService:
 
     async def Usage(self, request: router_pb2.UsageRequest, context) -> router_pb2.UsageReply:
         usage = await self.accounts.usage(self._caller(context), request.tenant or None,
-                                          request.since_unix_s or None)
+                                          request.since_unix_s or None, since_field="since_unix_s")
         lines = [router_pb2.UsageLine(**{**line, "priority": PRIORITIES[line["priority"]]})
                  for line in usage.pop("lines")]
         usage.pop("since")

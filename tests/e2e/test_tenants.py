@@ -317,3 +317,16 @@ def test_a_bad_since_is_400_naming_it(cluster):
         assert status == 400 and body["error"]["param"] == "since", (since, body)
     status, _, body = post(cluster, None, alpha, path="/v1/usage?since=1700000000.5")
     assert status == 200 and body["since"] == 1700000000.5
+    # gRPC's since_unix_s is a double: what the HTTP parameter cannot spell is refused there too
+    # (NaN and infinity were answered as zero usage).
+    for since in (float("nan"), float("inf"), -5.0, 1e13):
+        error = grpc_unary_error(cluster, "Usage", router_pb2.UsageRequest(since_unix_s=since), alpha)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "since_unix_s" in error.details(), since
+    assert grpc_unary(cluster, "Usage", router_pb2.UsageRequest(since_unix_s=1700000000.5), alpha).requests >= 0
+
+
+def test_an_id_no_request_can_have_is_not_found_on_either_store(cluster):
+    # A NUL reached PostgreSQL, which refuses it in a string literal (a 500).
+    for request_id in ("x%00y", "r" * 65, "tab%09id"):
+        status, _, body = post(cluster, None, cluster.keys["alpha"], path=f"/v1/requests/{request_id}")
+        assert status == 404 and body["error"]["type"] == "not_found_error", (request_id, body)
