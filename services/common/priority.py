@@ -79,6 +79,10 @@ def parse_slo_ms(value: str | None) -> int:
 # Tenant names are 1-64 printable characters: the store's tenants and ledger columns hold no more
 # (services/store/schema.py), and a name the ledger refuses must never reach its batch.
 TENANT_NAME_MAX = 64
+# The tenant the admin key's requests are billed to and scoped by (services/control/tenancy.py):
+# no tenant of the store and no x-tenant header may take the name, or it would share their
+# requests, cache and ledger.
+ADMIN_TENANT = "admin"
 
 
 def parse_tenant(value: str | None) -> str:
@@ -91,6 +95,8 @@ def parse_tenant(value: str | None) -> str:
                          f"{TENANT_NAME_MAX}")
     if not value.isprintable():
         raise ValueError(f"{TENANT_HEADER} {value!r} has a control character; a tenant name is printable text")
+    if value == ADMIN_TENANT:
+        raise ValueError(f"{TENANT_HEADER} {value!r} is reserved: it names the admin key's requests")
     return value
 
 

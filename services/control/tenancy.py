@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from prometheus_client.core import GaugeMetricFamily
 
 from services.common.errors import ErrorKind, ServiceError, invalid, unavailable
-from services.common.priority import TENANT_HEADER, parse_tenant, priority_name
+from services.common.priority import ADMIN_TENANT, TENANT_HEADER, parse_tenant, priority_name
 from services.control.limit_shares import FORGET_S, KINDS, SYNC_S, SharedLimits, ShareRow
 from services.control.limits import Limiter, Reservation
 from services.store.store import Store, Tenant, hash_key
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 REFRESH_S = 5.0
 STALE_S = 60.0              # without the store this long, limited and budgeted tenants are refused
 ANONYMOUS = "anonymous"
-ADMIN = "admin"
+ADMIN = ADMIN_TENANT
 ADMIN_KEY_ENV = "QOS_ADMIN_KEY"
 
 
@@ -199,6 +199,10 @@ class TenantBook:
         found = self.keys.get(hash_key(key)) if key is not None else None
         if found is not None:
             name, prefix = found
+            if name == ADMIN:      # a store from before the name was reserved
+                raise ServiceError(ErrorKind.PERMISSION_DENIED, f"keys of a tenant named {ADMIN!r} are refused: "
+                                   "the name is the admin key's; give the tenant another name and new keys",
+                                   field="authorization", reason="reserved_tenant")
             return Caller(self.tenants.get(name, Tenant(name)), prefix)
         if self.required:
             raise ServiceError(ErrorKind.UNAUTHENTICATED, "unknown or revoked API key" if key else

@@ -18,7 +18,7 @@ from sqlalchemy import delete, func, insert, inspect, select, update
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from services.common.paths import cache_root
-from services.common.priority import LABELS
+from services.common.priority import ADMIN_TENANT, LABELS
 from services.store.connect import CONNECT_TIMEOUT_S, STATEMENT_TIMEOUT_S, make_engine
 from services.store.schema import (
     ADDED_COLUMNS,
@@ -147,6 +147,9 @@ class Store:
     def add_tenant(self, tenant: Tenant) -> Tenant:
         if not tenant.name or len(tenant.name) > TENANT_NAME_MAX or not tenant.name.isprintable():
             raise StoreError(f"tenant names are 1-{TENANT_NAME_MAX} printable characters, got {tenant.name!r}")
+        if tenant.name == ADMIN_TENANT:
+            raise StoreError(f"the tenant name {ADMIN_TENANT!r} is reserved: the admin key's requests are "
+                             "billed under it")
         check_tenant_fields(tenant.priorities, tenant.rpm, tenant.tpm, tenant.max_concurrent,
                             tenant.budget, tenant.weight)
         try:

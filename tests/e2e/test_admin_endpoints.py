@@ -49,8 +49,7 @@ def cluster():
         yield running
 
 
-NOT_ADMIN = [(None, {}), (None, {"x-tenant": "admin"}), ("EMPTY", {"x-tenant": SECRET_TENANT}),
-             ("a-guessed-key", {})]
+NOT_ADMIN = [(None, {}), ("EMPTY", {"x-tenant": SECRET_TENANT}), ("a-guessed-key", {})]
 
 
 @pytest.mark.parametrize("key,headers", NOT_ADMIN)
@@ -63,6 +62,15 @@ def test_auth_off_the_admin_endpoints_still_need_the_admin_key(cluster, key, hea
         status, answer = request(cluster, method, path, key, body, headers)
         assert status == 403, (method, path, status, answer)
         assert answer["error"]["param"] == "authorization" and "admin key" in answer["error"]["message"]
+
+
+def test_x_tenant_cannot_name_the_admin_keys_tenant(cluster):
+    """'admin' is the tenant the admin key's requests are billed and scoped under."""
+    for method, path, body in (("GET", "/console/events", None), ("GET", "/v1/usage", None),
+                               ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1})):
+        status, answer = request(cluster, method, path, None, body, {"x-tenant": "admin"})
+        assert status == 400 and answer["error"]["param"] == "x-tenant", (path, answer)
+        assert "reserved" in answer["error"]["message"]
 
 
 def test_with_the_admin_key_they_answer(cluster):

@@ -2,11 +2,13 @@
 refused as such, never an internal error."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.common.errors import ErrorKind, ServiceError
 from services.control.tenancy import ANONYMOUS, TenantBook
-from services.store.store import Store
+from services.store.store import Store, StoreError, Tenant
 
 
 @pytest.fixture
@@ -33,7 +35,8 @@ def test_with_auth_off_such_a_key_is_no_key(store):
     assert book.authenticate("Bearer qsk_clé").name == ANONYMOUS
 
 
-@pytest.mark.parametrize("tenant, says", [("t" * 65, "65 characters"), ("a\x01b", "control character")])
+@pytest.mark.parametrize("tenant, says", [("t" * 65, "65 characters"), ("a\x01b", "control character"),
+                                          ("admin", "reserved: it names the admin key's requests")])
 def test_with_auth_off_a_tenant_header_that_names_no_tenant_is_invalid(store, tenant, says):
     # As on Generate: /v1/usage, /v1/alerts and the console read x-tenant here.
     book = TenantBook(store, required=False)
@@ -46,4 +49,23 @@ def test_with_auth_off_a_tenant_header_that_names_no_tenant_is_invalid(store, te
 
 def test_the_admin_key_still_opens(store):
     book = TenantBook(store, required=True, admin_key="admin-secret")
+    assert book.authenticate("Bearer admin-secret").admin
+
+
+def test_no_tenant_can_take_the_admin_keys_name(store, tmp_path):
+    """The admin key's requests are tenant 'admin' in the ledger, the request table and the prefix
+    cache's scope: a tenant of that name, with a key of its own, read and cancelled the operator's
+    requests, hit its cached prompts and was billed for its traffic."""
+    with pytest.raises(StoreError, match="'admin' is reserved"):
+        store.add_tenant(Tenant("admin"))
+    # A store written before the name was reserved: its keys are refused, not taken as the admin.
+    store.add_tenant(Tenant("placeholder"))
+    key, _ = store.create_key("placeholder")
+    with store.engine.begin() as db:
+        db.exec_driver_sql("UPDATE tenants SET name = 'admin' WHERE name = 'placeholder'")
+    book = TenantBook(store, required=True, admin_key="admin-secret")
+    asyncio.run(book.refresh())
+    with pytest.raises(ServiceError) as caught:
+        book.authenticate(f"Bearer {key}")
+    assert (caught.value.kind, caught.value.reason) == (ErrorKind.PERMISSION_DENIED, "reserved_tenant")
     assert book.authenticate("Bearer admin-secret").admin
