@@ -275,11 +275,17 @@ class HttpFront:
                              "draining": self.drain.draining}, status_code=200 if ok else 503)
 
     async def metrics(self, http: Request) -> Response:
-        """The router's metrics; series labelled with a tenant (SLA objectives) only with the admin
-        key: this port is public. The metrics port ([router] metrics_port) serves them all."""
+        """The router's metrics; this port is public, the metrics port ([router] metrics_port)
+        serves them all. With auth on, the admin key only: class-wide counts move with every
+        tenant's requests, and a tenant that subtracted its own would read another's. With auth
+        off (tenants are labels) anyone, less the series labelled with a tenant (SLA objectives)."""
         try:
             admin = self._caller(http).admin
-        except ServiceError:
+            if self.book.required and not admin:
+                self._admin(http, "with auth on, the router's metrics (they count every tenant's requests)")
+        except ServiceError as error:
+            if self.book.required:
+                return error_response(error)
             admin = False
         return Response(generate_latest(self.registry if admin else WithoutTenants(self.registry)),
                         media_type=CONTENT_TYPE_LATEST)

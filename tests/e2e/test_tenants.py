@@ -330,3 +330,24 @@ def test_an_id_no_request_can_have_is_not_found_on_either_store(cluster):
     for request_id in ("x%00y", "r" * 65, "tab%09id"):
         status, _, body = post(cluster, None, cluster.keys["alpha"], path=f"/v1/requests/{request_id}")
         assert status == 404 and body["error"]["type"] == "not_found_error", (request_id, body)
+
+
+def test_with_auth_on_the_public_metrics_need_the_admin_key(cluster):
+    """Class-wide counts move with every tenant's requests: a tenant scraping before and after
+    its own would read another's volume, rejections and latencies. The metrics port serves all."""
+    router = cluster.config.router
+
+    def scrape(key):
+        conn = http.client.HTTPConnection(router.host, router.http_port, timeout=30)
+        try:
+            conn.request("GET", "/metrics", headers={"authorization": f"Bearer {key}"} if key else {})
+            response = conn.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            conn.close()
+
+    assert scrape(None)[0] == 401
+    status, body = scrape(cluster.keys["alpha"])
+    assert status == 403 and "admin key" in json.loads(body)["error"]["message"]
+    status, body = scrape(ADMIN)
+    assert status == 200 and "qos_requests_total" in body
