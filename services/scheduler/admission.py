@@ -8,8 +8,10 @@ limits that pass say when to retry (`retry_after_ms`), limits that never pass sa
                stream_max_tokens), bad sampling values
     too_large  prompt + max_tokens (streaming mode: its window's blocks) need more KV blocks than
                the class may ever hold (its cap)
-    exhausted  the class's queue is full (retry after the configured time), or the estimated wait
-               for the first token already exceeds the request's x-slo-ms (retry after the excess)
+    exhausted  the class's queue is full (retry after the configured time; with tenant fairness,
+               only for a tenant holding its share of the queue: another tenant's flood does not
+               lock it out), or the estimated wait for the first token already exceeds the
+               request's x-slo-ms (retry after the excess)
     unavailable  no worker of the pool has connected yet
 """
 from __future__ import annotations
@@ -103,12 +105,26 @@ def check_kv_cap(priority: int, tokens: int, limits: PoolLimits, cap_share: floa
             "sampling.max_tokens or shorten the prompt", field="sampling.max_tokens", reason="kv_cap")
 
 
-def check_queue(priority: int, waiting: int, max_queue: int, retry_after_ms: int, pool: str) -> None:
-    if waiting >= max_queue:
+def check_queue(priority: int, waiting: int, max_queue: int, retry_after_ms: int, pool: str,
+                tenant_share: tuple[int, int] | None = None) -> None:
+    """`tenant_share` (with tenant fairness): the caller's requests waiting in the class and the
+    tenants waiting there counting it. A full queue then still takes a request from a tenant
+    holding less than max_queue / tenants of it, so the queue holds at most 2 x max_queue; the
+    refusal names the caller's own count only (the others' are theirs)."""
+    if waiting < max_queue:
+        return
+    if tenant_share is None:
         raise ServiceError(
             ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full "
             f"({max_queue} waiting); retry after {retry_after_ms} ms",
             retry_after_ms=retry_after_ms, reason="queue_full")
+    held, tenants = tenant_share
+    if held * tenants < max_queue:
+        return
+    raise ServiceError(
+        ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full and {held} of "
+        f"your requests wait in it, your share of its {max_queue} places; retry after {retry_after_ms} ms",
+        retry_after_ms=retry_after_ms, reason="queue_full")
 
 
 def check_slo(slo_ms: int, estimated_wait_ms: float) -> None:
@@ -128,13 +144,17 @@ class Admission:
     pool: str
     kv_cap: Callable[[int], float]                   # priority -> share of a worker's blocks
     waiting: Callable[[int], int]                    # priority -> requests queued
-    estimated_wait_ms: Callable[[int, int], float]   # (priority, prompt tokens) -> ms
+    estimated_wait_ms: Callable[[int, int, str, float], float]   # (priority, prompt tokens, tenant, weight) -> ms
     max_queue: int
     retry_after_ms: int
     streaming: StreamSettings | None = None
+    # (priority, tenant) -> (the tenant's requests waiting, tenants waiting counting it), where
+    # tenants share a class fairly (policy.tenant_waiting); None: the queue is one line.
+    tenant_waiting: Callable[[int, str], tuple[int, int]] | None = None
 
     def check(self, priority: int, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
-              slo_ms: int, limits: PoolLimits, window: StreamWindow | None = None) -> SamplingParams:
+              slo_ms: int, limits: PoolLimits, window: StreamWindow | None = None,
+              tenant: str = "", tenant_weight: float = 1.0) -> SamplingParams:
         """Raises ServiceError for the first check that fails; returns the resolved sampling.
         `window`: streaming mode serves it (long_context.choose_window)."""
         check_priority(priority)
@@ -151,6 +171,7 @@ class Admission:
                        window.max_blocks(self.streaming.chunk_tokens, limits.block_size))
         check_kv_cap(priority, len(prompt_ids) + resolved.max_tokens, limits, self.kv_cap(priority),
                      self.pool, need)
-        check_queue(priority, self.waiting(priority), self.max_queue, self.retry_after_ms, self.pool)
-        check_slo(slo_ms, self.estimated_wait_ms(priority, len(prompt_ids)) if slo_ms else 0.0)
+        check_queue(priority, self.waiting(priority), self.max_queue, self.retry_after_ms, self.pool,
+                    None if self.tenant_waiting is None else self.tenant_waiting(priority, tenant))
+        check_slo(slo_ms, self.estimated_wait_ms(priority, len(prompt_ids), tenant, tenant_weight) if slo_ms else 0.0)
         return resolved

@@ -361,7 +361,7 @@ class ContinuousBatcher(WorkerChanges):
 
     # --- stats --------------------------------------------------------------------------------
 
-    def estimated_wait_ms(self, priority: int, prompt_tokens: int) -> float:
+    def estimated_wait_ms(self, priority: int, prompt_tokens: int, tenant: str = "", weight: float = 1.0) -> float:
         """The wait admission quotes a request with an SLO (step_totals.estimated_wait_ms)."""
         return estimated_wait_ms(self.policy, self.planner.lanes_running(), self.totals.tokens_per_second,
                                  priority, prompt_tokens)

@@ -66,6 +66,11 @@ class SchedulingPolicy(ABC):
         # asks (queue limits, stats), and a flood's 800 queued requests walked for each of 800
         # admissions was a second's intake spent counting.
         self._waiting: Counter = Counter()
+        # ... and per (class, tenant), with fairness on: a full queue refuses the tenants holding
+        # their share of it, not the others (admission.check_queue). Only tenants with requests
+        # waiting are kept; _tenants_waiting counts them per class.
+        self._waiting_by_tenant: Counter = Counter()
+        self._tenants_waiting: Counter = Counter()
         # A request's lane follows from its class alone; a table, since planning looks it up for
         # every running sequence of every step.
         self.lane_by_priority: dict[int, int] = {p: self._lane_of_priority(p) for p in ORDER}
@@ -98,16 +103,34 @@ class SchedulingPolicy(ABC):
 
     def add(self, request: Request) -> None:
         self._queues[self.lane_of(request)].append(request)
-        self._waiting[request.priority] += 1
+        self._count(request, 1)
 
     def add_front(self, request: Request) -> None:
         """A preempted request: first in its lane."""
         self._queues[self.lane_of(request)].appendleft(request)
-        self._waiting[request.priority] += 1
+        self._count(request, 1)
 
     def remove(self, request: Request) -> None:
         self._queues[self.lane_of(request)].remove(request)
-        self._waiting[request.priority] -= 1
+        self._count(request, -1)
+
+    def _count(self, request: Request, change: int) -> None:
+        self._waiting[request.priority] += change
+        if self.tenant_fairness:
+            key = (request.priority, request.tenant)
+            held = self._waiting_by_tenant[key] + change
+            if held:
+                self._waiting_by_tenant[key] = held
+            else:
+                del self._waiting_by_tenant[key]
+            if held == (1 if change > 0 else 0):        # the tenant began or stopped waiting
+                self._tenants_waiting[request.priority] += change
+
+    def tenant_waiting(self, priority: int, tenant: str) -> tuple[int, int]:
+        """With fairness on: the tenant's requests waiting in the class, and the tenants waiting
+        there counting this one."""
+        held = self._waiting_by_tenant.get((priority, tenant), 0)
+        return held, self._tenants_waiting[priority] + (0 if held else 1)
 
     def queue(self, lane: int) -> TenantQueue:
         """The lane's waiting requests; `.peek()` is the one to admit next."""

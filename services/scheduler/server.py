@@ -88,7 +88,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.batcher.planner.stream_chunk = config.stream_chunk_tokens
         self.admission = Admission(pool_name, self.policy.kv_cap, self.policy.waiting,
                                    self.batcher.estimated_wait_ms, config.max_queue, config.retry_after_ms,
-                                   self.streaming)
+                                   self.streaming, self.policy.tenant_waiting if self.policy.tenant_fairness else None)
         self.drain = Drain(f"scheduler of pool {pool_name}", config.drain_seconds)
         self.rejected: Counter = Counter()
         n = len(worker_addresses) or 1
@@ -158,7 +158,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
                                limits.max_context, limits.block_size, self.streaming)
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
-                                        limits, window)
+                                        limits, window, submit.tenant, submit.tenant_weight or 1.0)
         request = Request(
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,

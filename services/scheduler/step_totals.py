@@ -35,13 +35,13 @@ class StepTotals:
 
 
 def estimated_wait_ms(policy: SchedulingPolicy, lanes_running: Iterable[int], tokens_per_second: float,
-                      priority: int, prompt_tokens: int) -> float:
-    """Rough time to a new request's first token: the tokens queued ahead of it in its lane plus
-    its own prompt, at the lane's fair share of the recent token rate. 0 when no rate has been
-    measured yet."""
+                      priority: int, prompt_tokens: int, tenant: str = "", weight: float = 1.0) -> float:
+    """Rough time to a new request's first token: the tokens queued ahead of it in its lane (with
+    tenant fairness, as its tenant's share sees them: TenantQueue.tokens_ahead) plus its own
+    prompt, at the lane's fair share of the recent token rate. 0 when no rate has been measured yet."""
     if not tokens_per_second:
         return 0.0
     lane = policy.lane_of_priority(priority)
-    ahead = sum(r.pending for r in policy.queue(lane))
+    ahead = policy.queue(lane).tokens_ahead(tenant, weight, prompt_tokens)
     backlogged = {l for l in policy.lanes if policy.queue(l)} | set(lanes_running) | {lane}
     return (ahead + prompt_tokens) / (tokens_per_second * policy.share(lane, backlogged)) * 1000

@@ -111,6 +111,20 @@ class TenantQueue:
             return None
         return self._by_tenant[min(self._waiting, key=self._vtime.__getitem__)][0]
 
+    def tokens_ahead(self, tenant: str, weight: float, own_tokens: int) -> float:
+        """Tokens this queue serves before a new request of `tenant` (weight `weight`, `own_tokens`
+        to compute) gets its turn: its tenant's queued tokens, and of each other tenant's at most
+        what that tenant's weight earns while those and its own are served (one FIFO: everything
+        queued). So the wait quoted to one tenant does not grow with another's flood beyond its
+        share, and cannot be read as the size of that flood."""
+        if not self.fair:
+            return sum(r.pending for r in self)
+        mine = sum(r.pending for r in self._by_tenant.get(tenant, ()))
+        span = (mine + own_tokens) / weight
+        weights = self._weight
+        return mine + sum(min(sum(r.pending for r in queue), span * weights.get(key, 1.0))
+                          for key, queue in self._by_tenant.items() if key != tenant)
+
     def charge(self, tokens_by_tenant: dict[str, int]) -> None:
         """Tokens were served to requests of these tenants (waiting or running)."""
         if self.fair:

@@ -127,7 +127,8 @@ class Sim:
             clock=self.loop.time)
         self.batcher.planner.stream_chunk = self.streaming.chunk_tokens
         self.admission = Admission(self.pool_name, self.policy.kv_cap, self.policy.waiting,
-                                   self.batcher.estimated_wait_ms, rng.choice([8, 64]), 1000, self.streaming)
+                                   self.batcher.estimated_wait_ms, rng.choice([8, 64]), 1000, self.streaming,
+                                   self.policy.tenant_waiting if self.policy.tenant_fairness else None)
         self.pool_adapters = PoolAdapters(self.pool_name, self.batcher)
         self.drain = Drain(f"scheduler of pool {self.pool_name}")
         self.membership = Membership(

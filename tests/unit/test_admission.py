@@ -7,15 +7,18 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
+from services.common.step import SamplingParams
 from services.scheduler.admission import (DEFAULT_MAX_TOKENS, MIN_SLO_RETRY_MS, Admission, PoolLimits,
                                           pool_limits)
+from services.scheduler.policy import QoSPolicy, QoSSettings
+from services.scheduler.request import Request
 
 LIMITS = PoolLimits(max_context=1000, block_size=10, largest_worker_blocks=100)
 CAPS = {HIGH: 1.0, MEDIUM: 0.7, LOW: 0.3}
 
 
 def admission(waiting: int = 0, wait_ms: float = 0.0, max_queue: int = 8) -> Admission:
-    return Admission("cpu", CAPS.__getitem__, lambda _p: waiting, lambda _p, _n: wait_ms,
+    return Admission("cpu", CAPS.__getitem__, lambda _p: waiting, lambda *_: wait_ms,
                      max_queue=max_queue, retry_after_ms=750)
 
 
@@ -98,3 +101,40 @@ def test_limits_come_from_connected_workers_only_and_need_one():
     small = worker_pb2.WorkerInfo(max_context=2048, block_size=16, num_blocks=50)
     large = worker_pb2.WorkerInfo(max_context=1024, block_size=32, num_blocks=400)
     assert pool_limits([None, small, large], "cpu") == PoolLimits(1024, 32, 400)
+
+
+def test_with_tenant_fairness_a_full_queue_refuses_only_the_tenants_holding_their_share():
+    """A tenant's flood filled a class's queue and every other tenant got queue_full (a lockout,
+    and an oracle of the flood): now a full queue still takes a request from a tenant holding less
+    than max_queue / tenants of it, and tells the refused one its own count only."""
+    policy = QoSPolicy(QoSSettings(tenant_fairness=True))
+    check = Admission("cpu", CAPS.__getitem__, policy.waiting, lambda *_: 0.0, max_queue=4,
+                      retry_after_ms=750, tenant_waiting=policy.tenant_waiting).check
+    made = []
+
+    def arrive(tenant: str) -> Request:
+        check(MEDIUM, [1] * 10, sampling(max_tokens=5), 0, LIMITS, None, tenant)
+        request = Request(request_id=f"r{len(made)}", seq_id=len(made) + 1, priority=MEDIUM, tenant=tenant,
+                          prompt_ids=[1] * 10, sampling=SamplingParams(max_tokens=5), detokenizer=None)
+        policy.add(request)
+        made.append(request)
+        return request
+
+    flood = [arrive("a") for _ in range(4)]                      # the queue is full: a's alone
+    error = refusal(arrive, "a")
+    assert (error.kind, error.reason, error.retry_after_ms) == (ErrorKind.EXHAUSTED, "queue_full", 750)
+    assert "4 of your requests wait in it" in error.message
+    arrive("b"), arrive("b")                                     # b's share of 4 between two: 2
+    assert "2 of your requests" in refusal(arrive, "b").message
+    arrive("c")                                                  # a third tenant: its share is 1
+    assert policy.waiting(MEDIUM) == 7 and policy.tenant_waiting(MEDIUM, "c") == (1, 3)
+    for request in flood:                                        # a's requests admitted to run
+        policy.remove(request)
+    assert policy.tenant_waiting(MEDIUM, "a") == (0, 3) and policy.waiting(MEDIUM) == 3
+    arrive("a")                                                  # the queue has room again
+    assert not policy._waiting_by_tenant.keys() - {(MEDIUM, t) for t in "abc"}
+
+
+def test_without_tenant_fairness_a_full_queue_is_full_for_everyone():
+    error = refusal(admission(waiting=8, max_queue=8).check, MEDIUM, [1] * 10, sampling(), 0, LIMITS, None, "b")
+    assert "medium queue of pool cpu is full (8 waiting)" in error.message

@@ -33,7 +33,7 @@ def window(mode, priority, prompt_len, settings=SETTINGS, **fields):
 
 
 def admission() -> Admission:
-    return Admission("cpu", CAPS.__getitem__, lambda _p: 0, lambda _p, _n: 0.0, max_queue=8,
+    return Admission("cpu", CAPS.__getitem__, lambda _p: 0, lambda *_: 0.0, max_queue=8,
                      retry_after_ms=750, streaming=SETTINGS)
 
 

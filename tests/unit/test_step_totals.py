@@ -7,15 +7,15 @@ import pytest
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.step import SamplingParams
 from services.scheduler.detokenizer import IncrementalDetokenizer
-from services.scheduler.policy import create_policy
+from services.scheduler.policy import QoSPolicy, QoSSettings, create_policy
 from services.scheduler.request import Request
 from services.scheduler.step_totals import RATE_SMOOTHING, StepTotals, estimated_wait_ms
 from tests.unit.test_batcher import LetterDecoder
 
 
-def request(seq_id: int, priority: int, prompt_len: int) -> Request:
+def request(seq_id: int, priority: int, prompt_len: int, tenant: str = "") -> Request:
     prompt = list(range(3, 3 + prompt_len))
-    return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant="", prompt_ids=prompt,
+    return Request(request_id=f"r{seq_id}", seq_id=seq_id, priority=priority, tenant=tenant, prompt_ids=prompt,
                    sampling=SamplingParams(max_tokens=8), detokenizer=IncrementalDetokenizer(LetterDecoder(), prompt))
 
 
@@ -51,3 +51,26 @@ def test_the_wait_is_the_lane_queue_and_prompt_at_its_share_of_the_rate():
     medium_lane = policy.lane_of_priority(MEDIUM)
     assert estimated_wait_ms(policy, set(), 1000.0, MEDIUM, 100) == pytest.approx(
         100 / (1000 * policy.share(medium_lane, {lane, medium_lane})) * 1000)
+
+
+
+def test_with_tenant_fairness_another_tenants_flood_counts_only_up_to_the_share_it_takes():
+    """The wait quoted to a tenant's request was the whole lane's queue: another tenant's flood,
+    which fair sharing serves alongside rather than ahead, both pushed its SLO requests out and
+    read out as the size of that flood (x-slo-ms=1 as a free probe)."""
+    policy = QoSPolicy(QoSSettings(tenant_fairness=True))
+    for seq_id in range(50):
+        policy.add(request(seq_id, LOW, 200, tenant="a"))
+    # b has nothing queued: a's flood is served beside its 100 tokens, about 100 of it meanwhile.
+    assert estimated_wait_ms(policy, set(), 1000.0, LOW, 100, "b") == pytest.approx((100 + 100) / 1000 * 1000)
+    assert estimated_wait_ms(policy, set(), 1000.0, LOW, 100, "b") == estimated_wait_ms(
+        policy, set(), 1000.0, LOW, 100, "c")          # the same whatever a's flood holds beyond that
+    policy.add(request(99, LOW, 300, tenant="b"))       # b's own queue counts whole, and earns a as much
+    assert estimated_wait_ms(policy, set(), 1000.0, LOW, 100, "b") == pytest.approx((300 + 400 + 100) / 1000 * 1000)
+    # Twice the others' weight: half as much of a's and of b's served meanwhile.
+    assert estimated_wait_ms(policy, set(), 1000.0, LOW, 100, "c", weight=2.0) == pytest.approx(
+        (50 + 50 + 100) / 1000 * 1000)
+    fifo = QoSPolicy(QoSSettings(tenant_fairness=False))          # one line: everything queued is ahead
+    for seq_id in range(50):
+        fifo.add(request(seq_id, LOW, 200, tenant="a"))
+    assert estimated_wait_ms(fifo, set(), 1000.0, LOW, 100, "b") == pytest.approx((10_000 + 100) / 1000 * 1000)
