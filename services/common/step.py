@@ -18,6 +18,9 @@ class FinishReason(IntEnum):
     (engine -> worker -> scheduler -> router -> client)."""
     STOP = common_pb2.FINISH_REASON_STOP        # EOS, a stop token or a stop string
     LENGTH = common_pb2.FINISH_REASON_LENGTH    # max_tokens reached, or the context window is full
+    # The sequence's grammar (a structured output's schema) allows no next token: engine to
+    # scheduler only, with a token that is not sent; the scheduler fails the request instead.
+    ERROR = common_pb2.FINISH_REASON_ERROR
 
     @property
     def label(self) -> str:

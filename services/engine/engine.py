@@ -190,8 +190,9 @@ class Engine:
         if sampled:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)], pause)
             picks = sample_step(logits, sampled, self.generator, masks)
-            tokens = [SampledToken(s.seq_id, tid, self._finish_reason(s, tid), lp)
-                      for s, (tid, lp) in zip(sampled, picks)]
+            failed = masks.failed if masks is not None else ()
+            tokens = [SampledToken(s.seq_id, tid, FinishReason.ERROR if i in failed else self._finish_reason(s, tid), lp)
+                      for i, (s, (tid, lp)) in enumerate(zip(sampled, picks))]
         return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)
 
     def compute_logits(self, batch: StepBatch) -> dict[int, torch.Tensor]:

@@ -13,7 +13,10 @@ before the forward) where the forward leaves a core for it
 the logits (`StepMasks.apply`): an unconstrained sequence's row is never touched, whatever else
 shares its batch. A matcher reports the EOS tokens allowed only where the grammar accepts
 what came before, so a sequence ends (finish_reason "stop") only with a complete answer; one
-whose max_tokens runs out first ends "length", its answer incomplete, as OpenAI's does.
+whose max_tokens runs out first ends "length", its answer incomplete, as OpenAI's does. A matcher
+that fails (a schema llguidance compiles but cannot follow: a recursion that never ends, a pattern
+too large) ends its sequence with FinishReason.ERROR, never "stop": the scheduler fails the
+request, naming the schema.
 """
 from __future__ import annotations
 
@@ -62,15 +65,12 @@ class Grammars:
 
     def matcher(self, json_schema: str, generated: list[int]):
         """A matcher for the schema, advanced over the tokens the sequence generated so far. One
-        that cannot be built or refuses those tokens is kept in its error state: its mask then
-        allows only EOS, ending the sequence (the front doors compile every schema first, so this
-        means a bug, and it is logged)."""
+        that cannot be built or refuses those tokens is kept in its error state: its sequence then
+        ends with FinishReason.ERROR at its next sampled token (StepMasks.failed)."""
         from llguidance import LLMatcher
         matcher = LLMatcher(self.tokenizer, grammar_of(json_schema), log_level=0)
         if generated and not matcher.is_error():
             matcher.consume_tokens(generated)
-        if matcher.is_error():
-            log.error("grammar matcher failed (%d tokens generated): %s", len(generated), matcher.get_error())
         return matcher
 
     def start_masks(self, sampled: list[SequenceWork]) -> StepMasks | None:
@@ -80,6 +80,11 @@ class Grammars:
             return None
         return StepMasks(rows, [sampled[i].constraint for i in rows], self.vocab_size, self.eos_token_ids,
                          self.overlap)
+
+
+def _reason(error: str) -> str:
+    """llguidance's error line (its message goes on with the parser's state and the grammar)."""
+    return next((line for line in error.splitlines() if line.startswith("Error:")), error[:200])
 
 
 def overlap_masks(device: torch.device, threads: int) -> bool:
@@ -106,6 +111,7 @@ class StepMasks:
         self.rows, self.matchers = rows, matchers
         self.vocab_size, self.eos = vocab_size, eos
         self.bias: np.ndarray | None = None
+        self.failed: set[int] = set()        # rows whose matcher failed: their sequences end in ERROR
         self.row_index = torch.tensor(rows)
         self.ready: Future | None = _MASKS.submit(self._fill) if overlap else None   # None: at apply()
 
@@ -116,7 +122,9 @@ class StepMasks:
             target = bitmask[i]
             if not matcher.is_error():
                 matcher.unsafe_compute_mask_ptr(target.ctypes.data, row_bytes)
-            if matcher.is_error():       # see Grammars.matcher: end the sequence
+            if matcher.is_error():       # the sequence ends (FinishReason.ERROR); any token will do
+                self.failed.add(self.rows[i])
+                log.warning("a grammar matcher failed; its sequence ends in error: %s", _reason(matcher.get_error()))
                 words = target.view(np.uint32)
                 words[:] = 0
                 for token in self.eos:

@@ -17,12 +17,14 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.kv_blocks import KVBlockPool
 from services.common.priority import HIGH
 from services.common.proto.qos.v1 import worker_pb2
+from services.common.step import FinishReason
 from services.common.wire import finish_reason, sampled_seq_ids
 from services.scheduler.announcement import prompt_announcement
 from services.scheduler.answer_check import answer_mismatch
 from services.scheduler.cut_in_dispatch import CutInDispatch
 from services.scheduler.failover import WorkerChanges
 from services.scheduler.monitor import ResourceMonitor
+from services.scheduler.output import grammar_dead_end
 from services.scheduler.planner import StepBuilder, StepPlanner
 from services.scheduler.policy import SchedulingPolicy
 from services.scheduler.prefix_cache import PrefixCache
@@ -318,6 +320,9 @@ class ContinuousBatcher(WorkerChanges):
             request = by_seq.get(seq_id)
             if request is None or request.phase is not Phase.RUNNING or request.cancelled:
                 continue
+            if ended and ended.get(seq_id) == FinishReason.ERROR:      # its token is not sent
+                self._finish(request, grammar_dead_end(request))
+                continue
             # What the next plan needs: the token counted, the first token's time, a sequence
             # the engine ended (end of sequence, max_tokens) out of the running list. Its text
             # and chunk come in _stream, after the next plans are sent in run(). (This runs
@@ -364,4 +369,4 @@ class ContinuousBatcher(WorkerChanges):
     def estimated_wait_ms(self, priority: int, prompt_tokens: int, tenant: str = "", weight: float = 1.0) -> float:
         """The wait admission quotes a request with an SLO (step_totals.estimated_wait_ms)."""
         return estimated_wait_ms(self.policy, self.planner.lanes_running(), self.totals.tokens_per_second,
-                                 priority, prompt_tokens)
+                                 priority, prompt_tokens, tenant, weight)

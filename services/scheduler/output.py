@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.errors import ServiceError
+from services.common.errors import ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
 from services.scheduler import logprobs
@@ -34,6 +34,15 @@ def streaming_usage(request: Request) -> common_pb2.StreamingUsage | None:
     window = request.window
     return None if window is None else common_pb2.StreamingUsage(
         sink_tokens=window.sink_tokens, window_tokens=window.window_tokens)
+
+
+def grammar_dead_end(request: Request) -> ServiceError:
+    """The failure of a request whose structured output's grammar allowed no next token (the
+    engine's FinishReason.ERROR): llguidance compiled the schema but cannot follow it. What was
+    streamed stays; the request ends in this error, never in a "stop" with incomplete JSON."""
+    return invalid(f"the request's JSON schema allows no next token after {len(request.output_ids)} generated "
+                   "(a recursion that never ends, or a pattern too large to match): no complete answer "
+                   "follows it; simplify the schema", field="sampling.json_schema")
 
 
 def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | None, pool: str,

@@ -2,7 +2,8 @@
 response_format json_schema (strict) and json_object on both HTTP endpoints, streamed or not,
 and gRPC's sampling.json_schema; answers parse and match their schemas, in batches mixed with
 unconstrained requests, with a LoRA adapter and in streaming mode (a 64-token window); a schema
-the engine cannot compile is refused at once naming its part."""
+the engine cannot compile is refused at once naming its part, and one it compiles but cannot
+follow to a complete answer fails naming the schema."""
 from __future__ import annotations
 
 import asyncio
@@ -129,6 +130,23 @@ def test_an_uncompilable_schema_is_a_400_naming_its_part(client, model):
         client.chat.completions.create(model=model, messages=ASK, max_tokens=10, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": bad}})
     assert caught.value.param == "response_format.json_schema.schema.properties.tags.items"
+
+
+def test_a_schema_with_no_complete_answer_is_an_error_never_a_stop(client, model):
+    """llguidance compiles these but cannot follow them to the end: they came back 200 'stop' with
+    '{"' or '' as the answer. Now the request fails naming the schema, whole or streamed."""
+    for schema in ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+                   {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}):
+        form = {"type": "json_schema", "json_schema": {"name": "endless", "schema": schema}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=model, messages=ASK, max_tokens=30, response_format=form)
+        assert caught.value.param == "response_format.json_schema.schema"
+        assert "allows no next token" in caught.value.message
+        with pytest.raises(openai.APIError) as caught:
+            for chunk in client.chat.completions.create(model=model, messages=ASK, max_tokens=30,
+                                                        response_format=form, stream=True):
+                assert chunk.choices[0].finish_reason is None
+        assert "allows no next token" in caught.value.message
 
 
 LIST = {"type": "object", "properties": {"ideas": {"type": "array", "minItems": 6, "maxItems": 6,

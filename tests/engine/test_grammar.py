@@ -95,6 +95,23 @@ def test_an_answer_cut_by_max_tokens_ends_with_length(engine):
     assert result.finish_reason is FinishReason.LENGTH and len(result.token_ids) == 6
 
 
+# Schemas llguidance compiles but cannot follow to a complete answer: each ended "stop" with
+# incomplete JSON ("", '{"', '[[', '"'), its matcher's failure turned into EOS.
+DEAD_ENDS = [{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+             {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+             {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+             {"type": "string", "pattern": "^a{1000000}$"}]
+
+
+@pytest.mark.parametrize("schema", DEAD_ENDS)
+def test_a_grammar_that_allows_no_next_token_ends_in_error_never_stop(engine, schema):
+    free = GenerationRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    dead, beside = BatchRunner(engine, max_running=2).run([GenerationRequest(PROMPT[:20], SamplingParams(
+        temperature=0.0, max_tokens=30, json_schema=json.dumps(schema))), free])
+    assert dead.finish_reason is FinishReason.ERROR and len(dead.token_ids) <= 3
+    assert beside.finish_reason is FinishReason.LENGTH and len(beside.token_ids) == 8
+
+
 def announce(seq_id, tokens, num_generated, params, blocks):
     return worker_pb2.NewSequence(seq_id=seq_id, prompt_token_ids=tokens, sampling=engine_sampling(params),
                                   num_generated=num_generated)
