@@ -78,7 +78,7 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
         if name in FIELDS[kind] or value is None:
             continue
         if name in NEUTRAL:
-            if value not in NEUTRAL[name]:
+            if not any(_same_json(value, neutral) for neutral in NEUTRAL[name]):
                 raise invalid(f"{name} is not supported by this server"
                               + (f" (only {_show(NEUTRAL[name])})" if NEUTRAL[name] else ""), name)
         else:
@@ -100,6 +100,18 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
             raise invalid("a forced tool call and a JSON response_format both say what the answer is: send one",
                           "tool_choice")
     return request
+
+
+def _same_json(value, expected) -> bool:
+    """Equal as JSON values: Python's == has True == 1 and 0 == False, so `best_of: true` and
+    `presence_penalty: false` passed as the neutral values they are not."""
+    if json_kind(value) != json_kind(expected):
+        return False
+    if isinstance(value, list):
+        return len(value) == len(expected) and all(map(_same_json, value, expected))
+    if isinstance(value, dict):
+        return value.keys() == expected.keys() and all(_same_json(value[k], expected[k]) for k in value)
+    return value == expected
 
 
 def _json_object(raw: bytes) -> dict:

@@ -93,6 +93,9 @@ def _named(choice: dict, functions: dict) -> str:
             or set(function) != {"name"}:
         raise invalid('tool_choice must be {"type": "function", "function": {"name": ...}} to name a function',
                       "tool_choice")
+    if not isinstance(function["name"], str):
+        raise invalid(f"tool_choice.function.name must be a string, got {type(function['name']).__name__}",
+                      "tool_choice.function.name")
     if function["name"] not in functions:
         raise invalid(f"tool_choice names function {function['name']!r}, which is not among tools "
                       f"({', '.join(functions)})", "tool_choice.function.name")

@@ -70,6 +70,11 @@ def test_auto_and_none_ask_for_no_grammar():
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}},
      "tool_choice.function.name"),
+    # Not a string: a dict lookup with it raised TypeError, a 500 the client retried.
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": {"a": 1}}}},
+     "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
