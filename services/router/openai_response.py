@@ -69,7 +69,8 @@ class OpenAIResponse:
                   if self.chat else {"index": 0, "text": text})
         if self.tools is not None:
             self.tools.feed(text)
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": self.tools.calls}
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": self.tools.calls} \
+                if self.tools.calls else {"role": "assistant", "content": self.tools.unparsed or None}
         elif self.tagged is not None:
             content, _ = self.tagged.feed(text, final=True)
             if self.tagged.calls:
@@ -99,6 +100,8 @@ class OpenAIResponse:
             if delta or self.logprobs:
                 out.append(self._event(delta, logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
         if chunk.finish_reason:
+            if self.tools is not None and self.tools.unparsed:     # cut before a call began: its text
+                out.append(self._event({"content": self.tools.unparsed}))
             out.append(self._event({} if self.chat else "", self._finish(chunk.finish_reason)))
             if self.request.include_usage:
                 out.append({**self.head, "choices": [], "usage": usage_of(chunk)})
@@ -107,7 +110,7 @@ class OpenAIResponse:
     def _finish(self, reason: int) -> str | None:
         """OpenAI's finish_reason: "tool_calls" for a forced call that was completed."""
         label = finish_label(reason)
-        called = self.tools is not None or (self.tagged is not None and self.tagged.calls)
+        called = (self.tools is not None and self.tools.calls) or (self.tagged is not None and self.tagged.calls)
         return "tool_calls" if called and label == "stop" else label
 
     def _event(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:

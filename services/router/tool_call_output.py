@@ -8,7 +8,9 @@ separators, so its shape is known as it arrives:
 
 Streamed, a call's first delta carries its index, id, type and name with empty arguments, the
 next ones pieces of its arguments text as they are generated (OpenAI's `tool_calls` deltas); the
-arguments are the generated text exactly, never re-serialized.
+arguments are the generated text exactly, never re-serialized. An answer cut (max_tokens) before
+its first call's name was complete has no call to show: its text is the message's content
+(`unparsed`), not lost behind an empty `tool_calls`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class ToolCalls:
         self._name = ""
         self._depth, self._in_string, self._escaped = 0, False, False
         self._header: list[dict] = []        # named: the call's first delta, sent with the first text
+        self._text = ""                      # required: what came before the first call began
         if mode == "named":
             self._state = "arguments"
             self._header.append(self._start(name))
@@ -32,9 +35,16 @@ class ToolCalls:
     def feed(self, text: str) -> list[dict]:
         """Delta entries (OpenAI's `delta.tool_calls`) for the next piece of the answer's text."""
         deltas, self._header = self._header, []
+        if not self.calls:
+            self._text += text
         for char in text:
             self._char(char, deltas)
         return _merged(deltas)
+
+    @property
+    def unparsed(self) -> str:
+        """The answer's text while no call has begun (a cut answer's content); "" after."""
+        return "" if self.calls else self._text
 
     def _start(self, name: str) -> dict:
         call = {"id": f"call_{self.request_id[:20]}_{len(self.calls)}", "type": "function",

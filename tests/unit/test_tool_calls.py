@@ -136,6 +136,29 @@ def test_a_named_call_as_a_whole_body_and_as_a_stream():
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_a_required_call_cut_before_its_name_ends_keeps_its_text_as_content():
+    """max_tokens ran out inside the first call's name: the answer came back as content null and
+    tool_calls [], the generated text nowhere (streamed: a role delta, then the finish)."""
+    request = chat(tools=[WEATHER], tool_choice="required")
+    cut = '[{"name": "get_w'
+    whole = OpenAIResponse(request, "r1", 1, MEDIUM)
+    whole.add(common_pb2.GenerateChunk(text=cut, token_ids=[1, 2, 3], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    choice = whole.body()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": cut} and choice["finish_reason"] == "length"
+    streamed = OpenAIResponse(request, "r1", 1, MEDIUM)
+    events = streamed.events(common_pb2.GenerateChunk(text=cut[:5], token_ids=[1])) + streamed.events(
+        common_pb2.GenerateChunk(text=cut[5:], token_ids=[2], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content") or "" for d in deltas) == cut and not any("tool_calls" in d for d in deltas)
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    # Cut after a call began: that call, its arguments as far as they came.
+    later = OpenAIResponse(request, "r1", 1, MEDIUM)
+    later.add(common_pb2.GenerateChunk(text='[{"name": "get_weather", "arguments": {"ci', token_ids=[1],
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    message = later.body()["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"ci'
+
+
 PLAIN = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}", None, None)
 WITH_TOOLS = ChatTemplate("{% if tools %}TOOLS:{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
                           "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
