@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError, invalid
-from services.common.priority import CONTEXT_MODE_HEADER, MAX_STREAM_INTERVAL, PRIORITY_HEADER
+from services.common.priority import CONTEXT_MODE_HEADER, MAX_STREAM_INTERVAL, PRIORITY_HEADER, TENANT_HEADER
 from services.common.tracing import extract_metadata
 from services.common.wire import prompt_chars
 from services.control import adapter_admin
@@ -42,13 +42,11 @@ from services.control.sla import ALL_TENANTS
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
 from services.router.openai_response import error_body
+from services.router.validation import request_headers
 
 CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
     ("index.html", "text/html; charset=utf-8"), ("console.js", "text/javascript; charset=utf-8"),
     ("console.css", "text/css; charset=utf-8"))}
-
-HEADERS = ("x-priority", "x-tenant", "x-slo-ms", "x-lora", "x-stream-interval", "x-context-mode",
-           "authorization")
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +121,7 @@ class HttpFront:
     async def _generation(self, http: Request, kind: str) -> Response:
         request = None
         try:
-            headers = {k: http.headers[k] for k in HEADERS if k in http.headers}
+            headers = request_headers(http.headers.items())
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
             request = parse_openai(kind, await self._body(http))
             label = class_header(request, headers.get(PRIORITY_HEADER))
@@ -151,7 +149,8 @@ class HttpFront:
                                   extract_metadata(http.headers.items()))
 
     def _caller(self, http: Request):
-        return self.book.authenticate(http.headers.get("authorization"), http.headers.get("x-tenant", ""))
+        headers = request_headers(http.headers.items())
+        return self.book.authenticate(headers.get("authorization"), headers.get(TENANT_HEADER, ""))
 
     async def usage(self, http: Request) -> Response:
         """GET /v1/usage[?tenant=T][&since=UNIX_S]: from the ledger; a tenant key sees its own."""

@@ -37,7 +37,7 @@ from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals
-from services.router.validation import RequestHead, decode_request, parse_head
+from services.router.validation import RequestHead, decode_request, parse_head, request_headers
 from services.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ class RouterService:
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata() or ()
         try:
-            headers = dict(metadata)
+            headers = request_headers(metadata)
             caller = self.identify(headers)
             head = self.let_in(headers, caller)
         except ServiceError as refused:
@@ -124,8 +124,8 @@ class RouterService:
                 yield chunk
 
     def _caller(self, context) -> Caller:
-        metadata = dict(context.invocation_metadata() or ())
-        return self.book.authenticate(metadata.get("authorization"), metadata.get("x-tenant", ""))
+        metadata = request_headers(context.invocation_metadata() or ())
+        return self.book.authenticate(metadata.get("authorization"), metadata.get(TENANT_HEADER, ""))
 
     async def Stats(self, request, context) -> router_pb2.RouterStats:
         caller = self._caller(context)
@@ -162,8 +162,8 @@ class CallerGate(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details):
         if self.service.book.required and details.method.startswith(f"/{ROUTER_SERVICE}/"):
-            metadata = dict(details.invocation_metadata or ())
             try:
+                metadata = request_headers(details.invocation_metadata or ())
                 self.service.book.authenticate(metadata.get("authorization"))
             except ServiceError as refused:
                 if details.method == f"/{ROUTER_SERVICE}/Generate":

@@ -1,6 +1,7 @@
 """Checks on a Generate request that need no tokenizer, each failing with a ServiceError of kind
 INVALID whose message and `field` name what is wrong. Pure Python.
 
+    request_headers(pairs)          the headers below and authorization, each at most once
     parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora, x-stream-interval,
                                     x-context-mode -> RequestHead
     decode_request(raw, context)    the body, parsed with its bytes twin -> GenerateRequest
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from services.common.errors import invalid
 from services.common.grammar import check_schema_text
@@ -44,6 +45,24 @@ class RequestHead:
         """Whether the router may refuse max_tokens past the model's context itself: only a dense
         request's; streaming (asked for, or the class's default) has no such bound."""
         return self.context_mode == common_pb2.CONTEXT_MODE_DENSE
+
+
+# What both fronts read from a request's headers (gRPC metadata).
+REQUEST_HEADERS = frozenset((PRIORITY_HEADER, TENANT_HEADER, SLO_HEADER, LORA_HEADER, STREAM_INTERVAL_HEADER,
+                             CONTEXT_MODE_HEADER, "authorization"))
+
+
+def request_headers(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Our headers among a request's (name, value) pairs, by lower-cased name. One sent twice
+    with different values is INVALID naming it: HTTP took the first and gRPC the last, so
+    `x-priority: high` and `x-priority: low` were served as one of them without a word."""
+    found: dict[str, str] = {}
+    for name, value in pairs:
+        name = name.lower()
+        if name in REQUEST_HEADERS:
+            if found.setdefault(name, value) != value:
+                raise invalid(f"{name} is sent twice with different values: send it once", field=name)
+    return found
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:
