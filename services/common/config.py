@@ -73,6 +73,9 @@ class RouterConfig(ServiceConfig):
                              bounds=PORT_OR_OFF)
     http_max_body_bytes: int = setting(4 * 2**20, "larger HTTP request bodies get 413, larger gRPC messages "
                                        "to the router RESOURCE_EXHAUSTED", bounds=Bounds(1024))
+    http_read_timeout_s: float = setting(30.0, "an HTTP client that takes longer to send a request's headers, "
+                                         "or between pieces of its body, gets 408 and is disconnected",
+                                         bounds=POSITIVE)
     migration_limit: int = setting(3, "how often a request whose pool fails mid-way moves to another pool "
                                    "(with the tokens already streamed)", bounds=Bounds(0, 100))
     scheduler_link: str = setting("stream", "how requests reach a scheduler: one long-lived SubmitLink stream "

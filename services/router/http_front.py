@@ -42,6 +42,7 @@ from services.control.sla import ALL_TENANTS
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
 from services.router.openai_response import error_body
+from services.router.http_timeouts import read_timeout_protocol
 from services.router.validation import request_headers
 
 CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
@@ -243,12 +244,20 @@ class HttpFront:
         length = http.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise too_large
-        body = bytearray()
-        async for piece in http.stream():
+        body, pieces = bytearray(), http.stream()
+        wait = self.config.http_read_timeout_s
+        while True:
+            try:     # each piece within the read timeout (http_timeouts.py has the headers')
+                piece = await asyncio.wait_for(anext(pieces, None), wait)
+            except asyncio.TimeoutError:
+                raise ServiceError(ErrorKind.REQUEST_TIMEOUT, f"the request body stopped arriving for {wait:g} s "
+                                   "(router.http_read_timeout_s): send it without pauses", field="body",
+                                   reason="body_timeout") from None
+            if piece is None:
+                return bytes(body)
             body += piece
             if len(body) > limit:
                 raise too_large
-        return bytes(body)
 
     async def models(self, http: Request) -> Response:
         seen = {}
@@ -311,7 +320,8 @@ class HttpFront:
             if self.config.tls_cert else {}
         config = uvicorn.Config(self.app, host=self.config.host, port=self.config.http_port,
                                 lifespan="off", access_log=False, log_level="warning",
-                                http="httptools", ws="none", timeout_graceful_shutdown=5, **tls)
+                                http=read_timeout_protocol(self.config.http_read_timeout_s), ws="none",
+                                timeout_graceful_shutdown=5, **tls)
         self.server = _EmbeddedServer(config)
         self.task = asyncio.create_task(self.server.serve())
         while not self.server.started:
