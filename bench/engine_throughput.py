@@ -22,8 +22,14 @@ static batch are not counted) / wall seconds of the whole phase, prefill include
 
 Roofline (bench/roofline.py, same process and threads): the matmul peak per dtype (F.linear or
 the engine's prepacked oneDNN linear, whichever is faster, on the model's own shapes at 32 rows
-and at a prefill step's rows, best of 5), the memory bandwidth (reading 512 MiB), and each
-engine phase's achieved GFLOPS and GB/s, its bound (compute or bandwidth) and its share of it.
+and at a prefill step's rows, best of 5), the memory bandwidth (reading 512 MiB, best of 5), and
+each engine phase's achieved GFLOPS and GB/s, its bound (compute or bandwidth) and its share of it.
+
+Each engine phase runs --repeats times, each run right after a bandwidth probe of its own: the
+host's bandwidth moves by up to 2x within minutes (other tenants share its memory), and a run set
+against a probe taken minutes earlier measures the host as much as the engine. Each run is put on
+the roofline with its own probe's bandwidth; the phase's figures are those of the run with the
+median share of its roof, and the JSON keeps every run (`runs_<phase>_<dtype>`).
 
     python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] [--dtypes float32] ...
 """
@@ -154,17 +160,26 @@ class Phase:
     seconds: float
     steps: list[list[tuple[int, int, bool]]]     # StepRecorder's
     outputs: list[list[int]]
+    bandwidth_gb_s: float                         # the probe read just before this run
 
     @property
     def tok_s(self) -> float:
         return useful_tokens(self.requests) / self.seconds
 
 
-def run_phase(engine: Engine, label: str, requests: list[Request], batch: int) -> Phase:
-    recorder = StepRecorder(engine)
-    with progress(useful_tokens(requests), f"{label:<16}", unit="tok") as bar:
-        seconds, outputs = run_engine(recorder, requests, batch, bar)
-    return Phase(requests, seconds, recorder.steps, outputs)
+def run_phase(engine: Engine, label: str, requests: list[Request], batch: int,
+              repeats: int) -> list[Phase]:
+    """`repeats` runs of the phase, each right after a bandwidth probe (the module docstring)."""
+    runs = []
+    for run in range(repeats):
+        bandwidth = memory_bandwidth(engine.device, engine.backend.synchronize)
+        recorder = StepRecorder(engine)
+        with progress(useful_tokens(requests), f"{label} ({run + 1}/{repeats})", unit="tok") as bar:
+            seconds, outputs = run_engine(recorder, requests, batch, bar)
+        runs.append(Phase(requests, seconds, recorder.steps, outputs, bandwidth))
+    if any(run.outputs != runs[0].outputs for run in runs):
+        raise RuntimeError(f"{label}: the engine's greedy outputs differ between runs of the same requests")
+    return runs
 
 
 def same_workload(phases: dict[str, Phase]) -> Phase:
@@ -176,9 +191,10 @@ def bf16_is_emulated(dtype: torch.dtype, backend: DeviceBackend) -> bool:
     return dtype == torch.bfloat16 and backend.kind == "cpu" and not cpu_has_native_bf16(backend.flags)
 
 
-def roofline(config: ModelConfig, phases: dict[str, Phase], dtype: torch.dtype, backend: DeviceBackend,
-             bandwidth: float, report: dict) -> None:
-    """Measure the dtype's matmul peak and put each phase on the roofline, into `report`."""
+def roofline(config: ModelConfig, phases: dict[str, list[Phase]], dtype: torch.dtype, backend: DeviceBackend,
+             report: dict) -> dict[str, Phase]:
+    """Measure the dtype's matmul peak and put each run of each phase on the roofline (with its
+    own probe's bandwidth), into `report`; returns each phase's run of median share of its roof."""
     name = SHORT_NAMES[dtype]
     peak = matmul_peak(config, dtype, backend.device, backend.synchronize,
                        rows=(BATCH, ENGINE_MAX_STEP_TOKENS))
@@ -186,15 +202,23 @@ def roofline(config: ModelConfig, phases: dict[str, Phase], dtype: torch.dtype, 
     report[f"peak_rows_{name}"] = peak.rows
     report[f"peak_gflops_by_rows_{name}"] = peak.by_rows
     report[f"matmul_gflops_by_shape_{name}"] = peak.by_shape
-    for phase_name, phase in phases.items():
-        point = phase_roofline([step_work(config, entries, dtype) for entries in phase.steps],
-                               phase.seconds, peak.gflops, bandwidth)
-        key = f"{phase_name}_{name}"
+    chosen = {}
+    for phase_name, runs in phases.items():
+        points = [phase_roofline([step_work(config, entries, dtype) for entries in run.steps],
+                                 run.seconds, peak.gflops, run.bandwidth_gb_s) for run in runs]
+        # The median run (the lower middle of an even count): its figures are one real run's.
+        middle = sorted(range(len(runs)), key=lambda i: points[i].of_roof)[(len(runs) - 1) // 2]
+        phase, point, key = runs[middle], points[middle], f"{phase_name}_{name}"
+        chosen[phase_name] = phase
         report[f"tok_s_{key}"] = phase.tok_s
         report[f"requests_{key}"] = len(phase.requests)
         report[f"steps_{key}"] = len(phase.steps)
         report[f"seconds_{key}"] = phase.seconds
+        report[f"bandwidth_gb_s_{key}"] = phase.bandwidth_gb_s
         report.update({f"{field}_{key}": value for field, value in asdict(point).items()})
+        report[f"runs_{key}"] = [{"tok_s": run.tok_s, "bandwidth_gb_s": run.bandwidth_gb_s, "of_roof": p.of_roof,
+                                  "of_peak": p.of_peak} for run, p in zip(runs, points)]
+    return chosen
 
 
 def parse_args() -> argparse.Namespace:
@@ -208,6 +232,8 @@ def parse_args() -> argparse.Namespace:
                         help="the engine's decode attention: the paged C kernel (CPU) or gather + SDPA")
     parser.add_argument("--requests-b32", type=int, default=64)
     parser.add_argument("--requests-b1", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each engine phase, each after a bandwidth probe of its own")
     parser.add_argument("--bf16-requests-b32", type=int, help="bf16's b32 requests (default: as --requests-b32; "
                         f"where bf16 is emulated, {EMULATED_BF16_REQUESTS[1]})")
     parser.add_argument("--bf16-requests-b1", type=int, help="bf16's b1 requests (default: as --requests-b1; "
@@ -220,8 +246,8 @@ def parse_args() -> argparse.Namespace:
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         parser.error("need 1 <= min <= max for both prompt and output lengths")
     counts = [args.requests_b1, args.requests_b32, args.bf16_requests_b1, args.bf16_requests_b32]
-    if min(c for c in counts if c is not None) < 1 or args.threads < 0:
-        parser.error("request counts must be >= 1 and --threads >= 0")
+    if min(c for c in counts if c is not None) < 1 or args.threads < 0 or args.repeats < 1:
+        parser.error("request counts and --repeats must be >= 1, --threads >= 0")
     args.dtypes = args.dtypes.split(",")
     unknown = [d for d in args.dtypes if d not in DTYPES]
     if unknown or len({DTYPES[d] for d in args.dtypes}) != len(args.dtypes):
@@ -302,7 +328,8 @@ def base_report(setup: Setup) -> dict:
                      "output_len": [args.min_output, args.max_output],
                      "useful_tokens_b1": useful_tokens(setup.workload[:b1]),
                      "useful_tokens_b32": useful_tokens(setup.workload[:b32]),
-                     "batch": BATCH, "engine_max_step_tokens": ENGINE_MAX_STEP_TOKENS},
+                     "batch": BATCH, "engine_max_step_tokens": ENGINE_MAX_STEP_TOKENS,
+                     "repeats": args.repeats},
     }
 
 
@@ -317,16 +344,17 @@ def run_dtype(setup: Setup, dtype: torch.dtype, report: dict) -> dict[str, Phase
     run_engine(engine, setup.warmup, max_running=2)     # allocator, kernel selection, lazy imports
     b1, b32 = setup.counts[dtype]
     workload = setup.workload
-    phases = {"b1": run_phase(engine, f"engine {name} b1", workload[:b1], 1),
-              "b32": run_phase(engine, f"engine {name} b32", workload[:b32], BATCH)}
+    repeats = args.repeats
+    phases = {"b1": run_phase(engine, f"engine {name} b1", workload[:b1], 1, repeats),
+              "b32": run_phase(engine, f"engine {name} b32", workload[:b32], BATCH, repeats)}
     smallest = min(c[1] for c in setup.counts.values())
     if smallest < b32:
         # Another dtype's smaller b32 workload too, for a speedup over the same requests.
-        phases["b32_same"] = run_phase(engine, f"engine {name} b32 x{smallest}", workload[:smallest], BATCH)
+        phases["b32_same"] = run_phase(engine, f"engine {name} b32 x{smallest}", workload[:smallest], BATCH,
+                                       repeats)
     del engine
     print(f"measuring the {name} matmul peak", file=sys.stderr)
-    roofline(setup.config, phases, dtype, setup.backend, report["bandwidth_gb_s"], report)
-    return phases
+    return roofline(setup.config, phases, dtype, setup.backend, report)
 
 
 def compare_with_hf(setup: Setup, engine_phases: dict[str, Phase], report: dict) -> tuple[dict, list[str]]:

@@ -7,15 +7,24 @@ from bench.perf_doc_format import pct
 
 
 def engine_roofline(result: dict) -> list[list[str]]:
-    rows = [["dtype", "phase", "tok/s", "GFLOPS", "of peak", "GB/s", "bound", "of its roof"]]
+    runs = result["workload"].get("repeats", 1)
+    rows = [["dtype", "phase", "tok/s", "GFLOPS", "of peak", "GB/s", "bound", "of its roof"]
+            + ([f"of its roof, {runs} runs", f"of peak, {runs} runs"] if runs > 1 else [])]
     for dtype in result["dtypes"]:
         for phase, label in (("b1", "batch 1"), ("b32", f"batch {result['workload']['batch']}")):
             key = f"{phase}_{dtype}"
             of_peak = pct(result[f"of_peak_{key}"], 0)
             rows.append([dtype, label, f"{result[f'tok_s_{key}']:.1f}", f"{result[f'achieved_gflops_{key}']:.1f}",
                          f"**{of_peak}**" if phase == "b32" else of_peak, f"{result[f'achieved_gb_s_{key}']:.1f}",
-                         result[f"bound_{key}"], pct(result[f"of_roof_{key}"], 0)])
+                         result[f"bound_{key}"], pct(result[f"of_roof_{key}"], 0)]
+                        + ([_spread(result[f"runs_{key}"], "of_roof"), _spread(result[f"runs_{key}"], "of_peak")]
+                           if runs > 1 else []))
     return rows
+
+
+def _spread(runs: list[dict], field: str) -> str:
+    """Every run's share, in run order ("82, 71, 87%")."""
+    return ", ".join(f"{100 * run[field]:.0f}" for run in runs) + "%"
 
 
 def engine_vs_llamacpp(result: dict) -> list[list[str]]:
