@@ -174,8 +174,10 @@ def _messages(value) -> list[common_pb2.ChatMessage]:
         if role not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
         allowed = {"role", "content", *MESSAGE_EXTRAS.get(role, ())}
-        for key in message:
-            if key not in allowed:
+        for key, field_value in message.items():
+            # null means absent, as for the body's fields; an assistant turn echoed back from an
+            # OpenAI response carries refusal: null and annotations: [] (the client sends them).
+            if key not in allowed and field_value is not None and not (key == "annotations" and field_value == []):
                 raise invalid(f"{where}.{key} is not supported (a {role} message takes {', '.join(sorted(allowed))})",
                               f"{where}.{key}")
         content = message.get("content")

@@ -12,7 +12,7 @@ limits that pass say when to retry (`retry_after_ms`), limits that never pass sa
                only for a tenant holding its share of the queue: another tenant's flood does not
                lock it out), or the estimated wait for the first token already exceeds the
                request's x-slo-ms (retry after the excess)
-    unavailable  no worker of the pool has connected yet
+    unavailable  no worker of the pool is connected (none has joined yet, or all have left)
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def pool_limits(infos: Iterable[worker_pb2.WorkerInfo | None], pool: str) -> Poo
     """From the workers seen so far (None for one never connected); UNAVAILABLE if none."""
     seen = [i for i in infos if i is not None]
     if not seen:
-        raise unavailable(f"no worker of pool {pool} has connected yet; retry shortly",
+        raise unavailable(f"no worker of pool {pool} is connected (none has joined yet, or all have left); "
+                          "retry shortly",
                           retry_after_ms=NO_WORKER_RETRY_MS, reason="no_worker")
     largest = max(seen, key=lambda i: i.num_blocks)
     return PoolLimits(max_context=min(i.max_context for i in seen), block_size=largest.block_size,

@@ -97,7 +97,7 @@ def test_checks_run_in_order_invalid_before_limits():
 def test_limits_come_from_connected_workers_only_and_need_one():
     error = refusal(pool_limits, [None, None], "cpu")
     assert (error.kind, error.reason) == (ErrorKind.UNAVAILABLE, "no_worker")
-    assert error.retry_after_ms and "no worker of pool cpu has connected" in error.message
+    assert error.retry_after_ms and "no worker of pool cpu is connected" in error.message
     small = worker_pb2.WorkerInfo(max_context=2048, block_size=16, num_blocks=50)
     large = worker_pb2.WorkerInfo(max_context=1024, block_size=32, num_blocks=400)
     assert pool_limits([None, small, large], "cpu") == PoolLimits(1024, 32, 400)

@@ -208,3 +208,16 @@ def test_error_body_shape():
     error = ServiceError(ErrorKind.EXHAUSTED, "queue full", retry_after_ms=10, reason="queue_full")
     assert error_body(error, None) == {"error": {"message": "queue full", "type": "rate_limit_error",
                                                  "param": None, "code": "queue_full"}}
+
+
+def test_an_assistant_turn_echoed_from_an_openai_response_is_taken():
+    """OpenAI's responses carry refusal: null, annotations: [], audio: null, function_call: null;
+    a client that sends its history back sends them too (a 400 naming messages[1].refusal)."""
+    echoed = {"role": "assistant", "content": "Hello!", "refusal": None, "annotations": [], "audio": None,
+              "function_call": None, "tool_calls": None}
+    r = chat(messages=MESSAGES + [echoed, {"role": "user", "content": "And?", "name": None}])
+    assert [(m.role, m.content) for m in r.body.messages] == [("user", "Hi"), ("assistant", "Hello!"), ("user", "And?")]
+    for key, value in (("refusal", "I can't"), ("annotations", [{"type": "url_citation"}]), ("name", "bob")):
+        with pytest.raises(ServiceError) as caught:
+            chat(messages=MESSAGES + [{**echoed, key: value}])
+        assert caught.value.field == f"messages[1].{key}"
