@@ -29,7 +29,8 @@ Each engine phase runs --repeats times, each run right after a bandwidth probe o
 host's bandwidth moves by up to 2x within minutes (other tenants share its memory), and a run set
 against a probe taken minutes earlier measures the host as much as the engine. Each run is put on
 the roofline with its own probe's bandwidth; the phase's figures are those of the run with the
-median share of its roof, and the JSON keeps every run (`runs_<phase>_<dtype>`).
+median share of its roof, and the JSON keeps every run (`runs_<phase>_<dtype>`). Beside each
+phase, its decode-only steps alone (each timed in engine.step): where the bandwidth roof applies.
 
     python bench/engine_throughput.py [--json PATH] [--model DIR] [--threads N] [--dtypes float32] ...
 """
@@ -142,13 +143,17 @@ class StepRecorder:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.steps: list[list[tuple[int, int, bool]]] = []
+        self.seconds: list[float] = []           # each step's time in engine.step
 
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
     def step(self, batch: StepBatch):
         self.steps.append([(s.position, len(s.token_ids), s.sample) for s in batch.sequences])
-        return self.engine.step(batch)
+        started = time.perf_counter()
+        output = self.engine.step(batch)
+        self.seconds.append(time.perf_counter() - started)
+        return output
 
 
 # --- one dtype -----------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ class Phase:
     requests: list[Request]
     seconds: float
     steps: list[list[tuple[int, int, bool]]]     # StepRecorder's
+    step_seconds: list[float]                     # ... and their times
     outputs: list[list[int]]
     bandwidth_gb_s: float                         # the probe read just before this run
 
@@ -176,7 +182,7 @@ def run_phase(engine: Engine, label: str, requests: list[Request], batch: int,
         recorder = StepRecorder(engine)
         with progress(useful_tokens(requests), f"{label} ({run + 1}/{repeats})", unit="tok") as bar:
             seconds, outputs = run_engine(recorder, requests, batch, bar)
-        runs.append(Phase(requests, seconds, recorder.steps, outputs, bandwidth))
+        runs.append(Phase(requests, seconds, recorder.steps, recorder.seconds, outputs, bandwidth))
     if any(run.outputs != runs[0].outputs for run in runs):
         raise RuntimeError(f"{label}: the engine's greedy outputs differ between runs of the same requests")
     return runs
@@ -206,6 +212,7 @@ def roofline(config: ModelConfig, phases: dict[str, list[Phase]], dtype: torch.d
     for phase_name, runs in phases.items():
         points = [phase_roofline([step_work(config, entries, dtype) for entries in run.steps],
                                  run.seconds, peak.gflops, run.bandwidth_gb_s) for run in runs]
+        decodes = [decode_roofline(config, run, dtype, peak.gflops) for run in runs]
         # The median run (the lower middle of an even count): its figures are one real run's.
         middle = sorted(range(len(runs)), key=lambda i: points[i].of_roof)[(len(runs) - 1) // 2]
         phase, point, key = runs[middle], points[middle], f"{phase_name}_{name}"
@@ -216,9 +223,32 @@ def roofline(config: ModelConfig, phases: dict[str, list[Phase]], dtype: torch.d
         report[f"seconds_{key}"] = phase.seconds
         report[f"bandwidth_gb_s_{key}"] = phase.bandwidth_gb_s
         report.update({f"{field}_{key}": value for field, value in asdict(point).items()})
+        report[f"decode_of_roof_{key}"] = decodes[middle].of_roof
+        report[f"decode_tok_s_{key}"] = decode_tok_s(phase)
         report[f"runs_{key}"] = [{"tok_s": run.tok_s, "bandwidth_gb_s": run.bandwidth_gb_s, "of_roof": p.of_roof,
-                                  "of_peak": p.of_peak} for run, p in zip(runs, points)]
+                                  "of_peak": p.of_peak, "decode_of_roof": d.of_roof, "decode_tok_s": decode_tok_s(run)}
+                                 for run, p, d in zip(runs, points, decodes)]
     return chosen
+
+
+def decode_steps(run: Phase) -> list[tuple[list[tuple[int, int, bool]], float]]:
+    """The run's decode-only steps (every sequence computes one token) and their times."""
+    return [(entries, seconds) for entries, seconds in zip(run.steps, run.step_seconds)
+            if all(n == 1 for _, n, _ in entries)]
+
+
+def decode_roofline(config: ModelConfig, run: Phase, dtype: torch.dtype, peak_gflops: float):
+    """The run's decode-only steps on the roofline, timed in engine.step: the part of a phase
+    that reads the weights for a token or a few, where the bandwidth roof applies (a prefill step
+    is set against the matmul peak of 512-row steps, which a short prompt does not reach)."""
+    steps = decode_steps(run)
+    return phase_roofline([step_work(config, entries, dtype) for entries, _ in steps],
+                          sum(seconds for _, seconds in steps), peak_gflops, run.bandwidth_gb_s)
+
+
+def decode_tok_s(run: Phase) -> float:
+    steps = decode_steps(run)
+    return sum(len(entries) for entries, _ in steps) / sum(seconds for _, seconds in steps)
 
 
 def parse_args() -> argparse.Namespace:

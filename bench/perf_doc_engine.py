@@ -8,8 +8,10 @@ from bench.perf_doc_format import pct
 
 def engine_roofline(result: dict) -> list[list[str]]:
     runs = result["workload"].get("repeats", 1)
+    decode = any(key.startswith("decode_of_roof_") for key in result)
     rows = [["dtype", "phase", "tok/s", "GFLOPS", "of peak", "GB/s", "bound", "of its roof"]
-            + ([f"of its roof, {runs} runs", f"of peak, {runs} runs"] if runs > 1 else [])]
+            + ([f"of its roof, {runs} runs", f"of peak, {runs} runs"] if runs > 1 else [])
+            + (["decode steps alone: of their roof, each run"] if decode else [])]
     for dtype in result["dtypes"]:
         for phase, label in (("b1", "batch 1"), ("b32", f"batch {result['workload']['batch']}")):
             key = f"{phase}_{dtype}"
@@ -18,7 +20,8 @@ def engine_roofline(result: dict) -> list[list[str]]:
                          f"**{of_peak}**" if phase == "b32" else of_peak, f"{result[f'achieved_gb_s_{key}']:.1f}",
                          result[f"bound_{key}"], pct(result[f"of_roof_{key}"], 0)]
                         + ([_spread(result[f"runs_{key}"], "of_roof"), _spread(result[f"runs_{key}"], "of_peak")]
-                           if runs > 1 else []))
+                           if runs > 1 else [])
+                        + ([_spread(result[f"runs_{key}"], "decode_of_roof")] if decode else []))
     return rows
 
 
