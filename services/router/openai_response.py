@@ -123,6 +123,10 @@ class OpenAIResponse:
 
 
 def error_body(error: ServiceError, param: str | None) -> dict:
-    """OpenAI's error shape; `code` is our short reason (queue_full, kv_cap, draining, ...)."""
-    return {"error": {"message": error.message, "type": error.kind.status.http_type,
-                      "param": param, "code": error.reason}}
+    """OpenAI's error shape; `code` is our short reason (queue_full, kv_cap, draining, ...). A
+    message naming the field as the gRPC request spells it (sampling.max_tokens) names it as the
+    client sent it (max_completion_tokens), as `param` does."""
+    message = error.message
+    if error.field and error.field.startswith("sampling.") and param and param != error.field:
+        message = message.replace(error.field, param)
+    return {"error": {"message": message, "type": error.kind.status.http_type, "param": param, "code": error.reason}}

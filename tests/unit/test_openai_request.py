@@ -221,3 +221,17 @@ def test_an_assistant_turn_echoed_from_an_openai_response_is_taken():
         with pytest.raises(ServiceError) as caught:
             chat(messages=MESSAGES + [{**echoed, key: value}])
         assert caught.value.field == f"messages[1].{key}"
+
+
+def test_an_error_message_names_the_field_as_the_client_sent_it():
+    """HTTP answered 'sampling.max_tokens=10000 does not fit ...; lower sampling.max_tokens' with
+    param max_completion_tokens: the message spoke of a gRPC request the client never sent."""
+    from services.router.http_generation import http_param
+    request = chat(max_completion_tokens=10_000)
+    error = ServiceError(ErrorKind.INVALID, "sampling.max_tokens=10000 does not fit: ... lower sampling.max_tokens",
+                         field="sampling.max_tokens")
+    body = error_body(error, http_param(error.field, request))["error"]
+    assert body == {**body, "param": "max_completion_tokens",
+                    "message": "max_completion_tokens=10000 does not fit: ... lower max_completion_tokens"}
+    plain = ServiceError(ErrorKind.INVALID, "prompt is empty", field="prompt")     # not a sampling field: as is
+    assert error_body(plain, "messages")["error"]["message"] == "prompt is empty"
