@@ -223,10 +223,11 @@ def roofline(config: ModelConfig, phases: dict[str, list[Phase]], dtype: torch.d
         report[f"seconds_{key}"] = phase.seconds
         report[f"bandwidth_gb_s_{key}"] = phase.bandwidth_gb_s
         report.update({f"{field}_{key}": value for field, value in asdict(point).items()})
-        report[f"decode_of_roof_{key}"] = decodes[middle].of_roof
+        report[f"decode_of_roof_{key}"] = decodes[middle].of_roof if decodes[middle] else 0.0
         report[f"decode_tok_s_{key}"] = decode_tok_s(phase)
         report[f"runs_{key}"] = [{"tok_s": run.tok_s, "bandwidth_gb_s": run.bandwidth_gb_s, "of_roof": p.of_roof,
-                                  "of_peak": p.of_peak, "decode_of_roof": d.of_roof, "decode_tok_s": decode_tok_s(run)}
+                                  "of_peak": p.of_peak, "decode_of_roof": d.of_roof if d else 0.0,
+                                  "decode_tok_s": decode_tok_s(run)}
                                  for run, p, d in zip(runs, points, decodes)]
     return chosen
 
@@ -242,13 +243,15 @@ def decode_roofline(config: ModelConfig, run: Phase, dtype: torch.dtype, peak_gf
     that reads the weights for a token or a few, where the bandwidth roof applies (a prefill step
     is set against the matmul peak of 512-row steps, which a short prompt does not reach)."""
     steps = decode_steps(run)
+    if not steps:           # every request ended at its first token: no decode step to judge
+        return None
     return phase_roofline([step_work(config, entries, dtype) for entries, _ in steps],
                           sum(seconds for _, seconds in steps), peak_gflops, run.bandwidth_gb_s)
 
 
 def decode_tok_s(run: Phase) -> float:
     steps = decode_steps(run)
-    return sum(len(entries) for entries, _ in steps) / sum(seconds for _, seconds in steps)
+    return sum(len(entries) for entries, _ in steps) / sum(seconds for _, seconds in steps) if steps else 0.0
 
 
 def parse_args() -> argparse.Namespace:
