@@ -110,11 +110,12 @@ def check_queue(priority: int, waiting: int, max_queue: int, retry_after_ms: int
                 tenant_share: tuple[int, int] | None = None) -> None:
     """`tenant_share` (with tenant fairness): the caller's requests waiting in the class and the
     tenants waiting there counting it. A full queue then still takes a request from a tenant
-    holding less than max_queue / tenants of it, so the queue holds at most 2 x max_queue; the
-    refusal names the caller's own count only (the others' are theirs)."""
+    holding less than max_queue / tenants of it, up to 2 x max_queue in all (a hard bound: with
+    auth off a client may name a new tenant with every request); the refusal names the caller's
+    own count only (the others' are theirs)."""
     if waiting < max_queue:
         return
-    if tenant_share is None:
+    if tenant_share is None or waiting >= 2 * max_queue:
         raise ServiceError(
             ErrorKind.EXHAUSTED, f"the {priority_name(priority)} queue of pool {pool} is full "
             f"({max_queue} waiting); retry after {retry_after_ms} ms",

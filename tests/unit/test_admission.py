@@ -138,3 +138,23 @@ def test_with_tenant_fairness_a_full_queue_refuses_only_the_tenants_holding_thei
 def test_without_tenant_fairness_a_full_queue_is_full_for_everyone():
     error = refusal(admission(waiting=8, max_queue=8).check, MEDIUM, [1] * 10, sampling(), 0, LIMITS, None, "b")
     assert "medium queue of pool cpu is full (8 waiting)" in error.message
+
+
+def test_a_client_naming_a_new_tenant_each_time_still_meets_a_hard_bound():
+    """A tenant with nothing queued holds less than any share: a client that sent every request
+    under a new x-tenant (auth off) filled the queue without limit (1,960 of 2,000 queued with
+    max_queue 10)."""
+    policy = QoSPolicy(QoSSettings(tenant_fairness=True))
+    check = Admission("cpu", CAPS.__getitem__, policy.waiting, lambda *_: 0.0, max_queue=10,
+                      retry_after_ms=750, tenant_waiting=policy.tenant_waiting).check
+    taken = 0
+    for i in range(200):
+        try:
+            check(MEDIUM, [1] * 10, sampling(max_tokens=5), 0, LIMITS, None, f"t{i}")
+        except ServiceError as error:
+            assert error.reason == "queue_full" and "is full (10 waiting)" in error.message
+            continue
+        policy.add(Request(request_id=f"r{i}", seq_id=i + 1, priority=MEDIUM, tenant=f"t{i}", prompt_ids=[1] * 10,
+                           sampling=SamplingParams(max_tokens=5), detokenizer=None))
+        taken += 1
+    assert taken == policy.waiting(MEDIUM) == 20
