@@ -44,6 +44,8 @@ def error_response(error: ServiceError, request: OpenAIRequest | None = None,
                         "retry-after-ms": str(error.retry_after_ms)})
     if request_id:
         headers["x-request-id"] = request_id
+    if error.kind is ErrorKind.REQUEST_TIMEOUT:      # the rest of a stalled body must not be read as a request
+        headers["connection"] = "close"
     return JSONResponse(error_body(error, http_param(error.field, request)),
                         status_code=error.kind.status.http, headers=headers)
 

@@ -1,7 +1,8 @@
 """Clients that stop sending are let go (services/router/http_timeouts.py): a connection that
 sends nothing, one that stops inside its headers and one that stops inside its body were held for
 ever; now each is closed after [router] http_read_timeout_s (the last two with a 408 saying why),
-while a client sending at its own pace meanwhile is served. A real cluster, HTTP front."""
+and so is one sending stray bytes after a response; a client sending at its own pace meanwhile is
+served. A real cluster, HTTP front."""
 from __future__ import annotations
 
 import json
@@ -66,6 +67,27 @@ def test_a_body_that_stops_midway_gets_408_naming_it(cluster):
     assert reply.startswith(b"HTTP/1.1 408 ") and waited < TIMEOUT_S + 10
     error = body_of(reply)["error"]
     assert error["param"] == "body" and "http_read_timeout_s" in error["message"]
+
+
+def test_a_body_that_stops_midway_gets_408_and_the_connection_is_closed(cluster):
+    """Its 408 kept the connection alive: the rest of the body, arriving later, was then held."""
+    with connect(cluster) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        reply, waited = read_until_closed(sock)
+    assert b"\r\nconnection: close\r\n" in reply.lower() and waited < TIMEOUT_S + 10
+
+
+def test_bytes_after_a_response_do_not_hold_the_connection(cluster):
+    """uvicorn's keep-alive timer is cancelled by any byte: a bare CRLF after a response, or a
+    pipelined request's first half, left the connection with no timer at all."""
+    for tail in (b"\r\n", b"GET /health HTTP/1.1\r\nHo"):
+        with connect(cluster) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            first = sock.recv(65536)            # the response: uvicorn's keep-alive timer is armed
+            sock.sendall(tail)                  # ... and cancelled by these bytes
+            reply, waited = read_until_closed(sock)
+        assert first.startswith(b"HTTP/1.1 200 ") and waited < TIMEOUT_S + 10, tail
 
 
 def test_a_slow_but_steady_client_is_served(cluster):
