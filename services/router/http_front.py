@@ -122,7 +122,7 @@ class HttpFront:
     async def _generation(self, http: Request, kind: str) -> Response:
         request = None
         try:
-            headers = request_headers(http.headers.items())
+            headers = request_headers(http.headers.items(), self.book.required)
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
             request = parse_openai(kind, await self._body(http))
             label = class_header(request, headers.get(PRIORITY_HEADER))
@@ -150,7 +150,7 @@ class HttpFront:
                                   extract_metadata(http.headers.items()))
 
     def _caller(self, http: Request):
-        headers = request_headers(http.headers.items())
+        headers = request_headers(http.headers.items(), self.book.required)
         return self.book.authenticate(headers.get("authorization"), headers.get(TENANT_HEADER, ""))
 
     async def usage(self, http: Request) -> Response:

@@ -110,7 +110,7 @@ class RouterService:
     async def Generate(self, raw: router_pb2.GenerateRequestBytes, context: grpc.aio.ServicerContext):
         metadata = context.invocation_metadata() or ()
         try:
-            headers = request_headers(metadata)
+            headers = request_headers(metadata, self.book.required)
             caller = self.identify(headers)
             head = self.let_in(headers, caller)
         except ServiceError as refused:
@@ -124,7 +124,7 @@ class RouterService:
                 yield chunk
 
     def _caller(self, context) -> Caller:
-        metadata = request_headers(context.invocation_metadata() or ())
+        metadata = request_headers(context.invocation_metadata() or (), self.book.required)
         return self.book.authenticate(metadata.get("authorization"), metadata.get(TENANT_HEADER, ""))
 
     async def Stats(self, request, context) -> router_pb2.RouterStats:

@@ -1,7 +1,7 @@
 """Checks on a Generate request that need no tokenizer, each failing with a ServiceError of kind
 INVALID whose message and `field` name what is wrong. Pure Python.
 
-    request_headers(pairs)          the headers below and authorization, each at most once
+    request_headers(pairs, auth)    the headers below and authorization, each at most once
     parse_head(metadata)            x-priority, x-tenant, x-slo-ms, x-lora, x-stream-interval,
                                     x-context-mode -> RequestHead
     decode_request(raw, context)    the body, parsed with its bytes twin -> GenerateRequest
@@ -52,17 +52,27 @@ REQUEST_HEADERS = frozenset((PRIORITY_HEADER, TENANT_HEADER, SLO_HEADER, LORA_HE
                              CONTEXT_MODE_HEADER, "authorization"))
 
 
-def request_headers(pairs: Iterable[tuple[str, str]]) -> dict[str, str]:
+def request_headers(pairs: Iterable[tuple[str, str]], auth_required: bool = True) -> dict[str, str]:
     """Our headers among a request's (name, value) pairs, by lower-cased name. One sent twice
-    with different values is INVALID naming it: HTTP took the first and gRPC the last, so
-    `x-priority: high` and `x-priority: low` were served as one of them without a word."""
+    with values that differ (beyond case and surrounding spaces) is INVALID naming it: HTTP took
+    the first and gRPC the last, so `x-priority: high` and `x-priority: low` were served as one of
+    them without a word. With auth off the key names nobody: a second authorization (a proxy's)
+    is left alone, the first kept."""
     found: dict[str, str] = {}
     for name, value in pairs:
         name = name.lower()
-        if name in REQUEST_HEADERS:
-            if found.setdefault(name, value) != value:
-                raise invalid(f"{name} is sent twice with different values: send it once", field=name)
+        if name not in REQUEST_HEADERS:
+            continue
+        kept = found.setdefault(name, value)
+        if kept is not value and _differ(name, kept, value) and (auth_required or name != "authorization"):
+            raise invalid(f"{name} is sent twice with different values: send it once", field=name)
     return found
+
+
+def _differ(name: str, first: str, second: str) -> bool:
+    if name == "authorization":         # a key is compared exactly
+        return first != second
+    return first.strip().lower() != second.strip().lower()
 
 
 def parse_head(metadata: Mapping[str, str]) -> RequestHead:

@@ -38,3 +38,15 @@ def test_a_header_sent_twice_must_say_one_thing():
             assert (error.kind, error.field) == (ErrorKind.INVALID, name) and "sent twice" in error.message
         else:
             raise AssertionError(f"{name} twice, differently, was taken")
+
+
+def test_the_same_value_in_another_case_is_no_conflict_and_auth_off_ignores_a_second_key():
+    assert request_headers([("x-priority", "High"), ("X-Priority", " high ")]) == {"x-priority": "High"}
+    proxied = [("authorization", "Bearer EMPTY"), ("Authorization", "Basic cHJveHk6c2VjcmV0")]
+    assert request_headers(proxied, auth_required=False) == {"authorization": "Bearer EMPTY"}
+    try:
+        request_headers(proxied, auth_required=True)
+    except ServiceError as error:
+        assert error.field == "authorization"
+    else:
+        raise AssertionError("two keys with auth on were taken")
