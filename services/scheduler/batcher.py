@@ -349,7 +349,9 @@ class ContinuousBatcher(WorkerChanges):
         request.finished_at = request.finished_at or time.perf_counter()
         if request.phase is Phase.RUNNING:
             self.planner.release(self.workers[request.worker], request)
-        elif request.phase is Phase.WAITING and not request.cancelled:
+        elif request.phase is Phase.WAITING:
+            # Cancelled or not: _reap_cancelled skips a request already FINISHED, so one cancelled
+            # and then failed here (an adapter unloaded under it) stayed queued and counted for good.
             self.policy.remove(request)
         request.phase = Phase.FINISHED
         if failure is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import LOW
 from services.scheduler.request import Phase, Request
 from tests.unit.test_qos_scheduling import Harness
@@ -74,3 +75,17 @@ def test_decodes_count_against_their_tenant_like_prompts():
         h.step()
     h.step()                                        # the freed slot is taken
     assert b_next.output_ids and not a_next.output_ids
+
+
+def test_a_cancelled_waiting_request_failed_before_the_next_step_leaves_the_queue():
+    """Cancelled, then ended by fail_waiting (an adapter unloaded under it) before the step that
+    reaps cancellations: _finish skipped a cancelled request's removal and the reaping skipped a
+    finished one, so it stayed queued, and its tenant counted as waiting, for good."""
+    h = Harness(max_running=1, max_step_tokens=64, tenant_fairness=True)
+    h.submit(LOW, prompt_len=20, max_tokens=50, tenant="a")
+    h.step()                                           # a's first runs; the next waits
+    waiting = h.submit(LOW, prompt_len=20, max_tokens=5, tenant="b")
+    h.batcher.cancel(waiting)
+    assert h.batcher.fail_waiting(lambda r: r is waiting, ServiceError(ErrorKind.UNSUPPORTED, "gone")) == 1
+    h.step()
+    assert h.policy.waiting(LOW) == 0 and not len(h.policy) and h.policy.tenant_waiting(LOW, "b") == (0, 1)
