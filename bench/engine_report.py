@@ -94,6 +94,9 @@ def judge_targets(report: dict, names: list[str]) -> list[str]:
                      f"{'PASS' if share >= PEAK_SHARE_TARGET else 'FAIL'}")
     for name in names:
         roof, peak = report[f"decode_of_roof_b1_{name}"], report[f"of_peak_b32_{name}"]
+        if not report[f"decode_tok_s_b1_{name}"]:
+            lines.append(f"{name} at the hardware's limit: b1 ran no decode-only step (outputs of one token): n/a")
+            continue
         report[f"target_limit_{name}_pass"] = roof >= ROOF_SHARE_B1_LIMIT and peak >= PEAK_SHARE_B32_LIMIT
         lines.append(f"{name} at the hardware's limit: b1 decode steps {roof:.0%} of the bandwidth roof "
                      f"(>= {ROOF_SHARE_B1_LIMIT:.0%}; the phase with its prefills {report[f'of_roof_b1_{name}']:.0%}), "
