@@ -52,7 +52,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_throughput import load_engine, make_workload  # noqa: E402
+from bench.engine_workload import load_engine, make_workload  # noqa: E402
 from bench.engine_vs_llamacpp import engine_commit, ours_batched  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
 from bench.paired_commits import worktree  # noqa: E402

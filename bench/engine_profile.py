@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench.engine_throughput import (BATCH, OUTPUT_RANGE, PROMPT_RANGE, load_engine, make_workload,  # noqa: E402
-                                     run_engine, warmup_workload)
+from bench.engine_workload import (BATCH, OUTPUT_RANGE, PROMPT_RANGE, load_engine, make_workload,  # noqa: E402
+                                   run_engine, warmup_workload)
 from bench.harness import make_parser, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402

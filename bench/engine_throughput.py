@@ -37,10 +37,7 @@ phase, its decode-only steps alone (each timed in engine.step): where the bandwi
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,7 +46,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.engine_report import (compare_greedy, greedy_agreement, judge_targets, print_hf_table,  # noqa: E402
@@ -57,103 +53,19 @@ from bench.engine_report import (compare_greedy, greedy_agreement, judge_targets
 from bench.harness import cpu_name, make_parser, progress, write_json  # noqa: E402
 from bench.hf_baseline import hf_generate, run_hf  # noqa: E402
 from bench.roofline import matmul_peak, memory_bandwidth, phase_roofline, step_work  # noqa: E402
+# The workload and the engine's runs, from here too: engine_paired.py runs older checkouts'
+# `from bench.engine_throughput import load_engine, make_workload`.
+from bench.engine_workload import (BATCH, ENGINE_MAX_STEP_TOKENS, OUTPUT_RANGE, PROMPT_RANGE,  # noqa: E402,F401
+                                   Request, StepRecorder, load_engine, make_workload, run_engine,
+                                   useful_tokens, warmup_workload)
 from services.common.config import DECODE_ATTENTION  # noqa: E402
-from services.common.step import SamplingParams, StepBatch  # noqa: E402
-from services.engine.batch_runner import BatchRunner, GenerationRequest  # noqa: E402
 from services.engine.config import ModelConfig, load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
 from services.engine.device import DTYPES, DeviceBackend, cpu_has_native_bf16, open_backend, set_cpu_threads  # noqa: E402
-from services.engine.engine import Engine, EngineConfig  # noqa: E402
-from services.engine.kv_cache import DEFAULT_BLOCK_SIZE, bytes_per_block  # noqa: E402
+from services.engine.engine import Engine  # noqa: E402
 
-BATCH = 32                    # concurrency of the b32 phase, both sides
-# Engine token budget per step (decodes + prefill chunks). Measured on the default b32 workload
-# (2 EPYC cores, engine alone): 128 was ~17% slower; 256, 512, 1024, 2048 and 4096 were all
-# within run-to-run noise (46-48 s). 512 fits a whole default-max prompt next to 32 decodes.
-ENGINE_MAX_STEP_TOKENS = 512
-FIRST_PLAIN_TOKEN_ID = 100    # SmolLM2-style vocabularies keep special tokens (BOS, EOS...) below
-PROMPT_RANGE = (16, 256)      # default prompt and output lengths, tokens (--min/--max-prompt, -output)
-OUTPUT_RANGE = (16, 128)
 EMULATED_BF16_REQUESTS = (1, 32)   # default b1 and b32 requests where bf16 is emulated (one full batch)
 SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    prompt: list[int]
-    output_len: int           # exactly this many tokens are generated
-
-
-def make_workload(count: int, seed: int, vocab: int, prompt_range: tuple[int, int],
-                  output_range: tuple[int, int]) -> list[Request]:
-    """Random-token prompts: the work per token does not depend on the text, and no tokenizer runs."""
-    rng = random.Random(seed)
-    requests = []
-    for _ in range(count):
-        prompt = [rng.randrange(FIRST_PLAIN_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range))]
-        requests.append(Request(prompt, rng.randint(*output_range)))
-    return requests
-
-
-def warmup_workload(seed: int, vocab: int) -> list[Request]:
-    """Two tiny requests run before the timed phases (allocator, kernel selection, lazy imports)."""
-    return make_workload(2, seed + 1, vocab, (8, 32), (4, 4))
-
-
-def useful_tokens(requests: list[Request]) -> int:
-    return sum(r.output_len for r in requests)
-
-
-# --- our engine --------------------------------------------------------------------------------
-
-def load_engine(model_dir: str, threads: int, max_prompt: int, max_output: int, device: str,
-                dtype: str, decode_attention: str = "auto") -> Engine:
-    # Size the KV cache for exactly BATCH worst-case requests rather than a fraction of free
-    # memory: BatchRunner admits a request only once its whole KV need is reserved, so too small a
-    # cache would silently run fewer than 32 at a time and too large a one only costs RAM.
-    per_request = math.ceil((max_prompt + max_output) / DEFAULT_BLOCK_SIZE)
-    kv_bytes = BATCH * per_request * bytes_per_block(load_model_config(model_dir), DEFAULT_BLOCK_SIZE,
-                                                     DTYPES[dtype])
-    return Engine(EngineConfig(model_dir=model_dir, device=device, dtype=dtype,
-                               block_size=DEFAULT_BLOCK_SIZE, kv_cache_bytes=kv_bytes,
-                               num_threads=threads, decode_attention=decode_attention))
-
-
-def run_engine(engine: Engine, requests: list[Request], max_running: int,
-               bar: tqdm | None = None) -> tuple[float, list[list[int]]]:
-    """Wall seconds and output tokens of one BatchRunner.run over all `requests`."""
-    runner = BatchRunner(engine, max_running=max_running, max_step_tokens=ENGINE_MAX_STEP_TOKENS)
-    batch = [GenerationRequest(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.output_len,
-                                                        ignore_eos=True)) for r in requests]
-    on_token = (lambda _index, _token: bar.update()) if bar is not None else None
-    started = time.perf_counter()
-    results = runner.run(batch, on_token=on_token)
-    elapsed = time.perf_counter() - started
-    outputs = [result.token_ids for result in results]
-    for i, (request, output) in enumerate(zip(requests, outputs)):
-        if len(output) != request.output_len:   # the comparison would be meaningless
-            raise RuntimeError(f"engine gave request {i} {len(output)} tokens, not {request.output_len}")
-    return elapsed, outputs
-
-
-class StepRecorder:
-    """The engine as BatchRunner uses it, noting each step's (position, tokens, samples) per
-    sequence: the roofline's work (bench/roofline.py)."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.steps: list[list[tuple[int, int, bool]]] = []
-        self.seconds: list[float] = []           # each step's time in engine.step
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    def step(self, batch: StepBatch):
-        self.steps.append([(s.position, len(s.token_ids), s.sample) for s in batch.sequences])
-        started = time.perf_counter()
-        output = self.engine.step(batch)
-        self.seconds.append(time.perf_counter() - started)
-        return output
 
 
 # --- one dtype -----------------------------------------------------------------------------------

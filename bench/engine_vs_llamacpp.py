@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.engine_throughput import Request, load_engine, make_workload  # noqa: E402
+from bench.engine_workload import Request, load_engine, make_workload  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
 from bench.roofline import matmul_peak, memory_bandwidth, step_work  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_paired import mean_interval  # noqa: E402
-from bench.engine_throughput import load_engine, make_workload  # noqa: E402
+from bench.engine_workload import load_engine, make_workload  # noqa: E402
 from bench.engine_vs_llamacpp import TimedSteps  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
 from services.common.step import SamplingParams  # noqa: E402

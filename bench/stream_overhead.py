@@ -39,7 +39,7 @@ def prompt(i: int) -> str:
 def engine_alone(model: str, streams: int, tokens: int) -> float:
     """Tokens per second of bench/engine_throughput.py's BatchRunner run (greedy, exactly `tokens`
     each, the same step budget as the scheduler's default) over the same prompts, one thread."""
-    from bench.engine_throughput import Request, run_engine
+    from bench.engine_workload import Request, run_engine
     from services.engine.engine import Engine, EngineConfig
     tokenizer = TextTokenizer.from_model_dir(model)
     engine = Engine(EngineConfig(model_dir=model, num_threads=1, kv_cache_bytes=512 * 2**20))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import engine_vs_llamacpp as side_by_side
-from bench.engine_throughput import Request
+from bench.engine_workload import Request
 from tests.tiny_models import make_engine
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.engine_report import greedy_agreement
-from bench.engine_throughput import Request, StepRecorder, run_engine
+from bench.engine_workload import Request, StepRecorder, run_engine
 from bench.roofline import StepWork, head_parameters, layer_parameters, phase_roofline, step_work
 from services.engine.config import load_model_config
 from tests.tiny_models import make_engine
