@@ -17,16 +17,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import services.common.grpc_server as grpc_server  # noqa: E402
 from bench.engine_paired import mean_interval  # noqa: E402
 from bench.harness import make_parser, model_or_bench, write_json  # noqa: E402
+from services.common.config import RouterConfig, SchedulerConfig, WorkerConfig, single_pool  # noqa: E402
 from services.local.cluster import LocalCluster  # noqa: E402
-from tests.e2e.conftest import cluster_config  # noqa: E402
 
 FAST = list(grpc_server.POLL_OPTIONS)
+
+
+def cluster_config(model: str):
+    """One pool, one CPU worker of 1 thread and a 256 MiB KV cache, free ports: as the e2e tests
+    start their clusters."""
+    return single_pool(router=RouterConfig(port=0, http_port=0), scheduler=SchedulerConfig(port=0),
+                       workers=[WorkerConfig(port=0, threads=1, kv_cache_mb=256)], model=model)
 
 
 def start_seconds(model: str, fast: bool) -> float:
     grpc_server.POLL_OPTIONS = FAST if fast else []      # read by wait_healthy at each call
     started = time.perf_counter()
-    with LocalCluster(cluster_config(model=model), quiet=True):
+    with LocalCluster(cluster_config(model), quiet=True):
         return time.perf_counter() - started
 
 
