@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 REFRESH_S = 5.0
 STALE_S = 60.0              # without the store this long, limited and budgeted tenants are refused
 ANONYMOUS = "anonymous"
-ADMIN = ADMIN_TENANT
 ADMIN_KEY_ENV = "QOS_ADMIN_KEY"
 
 
@@ -195,12 +194,12 @@ class TenantBook:
                 raise
             key = None
         if key is not None and self.admin_key and hmac.compare_digest(key.encode(), self.admin_key.encode()):
-            return Caller(Tenant(ADMIN), admin=True)
+            return Caller(Tenant(ADMIN_TENANT), admin=True)
         found = self.keys.get(hash_key(key)) if key is not None else None
         if found is not None:
             name, prefix = found
-            if name == ADMIN:      # a store from before the name was reserved
-                raise ServiceError(ErrorKind.PERMISSION_DENIED, f"keys of a tenant named {ADMIN!r} are refused: "
+            if name == ADMIN_TENANT:      # a store from before the name was reserved
+                raise ServiceError(ErrorKind.PERMISSION_DENIED, f"keys of a tenant named {ADMIN_TENANT!r} are refused: "
                                    "the name is the admin key's; give the tenant another name and new keys",
                                    field="authorization", reason="reserved_tenant")
             return Caller(self.tenants.get(name, Tenant(name)), prefix)
