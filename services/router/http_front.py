@@ -214,7 +214,7 @@ class HttpFront:
         try:
             caller = self._caller(http)
             if not caller.admin and not self.book.required:
-                self._admin(http, "the console's cluster view")
+                self._admin(http, "the console's cluster view", caller)
         except ServiceError as error:
             return error_response(error)
         view, tenant = ("admin", None) if caller.admin else (f"tenant {caller.name}", caller.name)
@@ -288,9 +288,10 @@ class HttpFront:
         tenant's requests, and a tenant that subtracted its own would read another's. With auth
         off (tenants are labels) anyone, less the series labelled with a tenant (SLA objectives)."""
         try:
-            admin = self._caller(http).admin
+            caller = self._caller(http)
+            admin = caller.admin
             if self.book.required and not admin:
-                self._admin(http, "with auth on, the router's metrics (they count every tenant's requests)")
+                self._admin(http, "with auth on, the router's metrics (they count every tenant's requests)", caller)
         except ServiceError as error:
             if self.book.required:
                 return error_response(error)
@@ -298,9 +299,10 @@ class HttpFront:
         return Response(generate_latest(self.registry if admin else WithoutTenants(self.registry)),
                         media_type=CONTENT_TYPE_LATEST)
 
-    def _admin(self, http: Request, what: str) -> None:
-        """Refuses `what` to anyone without the admin key, auth on or off (PERMISSION_DENIED)."""
-        if self._caller(http).admin:
+    def _admin(self, http: Request, what: str, caller=None) -> None:
+        """Refuses `what` to anyone without the admin key, auth on or off (PERMISSION_DENIED);
+        `caller`: the request's, where the endpoint has authenticated it already."""
+        if (caller or self._caller(http)).admin:
             return
         hint = "" if self.book.admin_key else "; none is configured: set [auth] admin_key or $QOS_ADMIN_KEY"
         raise ServiceError(ErrorKind.PERMISSION_DENIED, f"{what} needs the admin key{hint}",
