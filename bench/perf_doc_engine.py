@@ -119,6 +119,11 @@ PAIRED_RUNS = (
     ("engine_paired_commit_registers_width_avx2_f32_b8.json", "", ""),
     ("engine_paired_commit_tile_avx2_f32_b8_p1536.json", "the same host: a tile of 16 keys in two vectors (off: "
      "8 keys, one vector, at b38f0fc); decode tok/s, 1,536-token prompts", "kept"),
+    ("engine_paired_commit_linear_ahead_bf16_b32.json", "the linear kernel asks for the next tile's weights while "
+     "it computes a tile's rows, where they take more than one pass (off: at b0c6020); decode tok/s, 128-token "
+     "prompts", "kept (bf16)"),
+    ("engine_paired_commit_linear_ahead_bf16_b1.json", "", "(one pass: as before)"),
+    ("engine_paired_commit_linear_ahead_f32_b32.json", "", "not kept (f32)"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
