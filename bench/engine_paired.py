@@ -21,6 +21,8 @@ bench/results/engine_paired_bf16_norm_b1.json):
                  first at 62beec6, bench/results/engine_paired_bf16_kernel*.json)
   fused-layer    decode-only steps' layers in one C call each (services/engine/decode_layer.py;
                  off: torch's operations around the same kernels), in the dtype given (default bf16)
+  fused-prompts  steps with prompt chunks in the same C layer (off: the layer for decode-only
+                 steps, torch's operations for the others); prompt tokens/s
   (batch-invariant, decodes attended by the prompt kernel rather than a decode kernel of their
                  own, was a change here until one kernel took both: its pairs are in
                  bench/results/engine_paired_batch_invariant*.json)
@@ -113,6 +115,13 @@ def fused_layer(base: Engine) -> tuple[Engine, Engine]:
         return base, with_config(base)
 
 
+def fused_prompts(base: Engine) -> tuple[Engine, Engine]:
+    off = with_config(base)
+    applies = off.model.fused_layers.applies
+    off.model.fused_layers.applies = lambda layout, *rest: layout.prompts is None and applies(layout, *rest)
+    return base, off
+
+
 def prompt_kernel(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, prompt_attention="torch")
 
@@ -169,10 +178,11 @@ class CheckoutSide:
         self.process.wait()
 
 
-CHANGES = {"fused-layer": ("bfloat16", fused_layer), "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
+CHANGES = {"fused-layer": ("bfloat16", fused_layer), "fused-prompts": ("bfloat16", fused_prompts),
+           "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
            "bf16-kernel": ("bfloat16", bf16_kernel),
            "prompt-kernel": ("bfloat16", prompt_kernel), "commit": ("bfloat16", None)}
-PROMPT_CHANGES = {"prompt-kernel"}      # measured on prompt tokens/s; the rest on decode tokens/s
+PROMPT_CHANGES = {"prompt-kernel", "fused-prompts"}      # measured on prompt tokens/s; the rest on decode tokens/s
 # --as-host: the CPU flags the engine then reads, and torch's own limits to the same instruction set
 HOSTS = {
     "avx2": ({"sse2", "sse4_2", "avx", "avx2", "fma", "f16c"},

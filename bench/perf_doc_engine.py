@@ -124,6 +124,15 @@ PAIRED_RUNS = (
      "prompts", "kept (bf16)"),
     ("engine_paired_commit_linear_ahead_bf16_b1.json", "", "(one pass: as before)"),
     ("engine_paired_commit_linear_ahead_f32_b32.json", "", "not kept (f32)"),
+    ("engine_paired_fused_prompts_bf16_b32.json", "steps with prompt chunks in the fused layer too (off: the "
+     "layer for decode-only steps, torch's operations around the same kernels for the others); prompt tok/s, "
+     "128-token prompts", "kept"),
+    ("engine_paired_fused_prompts_bf16_b8.json", "", ""),
+    ("engine_paired_fused_prompts_f32_b32.json", "", ""),
+    ("engine_paired_commit_c_layer_bf16_b32_prefill.json", "that, with the layer's bf16 SiLU and rotation "
+     "vectorised (off: at dbffdb8); prompt tok/s", "kept"),
+    ("engine_paired_commit_c_layer_bf16_b32.json", "the same; decode tok/s", "(level)"),
+    ("engine_paired_commit_c_layer_bf16_b1.json", "", "(level)"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}

@@ -226,7 +226,8 @@ class LlamaDecoder:
         sink_rotations = [None if g.sink_positions is None else self.rotary.lookup(g.sink_positions)
                           for g in layout.cached]
         x = self.embed[token_ids]
-        if self.fused_layers is not None and self.fused_layers.applies(layout, lora, num_tokens):
+        one_call = layout.prompts is None or self._prompt_piece(layout, pause) >= layout.prompts.num_seqs
+        if self.fused_layers is not None and self.fused_layers.applies(layout, lora, num_tokens, one_call):
             x = self.fused_layers.run(x, cos, sin, layout, cache, (index for index, _ in self._layers(pause)))
             return self._norm(x, self.final_norm)
         for index, layer in self._layers(pause):
@@ -289,6 +290,14 @@ class LlamaDecoder:
                      rows.context_lens[first:end], cache.block_size, c.head_dim ** -0.5)
         return out.view(n, c.num_heads * c.head_dim)
 
+    @staticmethod
+    def _prompt_piece(layout: AttentionLayout, pause: Callable[[], None] | None) -> int:
+        """Prompt rows the kernel attends in one call: all of them without pauses, else as many as
+        keep a call near ATTENTION_PIECE_SCORES scores (a pause after each)."""
+        if pause is None:
+            return layout.prompts.num_seqs
+        return max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
+
     def _attention(self, q, k, v, layout: AttentionLayout, cache: PagedKVCache, layer: int,
                    buffers: list[tuple[torch.Tensor, torch.Tensor]], pause: Callable[[], None] | None = None,
                    raw_q: torch.Tensor | None = None, sink_rotations: list | None = None) -> torch.Tensor:
@@ -302,7 +311,7 @@ class LlamaDecoder:
         if layout.prompts is not None:
             # A prompt's tokens as rows of the kernel; with pauses, in pieces.
             start, prompts = layout.decodes.num_seqs if layout.decodes else 0, layout.prompts
-            piece = prompts.num_seqs if pause is None else max(1, ATTENTION_PIECE_SCORES // (layout.max_position + 1))
+            piece = self._prompt_piece(layout, pause)
             for first in range(0, prompts.num_seqs, piece):
                 outputs.append(self._kernel_rows(self.prompt_kernel, q, start, prompts, cache, layer, first,
                                                  first + piece))
