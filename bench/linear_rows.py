@@ -4,15 +4,15 @@ commit's, by the number of rows it multiplies: a kernel change measured where it
 engine's paired run (bench/engine_paired.py commit) says what it does to a step.
 
 Both kernels are built with the flags the engine uses and multiply the same weights: every layer
-of the model's linear layers (the default model's shapes, random values), each in its own packed
-buffer, so that a pass over all layers reads them from memory as a decode step does (their bytes
-are many times the caches). Per row count, --rounds rounds alternate which kernel runs first, each
+of the model's linear layers (--model's shapes, by default the default model's; random values),
+each in its own packed buffer, so that a pass over all layers reads them from memory as a decode
+step does (for SmolLM2-135M their bytes are many times the caches). Per row count, --rounds rounds alternate which kernel runs first, each
 timing one pass over all layers; the figure is the mean of the rounds' ratios (other / this, so
 above 1 is this checkout faster) with a 95% t interval. The two kernels' outputs are checked to be
 equal bit for bit at every row count first (the change must not move a result).
 
     python bench/linear_rows.py --against HEAD [--dtype bfloat16] [--rows 1,8,16,21,32,64,257]
-                                [--rounds 8] [--threads 2] [--json PATH]
+                                [--rounds 8] [--threads 2] [--model DIR] [--json PATH]
 """
 from __future__ import annotations
 
@@ -63,17 +63,18 @@ def one_pass(kernel: LinearKernel, layers: list[list[torch.Tensor]], shapes, inp
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = make_parser(__doc__)
     parser.add_argument("--against", default="HEAD", help="the other commit's kernel (default HEAD)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", default="1,8,16,21,32,64,257")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--model", default=None, help="the model whose shapes to take (default: the default model)")
+    args = parser.parse_args(argv)
     set_cpu_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    config = load_model_config(default_model_dir())
+    config = load_model_config(args.model or default_model_dir())
     shapes = layer_shapes(config)
     with tempfile.TemporaryDirectory() as workdir:
         kernels = {"this": LinearKernel(build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True))),
@@ -109,9 +110,10 @@ def main() -> None:
         results.append({"rows": rows, "this_ms": this_ms, "other_ms": other_ms, "ratio": mean,
                         "interval": [low, high], "rounds": args.rounds,
                         "this_gflops": flops / this_ms / 1e6})
-    write_json(args.json, {"machine": machine(), "against": args.against, "dtype": args.dtype,
-                           "threads": args.threads, "layers": config.num_layers, "weight_mb": weight_mb,
-                           "results": results})
+    result = {"machine": machine(), "against": args.against, "dtype": args.dtype, "threads": args.threads,
+              "layers": config.num_layers, "weight_mb": weight_mb, "results": results}
+    write_json(args.json, result)
+    return result
 
 
 if __name__ == "__main__":
