@@ -14,8 +14,9 @@ every projection runs on the linear kernel (fp32, or bf16 with avx512_bf16): oth
 (streaming windows, SDPA, adapters) keep the torch path. Steps with prompt chunks gained 1.06x
 (bf16) and 1.05x (fp32) prompt tok/s at batch 32 (bench/engine_paired.py's `fused-prompts`). The
 attention kernel treats every row alike: a prompt token is one row with its own context length,
-so a row's result does not depend on its step's other rows.
-Its results follow the torch path's rounding (the C file says where its last bits may differ).
+so a row's result does not depend on its step's other rows. Its results follow the torch path's
+rounding (the C file says where its last bits may differ). (The names still say "decode": the
+layer ran decode-only steps first.)
 
     layers = fused_decode_layers(decoder)           # None where it does not apply
     if layers is not None and layers.applies(layout, lora, num_tokens, prompts_in_one_call):
