@@ -5,8 +5,9 @@ Checks out each commit into a git worktree of its own (under --workdir), then ru
 bench/qos_burst.py (FCFS and QoS, the same requests) from each in turn, alternating which goes
 first, for --pairs pairs, and reports per figure the median paired ratio new / old with a
 bootstrap 95% interval (pairs resampled): High's P99 TTFT over its idle P50 (QoS), Low's tok/s
-under QoS and under FCFS, Low's KV peak under QoS, and High's P99 under FCFS (the baseline, which
-neither commit's QoS mechanisms touch: how much the host alone moves a figure).
+under QoS and under FCFS, Low's KV peak under QoS, High's P99 under FCFS (the baseline, which
+neither commit's QoS mechanisms touch: how much the host alone moves a figure) and High's idle
+P50 TTFT (requests one at a time before the burst: an engine change shows there first).
 
     python bench/paired_commits.py OLD NEW [--pairs 4] [--json PATH] -- [qos_burst.py options]
 
@@ -36,6 +37,7 @@ FIGURES = {
     "qos_low_kv_peak_frac": ("qos", "low_kv_peak_frac"),
     "fcfs_high_p99_ttft_ms": ("fcfs", "high_p99_ttft_ms"),
     "fcfs_low_tok_s": ("fcfs", "low_tok_s"),
+    "qos_high_idle_p50_ttft_ms": ("qos", "idle_high_p50_ttft_ms"),    # an engine change shows here first
 }
 
 
