@@ -179,8 +179,8 @@ class CheckoutSide:
 
 
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "fused-prompts": ("bfloat16", fused_prompts),
-           "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack), "linear-kernel": ("bfloat16", linear_kernel),
-           "bf16-kernel": ("bfloat16", bf16_kernel),
+           "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack),
+           "linear-kernel": ("bfloat16", linear_kernel), "bf16-kernel": ("bfloat16", bf16_kernel),
            "prompt-kernel": ("bfloat16", prompt_kernel), "commit": ("bfloat16", None)}
 PROMPT_CHANGES = {"prompt-kernel", "fused-prompts"}      # measured on prompt tokens/s; the rest on decode tokens/s
 # --as-host: the CPU flags the engine then reads, and torch's own limits to the same instruction set

@@ -6,10 +6,11 @@ engine's paired run (bench/engine_paired.py commit) says what it does to a step.
 Both kernels are built with the flags the engine uses and multiply the same weights: every layer
 of the model's linear layers (--model's shapes, by default the default model's; random values),
 each in its own packed buffer, so that a pass over all layers reads them from memory as a decode
-step does (for SmolLM2-135M their bytes are many times the caches). Per row count, --rounds rounds alternate which kernel runs first, each
-timing one pass over all layers; the figure is the mean of the rounds' ratios (other / this, so
-above 1 is this checkout faster) with a 95% t interval. The two kernels' outputs are checked to be
-equal bit for bit at every row count first (the change must not move a result).
+step does (for SmolLM2-135M their bytes are many times the caches). Per row count, --rounds
+rounds alternate which kernel runs first, each timing one pass over all layers; the figure is the
+mean of the rounds' ratios (other / this, so above 1 is this checkout faster) with a 95% t
+interval. The two kernels' outputs are checked to be equal bit for bit at every row count first
+(the change must not move a result).
 
     python bench/linear_rows.py --against HEAD [--dtype bfloat16] [--rows 1,8,16,21,32,64,257]
                                 [--rounds 8] [--threads 2] [--model DIR] [--json PATH]

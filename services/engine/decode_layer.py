@@ -32,6 +32,7 @@ from typing import Iterable
 import torch
 
 from services.engine.kernel_build import build_library, build_or_exit, load_once, vector_flags
+from services.engine.paged_attention import paged_kernel_takes
 
 SOURCE = Path(__file__).with_name("kernels") / "decode_layer.c"
 # No -ffast-math and no contraction: a product then a sum is two roundings, as in torch.
@@ -172,9 +173,11 @@ def load_decode_layer_kernel() -> DecodeLayerKernel | None:
 
 def fused_decode_layers(decoder) -> FusedDecodeLayers | None:
     """The decoder's layers for the C layer, where it applies: on CPU, with the paged decode
-    kernel, and every projection on the linear kernel in the model's dtype (fp32 or bf16)."""
+    kernel (so head_dim is at most the layer's MAX_HEAD_DIM, 256: it rotates a head in a buffer of
+    that size), and every projection on the linear kernel in the model's dtype (fp32 or bf16)."""
     linears = [linear for layer in decoder.layers for linear in (layer.qkv, layer.out, layer.gate_up, layer.down)]
     if (decoder.device.type != "cpu" or decoder.decode_kernel is None or not linears
+            or not paged_kernel_takes(decoder.config.head_dim, decoder.config.num_heads // decoder.config.num_kv_heads)
             or decoder.dtype not in (torch.float32, torch.bfloat16)
             or any(linear.kernel is None or linear.packed.dtype != decoder.dtype for linear in linears)):
         return None
