@@ -33,8 +33,7 @@ from bench.harness import machine, make_parser, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
 from services.engine.device import set_cpu_threads  # noqa: E402
-from services.engine.kernel_build import build_library, vector_flags  # noqa: E402
-from services.engine.linear_kernel import _COMPILE_FLAGS, SOURCE, LinearKernel  # noqa: E402
+from services.engine.linear_kernel import SOURCE, LinearKernel, build  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +45,7 @@ def kernel_of(commit: str, workdir: Path) -> LinearKernel:
                             capture_output=True, text=True).stdout
     path = workdir / f"linear_{commit.replace('/', '_')}.c"
     path.write_text(source)
-    return LinearKernel(build_library(path, _COMPILE_FLAGS + vector_flags(avx512=True)))
+    return LinearKernel(build(path))
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = load_model_config(args.model or default_model_dir())
     shapes = layer_shapes(config)
     with tempfile.TemporaryDirectory() as workdir:
-        kernels = {"this": LinearKernel(build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True))),
+        kernels = {"this": LinearKernel(build()),
                    "other": kernel_of(args.against, Path(workdir))}
     if dtype not in kernels["this"].dtypes:
         raise SystemExit(f"this CPU's kernel does not take {args.dtype}")

@@ -115,8 +115,10 @@ def place_on_huge_pages(layers: list) -> int:
     return buffer.numel() * buffer.element_size()
 
 
-def build() -> Path:
-    return build_library(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True))
+def build(source: Path = SOURCE) -> Path:
+    """The kernel's library (`source`: another version of linear.c, as bench/linear_rows.py
+    builds a commit's, with the same flags)."""
+    return build_library(source, _COMPILE_FLAGS + vector_flags(avx512=True))
 
 
 def load_linear_kernel() -> LinearKernel | None:
