@@ -236,14 +236,14 @@ static inline __attribute__((always_inline)) void silu_mul(const void *gate_up, 
             const int64_t count = n - j0 < SILU_PIECE ? n - j0 : SILU_PIECE;
             float gate[SILU_PIECE], up[SILU_PIECE];
             for (int64_t j = 0; j < count; j++) {
-                gate[j] = from_bf16(((const uint16_t *)gate_up)[r * 2 * n + j0 + j]);
-                up[j] = from_bf16(((const uint16_t *)gate_up)[r * 2 * n + n + j0 + j]);
+                gate[j] = get(gate_up, r * 2 * n + j0 + j, 1);
+                up[j] = get(gate_up, r * 2 * n + n + j0 + j, 1);
             }
             #pragma omp simd
             for (int64_t j = 0; j < count; j++)
                 gate[j] = from_bf16(to_bf16(gate[j] / (1.0f + exp_fast(-gate[j])))) * up[j];
             for (int64_t j = 0; j < count; j++)
-                ((uint16_t *)out)[r * n + j0 + j] = to_bf16(gate[j]);
+                put(out, r * n + j0 + j, gate[j], 1);
         }
     }
 }
