@@ -40,6 +40,7 @@ bench/results/engine_paired_bf16_norm_b1.json):
     python bench/engine_paired.py bf16-prepack [--pairs 6] [--batch 1] [--gen 64] [--figure tok_s] [--json PATH]
     python bench/engine_paired.py commit --against 3dbb5da --batch 32 --dtype bfloat16
     python bench/engine_paired.py commit --against 2e84a42 --as-host avx2 --dtype float32
+    python bench/engine_paired.py commit --against fc00587 --workload bench   # make bench's b32 phase
 """
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ def prompt_kernel(base: Engine) -> tuple[Engine, Engine]:
 
 
 # Run inside a checkout (its own bench/ and services/): one engine, then one run of the workload per
-# line read, its ours_batched figures printed as a JSON line. Both commits must have these modules.
+# line read, its figures printed as a JSON line (ours_batched, or the bench phase's tok/s). Both
+# commits must have these modules.
 SIDE = """
 import json, sys
 sys.path.insert(0, ".")
@@ -142,13 +144,24 @@ if a.get("cpu_flags") is not None:        # --as-host: the engine reads these fl
     device.cpu_flags = kernel_build.cpu_flags = lambda: frozenset(a["cpu_flags"])
 threads = set_cpu_threads(a["threads"])
 model_dir = str(default_model_dir())
-engine = load_engine(model_dir, threads, a["prompt"], a["gen"], "cpu", a["dtype"])
-workload = make_workload(a["batch"], a["seed"], load_model_config(model_dir).vocab_size, (a["prompt"],) * 2,
-                         (a["gen"],) * 2)
-ours_batched(engine, workload, a["batch"])
+vocab = load_model_config(model_dir).vocab_size
+if a.get("workload") == "bench":          # make bench's batch-32 phase: its requests, its BatchRunner
+    from bench.engine_workload import (BATCH, OUTPUT_RANGE, PROMPT_RANGE, run_engine, useful_tokens,
+                                       warmup_workload)
+    engine = load_engine(model_dir, threads, PROMPT_RANGE[1], OUTPUT_RANGE[1], "cpu", a["dtype"])
+    workload = make_workload(a["requests"], a["seed"], vocab, PROMPT_RANGE, OUTPUT_RANGE)
+    def once():
+        seconds, _ = run_engine(engine, workload, BATCH)
+        return {"tok_s": useful_tokens(workload) / seconds, "seconds": seconds}
+    run_engine(engine, warmup_workload(a["seed"], vocab), 2)
+else:
+    engine = load_engine(model_dir, threads, a["prompt"], a["gen"], "cpu", a["dtype"])
+    workload = make_workload(a["batch"], a["seed"], vocab, (a["prompt"],) * 2, (a["gen"],) * 2)
+    once = lambda: ours_batched(engine, workload, a["batch"])
+once()
 print(json.dumps({"ready": True}), flush=True)
 for _ in sys.stdin:
-    print(json.dumps(ours_batched(engine, workload, a["batch"])), flush=True)
+    print(json.dumps(once()), flush=True)
 """
 
 
@@ -204,6 +217,10 @@ def main() -> None:
     parser.add_argument("--figure", choices=["tok_s", "prefill_tok_s"],
                         help="the ratio of decode (tok_s) or prompt tok/s (default: the change's)")
     parser.add_argument("--against", help="commit: the other commit (the off side)")
+    parser.add_argument("--workload", choices=["batched", "bench"], default="batched",
+                        help="commit: `batch` requests of --prompt + --gen tokens (batched), or make "
+                             "bench's batch-32 phase (bench: 64 requests of 16-256 + 16-128 tokens; "
+                             "tok_s is then its generated tokens over its seconds, prompts included)")
     parser.add_argument("--as-host", choices=sorted(HOSTS),
                         help="commit: both sides as a host without AVX-512 (avx2) or without AVX (none)")
     args = parser.parse_args()
@@ -211,15 +228,17 @@ def main() -> None:
         parser.error("need at least 2 pairs for an interval")
     if (args.change == "commit") != bool(args.against):
         parser.error("--against goes with the change commit, and only with it")
-    if args.as_host and args.change != "commit":
-        parser.error("--as-host goes with the change commit")
+    if (args.as_host or args.workload != "batched") and args.change != "commit":
+        parser.error("--as-host and --workload go with the change commit")
+    if args.workload == "bench" and args.figure == "prefill_tok_s":
+        parser.error("the bench workload's figure is its tok_s")
     dtype, build = CHANGES[args.change]
     dtype = args.dtype or dtype
     threads = set_cpu_threads(args.threads)
     figure = args.figure or ("prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s")
     if args.change == "commit":
         settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
-                    "batch": args.batch, "seed": args.seed}
+                    "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": 64}
         flags, env = HOSTS[args.as_host] if args.as_host else (None, None)
         if flags is not None:
             settings["cpu_flags"] = sorted(flags)
@@ -261,6 +280,7 @@ def main() -> None:
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
                            "against": off_sha if args.change == "commit" else None, "as_host": args.as_host,
+                           "workload": args.workload,
                            "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 

@@ -46,10 +46,11 @@ _COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp"]
 __all__ = ["PagedKernel", "KernelBuildError", "build_library", "load_paged_kernel", "paged_kernel_takes"]
 
 
-def build_library(compiler: str | None = None) -> Path:
+def build_library(compiler: str | None = None, source: Path | None = None) -> Path:
     """Compile the kernel (once per source, flags and machine); returns the shared library. Its
-    micro-tile wants AVX-512's 32 vector registers where the CPU has them."""
-    return build_kernel(SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True), compiler)
+    micro-tile wants AVX-512's 32 vector registers where the CPU has them. (`source`: another
+    version of paged_attention.c, as bench/attention_rows.py builds a commit's, with the same flags.)"""
+    return build_kernel(source or SOURCE, _COMPILE_FLAGS + vector_flags(avx512=True), compiler)
 
 
 class PagedKernel:
