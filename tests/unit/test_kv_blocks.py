@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from services.common.kv_blocks import KVBlockPool, blocks_for_tokens
+from services.common.prefix_blocks import PrefixCachingPool
 
 @pytest.mark.parametrize("tokens, blocks", [(0, 0), (1, 1), (16, 1), (17, 2), (4000, 250)])
 def test_blocks_for_tokens(tokens, blocks):
@@ -22,6 +23,20 @@ def test_allocate_and_free_track_owners():
     pool.free("low", low)
     assert pool.holdings() == {"high": 5}
     assert pool.can_allocate(5) and not pool.can_allocate(6)
+
+
+@pytest.mark.parametrize("pool_of", [lambda: KVBlockPool(12, 16), lambda: PrefixCachingPool(12, 16, ["low"])],
+                         ids=["plain", "prefix-caching"])
+def test_a_freed_sequences_blocks_come_back_in_their_order(pool_of):
+    """A sequence's blocks, freed and handed to the next sequence, come back in the order they
+    were held (ascending where a fresh pool gave them so), not reversed: the attention kernel
+    streams a sequence's blocks fastest in ascending addresses. The prefix-caching pool alike."""
+    pool = pool_of()
+    first = pool.allocate("low", 5)
+    assert first == sorted(first)
+    pool.free("low", first)
+    assert pool.allocate("low", 5) == first
+    assert pool.allocate("low", 3) == [5, 6, 7]             # fresh ones after them, ascending too
 
 
 def test_bad_frees_raise_and_change_nothing():
