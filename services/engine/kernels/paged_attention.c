@@ -13,10 +13,11 @@
  * copy of the context, which the SDPA path makes in every layer.
  *
  * A row's result depends only on that row (its query, table and length), not on which other rows
- * share its micro-tile, its task or its call: the scores and the softmax are one copy of machine
- * code per cache dtype whichever path feeds them, a lane's score does not depend on the tile's
- * width, and a decode's value sums (values_heads_*) are the same operations in the same order as
- * a prompt row's (values_*). So a token's attention is the same bits whether it is a decode or
+ * share its micro-tile, its task or its call: the softmax is one copy of machine code per cache
+ * dtype whichever path feeds it; a row's scores and value sums are the same chain of fused
+ * multiply-adds (over the dimensions, over the keys in order) whichever micro-tile copy computes
+ * them (one per row count: ROW_COUNTS) and whatever the tile's width; and a decode's value sums
+ * (values_heads_*) are the same operations in the same order as a prompt row's (values_*). So a token's attention is the same bits whether it is a decode or
  * inside a prompt, however its prompt was chunked, whatever else shares its step, and when it is
  * recomputed (after a preemption or a failover).
  *
@@ -55,6 +56,11 @@
 #endif
 #define TV (TILE / LANES)         /* vectors of a tile */
 #define MR 4            /* query rows a micro-tile keeps in registers */
+/* A copy of a micro-tile function per row count up to MR (name_1 .. name_4), so a micro-tile with
+ * fewer rows (a decode of a group under MR: SmolLM2's 3, a model without grouped queries' 1; a
+ * chunk's last rows) does the arithmetic of its rows only, where it repeated its first row. */
+#define ROW_COUNTS(macro, name, bf16) macro(name##_1, bf16, 1) macro(name##_2, bf16, 2) \
+                                      macro(name##_3, bf16, 3) macro(name##_4, bf16, 4)
 #define TOKENS 8        /* query tokens of a task (times the group: its rows) */
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -92,30 +98,34 @@ struct run {                /* consecutive rows of one sequence */
     int64_t *where;         /* [len] element offset of each key's slot in the value cache */
 };
 
-/* Scores of MR query rows against a TILE-key tile of one kv head (kt: its dimension-0 keys; those of
+/* Scores of R query rows against a TILE-key tile of one kv head (kt: its dimension-0 keys; those of
  * dimension d lie d * stride elements further), each a chain of fused multiply-adds over the
- * dimensions in order, times the scale. Never inlined: every row of every path runs these very
- * instructions, so a row's scores are the same bits whichever computes it. One copy per dtype. */
-#define SCORES_OF(name, bf16)                                                                         \
+ * dimensions in order, times the scale. Never inlined: every path calls these few copies (one per
+ * dtype and row count), each lane the same chain, so a row's scores are the same bits whichever
+ * computes it (the batch-invariance tests hold a decode, R = its group, to its token in a chunk). */
+#define SCORES_OF(name, bf16, R)                                                                      \
 static __attribute__((noinline)) void name(const void *kt, int64_t stride, const float *const qm[MR], \
                                            int64_t head_dim, float scale, float out[MR][TILE]) {      \
-    vf acc[MR][TV] = {{{0}}};                                                                         \
+    vf acc[R][TV] = {{{0}}};                                                                          \
     for (int64_t d = 0; d < head_dim; d++) {                                                          \
         vf k[TV];                                                                                     \
         for (int j = 0; j < TV; j++)                                                                  \
             k[j] = load_lanes(kt, d * stride + j * LANES, bf16);                                      \
-        for (int m = 0; m < MR; m++)                                                                  \
+        for (int m = 0; m < R; m++)                                                                   \
             for (int j = 0; j < TV; j++)                                                              \
                 acc[m][j] += k[j] * qm[m][d];                                                         \
     }                                                                                                 \
-    for (int m = 0; m < MR; m++)                                                                      \
+    for (int m = 0; m < R; m++)                                                                       \
         for (int j = 0; j < TV; j++) {                                                                \
             const vf scaled = acc[m][j] * scale;                                                      \
             memcpy(out[m] + j * LANES, &scaled, sizeof scaled);                                       \
         }                                                                                             \
 }
-SCORES_OF(scores_f32, 0)
-SCORES_OF(scores_bf16, 1)
+typedef void (*scores_fn)(const void *, int64_t, const float *const [MR], int64_t, float, float [MR][TILE]);
+ROW_COUNTS(SCORES_OF, scores_f32, 0)
+ROW_COUNTS(SCORES_OF, scores_bf16, 1)
+static const scores_fn SCORES_F32[MR + 1] = { NULL, scores_f32_1, scores_f32_2, scores_f32_3, scores_f32_4 };
+static const scores_fn SCORES_BF16[MR + 1] = { NULL, scores_bf16_1, scores_bf16_2, scores_bf16_3, scores_bf16_4 };
 
 /* Softmax of a row's scores over its `len` keys in place, zero up to `width`; returns 1 / sum.
  * Not inlined, as the scores. */
@@ -134,13 +144,13 @@ static __attribute__((noinline)) float softmax_row(float *restrict sr, int64_t l
 }
 
 /* o[m] = sum over keys t of p[m][t] * value t (`chunks` vectors from offset), keys in order,
- * for MR rows at once; with `ahead`, the lines it reads are prefetched a tile ahead. Not inlined,
- * as the scores; one copy per cache dtype. */
-#define VALUES(name, bf16)                                                                            \
+ * for R rows at once; with `ahead`, the lines it reads are prefetched a tile ahead. Not inlined,
+ * as the scores; one copy per cache dtype and row count. */
+#define VALUES(name, bf16, R)                                                                         \
 static __attribute__((noinline)) void name(const float *const pm[MR], int64_t keys,                   \
         const int64_t *restrict where, const void *v_cache, int64_t offset, int chunks, int ahead,    \
         vf o[MR][CHUNK]) {                                                                            \
-    for (int m = 0; m < MR; m++)                                                                      \
+    for (int m = 0; m < R; m++)                                                                       \
         for (int c = 0; c < CHUNK; c++)                                                               \
             o[m][c] = (vf){0};                                                                        \
     for (int64_t t = 0; t < keys; t++) {                                                              \
@@ -151,13 +161,17 @@ static __attribute__((noinline)) void name(const float *const pm[MR], int64_t ke
         vf v[CHUNK];                                                                                  \
         for (int c = 0; c < CHUNK; c++)                                                               \
             v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset + c * LANES, bf16) : (vf){0};   \
-        for (int m = 0; m < MR; m++)                                                                  \
+        for (int m = 0; m < R; m++)                                                                   \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 o[m][c] += pm[m][t] * v[c];                                                           \
     }                                                                                                 \
 }
-VALUES(values_f32, 0)
-VALUES(values_bf16, 1)
+typedef void (*values_fn)(const float *const [MR], int64_t, const int64_t *, const void *, int64_t, int, int,
+                          vf [MR][CHUNK]);
+ROW_COUNTS(VALUES, values_f32, 0)
+ROW_COUNTS(VALUES, values_bf16, 1)
+static const values_fn VALUES_F32[MR + 1] = { NULL, values_f32_1, values_f32_2, values_f32_3, values_f32_4 };
+static const values_fn VALUES_BF16[MR + 1] = { NULL, values_bf16_1, values_bf16_2, values_bf16_3, values_bf16_4 };
 
 /* The same sums for up to HG heads' micro-tiles at once (o[h][m], values at offset[h] of each
  * slot), keys in order: a decode reads each slot's heads side by side in one pass, where a pass
@@ -165,12 +179,12 @@ VALUES(values_bf16, 1)
  * a sequence's blocks side by side). Each sum is the same operations in the same order as in
  * values_*, so a row's values are the same bits on either path (the tests hold a token alone,
  * which takes this one, to the same token in a chunk, which takes the other). */
-#define VALUES_HEADS(name, bf16)                                                                      \
+#define VALUES_HEADS(name, bf16, R)                                                                   \
 static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh, int64_t keys,       \
         const int64_t *restrict where, const void *v_cache, const int64_t offset[HG], int chunks,     \
         vf o[HG][MR][CHUNK]) {                                                                        \
     for (int h = 0; h < nh; h++)                                                                      \
-        for (int m = 0; m < MR; m++)                                                                  \
+        for (int m = 0; m < R; m++)                                                                   \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 o[h][m][c] = (vf){0};                                                                 \
     for (int64_t t = 0; t < keys; t++) {                                                              \
@@ -182,14 +196,20 @@ static __attribute__((noinline)) void name(const float *const pm[HG][MR], int nh
             vf v[CHUNK];                                                                              \
             for (int c = 0; c < CHUNK; c++)                                                           \
                 v[c] = c < chunks ? load_lanes(v_cache, where[t] + offset[h] + c * LANES, bf16) : (vf){0}; \
-            for (int m = 0; m < MR; m++)                                                              \
+            for (int m = 0; m < R; m++)                                                               \
                 for (int c = 0; c < CHUNK; c++)                                                       \
                     o[h][m][c] += pm[h][m][t] * v[c];                                                 \
         }                                                                                             \
     }                                                                                                 \
 }
-VALUES_HEADS(values_heads_f32, 0)
-VALUES_HEADS(values_heads_bf16, 1)
+typedef void (*values_heads_fn)(const float *const [HG][MR], int, int64_t, const int64_t *, const void *,
+                                const int64_t [HG], int, vf [HG][MR][CHUNK]);
+ROW_COUNTS(VALUES_HEADS, values_heads_f32, 0)
+ROW_COUNTS(VALUES_HEADS, values_heads_bf16, 1)
+static const values_heads_fn VALUES_HEADS_F32[MR + 1] = { NULL, values_heads_f32_1, values_heads_f32_2,
+                                                          values_heads_f32_3, values_heads_f32_4 };
+static const values_heads_fn VALUES_HEADS_BF16[MR + 1] = { NULL, values_heads_bf16_1, values_heads_bf16_2,
+                                                           values_heads_bf16_3, values_heads_bf16_4 };
 
 /* A segment's sums into a row's output (dimensions d0 ..): the first segment stores, the later ones
  * add, in order, on both paths. */
@@ -246,12 +266,12 @@ static inline __attribute__((always_inline)) void attend_task(
                 const int m_rows = rows - r0 < MR ? (int)(rows - r0) : MR;
                 if (start >= len[r0 + m_rows - 1])
                     continue;
-                /* a short micro-tile repeats its first row in the unused lanes, never stored */
+                /* a micro-tile of m_rows rows (pointers past them, never read, set to its first row) */
                 const float *qm[MR];
                 for (int m = 0; m < MR; m++)
                     qm[m] = q + AT(h, r0 + (m < m_rows ? m : 0));
                 float s[MR][TILE];
-                (bf16 ? scores_bf16 : scores_f32)(kt, stride, qm, head_dim, scale, s);
+                (bf16 ? SCORES_BF16 : SCORES_F32)[m_rows](kt, stride, qm, head_dim, scale, s);
                 for (int m = 0; m < m_rows; m++)
                     memcpy(SCORES(h, r0 + m) + start, s[m], sizeof(float) * (size_t)stored);
             }
@@ -275,8 +295,8 @@ static inline __attribute__((always_inline)) void attend_task(
                             pm[i][m] = SCORES(g + i, m < rows ? m : 0) + first;
                     }
                     vf o[HG][MR][CHUNK];
-                    (bf16 ? values_heads_bf16 : values_heads_f32)(pm, nh, end - first, run->where + first, v_cache,
-                                                                  offset, chunks, o);
+                    (bf16 ? VALUES_HEADS_BF16 : VALUES_HEADS_F32)[rows](pm, nh, end - first, run->where + first,
+                                                                        v_cache, offset, chunks, o);
                     for (int i = 0; i < nh; i++)
                         for (int m = 0; m < rows; m++)
                             add_segment(out + AT(g + i, m) + d0, o[i][m], chunks, first == 0);
@@ -299,8 +319,8 @@ static inline __attribute__((always_inline)) void attend_task(
                         const int chunks = head_dim - d0 < CHUNK * LANES ? (int)((head_dim - d0) / LANES) : CHUNK;
                         vf o[MR][CHUNK];
                         /* the first micro-tile's pass prefetches; the others find the values in cache */
-                        (bf16 ? values_bf16 : values_f32)(pm, end - first, run->where + first, v_cache,
-                                                          h * head_dim + d0, chunks, r0 == 0, o);
+                        (bf16 ? VALUES_BF16 : VALUES_F32)[m_rows](pm, end - first, run->where + first, v_cache,
+                                                                  h * head_dim + d0, chunks, r0 == 0, o);
                         for (int m = 0; m < m_rows; m++)
                             if (len[r0 + m] > first)        /* else none of this segment is the row's */
                                 add_segment(out + AT(h, r0 + m) + d0, o[m], chunks, first == 0);
