@@ -41,6 +41,7 @@ bench/results/engine_paired_bf16_norm_b1.json):
     python bench/engine_paired.py commit --against 3dbb5da --batch 32 --dtype bfloat16
     python bench/engine_paired.py commit --against 2e84a42 --as-host avx2 --dtype float32
     python bench/engine_paired.py commit --against fc00587 --workload bench   # make bench's b32 phase
+    python bench/engine_paired.py commit --against HEAD --pool scattered --batch 16 --prompt 1536
 """
 from __future__ import annotations
 
@@ -142,6 +143,14 @@ a = json.loads(sys.argv[1])
 if a.get("cpu_flags") is not None:        # --as-host: the engine reads these flags, not the CPU's
     import services.engine.device as device, services.engine.kernel_build as kernel_build
     device.cpu_flags = kernel_build.cpu_flags = lambda: frozenset(a["cpu_flags"])
+if a.get("pool") == "scattered":          # the free list shuffled, as a pool that has served a while
+    import random
+    from services.common import kv_blocks
+    fresh = kv_blocks.KVBlockPool.__init__
+    def shuffled(self, *args, **kwargs):
+        fresh(self, *args, **kwargs)
+        random.Random(a["seed"]).shuffle(self._free)
+    kv_blocks.KVBlockPool.__init__ = shuffled
 threads = set_cpu_threads(a["threads"])
 model_dir = str(default_model_dir())
 vocab = load_model_config(model_dir).vocab_size
@@ -221,6 +230,10 @@ def main() -> None:
                         help="commit: `batch` requests of --prompt + --gen tokens (batched), or make "
                              "bench's batch-32 phase (bench: 64 requests of 16-256 + 16-128 tokens; "
                              "tok_s is then its generated tokens over its seconds, prompts included)")
+    parser.add_argument("--pool", choices=["fresh", "scattered"], default="fresh",
+                        help="commit: the KV pool's free list as a fresh pool orders it (each sequence's "
+                             "blocks side by side) or shuffled, as a pool that has served for a while "
+                             "(each sequence's blocks scattered)")
     parser.add_argument("--as-host", choices=sorted(HOSTS),
                         help="commit: both sides as a host without AVX-512 (avx2) or without AVX (none)")
     args = parser.parse_args()
@@ -228,8 +241,8 @@ def main() -> None:
         parser.error("need at least 2 pairs for an interval")
     if (args.change == "commit") != bool(args.against):
         parser.error("--against goes with the change commit, and only with it")
-    if (args.as_host or args.workload != "batched") and args.change != "commit":
-        parser.error("--as-host and --workload go with the change commit")
+    if (args.as_host or args.workload != "batched" or args.pool != "fresh") and args.change != "commit":
+        parser.error("--as-host, --workload and --pool go with the change commit")
     if args.workload == "bench" and args.figure == "prefill_tok_s":
         parser.error("the bench workload's figure is its tok_s")
     dtype, build = CHANGES[args.change]
@@ -238,7 +251,8 @@ def main() -> None:
     figure = args.figure or ("prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s")
     if args.change == "commit":
         settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
-                    "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": 64}
+                    "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": 64,
+                    "pool": args.pool}
         flags, env = HOSTS[args.as_host] if args.as_host else (None, None)
         if flags is not None:
             settings["cpu_flags"] = sorted(flags)
@@ -280,7 +294,7 @@ def main() -> None:
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
                            "against": off_sha if args.change == "commit" else None, "as_host": args.as_host,
-                           "workload": args.workload,
+                           "workload": args.workload, "pool": args.pool,
                            "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 
