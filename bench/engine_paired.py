@@ -56,7 +56,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.engine_workload import load_engine, make_workload  # noqa: E402
+from bench.engine_workload import BATCH, load_engine, make_workload  # noqa: E402
 from bench.engine_vs_llamacpp import engine_commit, ours_batched  # noqa: E402
 from bench.harness import cpu_name, make_parser, write_json  # noqa: E402
 from bench.paired_commits import worktree  # noqa: E402
@@ -245,6 +245,8 @@ def main() -> None:
         parser.error("--as-host, --workload and --pool go with the change commit")
     if args.workload == "bench" and args.figure == "prefill_tok_s":
         parser.error("the bench workload's figure is its tok_s")
+    if args.workload == "bench":
+        args.batch = BATCH                    # the phase's concurrency, whatever --batch said
     dtype, build = CHANGES[args.change]
     dtype = args.dtype or dtype
     threads = set_cpu_threads(args.threads)

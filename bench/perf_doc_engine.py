@@ -133,6 +133,14 @@ PAIRED_RUNS = (
      "vectorised (off: at dbffdb8); prompt tok/s", "kept"),
     ("engine_paired_commit_c_layer_bf16_b32.json", "the same; decode tok/s", "(level)"),
     ("engine_paired_commit_c_layer_bf16_b1.json", "", "(level)"),
+    ("engine_paired_commit_block_order_bf16_b32_bench.json", "a freed sequence's KV blocks handed out again in "
+     "their order, where a reused run came back reversed (off: at fc00587); make bench's batch-32 phase, tok/s",
+     "kept (level here; the kernel 1.34-1.56x)"),
+    ("engine_paired_commit_row_counts_bf16_b16_p1536.json", "attention micro-tiles of the rows they have, where "
+     "a decode of a 3-query group computed 4 (off: at 9d38b6c); decode tok/s, 1,536-token prompts", "kept"),
+    ("engine_paired_commit_keys_ahead_bf16_b16_p1536_scattered.json", "the keys of the block two on asked for "
+     "at each jump between blocks (off: at bd75930); a scattered pool, decode tok/s, 1,536-token prompts",
+     "kept"),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
