@@ -141,6 +141,9 @@ PAIRED_RUNS = (
     ("engine_paired_commit_keys_ahead_bf16_b16_p1536_scattered.json", "the keys of the block two on asked for "
      "at each jump between blocks (off: at bd75930); a scattered pool, decode tok/s, 1,536-token prompts",
      "kept"),
+    ("engine_paired_commit_silu_in_gate_up_bf16_b32_bench.json", "SiLU applied in the gate/up projection's tiles "
+     "(off: the projection stored, then SiLU; at fc00587); make bench's batch-32 phase, tok/s", "not kept"),
+    ("engine_paired_commit_silu_in_gate_up_bf16_b1.json", "the same; decode tok/s, 128-token prompts", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
