@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,26 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.engine_paired import mean_interval  # noqa: E402
-from bench.harness import machine, make_parser, write_json  # noqa: E402
+from bench.harness import machine, make_parser, source_at, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
 from services.engine.device import set_cpu_threads  # noqa: E402
 from services.engine.kv_cache import DEFAULT_BLOCK_SIZE as BLOCK_SIZE  # noqa: E402
 from services.engine.paged_attention import SOURCE, PagedKernel, build_library  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CASES = "d1x300,d8x300,d21x300,d32x150,d8x1500,p128x128,p256x256,p32x2048"
 LAYOUTS = ("scattered", "ascending", "descending")
 
 
 def kernel_of(commit: str, workdir: Path) -> PagedKernel:
     """The attention kernel as `commit` wrote it, built with this checkout's flags."""
-    relative = SOURCE.relative_to(ROOT).as_posix()
-    source = subprocess.run(["git", "show", f"{commit}:{relative}"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = workdir / f"paged_attention_{commit.replace('/', '_')}.c"
-    path.write_text(source)
-    return PagedKernel(build_library(source=path))
+    return PagedKernel(build_library(source=source_at(commit, SOURCE, workdir)))
 
 
 def parse_case(case: str) -> tuple[str, int, int]:

@@ -20,6 +20,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -52,6 +53,18 @@ def model_or_bench(model: str | None) -> str:
         return resolve_model(model)
     from services.engine.bench_model import bench_model_dir
     return str(bench_model_dir())
+
+
+def source_at(commit: str, source: Path, workdir: Path) -> Path:
+    """`source` (a file of this checkout) as `commit` wrote it, copied into `workdir` (for a
+    benchmark that builds another commit's kernel beside this checkout's)."""
+    root = Path(__file__).resolve().parent.parent
+    relative = source.resolve().relative_to(root).as_posix()
+    text = subprocess.run(["git", "show", f"{commit}:{relative}"], cwd=root, check=True,
+                          capture_output=True, text=True).stdout
+    path = workdir / f"{source.stem}_{commit.replace('/', '_')}{source.suffix}"
+    path.write_text(text)
+    return path
 
 
 def write_json(path: Path | None, result: dict) -> None:

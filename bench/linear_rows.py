@@ -18,7 +18,6 @@ interval. The two kernels' outputs are checked to be equal bit for bit at every 
 from __future__ import annotations
 
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,23 +28,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.engine_paired import mean_interval  # noqa: E402
-from bench.harness import machine, make_parser, write_json  # noqa: E402
+from bench.harness import machine, make_parser, source_at, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
 from services.engine.device import set_cpu_threads  # noqa: E402
 from services.engine.linear_kernel import SOURCE, LinearKernel, build  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def kernel_of(commit: str, workdir: Path) -> LinearKernel:
     """The linear kernel as `commit` wrote it, built with this checkout's flags."""
-    relative = SOURCE.relative_to(ROOT).as_posix()
-    source = subprocess.run(["git", "show", f"{commit}:{relative}"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = workdir / f"linear_{commit.replace('/', '_')}.c"
-    path.write_text(source)
-    return LinearKernel(build(path))
+    return LinearKernel(build(source_at(commit, SOURCE, workdir)))
 
 
 def layer_shapes(config) -> list[tuple[int, int]]:
