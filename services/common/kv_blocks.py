@@ -91,8 +91,8 @@ class KVBlockPool:
                 raise ValueError(f"block {block} is held by {holder!r}, not {owner!r}")
         # Back in reverse, so that the next allocation pops them in the order they were held: a
         # sequence's blocks then lie in ascending addresses where they were side by side, which
-        # the CPU's prefetchers stream (the paged attention kernel took 1.4-1.7x as long over
-        # the same keys with each sequence's blocks in descending order: bench/attention_rows.py).
+        # the CPU's prefetchers stream (the paged attention kernel's decodes took 1.3-1.6x as long
+        # over the same keys with each sequence's blocks in descending order: bench/attention_rows.py).
         for block in reversed(blocks):
             del self._owner_of[block]
             self._free.append(block)

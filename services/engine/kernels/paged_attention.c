@@ -17,9 +17,10 @@
  * dtype whichever path feeds it; a row's scores and value sums are the same chain of fused
  * multiply-adds (over the dimensions, over the keys in order) whichever micro-tile copy computes
  * them (one per row count: ROW_COUNTS) and whatever the tile's width; and a decode's value sums
- * (values_heads_*) are the same operations in the same order as a prompt row's (values_*). So a token's attention is the same bits whether it is a decode or
- * inside a prompt, however its prompt was chunked, whatever else shares its step, and when it is
- * recomputed (after a preemption or a failover).
+ * (values_heads_*) are the same operations in the same order as a prompt row's (values_*). So a
+ * token's attention is the same bits whether it is a decode or inside a prompt, however its
+ * prompt was chunked, whatever else shares its step, and when it is recomputed (after a
+ * preemption or a failover).
  *
  * Layouts (all contiguous, row-major):
  *   q, out        [rows, kv_heads, group, head_dim] fp32
