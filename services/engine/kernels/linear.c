@@ -16,9 +16,12 @@
  * tile's rows waited on its weights from memory and the later passes computed on them from L2, one
  * after the other: at 12-32 rows a layer took about the two times added. So in bf16, while a
  * tile's rows are computed, the next tile's weights are asked into L2 (`ahead`), a share in each
- * pass, spread along it. In fp32 the engine at batch 32 showed no effect from the same, and with
- * one pass (up to TILE_ROWS rows, bound by the weights' stream) a read-ahead ran 0.93-0.95x:
- * both are as before.
+ * pass, spread along it. With one pass (2 to TILE_ROWS rows: a batch of a few decodes) the same
+ * read-ahead runs 1.09-1.3x at the kernel and 1.18x on batch 8's decodes: a tile reads its two
+ * blocks as two streams, and the prefetchers lose them at each tile's end. One row (batch 1) is
+ * left without it (0.96-0.99x: its stream is the hardware's to run). In fp32 the engine at batch
+ * 32 showed no effect from the same, and with one pass at one row a read-ahead ran 0.93-0.95x:
+ * fp32 is as before.
  * Measured: bench/linear_rows.py (the kernel) and bench/engine_paired.py (the engine),
  * docs/performance.md.
  *
@@ -205,7 +208,7 @@ int linear_bf16(const uint16_t *w, const uint16_t *x, const float *bias, uint16_
 #define ROWS(r, ahead) case r: tile_bf16(w0, w1, pairs, xm, K, r, bias, ym, N, 2 * t * LANES, ahead); break;
 #define ALL_ROWS(ahead) ROWS(1, ahead) ROWS(2, ahead) ROWS(3, ahead) ROWS(4, ahead) ROWS(5, ahead) \
                         ROWS(6, ahead) ROWS(7, ahead) ROWS(8, ahead)
-            if (passes == 1 || t + 1 == tiles) {
+            if (M == 1 || t + 1 == tiles) {
                 switch (rows) { ALL_ROWS(NULL) }
             } else {
                 struct ahead ahead = ahead_of_pass(w0 + 2 * pairs * 2 * LANES, pairs, passes, m0 / TILE_ROWS);
