@@ -142,7 +142,7 @@ PAIRED_RUNS = (
      "at each jump between blocks (off: at bd75930); a scattered pool, decode tok/s, 1,536-token prompts",
      "kept"),
     ("engine_paired_commit_one_pass_ahead_bf16_b8.json", "the linear kernel's read-ahead in one pass over a "
-     "tile's rows too, 2-8 rows (off: from 9 rows; at ff12cce); decode tok/s, 128-token prompts", "kept"),
+     "tile's rows too, 2-8 rows (off: from 9 rows; at ee75ba9); decode tok/s, 128-token prompts", "kept"),
     ("engine_paired_commit_silu_in_gate_up_bf16_b32_bench.json", "SiLU applied in the gate/up projection's tiles "
      "(off: the projection stored, then SiLU; at fc00587); make bench's batch-32 phase, tok/s", "not kept"),
     ("engine_paired_commit_silu_in_gate_up_bf16_b1.json", "the same; decode tok/s, 128-token prompts", ""),
