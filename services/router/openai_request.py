@@ -18,7 +18,7 @@ from services.common.step import MAX_TOP_LOGPROBS
 from services.router.json_fields import json_kind, text_field
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
-from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, check_cache_salt
+from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
 # service_tier as OpenAI names its tiers -> our classes, and back for the response.
@@ -30,7 +30,6 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 # Keys a message may carry besides role and content, by role (OpenAI's function calling).
 MESSAGE_EXTRAS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 MAX_INT32 = 2**31 - 1
-MAX_STOP_TOKEN_IDS = 64
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (chat: ours, 256)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",

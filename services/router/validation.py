@@ -23,6 +23,7 @@ from services.common.step import MAX_TOP_LOGPROBS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 # The scheduler holds back up to this much text per request while it could begin a stop string.
 MAX_STOP_CHARS = 1024
 
@@ -125,6 +126,14 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
         if len(stop) > MAX_STOP_CHARS:
             raise invalid(f"sampling.stop[{i}] is {len(stop)} characters long, at most {MAX_STOP_CHARS} "
                           "are allowed", f"sampling.stop[{i}]")
+    # The scheduler checks each id against its model's vocabulary; here, what any model refuses.
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} "
+                      "are allowed", "sampling.stop_token_ids")
+    for i, token_id in enumerate(s.stop_token_ids):
+        if token_id < 0:
+            raise invalid(f"sampling.stop_token_ids[{i}] must be a token id >= 0, got {token_id}",
+                          f"sampling.stop_token_ids[{i}]")
 
 
 def decode_request(raw: router_pb2.GenerateRequestBytes,

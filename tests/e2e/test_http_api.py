@@ -158,7 +158,7 @@ def test_request_id_header_and_chunk_ids_agree(cluster, model):
     ("n", 2), ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
     ("max_tokens", 10**30), ("seed", -5), ("stop", [1, 2]), ("service_tier", "scale"),
     ("stream", "yes"), ("logprobs", "yes"), ("top_logprobs", 21), ("tools", [{"type": "function"}]), ("colour", "red"),
-    ("messages", []), ("top_k", -3), ("ignore_eos", 1),
+    ("messages", []), ("top_k", -3), ("ignore_eos", 1), ("stop_token_ids", [2, 49152]),
 ])
 def test_each_invalid_field_is_a_400_naming_it(client, model, field, value):
     body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], field: value}
@@ -168,6 +168,7 @@ def test_each_invalid_field_is_a_400_naming_it(client, model, field, value):
     param = caught.value.param           # the field, or the element of it at fault ("stop[0]")
     assert caught.value.status_code == 400 and (param == field or param.startswith(field + "["))
     assert caught.value.type == "invalid_request_error"
+    assert "sampling." not in caught.value.message          # named as the client sent it
 
 
 def test_a_bad_header_and_a_max_tokens_over_the_context_name_what_is_wrong(cluster, model):

@@ -65,6 +65,10 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
     (ask(top_k=-1), [], "sampling.top_k"),
     (ask(stop=["END", "x" * 1025]), [], "sampling.stop[1] is 1025 characters long, at most 1024"),
     (ask(stop=["s"] * 17), [], "sampling.stop has 17 strings, at most 16"),
+    # A stop id past the vocabulary never stopped anything: the request ran to max_tokens, silently.
+    (ask(max_tokens=4, stop_token_ids=[2, 49152]), [], "sampling.stop_token_ids[1]=49152 is not a token id"),
+    (ask(max_tokens=4, stop_token_ids=[-1]), [], "sampling.stop_token_ids[0] must be a token id >= 0"),
+    (ask(max_tokens=4, stop_token_ids=list(range(65))), [], "sampling.stop_token_ids has 65 ids, at most 64"),
 ])
 def test_invalid_argument_names_the_field(cluster, request_, metadata, field):
     code, details = run(call(cluster.router_address, request_, metadata))
