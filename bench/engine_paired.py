@@ -128,6 +128,8 @@ def prompt_kernel(base: Engine) -> tuple[Engine, Engine]:
     return base, with_config(base, prompt_attention="torch")
 
 
+BENCH_REQUESTS = 64     # --workload bench: make bench's batch-32 phase (engine_throughput.py --requests-b32)
+
 # Run inside a checkout (its own bench/ and services/): one engine, then one run of the workload per
 # line read, its figures printed as a JSON line (ours_batched, or the bench phase's tok/s). Both
 # commits must have these modules.
@@ -253,7 +255,7 @@ def main() -> None:
     figure = args.figure or ("prefill_tok_s" if args.change in PROMPT_CHANGES else "tok_s")
     if args.change == "commit":
         settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
-                    "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": 64,
+                    "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": BENCH_REQUESTS,
                     "pool": args.pool}
         flags, env = HOSTS[args.as_host] if args.as_host else (None, None)
         if flags is not None:
