@@ -72,15 +72,6 @@ def check_prompt(prompt_ids: list[int], max_context: int, hint: str = "",
                       f"tokens and must leave room for at least one generated token{hint}", field="prompt")
 
 
-def check_stop_token_ids(ids, vocab_size: int) -> None:
-    """Each stop token id one the model can sample: an id past its vocabulary would never stop
-    anything, and the client would not learn why its request ran to max_tokens."""
-    for i, token_id in enumerate(ids):
-        if not 0 <= token_id < vocab_size:
-            raise invalid(f"sampling.stop_token_ids[{i}]={token_id} is not a token id of this model "
-                          f"(its vocabulary: 0 to {vocab_size - 1})", field=f"sampling.stop_token_ids[{i}]")
-
-
 def resolve_sampling(s: common_pb2.SamplingParams, prompt_len: int, max_context: int, hint: str = "",
                      limit: str = "the context window") -> SamplingParams:
     """The request's sampling with defaults applied; max_tokens defaults to what fits."""

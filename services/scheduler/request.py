@@ -174,6 +174,15 @@ class Request:
         return 0.0 if moment is None else (moment - self.arrival) * 1000
 
 
+def check_token_ids(ids, vocab_size: int, field: str) -> None:
+    """Each of a request's token ids (stop ids, tokens it already streamed) one the model has: an
+    id past its vocabulary would never be sampled, and a stop id there would never stop anything."""
+    for i, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid(f"{field}[{i}]={token_id} is not a token id of this model "
+                          f"(its vocabulary: 0 to {vocab_size - 1})", field=f"{field}[{i}]")
+
+
 def resume(request: Request, streamed: list[int], vocab_size: int) -> None:
     """A request migrated from another pool: continue after the tokens it already streamed. They
     become output so far (recomputed with the prompt, counted toward max_tokens and the seeded
@@ -182,8 +191,7 @@ def resume(request: Request, streamed: list[int], vocab_size: int) -> None:
     if len(streamed) >= request.sampling.max_tokens:
         raise invalid(f"resume_token_ids holds {len(streamed)} tokens, max_tokens is "
                       f"{request.sampling.max_tokens}: nothing left to generate", field="resume_token_ids")
-    if any(not 0 <= t < vocab_size for t in streamed):
-        raise invalid(f"resume_token_ids must be token ids in [0, {vocab_size})", field="resume_token_ids")
+    check_token_ids(streamed, vocab_size, "resume_token_ids")
     for token_id in streamed:
         request.detokenizer.add(token_id)
     request.set_output(streamed)

@@ -34,7 +34,7 @@ from services.common.token_bytes import byte_table
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
-from services.scheduler.admission import Admission, check_stop_token_ids, pool_limits
+from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.long_context import StreamSettings, choose_window
 from services.scheduler.request_trace import end_request_trace
 from services.scheduler.batcher import ContinuousBatcher
@@ -46,7 +46,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.pool_adapters import PoolAdapters
 from services.scheduler.prefix_cache import PrefixCache
-from services.scheduler.request import Request, resume
+from services.scheduler.request import Request, check_token_ids, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
@@ -154,7 +154,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         else:
             prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
-        check_stop_token_ids(submit.sampling.stop_token_ids, self.tokenizer.vocab_size)
+        check_token_ids(submit.sampling.stop_token_ids, self.tokenizer.vocab_size, "sampling.stop_token_ids")
         limits = self._limits()
         window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
                                limits.max_context, limits.block_size, self.streaming)
