@@ -24,7 +24,6 @@ checked equal bit for bit first.
 from __future__ import annotations
 
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.engine_paired import mean_interval  # noqa: E402
+from bench.engine_paired import this_against_other  # noqa: E402
 from bench.harness import machine, make_parser, source_at, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
@@ -152,21 +151,12 @@ def main(argv: list[str] | None = None) -> dict:
         placed["other"] = work.placed(args.other_layout, generator) if args.other_layout else placed["this"]
         if not torch.equal(placed["this"].run(kernels["this"]), placed["other"].run(kernels["other"])):
             raise SystemExit(f"the outputs differ in case {case}")
-        seconds = {"this": [], "other": []}
-        for _ in range(2):                                   # warm: the libraries, the OpenMP pool
-            for name in seconds:
-                placed[name].one_pass(kernels[name])
-        for round_index in range(args.rounds):
-            order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
-            for name in order:
-                seconds[name].append(placed[name].one_pass(kernels[name]))
-        ratios = [other / this for this, other in zip(seconds["this"], seconds["other"])]
-        mean, low, high = mean_interval(ratios)
-        this_ms, other_ms = (statistics.median(seconds[name]) * 1e3 for name in ("this", "other"))
-        print(f"  {case:>10}: this {this_ms:7.2f} ms ({work.flops / this_ms / 1e6:4.0f} GFLOPS), "
-              f"other {other_ms:7.2f} ms; other / this {mean:.3f} [{low:.3f}, {high:.3f}]", flush=True)
-        results.append({"case": case, "this_ms": this_ms, "other_ms": other_ms, "ratio": mean,
-                        "interval": [low, high], "rounds": args.rounds, "this_gflops": work.flops / this_ms / 1e6})
+        timed = this_against_other(lambda: placed["this"].one_pass(kernels["this"]),
+                                   lambda: placed["other"].one_pass(kernels["other"]), args.rounds)
+        (low, high), gflops = timed["interval"], work.flops / timed["this_ms"] / 1e6
+        print(f"  {case:>10}: this {timed['this_ms']:7.2f} ms ({gflops:4.0f} GFLOPS), other {timed['other_ms']:7.2f} "
+              f"ms; other / this {timed['ratio']:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+        results.append({"case": case, **timed, "this_gflops": gflops})
         del work, placed
     result = {"machine": machine(), "against": None if args.other_layout else args.against,
               "other_layout": args.other_layout, "dtype": args.dtype, "threads": args.threads,

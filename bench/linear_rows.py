@@ -17,7 +17,6 @@ interval. The two kernels' outputs are checked to be equal bit for bit at every 
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from bench.engine_paired import mean_interval  # noqa: E402
+from bench.engine_paired import this_against_other  # noqa: E402
 from bench.harness import machine, make_parser, source_at, write_json  # noqa: E402
 from services.engine.config import load_model_config  # noqa: E402
 from services.engine.default_model import default_model_dir  # noqa: E402
@@ -86,23 +85,13 @@ def main(argv: list[str] | None = None) -> dict:
         for (n, _), weight, x in zip(shapes, layers[0], inputs):
             if not torch.equal(kernels["this"](x, weight, None, n), kernels["other"](x, weight, None, n)):
                 raise SystemExit(f"the kernels' outputs differ at {rows} rows")
-        seconds = {"this": [], "other": []}
-        for _ in range(2):                                   # warm: the libraries, the OpenMP pool
-            for name in seconds:
-                one_pass(kernels[name], layers, shapes, inputs)
-        for round_index in range(args.rounds):
-            order = ("this", "other") if round_index % 2 == 0 else ("other", "this")
-            for name in order:
-                seconds[name].append(one_pass(kernels[name], layers, shapes, inputs))
-        ratios = [other / this for this, other in zip(seconds["this"], seconds["other"])]
-        mean, low, high = mean_interval(ratios)
+        timed = this_against_other(lambda: one_pass(kernels["this"], layers, shapes, inputs),
+                                   lambda: one_pass(kernels["other"], layers, shapes, inputs), args.rounds)
         flops = 2 * rows * config.num_layers * sum(n * k for n, k in shapes)
-        this_ms, other_ms = (statistics.median(seconds[name]) * 1e3 for name in ("this", "other"))
-        print(f"  {rows:4d} rows: this {this_ms:7.2f} ms ({flops / this_ms / 1e6:4.0f} GFLOPS), "
-              f"other {other_ms:7.2f} ms; other / this {mean:.3f} [{low:.3f}, {high:.3f}]", flush=True)
-        results.append({"rows": rows, "this_ms": this_ms, "other_ms": other_ms, "ratio": mean,
-                        "interval": [low, high], "rounds": args.rounds,
-                        "this_gflops": flops / this_ms / 1e6})
+        (low, high), gflops = timed["interval"], flops / timed["this_ms"] / 1e6
+        print(f"  {rows:4d} rows: this {timed['this_ms']:7.2f} ms ({gflops:4.0f} GFLOPS), other {timed['other_ms']:7.2f} "
+              f"ms; other / this {timed['ratio']:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+        results.append({"rows": rows, **timed, "this_gflops": gflops})
     result = {"machine": machine(), "against": args.against, "dtype": args.dtype, "threads": args.threads,
               "layers": config.num_layers, "weight_mb": weight_mb, "results": results}
     write_json(args.json, result)
