@@ -39,6 +39,7 @@ from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.limits import estimate_tokens
 from services.control.sla import ALL_TENANTS
+from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
 from services.router.openai_response import error_body
@@ -237,27 +238,7 @@ class HttpFront:
                              "status": "cancelled"})
 
     async def _body(self, http: Request) -> bytes:
-        limit = self.config.http_max_body_bytes
-        too_large = ServiceError(ErrorKind.PAYLOAD_TOO_LARGE, f"the request body is over the "
-                                 f"limit of {limit} bytes (router.http_max_body_bytes)",
-                                 field="body", reason="body_too_large")
-        length = http.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_large
-        body, pieces = bytearray(), http.stream()
-        wait = self.config.http_read_timeout_s
-        while True:
-            try:     # each piece within the read timeout (http_timeouts.py has the headers')
-                piece = await asyncio.wait_for(anext(pieces, None), wait)
-            except asyncio.TimeoutError:
-                raise ServiceError(ErrorKind.REQUEST_TIMEOUT, f"the request body stopped arriving for {wait:g} s "
-                                   "(router.http_read_timeout_s): send it without pauses", field="body",
-                                   reason="body_timeout") from None
-            if piece is None:
-                return bytes(body)
-            body += piece
-            if len(body) > limit:
-                raise too_large
+        return await read_body(http, self.config.http_max_body_bytes, self.config.http_read_timeout_s)
 
     async def models(self, http: Request) -> Response:
         seen = {}

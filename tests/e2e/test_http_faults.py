@@ -1,6 +1,7 @@
-"""The HTTP front when things go wrong: an oversized body (413), a full queue (429 with
-Retry-After), a client that disconnects mid-stream (its KV blocks come back), a worker killed
-mid-stream (a final SSE error event, never a hang), no worker left (503 with Retry-After).
+"""The HTTP front when things go wrong: an oversized body (413, read even by a client still
+sending), a full queue (429 with Retry-After), a client that disconnects mid-stream (its KV
+blocks come back), a worker killed mid-stream (a final SSE error event, never a hang), no worker
+left (503 with Retry-After).
 
 Raw HTTP/1.0 over asyncio streams, so the test sees exactly what is on the wire and can hang up
 at any moment. One small pool: 1 running sequence, 1 waiting per class."""
@@ -91,6 +92,60 @@ def test_an_oversized_body_is_a_413_naming_the_limit(cluster):
     assert status == 413
     assert body["error"]["param"] == "body" and str(BODY_LIMIT) in body["error"]["message"]
     assert body["error"]["code"] == "body_too_large"
+
+
+def chunked(data: bytes, size: int = 16384) -> bytes:
+    """`data` in HTTP/1.1 chunked transfer coding, ended."""
+    return b"".join(b"%x\r\n%s\r\n" % (len(data[i:i + size]), data[i:i + size])
+                    for i in range(0, len(data), size)) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_still_sending_an_oversized_body_reads_the_413(cluster, framing):
+    """The answer comes while the client is still sending (a pause in mid-body): the rest is read
+    and dropped, so the client reads a 413 and a clean end, not a connection reset (a socket
+    closed with bytes unread resets; before, this client was reset every time)."""
+    async def go():
+        router = cluster.config.router
+        reader, writer = await asyncio.open_connection(router.host, router.http_port)
+        data = json.dumps(with_model(cluster, completion(4, prompt="x" * (3 * BODY_LIMIT)))).encode()
+        if framing == "chunked":
+            head, data = b"POST /v1/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n", chunked(data)
+        else:
+            head = b"POST /v1/completions HTTP/1.0\r\ncontent-length: %d\r\n" % len(data)
+        writer.write(head + b"host: test\r\nconnection: close\r\ncontent-type: application/json\r\n\r\n"
+                     + data[:2 * BODY_LIMIT])
+        await writer.drain()
+        await asyncio.sleep(0.3)                 # the server has everything it needs to refuse
+        for start in range(2 * BODY_LIMIT, len(data), 8192):     # the rest, as a slow link brings it
+            writer.write(data[start:start + 8192])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        answer = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        return answer
+
+    head, _, body = run(go()).partition(b"\r\n\r\n")
+    assert head.split()[1] == b"413"
+    error = json.loads(body)["error"]
+    assert error["code"] == "body_too_large" and str(BODY_LIMIT) in error["message"]
+
+
+def test_a_body_declared_far_over_the_limit_is_refused_without_waiting_for_it(cluster):
+    """Past 4x the limit the front reads nothing more: the 413 comes while the 10 GB body is
+    still unsent (the read timeout is 30 s; this waits 10)."""
+    async def go():
+        router = cluster.config.router
+        reader, writer = await asyncio.open_connection(router.host, router.http_port)
+        writer.write(b"POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\n"
+                     b"content-length: 10000000000\r\n\r\n{")
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return answer
+
+    head, _, body = run(go()).partition(b"\r\n\r\n")
+    assert head.split()[1] == b"413" and json.loads(body)["error"]["code"] == "body_too_large"
 
 
 def test_a_full_queue_is_a_429_with_retry_after(cluster):
