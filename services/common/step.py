@@ -6,6 +6,7 @@ position of its first token.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -29,6 +30,10 @@ class FinishReason(IntEnum):
 
 
 MAX_TOP_LOGPROBS = 20    # top tokens a sequence may ask logprobs of (OpenAI's bound)
+MAX_LOGIT_BIAS = 1024    # tokens a sequence may bias (each costs the sampler a little, every step)
+PENALTY_RANGE = (-2.0, 2.0)          # presence and frequency penalties (OpenAI's bounds)
+MAX_REPETITION_PENALTY = 10.0        # > 0; 1 is none (vLLM's meaning); more only pushes logits to 0 or -inf
+LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's bounds
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,6 +47,16 @@ class SamplingParams:
     ignore_eos: bool = False          # benchmarks: keep going past EOS (stop_token_ids still stop)
     logprobs: int | None = None       # set: each token's logprob and this many top ones (0-MAX_TOP_LOGPROBS)
     json_schema: str = ""             # structured output: a JSON Schema (JSON text) the output must match
+    # Adjustments of the logits before sampling (services/engine/sampler.py, in vLLM's order and
+    # with its formulas): a bias per token; a penalty on tokens of the prompt or output
+    # (repetition: positive logits divided by it, negative ones multiplied); on output tokens by
+    # their count (frequency) and for being there at all (presence); then, after temperature,
+    # dropping tokens less likely than min_p times the likeliest.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:   # also catches NaN
@@ -57,10 +72,32 @@ class SamplingParams:
         if self.json_schema and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with json_schema: a structured answer ends "
                              "where its JSON is complete")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: none), "
+                             f"got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        low, high = LOGIT_BIAS_RANGE
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not low <= bias <= high:
+                raise ValueError(f"logit_bias[{token_id}] must be a token id >= 0 with a bias in "
+                                 f"[{low:g}, {high:g}], got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """Some adjustment applies to its logits before the sampling (not min_p, which comes after)."""
+        return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty) \
+            or self.repetition_penalty != 1.0
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -84,6 +121,10 @@ class SequenceWork:
     # Structured output: its grammar state (an llguidance matcher, services/engine/grammar.py), which
     # masks the token sampled at the end of this entry and advances by it. None: unconstrained.
     constraint: object = None
+    # The sequence's tokens so far, prompt then output from `output_start` (a resumed request's
+    # streamed tokens are output): what its penalties count. Read only when it samples this step.
+    history: Sequence[int] = ()
+    output_start: int = 0
 
     @property
     def end(self) -> int:

@@ -108,7 +108,8 @@ class BatchRunner:
                 prompt_len = len(seq.request.prompt_ids)
                 work.append(SequenceWork(seq.index, [seq.output[-1]], prompt_len + len(seq.output) - 1,
                                          seq.blocks, seq.request.sampling, len(seq.output),
-                                         lora=seq.request.lora, constraint=seq.constraint))
+                                         lora=seq.request.lora, constraint=seq.constraint,
+                                         history=_history(seq), output_start=prompt_len))
                 budget -= 1
         for seq in running:
             remaining = len(seq.request.prompt_ids) - seq.computed
@@ -117,6 +118,12 @@ class BatchRunner:
             chunk = min(remaining, budget)
             work.append(SequenceWork(seq.index, seq.request.prompt_ids[seq.computed:seq.computed + chunk],
                                      seq.computed, seq.blocks, seq.request.sampling, 0,
-                                     sample=chunk == remaining, lora=seq.request.lora, constraint=seq.constraint))
+                                     sample=chunk == remaining, lora=seq.request.lora, constraint=seq.constraint,
+                                     history=_history(seq), output_start=len(seq.request.prompt_ids)))
             budget -= chunk
         return StepBatch(work)
+
+
+def _history(seq: _Running) -> list[int]:
+    """What its penalties count (SequenceWork.history): only a penalised request pays the copy."""
+    return [*seq.request.prompt_ids, *seq.output] if seq.request.sampling.penalised else []

@@ -1,5 +1,14 @@
 """Token sampling for a batch of sequences with per-sequence parameters.
 
+Before sampling, a row's logits are adjusted as its parameters ask, in vLLM's order and with its
+formulas (so a request moved between the two samples alike): the logit bias added; the
+repetition penalty on every token of the prompt or output (a positive logit divided by it, a
+negative one multiplied); the frequency penalty times each token's count in the output and the
+presence penalty once for each token in it, subtracted. Greedy rows then take the argmax; the
+others are tempered, lose the tokens less likely than min_p times the likeliest, then top-k and
+top-p. Every adjustment reads only the row's own logits and tokens, so it holds alone or in any
+batch, after a preemption's recompute and after a failover (the resumed tokens are output).
+
 Sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to drawing from p.
 A seeded sequence draws E from a generator seeded by (seed, output index), so its tokens depend
 only on its own logits: the same alone or in any batch, and after a preemption recompute.
@@ -59,9 +68,40 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     return logits.masked_fill(remove_by_token, float("-inf"))
 
 
+def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork]) -> None:
+    """Row i of logits [B, V] adjusted in place for entries[i]'s bias and penalties (the module
+    docstring); rows that ask none are left as they are. A token a grammar masked off (-inf)
+    stays off."""
+    vocab = logits.shape[-1]
+    for row, entry in enumerate(entries):
+        p = entry.sampling
+        if not p.penalised:
+            continue
+        line = logits[row]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            line.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=logits.device,
+                                                 dtype=logits.dtype))
+        if p.repetition_penalty != 1.0 and entry.history:
+            seen = torch.tensor(entry.history, device=logits.device).unique()
+            values = line[seen]
+            line[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        output = entry.history[entry.output_start:]
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            counts = torch.bincount(torch.tensor(output, device=logits.device), minlength=vocab)[:vocab]
+            line -= p.frequency_penalty * counts.to(logits.dtype) + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _keep_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """probs [B, V] with each row's tokens below min_p times its likeliest set to 0."""
+    floor = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=probs.device,
+                                                            dtype=probs.dtype).unsqueeze(1)
+    return probs.masked_fill(probs < floor, 0.0)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            generator: torch.Generator) -> list[int]:
-    """Pick one token per row of logits [B, V] (float32); returns the token ids."""
+    """Pick one token per row of logits [B, V] (float32, adjusted already); returns the token ids."""
     chosen = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -69,6 +109,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         temps = torch.tensor([params[i].temperature for i in random_rows],
                              device=logits.device, dtype=logits.dtype)
         tempered = logits[rows] / temps.unsqueeze(1)
+        if any(params[i].min_p for i in random_rows):
+            kept = _keep_min_p(tempered.softmax(dim=-1), [params[i].min_p for i in random_rows])
+            tempered = tempered.masked_fill(kept == 0, float("-inf"))
         if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
             tempered = _filter_top_k_top_p(tempered, [params[i].top_k for i in random_rows],
                                            [params[i].top_p for i in random_rows])
@@ -86,19 +129,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
     return chosen.tolist()
 
 
-def token_logprobs(logits: torch.Tensor, chosen: list[int],
+def logprob_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """A copy of the logits of the rows that ask for logprobs (None if none does), taken before
+    the bias and penalties: logprobs are the model's (after any grammar mask), as vLLM reports
+    them by default. Only asking rows pay: a log-softmax over the vocabulary cost 1.2 ms of a
+    16 ms bench-model decode step."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    return logits[torch.tensor(rows, device=logits.device)].float() if rows else None
+
+
+def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
                    params: list[SamplingParams]) -> list[TokenLogprobs | None]:
-    """Each row's chosen token's log-probability and its `params.logprobs` most likely tokens',
-    from the logits it was sampled from (after any grammar mask; before temperature, top-k and
-    top-p, as vLLM reports them by default); None for rows that did not ask. Only asking rows
-    pay: a log-softmax over the vocabulary cost 1.2 ms of a 16 ms bench-model decode step."""
+    """Each asking row's chosen token's log-probability and its `params.logprobs` most likely
+    tokens', from `asked` (logprob_rows: its rows are the asking rows, in order); None for rows
+    that did not ask."""
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     out: list[TokenLogprobs | None] = [None] * len(params)
-    if not rows:
+    if asked is None:
         return out
-    index = torch.tensor(rows, device=logits.device)
-    logprobs = logits[index].float().log_softmax(dim=-1)
-    picked = logprobs.gather(1, torch.tensor([[chosen[i]] for i in rows], device=logits.device))
+    logprobs = asked.log_softmax(dim=-1)
+    picked = logprobs.gather(1, torch.tensor([[chosen[i]] for i in rows], device=asked.device))
     widest = max(params[i].logprobs for i in rows)
     top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
     picked, top_values, top_ids = picked.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()
@@ -110,6 +160,7 @@ def token_logprobs(logits: torch.Tensor, chosen: list[int],
     return out
 
 
+@torch.inference_mode()      # the logits are the model's inference tensors; adjust_logits writes them
 def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: torch.Generator,
                 masks=None) -> list[tuple[int, TokenLogprobs | None]]:
     """A step's sampling: one (token id, logprobs or None) per entry, row i of logits [B, V].
@@ -118,7 +169,9 @@ def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: to
     if masks is not None:
         masks.apply(logits)
     params = [s.sampling for s in entries]
+    asked = logprob_rows(logits, params)
+    adjust_logits(logits, entries)
     ids = sample(logits, params, [s.num_generated for s in entries], generator)
     if masks is not None:
         masks.advance(ids)
-    return list(zip(ids, token_logprobs(logits, ids, params)))
+    return list(zip(ids, token_logprobs(asked, ids, params)))

@@ -83,7 +83,8 @@ class SequenceTable:
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
                 sample=end == len(seq.tokens), lora=seq.lora, window=seq.window,
-                dropped_blocks=seq.dropped_blocks, constraint=seq.constraint))
+                dropped_blocks=seq.dropped_blocks, constraint=seq.constraint,
+                history=seq.tokens, output_start=seq.prompt_len - seq.num_generated))
         return StepBatch(work)
 
     def _check(self, plan: worker_pb2.StepPlan) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.step import SamplingParams, SequenceWork, StepBatch
-from services.engine.sampler import token_logprobs
+from services.engine.sampler import logprob_rows, token_logprobs
 from tests.tiny_models import make_engine
 
 ASKS = {1: SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=5),
@@ -65,7 +65,7 @@ def test_logprobs_match_a_recomputed_log_softmax_within_1e_4_fp32(tiny_model_dir
 def test_top_logprobs_skip_tokens_a_mask_made_impossible():
     logits = torch.tensor([[0.0, 1.0, float("-inf"), 2.0], [3.0, float("-inf"), float("-inf"), float("-inf")]])
     params = [SamplingParams(logprobs=4), SamplingParams(logprobs=3)]
-    first, second = token_logprobs(logits, [3, 0], params)
+    first, second = token_logprobs(logprob_rows(logits, params), [3, 0], params)
     assert [t for t, _ in first.top] == [3, 1, 0] and second.top == ((0, 0.0),)
     total = math.log(1 + math.e + math.e ** 2)
     assert first.logprob == pytest.approx(2 - total, abs=1e-6) and second.logprob == 0.0

@@ -1,0 +1,139 @@
+"""Logit bias, repetition / frequency / presence penalties and min_p: each against its formula
+written out by hand (vLLM's), the order they apply in, a grammar's mask kept, logprobs left the
+model's, the same token alone or in any batch, and their bounds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.common.step import SamplingParams, SequenceWork
+from services.engine.batch_runner import BatchRunner, GenerationRequest
+from services.engine.sampler import adjust_logits, sample, sample_step
+from tests.tiny_models import make_engine
+
+VOCAB = 8
+
+
+def entry(params: SamplingParams, history=(), output_start=0) -> SequenceWork:
+    return SequenceWork(seq_id=0, token_ids=[0], position=0, block_table=[0], sampling=params,
+                        history=list(history), output_start=output_start)
+
+
+def adjusted(params: SamplingParams, logits: list[float], history=(), output_start=0) -> list[float]:
+    row = torch.tensor([logits])
+    adjust_logits(row, [entry(params, history, output_start)])
+    return row[0].tolist()
+
+
+LOGITS = [2.0, -1.0, 0.5, -3.0, 1.0, 0.0, 4.0, -0.5]
+HISTORY = [1, 2, 6, 6, 0]          # prompt [1, 2], then output [6, 6, 0]
+
+
+def test_each_adjustment_is_its_formula():
+    bias = adjusted(SamplingParams(logit_bias=((3, 5.0), (6, -100.0))), LOGITS)
+    assert bias == pytest.approx([2.0, -1.0, 0.5, 2.0, 1.0, 0.0, -96.0, -0.5])
+
+    # Repetition: every token of prompt and output, once, whatever its count.
+    rep = adjusted(SamplingParams(repetition_penalty=2.0), LOGITS, HISTORY, 2)
+    assert rep == pytest.approx([1.0, -2.0, 0.25, -3.0, 1.0, 0.0, 2.0, -0.5])
+
+    # Frequency and presence: the output only (token 6 twice, 0 once; the prompt's 1 and 2 not).
+    pen = adjusted(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), LOGITS, HISTORY, 2)
+    assert pen == pytest.approx([2.0 - 0.75, -1.0, 0.5, -3.0, 1.0, 0.0, 4.0 - 1.25, -0.5])
+
+    # Negative values reward instead (OpenAI's range is -2..2).
+    assert adjusted(SamplingParams(presence_penalty=-1.0), LOGITS, HISTORY, 2)[6] == pytest.approx(5.0)
+
+
+def test_the_bias_comes_before_the_repetition_penalty():
+    # Token 1's -1 biased to +3 is then divided (positive), not multiplied: vLLM's order.
+    got = adjusted(SamplingParams(logit_bias=((1, 4.0),), repetition_penalty=2.0), LOGITS, [1], 1)
+    assert got[1] == pytest.approx(1.5)
+
+
+def test_a_row_without_adjustments_and_a_masked_token_are_left_as_they_are():
+    logits = torch.tensor([LOGITS, LOGITS])
+    logits[1, 6] = float("-inf")            # a grammar's mask
+    rows = [entry(SamplingParams()), entry(SamplingParams(logit_bias=((6, 100.0),), frequency_penalty=-2.0,
+                                                          repetition_penalty=0.5), HISTORY, 2)]
+    adjust_logits(logits, rows)
+    assert logits[0].tolist() == LOGITS and logits[1, 6].item() == float("-inf")
+
+
+def test_greedy_rows_take_the_argmax_after_the_penalties():
+    # Greedy picks 6 (4.0); once 6 was output, a presence penalty of 2 and a frequency one of 2
+    # (4 - 2 - 2*2 = -2) leave 0 (2.0) on top.
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0)
+    picks = sample_step(torch.tensor([LOGITS, LOGITS]), [entry(params), entry(params, [5, 6], 1)],
+                        torch.Generator().manual_seed(0))
+    assert [token for token, _ in picks] == [6, 0]
+
+
+def test_logprobs_are_the_models_not_the_penalised_ones():
+    params = SamplingParams(temperature=0.0, logprobs=2, logit_bias=((3, 100.0),))
+    [(token, logprobs)] = sample_step(torch.tensor([LOGITS]), [entry(params)], torch.Generator())
+    total = math.log(sum(math.exp(v) for v in LOGITS))
+    assert token == 3                                   # the bias decided the token ...
+    assert logprobs.logprob == pytest.approx(-3.0 - total, abs=1e-5)      # ... not its logprob
+    assert [t for t, _ in logprobs.top] == [6, 0]
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    # Probabilities at temperature 1: token 6 is e^4 / sum; with min_p 0.1 only tokens within a
+    # factor 10 of it (logit > 4 - ln 10 = 1.70) may come: 6 and 0.
+    logits = torch.tensor([LOGITS] * 400)
+    params = [SamplingParams(temperature=1.0, min_p=0.1, seed=s) for s in range(400)]
+    drawn = set(sample(logits, params, [0] * 400, torch.Generator()))
+    assert drawn == {0, 6}
+    unfiltered = set(sample(logits, [SamplingParams(temperature=1.0, seed=s) for s in range(400)],
+                            [0] * 400, torch.Generator()))
+    assert len(unfiltered) > 2
+
+
+def test_a_penalised_request_gets_the_same_tokens_alone_and_in_a_batch(tiny_model_dir):
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.7, presence_penalty=0.4, min_p=0.05, logit_bias=((17, 3.0),))
+    prompt = list(range(40, 70))
+
+    def run(requests, seed):
+        return [r.token_ids for r in BatchRunner(make_engine(tiny_model_dir, seed=seed), max_running=len(requests),
+                                                 max_step_tokens=64).run(requests)]
+
+    alone = run([GenerationRequest(prompt, params)], 1)[0]
+    others = [GenerationRequest(list(range(5, 5 + n)), SamplingParams(temperature=t, max_tokens=12, ignore_eos=True))
+              for n, t in [(20, 0.0), (33, 1.0)]]
+    assert run([others[0], GenerationRequest(prompt, params), others[1]], 5)[1] == alone
+    plain = run([GenerationRequest(prompt, SamplingParams(temperature=0.8, seed=7, max_tokens=20,
+                                                          ignore_eos=True))], 1)[0]
+    assert alone != plain                               # the adjustments changed something
+
+
+def test_greedy_with_a_frequency_penalty_repeats_less(tiny_model_dir):
+    prompt = list(range(40, 48))
+
+    def greedy(**penalty):
+        [result] = BatchRunner(make_engine(tiny_model_dir), max_running=1, max_step_tokens=64).run(
+            [GenerationRequest(prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, **penalty))])
+        return result.token_ids
+
+    def most_repeated(tokens):
+        return max(tokens.count(t) for t in set(tokens))
+
+    assert most_repeated(greedy(frequency_penalty=2.0)) < most_repeated(greedy())
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+    ("frequency_penalty", float("nan"), "frequency_penalty must be in [-2, 2]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be in (0, 10]"),
+    ("repetition_penalty", 11.0, "repetition_penalty must be in (0, 10]"),
+    ("min_p", 1.5, "min_p must be in [0, 1]"),
+    ("logit_bias", ((3, 101.0),), "logit_bias[3]"),
+    ("logit_bias", ((-1, 1.0),), "logit_bias[-1]"),
+    ("logit_bias", tuple((i, 1.0) for i in range(1025)), "at most 1024 tokens"),
+])
+def test_out_of_range_values_are_refused_by_name(field, value, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):
+        SamplingParams(**{field: value})
