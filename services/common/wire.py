@@ -32,14 +32,30 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         top_p=s.top_p if s.HasField("top_p") else DEFAULT_TOP_P,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None, json_schema=s.json_schema)
+        logprobs=s.logprobs if s.HasField("logprobs") else None, json_schema=s.json_schema,
+        **client_adjustments(s))
+
+
+def client_adjustments(s: common_pb2.SamplingParams) -> dict:
+    """A client's logit adjustments (bias, penalties, min_p) as SamplingParams' fields, defaults
+    applied: the router's gRPC front checks them with SamplingParams' own bounds too."""
+    return _adjustments(s, s.repetition_penalty if s.HasField("repetition_penalty") else 1.0)
+
+
+def _adjustments(proto, repetition_penalty: float) -> dict:
+    """The logit adjustments' fields, as a client's SamplingParams and EngineSampling both have them."""
+    return dict(logit_bias=tuple(sorted(proto.logit_bias.items())), presence_penalty=proto.presence_penalty,
+                frequency_penalty=proto.frequency_penalty, repetition_penalty=repetition_penalty,
+                min_p=proto.min_p)
 
 
 def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
     proto = worker_pb2.EngineSampling(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, json_schema=params.json_schema)
+        ignore_eos=params.ignore_eos, json_schema=params.json_schema, logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p)
     if params.seed is not None:
         proto.seed = params.seed
     if params.logprobs is not None:
@@ -53,7 +69,7 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           max_tokens=proto.max_tokens, stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos,
                           logprobs=proto.logprobs if proto.HasField("logprobs") else None,
-                          json_schema=proto.json_schema)
+                          json_schema=proto.json_schema, **_adjustments(proto, proto.repetition_penalty or 1.0))
 
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:

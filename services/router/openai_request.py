@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.common.step import MAX_TOP_LOGPROBS
+from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
+                                   PENALTY_RANGE)
 from services.router.json_fields import json_kind, text_field
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
@@ -37,7 +38,9 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "top_k", "ignore_eos", "stop_token_ids", "priority",   # these four as vLLM takes them
           "context_mode",                                 # ours: auto, dense or streaming attention
           "response_format",                              # structured outputs (response_format.py)
-          "cache_salt", "prompt_cache_key"}               # narrow prefix-cache sharing (vLLM, OpenAI)
+          "cache_salt", "prompt_cache_key",               # narrow prefix-cache sharing (vLLM, OpenAI)
+          "logit_bias", "frequency_penalty", "presence_penalty",
+          "repetition_penalty", "min_p"}                  # these two as vLLM takes them
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -45,11 +48,11 @@ FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs
           COMPLETION: COMMON | HINTS | {"prompt", "logprobs"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "tools": ([],), "tool_choice": ("none",),
+    "tools": ([],), "tool_choice": ("none",),
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
     "store": (False,), "modalities": (["text"],),
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "repetition_penalty": (1,),
-    "min_tokens": (0,), "min_p": (0,), "metadata": ({},), "reasoning_effort": (),
+    "best_of": (1,), "echo": (False,), "suffix": ("",),
+    "min_tokens": (0,), "metadata": ({},), "reasoning_effort": (),
     "audio": (), "prediction": (), "web_search_options": (),
 }
 
@@ -256,12 +259,36 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
     if body.get("ignore_eos") is not None:
         s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
     _logprobs(body, request)
+    _adjustments(body, s)
     if body.get("response_format") is not None:
         s.json_schema = json_schema_of(body["response_format"])
         request.schema_field = "response_format.json_schema.schema"
         if s.json_schema and s.ignore_eos:
             raise invalid("ignore_eos cannot be combined with a JSON response_format: a structured answer "
                           "ends where its JSON is complete", "ignore_eos")
+
+
+def _adjustments(body: dict, s: common_pb2.SamplingParams) -> None:
+    """The logit bias ({"token id": bias}, as OpenAI's), the penalties and min_p, in their bounds
+    (services/common/step.py; the scheduler checks the bias's ids against the model's vocabulary)."""
+    low, high = PENALTY_RANGE
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) is not None:
+            setattr(s, name, _number(body[name], name, low, high))
+    if body.get("repetition_penalty") is not None:
+        s.repetition_penalty = _number(body["repetition_penalty"], "repetition_penalty", 0.0,
+                                       MAX_REPETITION_PENALTY, low_open=True)
+    if body.get("min_p") is not None:
+        s.min_p = _number(body["min_p"], "min_p", 0.0, 1.0)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) "
+                          "to biases", "logit_bias")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT32):
+                raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            s.logit_bias[int(key)] = _number(value, f"logit_bias[{key}]", *LOGIT_BIAS_RANGE)
 
 
 def _logprobs(body: dict, request: OpenAIRequest) -> None:

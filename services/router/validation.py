@@ -19,7 +19,8 @@ from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY
                                       STREAM_INTERVAL_HEADER, TENANT_HEADER, Priority, parse_context_mode,
                                       parse_priority, parse_slo_ms, parse_stream_interval, parse_tenant)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.common.step import MAX_TOP_LOGPROBS
+from services.common.step import MAX_TOP_LOGPROBS, SamplingParams
+from services.common.wire import client_adjustments
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
@@ -115,6 +116,10 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
         raise invalid(f"sampling.top_p must be in (0, 1], got {s.top_p}", "sampling.top_p")
     if s.HasField("top_k") and s.top_k < 0:
         raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}", "sampling.top_k")
+    try:        # the bounds the engine's SamplingParams holds them to (services/common/step.py)
+        SamplingParams(**client_adjustments(s))
+    except ValueError as exc:
+        raise invalid(f"sampling.{exc}", field=f"sampling.{str(exc).split()[0]}") from None
     if s.HasField("logprobs") and s.logprobs > MAX_TOP_LOGPROBS:
         raise invalid(f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {s.logprobs}", "sampling.logprobs")
     if len(s.stop) > MAX_STOP_STRINGS:

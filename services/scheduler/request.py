@@ -174,13 +174,15 @@ class Request:
         return 0.0 if moment is None else (moment - self.arrival) * 1000
 
 
-def check_token_ids(ids, vocab_size: int, field: str) -> None:
-    """Each of a request's token ids (stop ids, tokens it already streamed) one the model has: an
-    id past its vocabulary would never be sampled, and a stop id there would never stop anything."""
+def check_token_ids(ids, vocab_size: int, field: str, keyed: bool = False) -> None:
+    """Each of a request's token ids (stop ids, tokens it already streamed, the keys of its logit
+    bias: `keyed`, named by id rather than index) one the model has: an id past its vocabulary
+    would never be sampled, and a stop id there would never stop anything."""
     for i, token_id in enumerate(ids):
         if not 0 <= token_id < vocab_size:
-            raise invalid(f"{field}[{i}]={token_id} is not a token id of this model "
-                          f"(its vocabulary: 0 to {vocab_size - 1})", field=f"{field}[{i}]")
+            where = f"{field}[{token_id}]" if keyed else f"{field}[{i}]={token_id}"
+            raise invalid(f"{where} is not a token id of this model (its vocabulary: 0 to {vocab_size - 1})",
+                          field=f"{field}[{token_id if keyed else i}]")
 
 
 def resume(request: Request, streamed: list[int], vocab_size: int) -> None:

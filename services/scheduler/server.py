@@ -155,6 +155,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         check_token_ids(submit.sampling.stop_token_ids, self.tokenizer.vocab_size, "sampling.stop_token_ids")
+        check_token_ids(sorted(submit.sampling.logit_bias), self.tokenizer.vocab_size, "sampling.logit_bias", keyed=True)
         limits = self._limits()
         window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
                                limits.max_context, limits.block_size, self.streaming)

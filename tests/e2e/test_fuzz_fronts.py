@@ -71,7 +71,10 @@ BAD = {
                               min_size=1)),
     "logprobs": anything_but("bool"),
     "top_logprobs": st.one_of(st.integers(max_value=-1), st.integers(min_value=21), anything_but("int")),
-    "frequency_penalty": st.floats(min_value=0.1, max_value=2),
+    "frequency_penalty": st.one_of(st.floats(min_value=2.001, max_value=1e300), st.floats(max_value=-2.001, min_value=-1e300),
+                                   anything_but("int", "float")),
+    "logit_bias": st.one_of(anything_but("dict"), st.dictionaries(st.text(min_size=1).filter(lambda k: not k.isdigit()),
+                                                                  st.integers(), min_size=1, max_size=2)),
     "tools": st.lists(st.dictionaries(st.text(max_size=3), st.integers()), min_size=1, max_size=2),
 }
 KNOWN = FIELDS["chat"] | set(NEUTRAL)

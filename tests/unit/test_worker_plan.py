@@ -6,7 +6,7 @@ import pytest
 
 from services.common.proto.qos.v1 import worker_pb2
 from services.common.step import SamplingParams
-from services.common.wire import engine_sampling
+from services.common.wire import engine_sampling, sampling_from_engine
 from services.worker.sequences import PlanError, SequenceTable
 
 
@@ -83,3 +83,21 @@ def test_a_cut_in_may_read_the_cached_blocks_the_step_in_flight_holds_but_not_wr
         cut_ins.check(worker_pb2.StepPlan(step_id=6, cut_in=True, new_sequences=[writer], scheduled_seq_ids=[3],
                                           scheduled_num_tokens=[6], granted_seq_ids=[3, 3, 3],
                                           granted_block_ids=[10, 11, 20]))
+
+
+def test_a_penalised_sequence_announced_again_counts_its_streamed_tokens_as_output():
+    """After a preemption or a failover the scheduler announces the prompt plus the tokens already
+    streamed (num_generated of them): the penalties count those as output, not as prompt, and the
+    adjustments travel the hop unchanged (an older scheduler's repetition_penalty 0 means 1)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0, repetition_penalty=1.25,
+                            min_p=0.5, logit_bias=((4, -2.0), (9, 3.0)))
+    new = worker_pb2.NewSequence(seq_id=1, prompt_token_ids=[3, 4, 5, 6, 7, 8], num_generated=2,
+                                 sampling=engine_sampling(params))
+    batch = SequenceTable().apply(worker_pb2.StepPlan(step_id=1, new_sequences=[new], scheduled_seq_ids=[1],
+                                                      scheduled_num_tokens=[6], granted_seq_ids=[1],
+                                                      granted_block_ids=[0]))
+    [work] = batch.sequences
+    assert work.sampling == params and work.sample
+    assert list(work.history) == [3, 4, 5, 6, 7, 8] and work.output_start == 4     # output: [7, 8]
+    older = worker_pb2.EngineSampling(temperature=0.0, top_p=1.0, max_tokens=8)
+    assert sampling_from_engine(older).repetition_penalty == 1.0
