@@ -92,6 +92,20 @@ def openai_client(cluster: LocalCluster, timeout: float = 120):
                          max_retries=0, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def client(cluster):
+    """The official client on the module's `cluster` fixture (modules that need a longer timeout
+    define their own)."""
+    with openai_client(cluster) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The model the module's cluster serves, as /v1/models names it."""
+    return client.models.list().data[0].id
+
+
 async def worker_dtype(cluster: LocalCluster, pool: str | None = None) -> str:
     """The dtype the pool's workers report running ("float32", "bfloat16")."""
     dtypes = {m.dtype for m in (await cluster.pool_stats(pool)).members if m.connected}

@@ -13,7 +13,7 @@ from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import router_pb2
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, openai_client, run
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +28,6 @@ def cluster():
     # same numbers.
     with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    with openai_client(cluster) as api:
-        yield api
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def grpc_answer(cluster, request):

@@ -13,7 +13,7 @@ from services.common.tokenizer import TextTokenizer
 from services.engine.default_model import default_model_dir
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, openai_client, run
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +25,6 @@ TOLERANCE = 1e-4
 def cluster():
     with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:   # the figure is fp32's
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    with openai_client(cluster) as api:
-        yield api
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @functools.cache

@@ -54,11 +54,6 @@ def client(cluster) -> openai.OpenAI:
         yield api
 
 
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def valid(text: str, schema: dict) -> dict:
     answer = json.loads(text)
     jsonschema.validate(answer, schema)
