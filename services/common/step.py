@@ -57,6 +57,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # Output tokens before EOS or a stop token id may be sampled (their logits are -inf until
+    # then) and before a stop string counts (vLLM's min_tokens).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:   # also catches NaN
@@ -81,6 +84,11 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.min_tokens and self.json_schema:
+            raise ValueError("min_tokens cannot be combined with json_schema: a structured answer ends "
+                             "where its JSON is complete")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         low, high = LOGIT_BIAS_RANGE

@@ -46,7 +46,7 @@ def _adjustments(proto, repetition_penalty: float) -> dict:
     """The logit adjustments' fields, as a client's SamplingParams and EngineSampling both have them."""
     return dict(logit_bias=tuple(sorted(proto.logit_bias.items())), presence_penalty=proto.presence_penalty,
                 frequency_penalty=proto.frequency_penalty, repetition_penalty=repetition_penalty,
-                min_p=proto.min_p)
+                min_p=proto.min_p, min_tokens=proto.min_tokens)
 
 
 def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
@@ -55,7 +55,7 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, json_schema=params.json_schema, logit_bias=dict(params.logit_bias),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, min_p=params.min_p)
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens)
     if params.seed is not None:
         proto.seed = params.seed
     if params.logprobs is not None:

@@ -189,7 +189,7 @@ class Engine:
         tokens: list[SampledToken] = []
         if sampled:
             logits = self.model.logits(hidden[torch.tensor(last_rows, device=self.device)], pause)
-            picks = sample_step(logits, sampled, self.generator, masks)
+            picks = sample_step(logits, sampled, self.generator, masks, self.model_config.eos_token_ids)
             failed = masks.failed if masks is not None else ()
             tokens = [SampledToken(s.seq_id, tid, FinishReason.ERROR if i in failed else self._finish_reason(s, tid), lp)
                       for i, (s, (tid, lp)) in enumerate(zip(sampled, picks))]

@@ -4,7 +4,8 @@ Before sampling, a row's logits are adjusted as its parameters ask, in vLLM's or
 formulas (so a request moved between the two samples alike): the logit bias added; the
 repetition penalty on every token of the prompt or output (a positive logit divided by it, a
 negative one multiplied); the frequency penalty times each token's count in the output and the
-presence penalty once for each token in it, subtracted. Greedy rows then take the argmax; the
+presence penalty once for each token in it, subtracted; while a sequence has fewer than
+min_tokens, its EOS and stop token ids are -inf. Greedy rows then take the argmax; the
 others are tempered, lose the tokens less likely than min_p times the likeliest, then top-k and
 top-p. Every adjustment reads only the row's own logits and tokens, so it holds alone or in any
 batch, after a preemption's recompute and after a failover (the resumed tokens are output).
@@ -14,6 +15,8 @@ A seeded sequence draws E from a generator seeded by (seed, output index), so it
 only on its own logits: the same alone or in any batch, and after a preemption recompute.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -68,16 +71,21 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     return logits.masked_fill(remove_by_token, float("-inf"))
 
 
-def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork]) -> None:
+def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork], eos_ids: Sequence[int] = ()) -> None:
     """Row i of logits [B, V] adjusted in place for entries[i]'s bias and penalties (the module
-    docstring); rows that ask none are left as they are. A token a grammar masked off (-inf)
+    docstring), and its stop tokens (`eos_ids` unless it ignores EOS) off while it has fewer than
+    min_tokens; rows that ask none are left as they are. A token a grammar masked off (-inf)
     stays off."""
     vocab = logits.shape[-1]
     for row, entry in enumerate(entries):
         p = entry.sampling
+        line = logits[row]
+        if p.min_tokens > entry.num_generated:
+            ends = [*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)]
+            if ends:
+                line[torch.tensor(ends, device=logits.device)] = float("-inf")
         if not p.penalised:
             continue
-        line = logits[row]
         if p.logit_bias:
             ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
             line.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=logits.device,
@@ -162,7 +170,7 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
 
 @torch.inference_mode()      # the logits are the model's inference tensors; adjust_logits writes them
 def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: torch.Generator,
-                masks=None) -> list[tuple[int, TokenLogprobs | None]]:
+                masks=None, eos_ids: Sequence[int] = ()) -> list[tuple[int, TokenLogprobs | None]]:
     """A step's sampling: one (token id, logprobs or None) per entry, row i of logits [B, V].
     `masks` (grammar.StepMasks): the constrained rows' grammar masks, applied first; the sampled
     tokens then advance their grammars."""
@@ -170,7 +178,7 @@ def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: to
         masks.apply(logits)
     params = [s.sampling for s in entries]
     asked = logprob_rows(logits, params)
-    adjust_logits(logits, entries)
+    adjust_logits(logits, entries, eos_ids)
     ids = sample(logits, params, [s.num_generated for s in entries], generator)
     if masks is not None:
         masks.advance(ids)

@@ -40,7 +40,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "response_format",                              # structured outputs (response_format.py)
           "cache_salt", "prompt_cache_key",               # narrow prefix-cache sharing (vLLM, OpenAI)
           "logit_bias", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "min_p"}                  # these two as vLLM takes them
+          "repetition_penalty", "min_p", "min_tokens"}    # these three as vLLM takes them
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -52,7 +52,7 @@ NEUTRAL = {
     "parallel_tool_calls": (True, False), "functions": ([],), "function_call": ("none",),
     "store": (False,), "modalities": (["text"],),
     "best_of": (1,), "echo": (False,), "suffix": ("",),
-    "min_tokens": (0,), "metadata": ({},), "reasoning_effort": (),
+    "metadata": ({},), "reasoning_effort": (),
     "audio": (), "prediction": (), "web_search_options": (),
 }
 
@@ -269,8 +269,9 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
 
 
 def _adjustments(body: dict, s: common_pb2.SamplingParams) -> None:
-    """The logit bias ({"token id": bias}, as OpenAI's), the penalties and min_p, in their bounds
-    (services/common/step.py; the scheduler checks the bias's ids against the model's vocabulary)."""
+    """The logit bias ({"token id": bias}, as OpenAI's), the penalties, min_p and min_tokens, in
+    their bounds (services/common/step.py; the scheduler checks the bias's ids against the
+    model's vocabulary)."""
     low, high = PENALTY_RANGE
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) is not None:
@@ -280,6 +281,8 @@ def _adjustments(body: dict, s: common_pb2.SamplingParams) -> None:
                                        MAX_REPETITION_PENALTY, low_open=True)
     if body.get("min_p") is not None:
         s.min_p = _number(body["min_p"], "min_p", 0.0, 1.0)
+    if body.get("min_tokens") is not None:      # the scheduler holds it to max_tokens
+        s.min_tokens = _int(body["min_tokens"], "min_tokens", 0, MAX_INT32)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:

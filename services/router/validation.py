@@ -117,7 +117,8 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
     if s.HasField("top_k") and s.top_k < 0:
         raise invalid(f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}", "sampling.top_k")
     try:        # the bounds the engine's SamplingParams holds them to (services/common/step.py)
-        SamplingParams(**client_adjustments(s))
+        # max_tokens as sent, or none yet: the scheduler holds min_tokens to the one it resolves.
+        SamplingParams(**client_adjustments(s), max_tokens=s.max_tokens if s.max_tokens > 0 else 2**31 - 1)
     except ValueError as exc:
         raise invalid(f"sampling.{exc}", field=f"sampling.{str(exc).split()[0]}") from None
     if s.HasField("logprobs") and s.logprobs > MAX_TOP_LOGPROBS:

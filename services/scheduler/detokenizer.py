@@ -44,6 +44,9 @@ class IncrementalDetokenizer:
     prompt_ids: InitVar[Sequence[int]] = ()
     skip_special_tokens: bool = True
     stop: Sequence[str] | None = None
+    # Stop strings count only once this many tokens were added (a request's min_tokens): the
+    # text before is emitted as it comes and the matching starts after it.
+    min_tokens: int = 0
 
     # The stop string that ended the output, or None.
     stop_string: str | None = field(default=None, init=False)
@@ -65,6 +68,7 @@ class IncrementalDetokenizer:
     _pending: str = field(default="", init=False, repr=False)
     _emitted: list[str] = field(default_factory=list, init=False, repr=False)
     _flushed: bool = field(default=False, init=False, repr=False)
+    _added: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self, prompt_ids: Sequence[int]) -> None:
         # An empty stop string would match before the first character; ignore it (as vLLM does).
@@ -94,6 +98,7 @@ class IncrementalDetokenizer:
             # The engine may have sampled a token past the stop before the scheduler saw it.
             return ""
         self._tokens.append(token_id)
+        self._added += 1
         return self._emit(self._decode_new(final=False), final=False)
 
     def flush(self) -> str:
@@ -134,7 +139,7 @@ class IncrementalDetokenizer:
 
     def _emit(self, delta: str, final: bool) -> str:
         """Apply stop strings to the new text; record and return what may be streamed now."""
-        if not self._stops:
+        if not self._stops or self._added < self.min_tokens:
             if delta:
                 self._emitted.append(delta)
             return delta

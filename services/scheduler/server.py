@@ -165,7 +165,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
-                                               stop=list(submit.sampling.stop)),
+                                               stop=list(submit.sampling.stop),
+                                               min_tokens=sampling.min_tokens),
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
             cache_scope=submit.cache_scope, stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
             window=window)

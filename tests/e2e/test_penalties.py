@@ -1,8 +1,9 @@
-"""Logit bias, presence / frequency / repetition penalties and min_p through both fronts, with the
-official `openai` client, against a real cluster serving the embedded model in fp32: the answer
-is token for token what the engine gives for the same prompt and parameters (greedy), it differs
-from the unpenalised one, a bias of 100 forces its token, and out-of-range values or a token past
-the vocabulary are 400 / INVALID_ARGUMENT naming the parameter."""
+"""Logit bias, presence / frequency / repetition penalties, min_p and min_tokens through both
+fronts, with the official `openai` client, against a real cluster serving the embedded model in
+fp32: the answer is token for token what the engine gives for the same prompt and parameters
+(greedy), it differs from the unpenalised one, a bias of 100 forces its token, min_tokens holds
+off an EOS so forced, and out-of-range values or a token past the vocabulary are 400 /
+INVALID_ARGUMENT naming the parameter."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +19,7 @@ from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.default_model import default_model_dir
 from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, sampling_params
-from tests.e2e.conftest import cluster_config, openai_client, run
+from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
 
@@ -30,17 +31,6 @@ ADJUSTED = dict(presence_penalty=1.5, frequency_penalty=0.8, repetition_penalty=
 def cluster():
     with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:    # exact tokens: fp32
         yield running
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    with openai_client(cluster) as api:
-        yield api
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @functools.cache
@@ -86,22 +76,38 @@ def test_a_bias_of_100_forces_its_token_in_a_chat(client, model):
     assert answer.choices[0].message.content == tokenizer().decode([forced] * 5)
 
 
+def test_min_tokens_holds_off_eos_through_the_official_client(client, model):
+    from services.engine.config import load_model_config
+    eos = load_model_config(default_model_dir(progress=False)).eos_token_ids[0]
+
+    def ask(**extra):
+        answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
+                                           logit_bias={str(eos): 100}, extra_body=extra)
+        return answer.choices[0].finish_reason, answer.usage.completion_tokens
+
+    at_once = ask()
+    assert at_once[0] == "stop" and at_once[1] <= 1          # EOS first: nothing to say
+    assert ask(min_tokens=6) == ("stop", at_once[1] + 6)      # six tokens, then the EOS
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": "high"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {"12": 101}}, "logit_bias[12]"), ({"logit_bias": {"one": 1}}, "logit_bias"),
     ({"logit_bias": {"49152": 1}}, "logit_bias[49152]"),       # past SmolLM2's vocabulary (49,152)
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"min_tokens": 1, "response_format": {"type": "json_object"}}, "min_tokens"),
 ])
 def test_bad_values_are_400s_naming_the_parameter(client, model, extra, param):
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       extra_body=extra)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"max_tokens": 2, **extra})
     assert caught.value.param == param
 
 
 @pytest.mark.parametrize("extra, field", [
     ({"presence_penalty": 3.0}, "sampling.presence_penalty"), ({"min_p": -1.0}, "sampling.min_p"),
-    ({"repetition_penalty": 20.0}, "sampling.repetition_penalty"),
+    ({"repetition_penalty": 20.0}, "sampling.repetition_penalty"), ({"min_tokens": 3}, "sampling.min_tokens"),
     ({"logit_bias": {60000: 1.0}}, "sampling.logit_bias[60000]"), ({"logit_bias": {3: 500.0}}, "sampling.logit_bias[3]"),
 ])
 def test_bad_values_over_grpc_are_invalid_argument_naming_the_field(cluster, extra, field):

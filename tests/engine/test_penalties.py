@@ -137,3 +137,37 @@ def test_greedy_with_a_frequency_penalty_repeats_less(tiny_model_dir):
 def test_out_of_range_values_are_refused_by_name(field, value, words):
     with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):
         SamplingParams(**{field: value})
+
+
+def test_min_tokens_keeps_eos_and_stop_ids_off_until_then():
+    # Token 6 is the likeliest: as EOS (or a stop id) it may come only from output index 3 on.
+    logits = torch.tensor([LOGITS] * 4)
+    eos = SamplingParams(temperature=0.0, min_tokens=3)
+    stop_id = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(6,), ignore_eos=True)
+    rows = [SequenceWork(seq_id=i, token_ids=[0], position=0, block_table=[0], sampling=p, num_generated=n)
+            for i, (p, n) in enumerate([(eos, 2), (eos, 3), (stop_id, 0), (SamplingParams(temperature=0.0,
+                                                                                          min_tokens=3, ignore_eos=True), 0)])]
+    picks = [token for token, _ in sample_step(logits, rows, torch.Generator(), eos_ids=(6,))]
+    assert picks == [0, 6, 0, 6]          # off, allowed at 3, a stop id off, EOS ignored so allowed
+
+
+def test_a_request_that_would_end_at_once_runs_to_its_min_tokens(tiny_model_dir):
+    eos = 2                                    # tests/tiny_models.py's EOS id
+
+    def run(**extra):
+        [result] = BatchRunner(make_engine(tiny_model_dir), max_running=1, max_step_tokens=64).run(
+            [GenerationRequest(list(range(40, 50)), SamplingParams(temperature=0.0, max_tokens=20,
+                                                                   logit_bias=((eos, 100.0),), **extra))])
+        return result
+
+    assert len(run().token_ids) == 1 and run().finish_reason.label == "stop"
+    held = run(min_tokens=5)
+    assert len(held.token_ids) == 6 and held.token_ids[-1] == eos and eos not in held.token_ids[:-1]
+    assert held.finish_reason.label == "stop"
+
+
+def test_min_tokens_is_bounded_by_max_tokens_and_refused_with_a_schema():
+    with pytest.raises(ValueError, match=r"min_tokens must be in \[0, max_tokens=4\]"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with json_schema"):
+        SamplingParams(min_tokens=1, json_schema='{"type": "object"}')

@@ -24,7 +24,7 @@ COMMON = {"model": "m", "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed
           "stream": True, "stream_options": {"include_usage": True}, "service_tier": "default", "user": "u",
           "top_k": 4, "ignore_eos": False, "stop_token_ids": [5], "cache_salt": "s",
           "presence_penalty": 0.5, "frequency_penalty": 0.0, "best_of": 1, "repetition_penalty": 1.1, "min_p": 0.05,
-          "logit_bias": {"5": 1.5}}
+          "logit_bias": {"5": 1.5}, "min_tokens": 2}
 BODIES = {
     "chat, a named tool": (CHAT, {**COMMON, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2,
                                   "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}},

@@ -201,3 +201,18 @@ def test_a_1024_character_stop_string_costs_work_linear_in_the_text():
     assert detok.stopped and detok.text == ("a" * 1023 + "c") * 4
     # Linear: a few reads per character of text and of the stop string (quadratic: ~2.6 million).
     assert CountingStop.reads < 4 * (len(text) + len(stop))
+
+
+def test_a_stop_string_counts_only_after_min_tokens(tok):
+    text = "a\nb\nc\nd"
+    ids = encode(tok, text)
+    newline = [n for n, i in enumerate(ids, 1) if tok.decode([i]) == "\n"]      # tokens up to each "\n"
+    assert len(newline) == 3
+    _, _, first = stream(tok, ids, stop=["\n"])
+    assert first.text == "a"
+    # With min_tokens past the first "\n" (not the second), the second one stops it.
+    deltas, tail, held = stream(tok, ids, stop=["\n"], min_tokens=newline[0] + 1)
+    assert held.stopped and held.text == "".join(deltas) + tail == "a\nb"
+    # The whole text within min_tokens: no stop at all.
+    _, _, none = stream(tok, ids, stop=["\n"], min_tokens=len(ids))
+    assert not none.stopped and none.text == text
