@@ -42,6 +42,7 @@ bench/results/engine_paired_bf16_norm_b1.json):
     python bench/engine_paired.py commit --against 2e84a42 --as-host avx2 --dtype float32
     python bench/engine_paired.py commit --against fc00587 --workload bench   # make bench's b32 phase
     python bench/engine_paired.py commit --against HEAD --pool scattered --batch 16 --prompt 1536
+    python bench/engine_paired.py commit --against 952cfc4 --batch 32 --sampling top-p   # sampled requests
 """
 from __future__ import annotations
 
@@ -163,6 +164,10 @@ a = json.loads(sys.argv[1])
 if a.get("cpu_flags") is not None:        # --as-host: the engine reads these flags, not the CPU's
     import services.engine.device as device, services.engine.kernel_build as kernel_build
     device.cpu_flags = kernel_build.cpu_flags = lambda: frozenset(a["cpu_flags"])
+if a.get("sampling"):                     # ours_batched's greedy requests sampled instead
+    import bench.engine_vs_llamacpp as batched
+    from services.common.step import SamplingParams
+    batched.SamplingParams = lambda temperature, **rest: SamplingParams(**a["sampling"], **rest)
 if a.get("pool") == "scattered":          # the free list shuffled, as a pool that has served a while
     import random
     from services.common import kv_blocks
@@ -220,6 +225,7 @@ class CheckoutSide:
         self.process.wait()
 
 
+SAMPLING = {"greedy": None, "top-p": {"temperature": 0.7, "top_p": 0.95}, "temperature": {"temperature": 1.0}}
 CHANGES = {"fused-layer": ("bfloat16", fused_layer), "fused-prompts": ("bfloat16", fused_prompts),
            "huge-pages": ("bfloat16", huge_pages), "bf16-prepack": ("bfloat16", bf16_prepack),
            "linear-kernel": ("bfloat16", linear_kernel), "bf16-kernel": ("bfloat16", bf16_kernel),
@@ -254,6 +260,9 @@ def main() -> None:
                         help="commit: the KV pool's free list as a fresh pool orders it (each sequence's "
                              "blocks side by side) or shuffled, as a pool that has served for a while "
                              "(each sequence's blocks scattered)")
+    parser.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                        help="commit, batched workload: how the requests sample (greedy, or as API "
+                             "traffic does: temperature 0.7 with top-p 0.95, or temperature 1.0)")
     parser.add_argument("--as-host", choices=sorted(HOSTS),
                         help="commit: both sides as a host without AVX-512 (avx2) or without AVX (none)")
     args = parser.parse_args()
@@ -274,7 +283,7 @@ def main() -> None:
     if args.change == "commit":
         settings = {"threads": threads, "prompt": args.prompt, "gen": args.gen, "dtype": dtype,
                     "batch": args.batch, "seed": args.seed, "workload": args.workload, "requests": BENCH_REQUESTS,
-                    "pool": args.pool}
+                    "pool": args.pool, "sampling": SAMPLING[args.sampling]}
         flags, env = HOSTS[args.as_host] if args.as_host else (None, None)
         if flags is not None:
             settings["cpu_flags"] = sorted(flags)
@@ -316,7 +325,7 @@ def main() -> None:
                            "prompt_tokens": args.prompt, "generated_tokens": args.gen, "cpu": cpu_name(),
                            "linear_backends": backends, "engine_commit": engine_commit(),
                            "against": off_sha if args.change == "commit" else None, "as_host": args.as_host,
-                           "workload": args.workload, "pool": args.pool,
+                           "workload": args.workload, "pool": args.pool, "sampling": args.sampling,
                            "figure": figure, "mean_ratio": mean, "ci95": [low, high], "verdict": verdict, "pairs": pairs})
 
 

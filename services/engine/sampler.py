@@ -10,9 +10,10 @@ others are tempered, lose the tokens less likely than min_p times the likeliest,
 top-p. Every adjustment reads only the row's own logits and tokens, so it holds alone or in any
 batch, after a preemption's recompute and after a failover (the resumed tokens are output).
 
-Sampling is an exponential race (argmax of p / E with E ~ Exp(1)), equivalent to drawing from p.
-A seeded sequence draws E from a generator seeded by (seed, output index), so its tokens depend
-only on its own logits: the same alone or in any batch, and after a preemption recompute.
+Sampling draws one uniform number a row and takes the token where the row's cumulative
+probability passes it (inverse CDF). A seeded sequence draws it from a generator seeded by
+(seed, output index), so its tokens depend only on its own logits: the same alone or in any
+batch, and after a preemption recompute.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from services.common.step import SamplingParams, SequenceWork, TokenLogprobs
 
 _MASK_64 = (1 << 63) - 1
 ARGMAX_CHUNK = 128        # columns per chunk of argmax_rows' first pass
+CANDIDATES = (128, 1024)  # tokens sorted for top-k / top-p, in turn, before whole rows (_filter_top_k_top_p)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -54,21 +56,61 @@ def seed_for_token(seed: int, output_index: int) -> int:
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Set logits outside each row's top-k / nucleus to -inf. logits: [B, V], already tempered."""
+    """Set logits outside each row's top-k / nucleus to -inf. logits: [B, V], already tempered.
+    The nucleus is taken over the top-k's renormalised probabilities.
+
+    Sorting whole rows cost 62 ms for 32 rows of a 49,152-token vocabulary on this project's
+    2-core machine (a bf16 decode step of those rows is ~25 ms), and a nucleus is most often a
+    few dozen tokens (SmolLM2 on prose at temperature 0.7, top_p 0.95: median 11, 90th
+    percentile 180). So each row's likeliest CANDIDATES[0] tokens are sorted first (topk, and
+    at least its top-k), the rows whose nucleus did not close inside them CANDIDATES[1], and
+    the rest whole. Which of equal logits ranks first at a boundary is the sort's choice."""
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=logits.device)
-    remove = ranks.unsqueeze(0) >= k.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    p = torch.tensor(top_p, device=logits.device, dtype=torch.float32)
-    probs = sorted_logits.softmax(dim=-1)
+    k = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+    rows = list(range(len(k)))
+    for tier in (*CANDIDATES, vocab):
+        width = min(vocab, max([tier] + [k[r] for r in rows if k[r] < vocab]))
+        some = logits[torch.tensor(rows, device=logits.device)] if len(rows) < len(k) else logits
+        values, order = some.topk(width, dim=-1) if width < vocab else some.sort(dim=-1, descending=True)
+        kept, closed = _kept(values, order, [k[r] for r in rows], [top_p[r] for r in rows], some)
+        if width == vocab:
+            closed[:] = True
+        for n in closed.nonzero().squeeze(1).tolist():
+            keep[rows[n]] = kept[n]
+        rows = [r for r, done in zip(rows, closed.tolist()) if not done]
+        if not rows:
+            break
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def _kept(values: torch.Tensor, order: torch.Tensor, k: list[int], top_p: list[float],
+          logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over each row's likeliest tokens (`values` descending, their ids `order`: all of them or a
+    prefix): which tokens stay [B, V], and whether the row's top-k / nucleus closed inside them."""
+    width = values.shape[-1]
+    ranks = torch.arange(width, device=values.device)
+    cut = torch.tensor(k, device=values.device)
+    remove = ranks.unsqueeze(0) >= cut.unsqueeze(1)
+    # A top-k row's probabilities are its k tokens' renormalised (all inside `values`); another
+    # row's are over the whole vocabulary.
+    within = values.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    whole = logits.softmax(dim=-1).gather(1, order)
+    probs = torch.where((cut < logits.shape[-1]).unsqueeze(1), within, whole)
+    p = torch.tensor(top_p, device=values.device, dtype=torch.float32)
     # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
-    remove |= mass_before >= p.unsqueeze(1)
+    # top_p 1 drops nothing (the sum before a tail token may round up to 1).
+    cumulative = probs.cumsum(dim=-1)
+    remove |= ((cumulative - probs) >= p.unsqueeze(1)) & (p < 1.0).unsqueeze(1)
     remove[:, 0] = False
-    remove_by_token = torch.zeros_like(remove).scatter_(1, order, remove)
-    return logits.masked_fill(remove_by_token, float("-inf"))
+    vocab = logits.shape[-1]
+    unfiltered = (cut >= vocab) & (p >= 1.0)          # a row sampled beside filtered ones keeps all
+    # Closed inside: a top-k row always (width covers every k); a nucleus row where the mass it
+    # reached passes top_p.
+    closed = torch.where(cut < vocab, cut <= width, cumulative[:, -1] >= p) | unfiltered
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=values.device).scatter_(1, order, ~remove)
+    keep[unfiltered] = True
+    return keep, closed
 
 
 def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork], eos_ids: Sequence[int] = ()) -> None:
@@ -123,18 +165,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
             tempered = _filter_top_k_top_p(tempered, [params[i].top_k for i in random_rows],
                                            [params[i].top_p for i in random_rows])
-        probs = tempered.softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        draws = torch.rand(len(random_rows), generator=generator, dtype=torch.float64)
         for row, i in enumerate(random_rows):
-            seed = params[i].seed
-            if seed is None:
-                noise[row].exponential_(generator=generator)
-            else:
-                own = torch.Generator(device=logits.device)
-                own.manual_seed(seed_for_token(seed, num_generated[i]))
-                noise[row].exponential_(generator=own)
-        chosen[rows] = (probs / noise).argmax(dim=-1)
+            if params[i].seed is not None:
+                own = torch.Generator()
+                own.manual_seed(seed_for_token(params[i].seed, num_generated[i]))
+                draws[row] = torch.rand(1, generator=own, dtype=torch.float64)
+        chosen[rows] = _inverse_cdf(tempered.softmax(dim=-1), draws.to(logits.device))
     return chosen.tolist()
+
+
+def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Row i's token where its cumulative probability first passes draws[i] (uniform in [0, 1),
+    float64) of its total: a draw from probs [B, V] with one number a row. (An exponential race
+    over every token, before, cost 31 ms of noise for 32 rows of a 49,152-token vocabulary.) A
+    token of probability 0 is never picked: the cumulative sum does not pass anything there."""
+    cdf = probs.cumsum(dim=-1)
+    target = (draws * cdf[:, -1].double()).float()
+    picked = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    over = picked >= probs.shape[-1]        # the draw rounded up to the total: the last possible token
+    if over.any():
+        rows = over.nonzero().squeeze(1)
+        picked[rows] = probs.shape[-1] - 1 - (probs[rows].flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+    return picked
 
 
 def logprob_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:

@@ -84,3 +84,40 @@ def test_argmax_rows_picks_what_argmax_picks(vocab):
     logits[6, :] = -torch.inf
     logits[6, vocab - 2] = 1.0
     assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def filter_by_full_sort(logits, top_k, top_p):
+    """The top-k / nucleus filter written plainly over whole sorted rows (the reference)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k])
+    remove = torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+    p = torch.tensor(top_p).unsqueeze(1)
+    remove |= ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1)
+    remove[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(remove).scatter_(1, order, remove), float("-inf"))
+
+
+def test_the_filter_keeps_what_sorting_whole_rows_keeps():
+    """Rows whose top-k or nucleus closes within the sorted candidates, a top-k wider than them,
+    a flat row whose nucleus does not close there (sorted whole), and an unfiltered row beside."""
+    from services.engine.sampler import CANDIDATES, _filter_top_k_top_p
+    generator = torch.Generator().manual_seed(3)
+    vocab = 4 * CANDIDATES[-1] + 17
+    logits = torch.randn(7, vocab, generator=generator) * 4
+    logits[4] = torch.randn(vocab, generator=generator) * 0.01          # nearly flat
+    logits[5, :10] = float("-inf")                                       # masked tokens
+    top_k = [0, 40, CANDIDATES[-1] + 500, 0, 0, 7, 0]
+    top_p = [0.9, 1.0, 0.97, 1.0, 0.99, 0.5, 0.3]
+    got = _filter_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(got, filter_by_full_sort(logits, top_k, top_p))
+    kept = (got > float("-inf")).sum(dim=-1).tolist()
+    assert kept[1] == 40 and kept[3] == vocab and kept[4] > CANDIDATES[-1]    # the row sorted whole
+
+
+def test_a_token_of_probability_0_is_never_drawn_even_at_the_ends():
+    from services.engine.sampler import _inverse_cdf
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
+    draws = torch.tensor([0.0, 0.5, 1.0 - 1e-16, 0.25], dtype=torch.float64)
+    assert _inverse_cdf(probs, draws).tolist() == [1, 3, 3, 1]
