@@ -146,6 +146,11 @@ PAIRED_RUNS = (
     ("engine_paired_commit_silu_in_gate_up_bf16_b32_bench.json", "SiLU applied in the gate/up projection's tiles "
      "(off: the projection stored, then SiLU; at fc00587); make bench's batch-32 phase, tok/s", "not kept"),
     ("engine_paired_commit_silu_in_gate_up_bf16_b1.json", "the same; decode tok/s, 128-token prompts", ""),
+    ("engine_paired_commit_sampler_top_p_bf16_b32.json", "sampling by one uniform draw a row and top-p over "
+     "the likeliest 128 / 1,024 tokens first (off: noise for every token, whole rows sorted; at 952cfc4); "
+     "requests at temperature 0.7, top_p 0.95, decode tok/s", "kept"),
+    ("engine_paired_commit_sampler_top_p_bf16_b1.json", "the same", ""),
+    ("engine_paired_commit_sampler_temperature_bf16_b32.json", "the same; requests at temperature 1.0", ""),
 )
 PAIRED_SOURCES = tuple(source for source, _, _ in PAIRED_RUNS)
 DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16"}
