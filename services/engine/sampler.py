@@ -165,13 +165,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
             tempered = _filter_top_k_top_p(tempered, [params[i].top_k for i in random_rows],
                                            [params[i].top_p for i in random_rows])
-        draws = torch.rand(len(random_rows), generator=generator, dtype=torch.float64)
+        # The draws live on the CPU in float64; the engine's generator is on its device (CUDA and
+        # NPU draw float32 there).
+        wide = generator.device.type == "cpu"
+        draws = torch.rand(len(random_rows), generator=generator, device=generator.device,
+                           dtype=torch.float64 if wide else torch.float32).cpu().double()
         for row, i in enumerate(random_rows):
             if params[i].seed is not None:
                 own = torch.Generator()
                 own.manual_seed(seed_for_token(params[i].seed, num_generated[i]))
                 draws[row] = torch.rand(1, generator=own, dtype=torch.float64)
-        chosen[rows] = _inverse_cdf(tempered.softmax(dim=-1), draws.to(logits.device))
+        chosen[rows] = _inverse_cdf(tempered.softmax(dim=-1), draws)
     return chosen.tolist()
 
 
@@ -181,7 +185,7 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     over every token, before, cost 31 ms of noise for 32 rows of a 49,152-token vocabulary.) A
     token of probability 0 is never picked: the cumulative sum does not pass anything there."""
     cdf = probs.cumsum(dim=-1)
-    target = (draws * cdf[:, -1].double()).float()
+    target = (draws * cdf[:, -1].double().cpu()).float().to(probs.device)     # draws: CPU, float64
     picked = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
     over = picked >= probs.shape[-1]        # the draw rounded up to the total: the last possible token
     if over.any():
