@@ -58,7 +58,9 @@ def open_console(browser, cluster, viewport=DESKTOP, key: str | None = ADMIN):
     return page, errors
 
 
-async def mixed_burst(cluster, per_class: int = 10, max_tokens: int = 40) -> list[str]:
+async def mixed_burst(cluster, per_class: int = 10, max_tokens: int = 200) -> list[str]:
+    """30 requests on 4 running slots: several seconds of queues for the page's 1 s refresh to
+    follow (40 tokens each lasted ~3 refreshes while sampling was slow, and one once it was not)."""
     async def one(stub, priority, i):
         request = chat_request(f"Tell me story number {i}.", sampling_params(max_tokens=max_tokens, ignore_eos=True))
         request_id = ""
