@@ -67,13 +67,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     the rest whole. Which of equal logits ranks first at a boundary is the sort's choice."""
     vocab = logits.shape[-1]
     k = [kk if 0 < kk < vocab else vocab for kk in top_k]
+    probs = logits.softmax(dim=-1)          # over the whole vocabulary, once for every tier
     keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
     rows = list(range(len(k)))
     for tier in (*CANDIDATES, vocab):
         width = min(vocab, max([tier] + [k[r] for r in rows if k[r] < vocab]))
-        some = logits[torch.tensor(rows, device=logits.device)] if len(rows) < len(k) else logits
+        index = torch.tensor(rows, device=logits.device)
+        some = logits[index] if len(rows) < len(k) else logits
         values, order = some.topk(width, dim=-1) if width < vocab else some.sort(dim=-1, descending=True)
-        kept, closed = _kept(values, order, [k[r] for r in rows], [top_p[r] for r in rows], some)
+        kept, closed = _kept(values, order, [k[r] for r in rows], [top_p[r] for r in rows],
+                             probs[index] if len(rows) < len(k) else probs)
         if width == vocab:
             closed[:] = True
         for n in closed.nonzero().squeeze(1).tolist():
@@ -85,30 +88,29 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 
 
 def _kept(values: torch.Tensor, order: torch.Tensor, k: list[int], top_p: list[float],
-          logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+          probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Over each row's likeliest tokens (`values` descending, their ids `order`: all of them or a
-    prefix): which tokens stay [B, V], and whether the row's top-k / nucleus closed inside them."""
-    width = values.shape[-1]
+    prefix; `probs` [B, V] the rows' whole-vocabulary probabilities): which tokens stay [B, V],
+    and whether the row's top-k / nucleus closed inside them."""
+    width, vocab = values.shape[-1], probs.shape[-1]
     ranks = torch.arange(width, device=values.device)
     cut = torch.tensor(k, device=values.device)
     remove = ranks.unsqueeze(0) >= cut.unsqueeze(1)
     # A top-k row's probabilities are its k tokens' renormalised (all inside `values`); another
     # row's are over the whole vocabulary.
     within = values.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    whole = logits.softmax(dim=-1).gather(1, order)
-    probs = torch.where((cut < logits.shape[-1]).unsqueeze(1), within, whole)
+    ranked = torch.where((cut < vocab).unsqueeze(1), within, probs.gather(1, order))
     p = torch.tensor(top_p, device=values.device, dtype=torch.float32)
     # Drop a token when the tokens ranked above it already reach top_p; the first always stays.
     # top_p 1 drops nothing (the sum before a tail token may round up to 1).
-    cumulative = probs.cumsum(dim=-1)
-    remove |= ((cumulative - probs) >= p.unsqueeze(1)) & (p < 1.0).unsqueeze(1)
+    cumulative = ranked.cumsum(dim=-1)
+    remove |= ((cumulative - ranked) >= p.unsqueeze(1)) & (p < 1.0).unsqueeze(1)
     remove[:, 0] = False
-    vocab = logits.shape[-1]
     unfiltered = (cut >= vocab) & (p >= 1.0)          # a row sampled beside filtered ones keeps all
     # Closed inside: a top-k row always (width covers every k); a nucleus row where the mass it
     # reached passes top_p.
     closed = torch.where(cut < vocab, cut <= width, cumulative[:, -1] >= p) | unfiltered
-    keep = torch.zeros(logits.shape, dtype=torch.bool, device=values.device).scatter_(1, order, ~remove)
+    keep = torch.zeros(probs.shape, dtype=torch.bool, device=values.device).scatter_(1, order, ~remove)
     keep[unfiltered] = True
     return keep, closed
 
