@@ -23,6 +23,7 @@ REQUEST_ID_MAX = 64          # the ledger's request_id column (services/store/sc
 class Head(Protocol):
     request_id: str
     priority: int
+    choice: int               # of a request with n choices: the prompt is billed with the first (0)
 
 
 class PricedPool(Protocol):
@@ -48,6 +49,13 @@ class InFlight:
     started: float
     cancelled_by: str = ""
     billed: bool = False          # its ledger row is recorded already (commit_completed)
+
+
+def billed_prompt(head: Head, usage: Usage) -> tuple[int, int]:
+    """The (prompt, cached) tokens a request is billed for: a request with n choices runs one
+    sequence a choice and bills its prompt once, with the first (OpenAI's usage counts it once);
+    the others share it through the prefix cache and bill their completions."""
+    return (0, 0) if head.choice else (usage.prompt_tokens, usage.cached_tokens)
 
 
 def not_found(request_id: str) -> ServiceError:
@@ -80,14 +88,14 @@ class Accounts:
         return (tokens - cached * (1.0 - self.cached_fraction)) * spec.cost * self.multipliers[priority]
 
     def _row(self, ticket: Pass, head: Head, tally: Usage, spec: PricedPool, model: str) -> dict:
+        prompt, cached = billed_prompt(head, tally)
         return {"request_id": head.request_id, "tenant": ticket.caller.name,
                 "key_prefix": ticket.caller.key_prefix, "priority": priority_name(head.priority),
                 "pool": spec.name, "device": spec.device, "model": model,
-                "prompt_tokens": tally.prompt_tokens, "completion_tokens": tally.completion_tokens,
-                "cached_tokens": tally.cached_tokens, "cached_fraction": self.cached_fraction,
+                "prompt_tokens": prompt, "completion_tokens": tally.completion_tokens,
+                "cached_tokens": cached, "cached_fraction": self.cached_fraction,
                 "price_per_token": spec.cost, "multiplier": self.multipliers[head.priority],
-                "amount": self.amount(spec, head.priority, tally.prompt_tokens + tally.completion_tokens,
-                                      tally.cached_tokens),
+                "amount": self.amount(spec, head.priority, prompt + tally.completion_tokens, cached),
                 "outcome": tally.outcome or "cancelled", "started_at": tally.started_wall,
                 "finished_at": time.time()}
 
@@ -110,9 +118,10 @@ class Accounts:
         if tally is None:
             self.book.release(ticket, None, 0.0)
             return
-        tokens = tally.prompt_tokens + tally.completion_tokens
+        prompt, cached = billed_prompt(head, tally)
+        tokens = prompt + tally.completion_tokens
         billable = spec is not None and (tally.completion_tokens > 0 or tally.outcome == "completed")
-        amount = self.amount(spec, head.priority, tokens, tally.cached_tokens) if billable else 0.0
+        amount = self.amount(spec, head.priority, tokens, cached) if billable else 0.0
         self.book.release(ticket, tokens if tally.outcome else None, amount)
         if billable and not (entry is not None and entry.billed):
             self.ledger.record(self._row(ticket, head, tally, spec, model))

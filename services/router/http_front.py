@@ -135,6 +135,11 @@ class HttpFront:
                     raise invalid(f"context_mode {request.context_mode!r} and the x-context-mode header "
                                   f"{sent!r} differ: send one of them", "context_mode")
             head = self.router.let_in(headers, caller)
+            most = caller.tenant.max_concurrent
+            if request.n > 1 and not caller.admin and most is not None and request.n > most:
+                # Each choice is a stream: more than the tenant may hold would be refused for ever.
+                raise invalid(f"n={request.n} choices are {request.n} streams; tenant {caller.name!r} may hold "
+                              f"{most} at once (max_concurrent)", "n")
             if not request.stream and not head.stream_interval:
                 # The answer goes out whole: tokens come from the scheduler in as few chunks as
                 # it may send (the first, one per max hold, the last), not one message per token.

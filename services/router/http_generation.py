@@ -1,5 +1,6 @@
-"""One OpenAI completion request answered over HTTP: run it on the shared request path and send
-the result as one JSON body or as Server-Sent Events, with the caller's rate-limit headers."""
+"""One OpenAI completion request answered over HTTP: run it on the shared request path (a request
+a choice when it asks for n: services/router/choices.py) and send the result as one JSON body or
+as Server-Sent Events, with the caller's rate-limit headers."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError
 from services.control.tenancy import Caller
+from services.router.choices import choice_body, choice_heads, merged, one_choice
 from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.openai_response import OpenAIResponse, error_body
 from services.router.validation import RequestHead, check_sampling
@@ -91,12 +93,11 @@ class GenerationResponse(Response):
         request, head = self.request, self.head
         out = OpenAIResponse(request, head.request_id, int(time.time()), head.priority)
 
-        def read_body(max_context: int | None):
-            check_sampling(request.body.sampling, max_context)
-            return request.body
-
-        chunks = self.front.path.serve(head, read_body, self.caller, self.estimate, self.parent,
-                                       {"qos.user": request.user})
+        if request.n == 1:
+            chunks = one_choice(self._serve(head, request.body))
+        else:
+            heads = choice_heads(head, request.n)
+            chunks = merged([self._serve(h, choice_body(request.body, h.choice)) for h in heads], heads)
         self.started = False
         try:
             if request.stream:
@@ -117,11 +118,20 @@ class GenerationResponse(Response):
         finally:
             await chunks.aclose()      # cancelled mid-way: the relay cancels the scheduler's call
 
+    def _serve(self, head: RequestHead, body):
+        """One choice's request on the shared path."""
+        def read_body(max_context: int | None):
+            check_sampling(body.sampling, max_context)
+            return body
+
+        return self.front.path.serve(head, read_body, self.caller, self.estimate, self.parent,
+                                     {"qos.user": self.request.user})
+
     async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
         try:
-            async for chunk in chunks:
-                out.add(chunk)
-                if chunk.finish_reason:
+            async for index, chunk in chunks:
+                out.add(index, chunk)
+                if out.finished:
                     break
         except ServiceError as error:
             await self._error(error, scope, send)
@@ -130,7 +140,7 @@ class GenerationResponse(Response):
 
     async def _stream(self, out: OpenAIResponse, chunks, scope, send) -> None:
         try:
-            chunk = await anext(chunks)
+            index, chunk = await anext(chunks)
         except ServiceError as error:
             await self._error(error, scope, send)
             return
@@ -139,11 +149,11 @@ class GenerationResponse(Response):
         self.started = True
         try:
             while True:
-                body = b"".join(b"data: " + to_json(e) + b"\n\n" for e in out.events(chunk))
+                body = b"".join(b"data: " + to_json(e) + b"\n\n" for e in out.events(index, chunk))
                 await send({"type": "http.response.body", "body": body, "more_body": True})
-                if chunk.finish_reason:
+                if out.finished:
                     break
-                chunk = await anext(chunks)
+                index, chunk = await anext(chunks)
             tail = b"data: [DONE]\n\n"
         except ServiceError as error:
             tail = b"data: " + to_json(error_body(error, http_param(error.field, self.request))) + b"\n\n"

@@ -32,6 +32,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MESSAGE_EXTRAS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 MAX_INT32 = 2**31 - 1
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions (chat: ours, 256)
+MAX_CHOICES = 16                       # n: each choice is a sequence of its own (choices.py)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user", "n",
           "service_tier", "stream", "stream_options",
@@ -72,6 +73,7 @@ class OpenAIRequest:
     schema_field: str = ""               # the body field its sampling.json_schema came from (errors name it)
     tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (openai_tools.py)
     tool_name: str = ""                  # "named": the function
+    n: int = 1                           # choices: requests of their own on the path (choices.py)
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
@@ -310,8 +312,8 @@ def _logprobs(body: dict, request: OpenAIRequest) -> None:
 
 
 def _options(body: dict, request: OpenAIRequest) -> None:
-    if body.get("n") is not None and _int(body["n"], "n", 1, MAX_INT32) != 1:
-        raise invalid(f"n={body['n']} is not supported: this server returns one choice (n=1)", "n")
+    if body.get("n") is not None:
+        request.n = _int(body["n"], "n", 1, MAX_CHOICES)
     if body.get("stream") is not None:
         request.stream = _bool(body["stream"], "stream")
     options = body.get("stream_options")

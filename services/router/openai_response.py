@@ -33,8 +33,25 @@ def usage_of(chunk: common_pb2.GenerateChunk) -> dict:
     return usage
 
 
+class Choice:
+    """One choice's state: its text so far, logprobs, tool calls, last chunk."""
+
+    def __init__(self, request: OpenAIRequest, request_id: str, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.last: common_pb2.GenerateChunk | None = None
+        self.sent_role = False
+        self.entries: list[common_pb2.TokenLogprob] = []
+        # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
+        # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
+        forced = request.tool_mode in ("named", "required")
+        self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
+        self.tagged = TaggedCalls(request_id) if request.tool_mode == "auto" else None
+
+
 class OpenAIResponse:
-    """The response to one request: its id, creation time, model and tier on every object."""
+    """The response to one request, of one choice or n (services/router/choices.py): its id,
+    creation time, model and tier on every object."""
 
     def __init__(self, request: OpenAIRequest, request_id: str, created: int, priority: int):
         self.request = request
@@ -43,78 +60,94 @@ class OpenAIResponse:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": request.model,
                      "service_tier": TIER_OF[priority], "system_fingerprint": None}
-        self.text: list[str] = []
-        self.last: common_pb2.GenerateChunk | None = None
-        self.sent_role = False
         # With logprobs asked for: each token's entry (common.proto TokenLogprob), made OpenAI's
         self.logprobs = LogprobsView(self.chat) if request.body.sampling.HasField("logprobs") else None
-        self.entries: list[common_pb2.TokenLogprob] = []
-        # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
-        # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
-        forced = request.tool_mode in ("named", "required")
-        self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
-        self.tagged = TaggedCalls(request_id) if request.tool_mode == "auto" else None
+        self.choices = [Choice(request, request_id if i == 0 else f"{request_id}-{i}", i)
+                        for i in range(request.n)]
+        self.open = request.n            # choices without their last chunk yet
+
+    @property
+    def finished(self) -> bool:
+        return not self.open
+
+    def _last(self, index: int, chunk: common_pb2.GenerateChunk) -> None:
+        self.choices[index].last = chunk
+        if chunk.finish_reason:
+            self.open -= 1
+
+    def usage(self) -> dict:
+        """OpenAI's usage: the prompt once (choice 0's, as it is billed), every choice's completion."""
+        usage = usage_of(self.choices[0].last)
+        usage["completion_tokens"] = sum(c.last.usage.completion_tokens for c in self.choices)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return usage
 
     # --- one JSON body ----------------------------------------------------------------------------
 
-    def add(self, chunk: common_pb2.GenerateChunk) -> None:
-        self.text.append(chunk.text)
-        self.entries.extend(chunk.logprobs)
-        self.last = chunk
+    def add(self, index: int, chunk: common_pb2.GenerateChunk) -> None:
+        choice = self.choices[index]
+        choice.text.append(chunk.text)
+        choice.entries.extend(chunk.logprobs)
+        self._last(index, chunk)
 
     def body(self) -> dict:
-        """After add() of every chunk, the last (finished) one included."""
-        last, text = self.last, "".join(self.text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                  if self.chat else {"index": 0, "text": text})
-        if self.tools is not None:
-            self.tools.feed(text)
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": self.tools.calls} \
-                if self.tools.calls else {"role": "assistant", "content": self.tools.unparsed or None}
-        elif self.tagged is not None:
-            content, _ = self.tagged.feed(text, final=True)
-            if self.tagged.calls:
-                choice["message"] = {"role": "assistant", "content": content.strip() or None,
-                                     "tool_calls": self.tagged.calls}
-        choice.update(finish_reason=self._finish(last.finish_reason),
-                      logprobs=self.logprobs.of(self.entries) if self.logprobs else None)
+        """After add() of every chunk, each choice's last (finished) one included."""
         return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": [choice], "usage": usage_of(last)}
+                "choices": [self._whole(c) for c in self.choices], "usage": self.usage()}
+
+    def _whole(self, c: Choice) -> dict:
+        text = "".join(c.text)
+        choice = ({"index": c.index, "message": {"role": "assistant", "content": text}}
+                  if self.chat else {"index": c.index, "text": text})
+        if c.tools is not None:
+            c.tools.feed(text)
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": c.tools.calls} \
+                if c.tools.calls else {"role": "assistant", "content": c.tools.unparsed or None}
+        elif c.tagged is not None:
+            content, _ = c.tagged.feed(text, final=True)
+            if c.tagged.calls:
+                choice["message"] = {"role": "assistant", "content": content.strip() or None,
+                                     "tool_calls": c.tagged.calls}
+        choice.update(finish_reason=self._finish(c, c.last.finish_reason),
+                      logprobs=self.logprobs.of(c.entries) if self.logprobs else None)
+        return choice
 
     # --- Server-Sent Events -----------------------------------------------------------------------
 
-    def events(self, chunk: common_pb2.GenerateChunk) -> list[dict]:
+    def events(self, index: int, chunk: common_pb2.GenerateChunk) -> list[dict]:
         """The stream objects for one of our chunks (several tokens may arrive merged)."""
-        out = []
-        if self.chat and not self.sent_role:
-            out.append(self._event({"role": "assistant", "content": None if self.tools else ""}))
-            self.sent_role = True
+        out, c = [], self.choices[index]
+        self._last(index, chunk)
+        if self.chat and not c.sent_role:
+            out.append(self._event(c, {"role": "assistant", "content": None if c.tools else ""}))
+            c.sent_role = True
         if chunk.text or (self.logprobs and chunk.logprobs):
             delta = {"content": chunk.text} if self.chat else chunk.text
-            if self.tools is not None:
-                calls = self.tools.feed(chunk.text)      # none yet while the text is the form's own
+            if c.tools is not None:
+                calls = c.tools.feed(chunk.text)      # none yet while the text is the form's own
                 delta = {"tool_calls": calls} if calls else {}
-            elif self.tagged is not None:
-                content, calls = self.tagged.feed(chunk.text, final=bool(chunk.finish_reason))
+            elif c.tagged is not None:
+                content, calls = c.tagged.feed(chunk.text, final=bool(chunk.finish_reason))
                 delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if delta or self.logprobs:
-                out.append(self._event(delta, logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
+                out.append(self._event(c, delta, logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
         if chunk.finish_reason:
-            if self.tools is not None and self.tools.unparsed:     # cut before a call began: its text
-                out.append(self._event({"content": self.tools.unparsed}))
-            out.append(self._event({} if self.chat else "", self._finish(chunk.finish_reason)))
-            if self.request.include_usage:
-                out.append({**self.head, "choices": [], "usage": usage_of(chunk)})
+            if c.tools is not None and c.tools.unparsed:     # cut before a call began: its text
+                out.append(self._event(c, {"content": c.tools.unparsed}))
+            out.append(self._event(c, {} if self.chat else "", self._finish(c, chunk.finish_reason)))
+            if self.request.include_usage and self.finished:
+                out.append({**self.head, "choices": [], "usage": self.usage()})
         return out
 
-    def _finish(self, reason: int) -> str | None:
+    @staticmethod
+    def _finish(c: Choice, reason: int) -> str | None:
         """OpenAI's finish_reason: "tool_calls" for a forced call that was completed."""
         label = finish_label(reason)
-        called = (self.tools is not None and self.tools.calls) or (self.tagged is not None and self.tagged.calls)
+        called = (c.tools is not None and c.tools.calls) or (c.tagged is not None and c.tagged.calls)
         return "tool_calls" if called and label == "stop" else label
 
-    def _event(self, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta}
+    def _event(self, c: Choice, delta, finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+        choice = {"index": c.index, "delta": delta} if self.chat else {"index": c.index, "text": delta}
         choice.update(finish_reason=finish_reason, logprobs=logprobs)
         event = {**self.head, "choices": [choice]}
         if self.request.include_usage:

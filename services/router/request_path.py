@@ -23,7 +23,7 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.intake import PriorityIntake
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.tracing import inject_metadata, traceparent
-from services.control.accounts import Accounts
+from services.control.accounts import Accounts, billed_prompt
 from services.control.limits import estimated_prompt_tokens
 from services.control.tenancy import Caller
 from services.router.cache_affinity import affinity_key, request_scope
@@ -193,9 +193,9 @@ class RequestPath:
                     tally.on_chunk(chunk)
                     if chunk.finish_reason:
                         finished = True
+                        prompt, cached = billed_prompt(head, chunk.usage)
                         chunk.cost_units = self.accounts.amount(
-                            spec, head.priority, chunk.usage.prompt_tokens + chunk.usage.completion_tokens,
-                            chunk.usage.cached_tokens)
+                            spec, head.priority, prompt + chunk.usage.completion_tokens, cached)
                         tally.on_done(chunk)
                     yield chunk
                 if not finished:    # the call ended with OK but no last chunk: never leave a client hanging

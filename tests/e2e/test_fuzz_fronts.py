@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.local.cluster import LocalCluster
-from services.router.openai_request import FIELDS, NEUTRAL, TIERS
+from services.router.openai_request import FIELDS, MAX_CHOICES, NEUTRAL, TIERS
 from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ BAD = {
                        anything_but("int", "float")),
     "top_k": st.one_of(st.integers(max_value=-2), anything_but("int")),
     "seed": st.one_of(st.integers(max_value=-1), st.integers(min_value=2**64), anything_but("int")),
-    "n": st.one_of(st.integers().filter(lambda n: n != 1), anything_but("int")),
+    "n": st.one_of(st.integers(max_value=0), st.integers(min_value=MAX_CHOICES + 1), anything_but("int")),
     "stop": st.one_of(anything_but("str", "list"), st.just(""), st.lists(st.text(min_size=1), min_size=17),
                       st.lists(anything_but("str"), min_size=1, max_size=3)),
     "stream": anything_but("bool"),

@@ -144,7 +144,7 @@ def test_request_id_header_and_chunk_ids_agree(cluster, model):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
+    ("n", 0), ("n", 17), ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("max_tokens", 0),
     ("max_tokens", 10**30), ("seed", -5), ("stop", [1, 2]), ("service_tier", "scale"),
     ("stream", "yes"), ("logprobs", "yes"), ("top_logprobs", 21), ("tools", [{"type": "function"}]), ("colour", "red"),
     ("messages", []), ("top_k", -3), ("ignore_eos", 1), ("stop_token_ids", [2, 49152]),

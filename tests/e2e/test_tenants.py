@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "admin-secret-for-tests"
 TENANTS = [Tenant("alpha"), Tenant("beta"), Tenant("batch", priorities=("low",)), Tenant("rpm2", rpm=2),
-           Tenant("tpm", tpm=120), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5)]
+           Tenant("tpm", tpm=120), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5), Tenant("choices")]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -220,6 +221,54 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
     assert probes["admin usage over gRPC"].tenant == "*" and probes["admin usage over gRPC"].in_flight >= 1
     assert probes["admin cancels"][0] == 200 and probes["admin cancels"][2]["tenant"] == "beta"
     assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
+
+
+def test_n_choices_bill_the_prompt_once_and_each_choices_completion(cluster):
+    """A request with n choices is a request a choice (ids ID, ID-1, ...): the ledger bills its
+    prompt once, with choice 0, as the response's usage counts it; the tenant's usage agrees."""
+    key = cluster.keys["choices"]
+    status, headers, body = post(cluster, completion(cluster, 5, ignore_eos=True, n=3, temperature=1.0), key)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2], body
+    request_id, prompt_tokens = headers["x-request-id"], body["usage"]["prompt_tokens"]
+    rows = [post(cluster, None, key, path=f"/v1/requests/{request_id}{suffix}")[2] for suffix in ("", "-1", "-2")]
+    assert [(r["prompt_tokens"], r["completion_tokens"], r["status"]) for r in rows] == [
+        (prompt_tokens, 5, "completed"), (0, 5, "completed"), (0, 5, "completed")]
+    assert body["usage"]["completion_tokens"] == 15
+    usage = post(cluster, None, key, path="/v1/usage")[2]
+    assert (usage["requests"], usage["prompt_tokens"], usage["completion_tokens"]) == (3, prompt_tokens, 15)
+    assert usage["amount"] == pytest.approx(sum(r["amount"] for r in rows))
+
+
+def test_more_choices_than_the_tenants_streams_is_a_400_naming_n(cluster):
+    """Each choice is a stream: n above max_concurrent would be refused for ever, not retried."""
+    status, headers, body = post(cluster, completion(cluster, n=2), cluster.keys["solo"])
+    assert status == 400 and body["error"]["param"] == "n" and "max_concurrent" in body["error"]["message"]
+    assert post(cluster, completion(cluster, n=1), cluster.keys["solo"])[0] == 200
+
+
+def test_cancelling_one_choice_by_its_id_cancels_the_request(cluster):
+    alpha = cluster.keys["alpha"]
+
+    async def go():
+        stream = await Exchange.post(cluster, "/v1/completions", completion(
+            cluster, 2000, ignore_eos=True, stream=True, n=2), {"authorization": f"Bearer {alpha}"})
+        assert stream.status == 200 and isinstance(await stream.event(), dict)
+        request_id = stream.headers["x-request-id"]
+        cancelled = await asyncio.to_thread(post, cluster, {}, alpha, path=f"/v1/requests/{request_id}-1/cancel")
+        events = []
+        while (event := await asyncio.wait_for(stream.event(), 30)) is not None:
+            events.append(event)
+        return request_id, cancelled, events
+
+    request_id, cancelled, events = run(go())
+    assert cancelled[0] == 200 and events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
+    for choice_id in (request_id, f"{request_id}-1"):         # both ended, and are billed as cancelled
+        for _ in range(100):
+            status, _, row = post(cluster, None, alpha, path=f"/v1/requests/{choice_id}")
+            if status == 200 and row["status"] != "in_flight":
+                break
+            time.sleep(0.1)
+        assert status == 200 and row["status"] == "cancelled" and row["completion_tokens"] < 2000, row
 
 
 def test_a_tenant_learns_nothing_of_anothers_prompt_from_the_prefix_cache(cluster):

@@ -75,15 +75,15 @@ def chunk(text: str, entries, finish: int = 0) -> common_pb2.GenerateChunk:
 def test_chat_logprobs_whole_and_streamed():
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 1}
     whole = OpenAIResponse(parse_openai(CHAT, json.dumps(body).encode()), "a", 1, MEDIUM)
-    whole.add(chunk("Hi", [entry(b"Hi", -0.5, (b"Hi", -0.5))]))
-    whole.add(chunk("", [entry(b"\xf0\x9f", -1.0)], common_pb2.FINISH_REASON_STOP))
+    whole.add(0, chunk("Hi", [entry(b"Hi", -0.5, (b"Hi", -0.5))]))
+    whole.add(0, chunk("", [entry(b"\xf0\x9f", -1.0)], common_pb2.FINISH_REASON_STOP))
     assert whole.body()["choices"][0]["logprobs"] == {"content": [
         {"token": "Hi", "logprob": -0.5, "bytes": [72, 105],
          "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}]},
         {"token": "\ufffd", "logprob": -1.0, "bytes": [240, 159], "top_logprobs": []}], "refusal": None}
     streamed = OpenAIResponse(parse_openai(CHAT, json.dumps({**body, "stream": True}).encode()), "a", 1, MEDIUM)
-    events = streamed.events(chunk("Hi", [entry(b"Hi", -0.5)])) + \
-        streamed.events(chunk("", [entry(b"!", -0.1)], common_pb2.FINISH_REASON_STOP))
+    events = streamed.events(0, chunk("Hi", [entry(b"Hi", -0.5)])) + \
+        streamed.events(0, chunk("", [entry(b"!", -0.1)], common_pb2.FINISH_REASON_STOP))
     # role, "Hi", a token whose text is still held (its entry comes anyway), the finish
     assert [e["choices"][0]["logprobs"] and [c["token"] for c in e["choices"][0]["logprobs"]["content"]]
             for e in events] == [None, ["Hi"], ["!"], None]
@@ -92,8 +92,8 @@ def test_chat_logprobs_whole_and_streamed():
 def test_completion_logprobs_in_the_legacy_shape_with_offsets_across_chunks():
     body = {"model": "m", "prompt": "x", "logprobs": 1, "stream": True}
     out = OpenAIResponse(parse_openai(COMPLETION, json.dumps(body).encode()), "a", 1, MEDIUM)
-    events = out.events(chunk("Hi there", [entry(b"Hi", -0.5, (b"Yo", -0.25)), entry(b" there", -1.0, (b" there", -1.0))]))
-    events += out.events(chunk("!", [entry(b"!", -2.0, (b".", -0.5))], common_pb2.FINISH_REASON_STOP))
+    events = out.events(0, chunk("Hi there", [entry(b"Hi", -0.5, (b"Yo", -0.25)), entry(b" there", -1.0, (b" there", -1.0))]))
+    events += out.events(0, chunk("!", [entry(b"!", -2.0, (b".", -0.5))], common_pb2.FINISH_REASON_STOP))
     first, second = events[0]["choices"][0]["logprobs"], events[1]["choices"][0]["logprobs"]
     assert first == {"tokens": ["Hi", " there"], "token_logprobs": [-0.5, -1.0],
                      "top_logprobs": [{"Yo": -0.25, "Hi": -0.5}, {" there": -1.0}], "text_offset": [0, 2]}

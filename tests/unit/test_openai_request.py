@@ -190,7 +190,7 @@ def chunk(text: str, finish: int = 0, prompt: int = 3, completion: int = 2) -> c
 
 def test_chat_stream_events_role_first_finish_last_usage_alone():
     out = OpenAIResponse(chat(stream=True, stream_options={"include_usage": True}), "abc", 7, HIGH)
-    events = out.events(chunk("Hel")) + out.events(chunk("lo", common_pb2.FINISH_REASON_LENGTH))
+    events = out.events(0, chunk("Hel")) + out.events(0, chunk("lo", common_pb2.FINISH_REASON_LENGTH))
     assert [e["choices"][0]["delta"] if e["choices"] else None for e in events] == \
         [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}, None]
     assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None, None, None, "length"]
@@ -203,11 +203,36 @@ def test_chat_stream_events_role_first_finish_last_usage_alone():
 
 def test_a_whole_completion_body():
     out = OpenAIResponse(parse_openai(COMPLETION, b'{"model": "m", "prompt": "x"}'), "id1", 7, LOW)
-    out.add(chunk("a"))
-    out.add(chunk("b", common_pb2.FINISH_REASON_STOP))
+    out.add(0, chunk("a"))
+    out.add(0, chunk("b", common_pb2.FINISH_REASON_STOP))
     body = out.body()
     assert body["object"] == "text_completion" and body["service_tier"] == "flex"
     assert body["choices"] == [{"index": 0, "text": "ab", "finish_reason": "stop", "logprobs": None}]
+
+
+def test_n_choices_in_one_body_and_in_a_stream_with_the_usage_once():
+    whole = OpenAIResponse(chat(n=2), "abc", 7, HIGH)
+    whole.add(1, chunk("b", common_pb2.FINISH_REASON_STOP, prompt=3, completion=1))
+    whole.add(0, chunk("a"))
+    whole.add(0, chunk("c", common_pb2.FINISH_REASON_LENGTH, prompt=3, completion=2))
+    assert whole.finished
+    body = whole.body()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "ac", "length"), (1, "b", "stop")]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    streamed = OpenAIResponse(chat(n=2, stream=True, stream_options={"include_usage": True}), "abc", 7, HIGH)
+    first = streamed.events(0, chunk("a", common_pb2.FINISH_REASON_STOP, completion=1))
+    assert not streamed.finished and all(e["choices"] for e in first)       # no usage before choice 1 ends
+    events = first + streamed.events(1, chunk("b", common_pb2.FINISH_REASON_STOP, completion=4))
+    assert [e["choices"][0]["index"] for e in events[:-1]] == [0, 0, 0, 1, 1, 1]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_n_is_1_to_16():
+    assert chat(n=16).n == 16 and chat().n == 1
+    for n in (0, 17, "2", 2.5, True):
+        assert refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, "n": n}).encode()).field == "n"
 
 
 def test_error_body_shape():

@@ -121,14 +121,14 @@ def test_a_named_call_as_a_whole_body_and_as_a_stream():
     request = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     whole = OpenAIResponse(request, "r1", 1, MEDIUM)
     for piece, finish in (('{"city": ', 0), ('"Paris", "unit": "c"}', common_pb2.FINISH_REASON_STOP)):
-        whole.add(common_pb2.GenerateChunk(text=piece, token_ids=[1], finish_reason=finish))
+        whole.add(0, common_pb2.GenerateChunk(text=piece, token_ids=[1], finish_reason=finish))
     choice = whole.body()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                              "arguments": '{"city": "Paris", "unit": "c"}'}
     streamed = OpenAIResponse(request, "r1", 1, MEDIUM)
-    events = streamed.events(common_pb2.GenerateChunk(text='{"city": ', token_ids=[1])) + streamed.events(
-        common_pb2.GenerateChunk(text='"Paris", "unit": "c"}', token_ids=[2], finish_reason=common_pb2.FINISH_REASON_STOP))
+    events = streamed.events(0, common_pb2.GenerateChunk(text='{"city": ', token_ids=[1])) + streamed.events(
+        0, common_pb2.GenerateChunk(text='"Paris", "unit": "c"}', token_ids=[2], finish_reason=common_pb2.FINISH_REASON_STOP))
     deltas = [e["choices"][0]["delta"] for e in events]
     assert deltas[0] == {"role": "assistant", "content": None}
     assert deltas[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
@@ -142,18 +142,18 @@ def test_a_required_call_cut_before_its_name_ends_keeps_its_text_as_content():
     request = chat(tools=[WEATHER], tool_choice="required")
     cut = '[{"name": "get_w'
     whole = OpenAIResponse(request, "r1", 1, MEDIUM)
-    whole.add(common_pb2.GenerateChunk(text=cut, token_ids=[1, 2, 3], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    whole.add(0, common_pb2.GenerateChunk(text=cut, token_ids=[1, 2, 3], finish_reason=common_pb2.FINISH_REASON_LENGTH))
     choice = whole.body()["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": cut} and choice["finish_reason"] == "length"
     streamed = OpenAIResponse(request, "r1", 1, MEDIUM)
-    events = streamed.events(common_pb2.GenerateChunk(text=cut[:5], token_ids=[1])) + streamed.events(
-        common_pb2.GenerateChunk(text=cut[5:], token_ids=[2], finish_reason=common_pb2.FINISH_REASON_LENGTH))
+    events = streamed.events(0, common_pb2.GenerateChunk(text=cut[:5], token_ids=[1])) + streamed.events(
+        0, common_pb2.GenerateChunk(text=cut[5:], token_ids=[2], finish_reason=common_pb2.FINISH_REASON_LENGTH))
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("content") or "" for d in deltas) == cut and not any("tool_calls" in d for d in deltas)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     # Cut after a call began: that call, its arguments as far as they came.
     later = OpenAIResponse(request, "r1", 1, MEDIUM)
-    later.add(common_pb2.GenerateChunk(text='[{"name": "get_weather", "arguments": {"ci', token_ids=[1],
+    later.add(0, common_pb2.GenerateChunk(text='[{"name": "get_weather", "arguments": {"ci', token_ids=[1],
                                        finish_reason=common_pb2.FINISH_REASON_LENGTH))
     message = later.body()["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"ci'
@@ -218,12 +218,12 @@ def test_auto_text_that_only_looks_like_a_call_stays_text():
 
 def test_an_auto_answer_with_calls_has_them_as_tool_calls():
     out = OpenAIResponse(chat(tools=[WEATHER]), "r1", 1, MEDIUM)
-    out.add(common_pb2.GenerateChunk(text=TAGGED, token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
+    out.add(0, common_pb2.GenerateChunk(text=TAGGED, token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
     choice = out.body()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me check."
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather", "search"]
     plain = OpenAIResponse(chat(tools=[WEATHER]), "r2", 1, MEDIUM)
-    plain.add(common_pb2.GenerateChunk(text="It is sunny.", token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
+    plain.add(0, common_pb2.GenerateChunk(text="It is sunny.", token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP))
     assert plain.body()["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
     assert plain.body()["choices"][0]["finish_reason"] == "stop"
 
