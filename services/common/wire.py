@@ -20,7 +20,9 @@ def prompt_chars(request) -> int:
     """Characters of a request's prompt and messages' contents (a GenerateRequest or a
     SubmitRequest): the router's token estimates start from it, the scheduler's choice of where
     to tokenize too."""
-    return len(request.prompt) + len(request.tools) + sum(len(m.content) + len(m.tool_calls) for m in request.messages)
+    # A prompt of token ids counts as the characters its tokens are estimated from (4 each).
+    return (len(request.prompt) + len(request.tools) + 4 * len(request.prompt_token_ids)
+            + sum(len(m.content) + len(m.tool_calls) for m in request.messages))
 
 
 def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:

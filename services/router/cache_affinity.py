@@ -35,9 +35,12 @@ def request_scope(setting: str, tenant: str, salt: str) -> str:
     return json.dumps(parts, separators=(",", ":")) if parts else ""
 
 
-def affinity_key(prompt: str, messages=(), scope: str = "") -> int:
+def affinity_key(prompt: str, messages=(), scope: str = "", token_ids=()) -> int:
     """A key for the request's opening within its cache scope (0: none): chat messages up to the
-    first user message, or the prompt's first OPENING_CHARS characters."""
+    first user message, or the prompt's first OPENING_CHARS characters (its first OPENING_CHARS / 4
+    tokens when it comes as token ids)."""
+    if token_ids:
+        return hash((scope, tuple(token_ids[:OPENING_CHARS // 4]))) or 1
     if messages:
         opening = []
         for message in messages:

@@ -1,13 +1,15 @@
-"""A request with n choices (OpenAI's `n`): one request a choice on the shared path, their chunks
-merged into one answer, each tagged with its choice's index.
+"""A request with n choices (OpenAI's `n`), or a batch of prompts (completions' `prompt` as a
+list, n choices each): one request a choice on the shared path, their chunks merged into one
+answer, each tagged with its choice's index (prompt by prompt, as OpenAI orders them).
 
 Why a request a choice: each choice is a sequence of its own in its pool (its own sampling, stream,
 preemption and failover, as any request's), and the choices share the prompt through the prefix
 cache: they arrive together with one prefix, so the pool computes it once and the others wait for
 it (services/scheduler/prefix_in_flight.py), as vLLM's parallel sampling does. Choice i is request
 `ID-i` (choice 0 is `ID` itself, the X-Request-Id), seeded with seed + i when the request names a
-seed (vLLM's rule: the choices differ, and each is reproducible alone). The prompt is billed once,
-with choice 0 (accounts.billed_prompt); each choice counts against its tenant's limits as a request.
+seed (vLLM's rule: the choices differ, and each is reproducible alone). Each prompt is billed once,
+with its first choice (accounts.billed_prompt); each choice counts against its tenant's limits as
+a request.
 
 All or nothing: nothing is passed on until every choice has sent its first chunk, so a refusal of
 any (a limit, a bad value) is the request's status and no tokens went out; after that an error in
@@ -21,19 +23,28 @@ from dataclasses import replace
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.router.openai_prompt import set_prompt
 from services.router.validation import RequestHead
 
 SEEDS = 2**64          # sampling.seed is a uint64: seed + i wraps
 
 
-def choice_heads(head: RequestHead, n: int) -> list[RequestHead]:
-    return [head] + [replace(head, request_id=f"{head.request_id}-{i}", choice=i) for i in range(1, n)]
+def choice_heads(head: RequestHead, n: int, total: int) -> list[RequestHead]:
+    """Choice g of `total` (n for each prompt of a batch): request ID-g (choice 0 is ID itself),
+    its `choice` the index among its prompt's n (0 bills the prompt)."""
+    return [head] + [replace(head, request_id=f"{head.request_id}-{g}", choice=g % n) for g in range(1, total)]
 
 
-def choice_body(body: router_pb2.GenerateRequest, index: int) -> router_pb2.GenerateRequest:
-    """Choice `index`'s own copy of the request (the path may rewrite its model field)."""
+def choice_body(body: router_pb2.GenerateRequest, index: int,
+                prompt: str | list[int] | None = None) -> router_pb2.GenerateRequest:
+    """Choice `index`'s own copy of the request (the path may rewrite its model field), with
+    `prompt` (a batch's) in place of the body's own when given."""
     copy = router_pb2.GenerateRequest()
     copy.CopyFrom(body)
+    if prompt is not None:
+        copy.ClearField("prompt")
+        copy.ClearField("prompt_token_ids")
+        set_prompt(copy, prompt)
     if index and body.sampling.HasField("seed"):
         copy.sampling.seed = (body.sampling.seed + index) % SEEDS
     return copy

@@ -34,10 +34,8 @@ from services.common.config import RouterConfig
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.priority import CONTEXT_MODE_HEADER, MAX_STREAM_INTERVAL, PRIORITY_HEADER, TENANT_HEADER
 from services.common.tracing import extract_metadata
-from services.common.wire import prompt_chars
 from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
-from services.control.limits import estimate_tokens
 from services.control.sla import ALL_TENANTS
 from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
@@ -136,10 +134,10 @@ class HttpFront:
                                   f"{sent!r} differ: send one of them", "context_mode")
             head = self.router.let_in(headers, caller)
             most = caller.tenant.max_concurrent
-            if request.n > 1 and not caller.admin and most is not None and request.n > most:
+            if not caller.admin and most is not None and request.choices > most:
                 # Each choice is a stream: more than the tenant may hold would be refused for ever.
-                raise invalid(f"n={request.n} choices are {request.n} streams; tenant {caller.name!r} may hold "
-                              f"{most} at once (max_concurrent)", "n")
+                raise invalid(f"{request.choices} choices are {request.choices} streams; tenant {caller.name!r} "
+                              f"may hold {most} at once (max_concurrent)", "n" if request.n > 1 else "prompt")
             if not request.stream and not head.stream_interval:
                 # The answer goes out whole: tokens come from the scheduler in as few chunks as
                 # it may send (the first, one per max hold, the last), not one message per token.
@@ -149,11 +147,7 @@ class HttpFront:
             return error_response(error, request)
         except ClientDisconnect:      # gone while sending the body: nobody to answer
             return Response(status_code=499)
-        body = request.body
-        estimate = estimate_tokens(prompt_chars(body),
-                                   body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
-        return GenerationResponse(self, head, caller, estimate, request,
-                                  extract_metadata(http.headers.items()))
+        return GenerationResponse(self, head, caller, request, extract_metadata(http.headers.items()))
 
     def _caller(self, http: Request):
         headers = request_headers(http.headers.items(), self.book.required)

@@ -11,12 +11,15 @@ import time
 from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError
+from services.common.wire import prompt_chars
+from services.control.limits import estimate_tokens
 from services.control.tenancy import Caller
 from services.router.choices import choice_body, choice_heads, merged, one_choice
 from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.openai_response import OpenAIResponse, error_body
 from services.router.validation import RequestHead, check_sampling
 
+TOKEN_IDS = "prompt_token_ids"     # the scheduler's name for a prompt given as token ids
 SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
                "x-accel-buffering": "no"}
 
@@ -33,6 +36,8 @@ def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
         return request.max_tokens_field
     if field == "prompt" and request.kind == CHAT:
         return "messages"
+    if field.startswith(TOKEN_IDS):
+        return "prompt" + field.removeprefix(TOKEN_IDS)
     if field.startswith("sampling.json_schema") and request.schema_field:
         return request.schema_field + field.removeprefix("sampling.json_schema")
     return field.removeprefix("sampling.")
@@ -58,9 +63,8 @@ class GenerationResponse(Response):
     final `data: {"error": ...}` event. A client that disconnects cancels the request all the
     way to its worker (the cancellation runs through RequestPath.relay)."""
 
-    def __init__(self, front, head: RequestHead, caller: Caller, estimate: int,
-                 request: OpenAIRequest, parent):
-        self.front, self.head, self.caller, self.estimate = front, head, caller, estimate
+    def __init__(self, front, head: RequestHead, caller: Caller, request: OpenAIRequest, parent):
+        self.front, self.head, self.caller = front, head, caller
         self.request, self.parent = request, parent
         self.client_gone = asyncio.Event()
 
@@ -93,11 +97,15 @@ class GenerationResponse(Response):
         request, head = self.request, self.head
         out = OpenAIResponse(request, head.request_id, int(time.time()), head.priority)
 
-        if request.n == 1:
+        if request.choices == 1:
             chunks = one_choice(self._serve(head, request.body))
         else:
-            heads = choice_heads(head, request.n)
-            chunks = merged([self._serve(h, choice_body(request.body, h.choice)) for h in heads], heads)
+            heads = choice_heads(head, request.n, request.choices)
+            prompts = request.prompts or [None]
+            batch = len(prompts) > 1
+            chunks = merged([_in_prompt(self._serve(h, choice_body(request.body, h.choice, prompts[g // request.n])),
+                                        g // request.n) if batch else
+                             self._serve(h, choice_body(request.body, h.choice)) for g, h in enumerate(heads)], heads)
         self.started = False
         try:
             if request.stream:
@@ -124,7 +132,9 @@ class GenerationResponse(Response):
             check_sampling(body.sampling, max_context)
             return body
 
-        return self.front.path.serve(head, read_body, self.caller, self.estimate, self.parent,
+        estimate = estimate_tokens(prompt_chars(body),
+                                   body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
+        return self.front.path.serve(head, read_body, self.caller, estimate, self.parent,
                                      {"qos.user": self.request.user})
 
     async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
@@ -158,6 +168,20 @@ class GenerationResponse(Response):
         except ServiceError as error:
             tail = b"data: " + to_json(error_body(error, http_param(error.field, self.request))) + b"\n\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _in_prompt(stream, index: int):
+    """A batch's choice: an error naming its prompt's token ids names them in its prompt."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except ServiceError as error:
+        if error.field and error.field.startswith(TOKEN_IDS):
+            named = f"prompt[{index}]{error.field.removeprefix(TOKEN_IDS)}"
+            error.message, error.field = error.message.replace(error.field, named), named
+        raise
+    finally:
+        await stream.aclose()
 
 
 async def _disconnected(receive, gone: asyncio.Event) -> None:

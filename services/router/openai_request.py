@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
@@ -17,6 +17,7 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
 from services.router.json_fields import json_kind, text_field
+from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
@@ -74,6 +75,12 @@ class OpenAIRequest:
     tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (openai_tools.py)
     tool_name: str = ""                  # "named": the function
     n: int = 1                           # choices: requests of their own on the path (choices.py)
+    prompts: list = field(default_factory=list)   # completions: each prompt (text or token ids); body has the first
+
+    @property
+    def choices(self) -> int:
+        """Choices in the answer: n for each prompt (n for a chat)."""
+        return self.n * max(1, len(self.prompts))
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
@@ -94,7 +101,8 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
     if kind == CHAT:
         request.body.messages.extend(_messages(_required(body, "messages")))
     else:
-        request.body.prompt = _prompt(_required(body, "prompt"))
+        request.prompts = parse_prompts(_required(body, "prompt"))
+        set_prompt(request.body, request.prompts[0])
     _sampling(body, request)
     _options(body, request)
     if kind == CHAT:
@@ -213,16 +221,6 @@ def _content(value, field: str) -> str:
     return "".join(texts)
 
 
-def _prompt(value) -> str:
-    if isinstance(value, list):
-        if len(value) == 1 and isinstance(value[0], str):
-            value = value[0]
-        else:
-            raise invalid("prompt must be a string (or a list of exactly one string); batches and "
-                          "token ids are not supported", "prompt")
-    return text_field(value, "prompt", allow_empty=False)
-
-
 def _sampling(body: dict, request: OpenAIRequest) -> None:
     s = request.body.sampling
     limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens")]
@@ -314,6 +312,9 @@ def _logprobs(body: dict, request: OpenAIRequest) -> None:
 def _options(body: dict, request: OpenAIRequest) -> None:
     if body.get("n") is not None:
         request.n = _int(body["n"], "n", 1, MAX_CHOICES)
+    if request.choices > MAX_PROMPTS:
+        raise invalid(f"n={request.n} for each of {len(request.prompts)} prompts is {request.choices} "
+                      f"choices; at most {MAX_PROMPTS} are served in one request", "n")
     if body.get("stream") is not None:
         request.stream = _bool(body["stream"], "stream")
     options = body.get("stream_options")

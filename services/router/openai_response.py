@@ -63,8 +63,8 @@ class OpenAIResponse:
         # With logprobs asked for: each token's entry (common.proto TokenLogprob), made OpenAI's
         self.logprobs = LogprobsView(self.chat) if request.body.sampling.HasField("logprobs") else None
         self.choices = [Choice(request, request_id if i == 0 else f"{request_id}-{i}", i)
-                        for i in range(request.n)]
-        self.open = request.n            # choices without their last chunk yet
+                        for i in range(request.choices)]
+        self.open = request.choices      # choices without their last chunk yet
 
     @property
     def finished(self) -> bool:
@@ -76,8 +76,12 @@ class OpenAIResponse:
             self.open -= 1
 
     def usage(self) -> dict:
-        """OpenAI's usage: the prompt once (choice 0's, as it is billed), every choice's completion."""
+        """OpenAI's usage: each prompt once (its first choice's, as it is billed), every choice's
+        completion."""
         usage = usage_of(self.choices[0].last)
+        firsts = [c.last.usage for c in self.choices[::self.request.n]]
+        usage["prompt_tokens"] = sum(u.prompt_tokens for u in firsts)
+        usage["prompt_tokens_details"]["cached_tokens"] = sum(u.cached_tokens for u in firsts)
         usage["completion_tokens"] = sum(c.last.usage.completion_tokens for c in self.choices)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return usage
@@ -160,6 +164,6 @@ def error_body(error: ServiceError, param: str | None) -> dict:
     message naming the field as the gRPC request spells it (sampling.max_tokens) names it as the
     client sent it (max_completion_tokens), as `param` does."""
     message = error.message
-    if error.field and error.field.startswith("sampling.") and param and param != error.field:
+    if error.field and error.field.startswith(("sampling.", "prompt_token_ids")) and param and param != error.field:
         message = message.replace(error.field, param)
     return {"error": {"message": message, "type": error.kind.status.http_type, "param": param, "code": error.reason}}

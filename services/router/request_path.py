@@ -144,7 +144,7 @@ class RequestPath:
         route_span = self.tracer.start_span("router.route", context=trace.set_span_in_context(span))
         request = RouteRequest(body.model or self.model_name, head.priority, head.lora,
                                head.slo_ms or None, exclude, estimated_prompt_tokens(body),
-                               affinity_key(body.prompt, body.messages, self.scope(head, body)))
+                               affinity_key(body.prompt, body.messages, self.scope(head, body), body.prompt_token_ids))
         try:
             decision = router.route(request)
         except NoPoolError as exc:
@@ -180,7 +180,8 @@ class RequestPath:
             prompt=body.prompt, messages=body.messages, sampling=body.sampling, slo_ms=head.slo_ms,
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
             stream_interval=head.stream_interval, context_mode=head.context_mode,
-            cache_scope=self.scope(head, body), tools=body.tools, tool_choice=body.tool_choice)
+            cache_scope=self.scope(head, body), tools=body.tools, tool_choice=body.tool_choice,
+            prompt_token_ids=body.prompt_token_ids)
         context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported

@@ -154,10 +154,10 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
         raise invalid("tools are served on the HTTP API (/v1/chat/completions); over gRPC, ask for a "
                       "function's arguments with sampling.json_schema", "tools")
     model = _text(raw.model, "model")
-    if prompt and messages:
-        raise invalid("set either prompt or messages, not both", "prompt")
-    if not messages and not prompt:
-        raise invalid("prompt is empty: set prompt or messages", "prompt")
+    if sum(map(bool, (prompt, messages, raw.prompt_token_ids))) > 1:
+        raise invalid("set one of prompt, messages and prompt_token_ids", "prompt")
+    if not messages and not prompt and not raw.prompt_token_ids:
+        raise invalid("prompt is empty: set prompt, messages or prompt_token_ids", "prompt")
     for i, m in enumerate(messages):
         if m.role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
@@ -171,7 +171,7 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
             raise invalid("sampling.ignore_eos cannot be combined with sampling.json_schema: a structured "
                           "answer ends where its JSON is complete", "sampling.ignore_eos")
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
-                                      model=model,
+                                      model=model, prompt_token_ids=raw.prompt_token_ids,
                                       cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))
 
 

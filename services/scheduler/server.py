@@ -185,6 +185,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
         if submit.sampling.json_schema:     # refused here, at once, if the workers could not compile it
             check_schema_text(submit.sampling.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
+        if submit.prompt_token_ids:
+            check_token_ids(submit.prompt_token_ids, self.tokenizer.vocab_size, "prompt_token_ids")
+            return list(submit.prompt_token_ids)
         if not submit.messages:
             return self.tokenizer.encode(submit.prompt)
         messages, tools = chat_turns(submit, self.tokenizer.chat_template, self.model_name)

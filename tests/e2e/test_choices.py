@@ -1,14 +1,23 @@
-"""`n` choices through the official `openai` client on a real cluster (embedded model, fp32, where
-seeded sampling gives the same tokens whatever shares the batch): each seeded choice is the answer
-its own seed (seed + index) gives alone, streamed choices arrive tagged with their index, each
-with its role, text and finish_reason, the usage counts the prompt once and every choice's
-completion, and the choices share the prompt's KV instead of computing it n times."""
+"""`n` choices and completions' batches of prompts (text or token ids) through the official
+`openai` client on a real cluster (embedded model, fp32, where seeded sampling gives the same
+tokens whatever shares the batch): each seeded choice is the answer its own seed (seed + index)
+gives alone, streamed choices arrive tagged with their index, each with its role, text and
+finish_reason, the usage counts each prompt once and every choice's completion, the choices
+share the prompt's KV instead of computing it n times, a prompt of token ids is answered as its
+text is (over gRPC too), and bad values name the element at fault."""
 from __future__ import annotations
 
+import functools
+
+import grpc
 import openai
 import pytest
 
+from services.common.proto.qos.v1 import router_pb2
+from services.common.tokenizer import TextTokenizer
+from services.engine.default_model import default_model_dir
 from services.local.cluster import LocalCluster
+from services.tools.client import RouterClient, sampling_params
 from tests.e2e.conftest import cluster_config, run
 
 pytestmark = pytest.mark.slow
@@ -82,3 +91,59 @@ def test_an_n_out_of_range_or_not_an_integer_is_a_400_naming_n(client, model, n)
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"n": n})
     assert refused.value.body["param"] == "n"
+
+
+@functools.cache
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer.from_model_dir(default_model_dir(progress=False))
+
+
+def test_a_prompt_of_token_ids_is_answered_as_its_text_is(cluster, client, model):
+    ids = tokenizer().encode(PROMPT)
+    both = dict(model=model, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    as_text = client.completions.create(prompt=PROMPT, **both)
+    as_ids = client.completions.create(prompt=ids, **both)
+    assert as_ids.choices[0].text == as_text.choices[0].text
+    assert as_ids.usage.prompt_tokens == len(ids) == as_text.usage.prompt_tokens
+
+    async def grpc_tokens(**prompt):
+        async with RouterClient(cluster.router_address) as c:
+            request = router_pb2.GenerateRequest(sampling=sampling_params(max_tokens=8, temperature=0.0,
+                                                                          ignore_eos=True), **prompt)
+            return (await c.generate(request)).token_ids
+
+    assert run(grpc_tokens(prompt_token_ids=ids)) == run(grpc_tokens(prompt=PROMPT))
+    with pytest.raises(grpc.aio.AioRpcError) as both_kinds:
+        run(grpc_tokens(prompt=PROMPT, prompt_token_ids=ids))
+    assert both_kinds.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as past_vocab:
+        run(grpc_tokens(prompt_token_ids=[ids[0], 10**6]))
+    assert past_vocab.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids[1]=1000000 is not a token id" in past_vocab.value.details()
+
+
+def test_a_batch_of_prompts_answers_each_with_its_n_choices_in_order(client, model):
+    prompts = [PROMPT, "The three primary colours are", "Water boils at"]
+    both = dict(model=model, max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(prompt=prompts, n=2, seed=5, **both)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, seed=5 + i, **both) for p in prompts for i in range(2)]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])
+    assert batch.usage.completion_tokens == 36
+    greedy = dict(both, temperature=0)
+    as_ids = client.completions.create(prompt=[tokenizer().encode(p) for p in prompts], **greedy)
+    assert [c.text for c in as_ids.choices] == [client.completions.create(prompt=p, **greedy).choices[0].text
+                                                for p in prompts]
+
+
+@pytest.mark.parametrize("prompt, param", [
+    ([1, 10**6], "prompt[1]"),                  # past the vocabulary: the scheduler's check
+    ([[1, 2], [3, 10**6]], "prompt[1][1]"),     # ... in the second prompt of a batch
+    (["a", 7], "prompt[1]"), ([[1], []], "prompt[1]"), ([1, -1], "prompt[1]"),
+])
+def test_a_bad_prompt_element_is_a_400_naming_it(client, model, prompt, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert refused.value.body["param"] == param, refused.value.body
+    assert "prompt_token_ids" not in refused.value.body["message"]

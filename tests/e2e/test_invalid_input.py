@@ -43,7 +43,7 @@ def ask(**sampling) -> router_pb2.GenerateRequest:
     (ask(max_tokens=4), [("x-priority", "urgent")], "x-priority 'urgent'"),
     (router_pb2.GenerateRequest(prompt=""), [], "prompt is empty"),
     (router_pb2.GenerateRequest(prompt="hi", messages=[common_pb2.ChatMessage(role="user", content="x")]),
-     [], "either prompt or messages"),
+     [], "one of prompt, messages and prompt_token_ids"),
     (router_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="robot", content="x")]), [],
      "messages[0].role"),
     # A message quoting 40,000 characters came back as RESOURCE_EXHAUSTED: gRPC's metadata limit.

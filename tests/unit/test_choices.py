@@ -37,8 +37,8 @@ class Choice:
             self.closed = True
 
 
-def heads(n: int) -> list[RequestHead]:
-    return choice_heads(RequestHead(MEDIUM, request_id="r"), n)
+def heads(n: int, total: int | None = None) -> list[RequestHead]:
+    return choice_heads(RequestHead(MEDIUM, request_id="r"), n, total or n)
 
 
 async def collect(choices, stop_after=None, got=None):
@@ -122,6 +122,8 @@ def test_a_choice_ending_without_its_last_chunk_is_an_error():
 def test_each_choice_has_its_own_id_and_seed():
     ids = [(h.request_id, h.choice) for h in heads(3)]
     assert ids == [("r", 0), ("r-1", 1), ("r-2", 2)]
+    # Two prompts of two choices each: ids run on, the choice index starts again with each prompt.
+    assert [(h.request_id, h.choice) for h in heads(2, 4)] == [("r", 0), ("r-1", 1), ("r-2", 0), ("r-3", 1)]
     body = router_pb2.GenerateRequest(prompt="p")
     body.sampling.seed = SEEDS - 1
     assert [choice_body(body, i).sampling.seed for i in range(3)] == [SEEDS - 1, 0, 1]     # wraps
@@ -130,6 +132,10 @@ def test_each_choice_has_its_own_id_and_seed():
     copy = choice_body(body, 0)
     copy.model = "changed"
     assert body.model == ""                 # each choice's own copy
+    ids = choice_body(body, 1, [5, 6])      # a batch's prompt replaces the body's own, of either kind
+    assert (ids.prompt, list(ids.prompt_token_ids), ids.sampling.seed) == ("", [5, 6], 0)
+    text = choice_body(ids, 0, "q")
+    assert (text.prompt, list(text.prompt_token_ids)) == ("q", [])
 
 
 def test_one_choice_closes_its_stream_when_it_is_closed():

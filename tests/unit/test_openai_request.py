@@ -177,10 +177,6 @@ def test_a_stop_string_of_1024_characters_is_taken():
     assert list(r.body.sampling.stop) == ["é" * 1024]
 
 
-def test_a_prompt_of_token_ids_is_refused_by_name():
-    assert refused(COMPLETION, b'{"model": "m", "prompt": [1, 2, 3]}').field == "prompt"
-
-
 def chunk(text: str, finish: int = 0, prompt: int = 3, completion: int = 2) -> common_pb2.GenerateChunk:
     c = common_pb2.GenerateChunk(text=text, finish_reason=finish)
     if finish:
@@ -227,6 +223,34 @@ def test_n_choices_in_one_body_and_in_a_stream_with_the_usage_once():
     events = first + streamed.events(1, chunk("b", common_pb2.FINISH_REASON_STOP, completion=4))
     assert [e["choices"][0]["index"] for e in events[:-1]] == [0, 0, 0, 1, 1, 1]
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_a_completion_prompt_is_text_token_ids_or_a_batch_of_either():
+    def prompts(value):
+        r = parse_openai(COMPLETION, json.dumps({"model": "m", "prompt": value, "n": 2}).encode())
+        return r.prompts, r.body.prompt, list(r.body.prompt_token_ids), r.choices
+
+    assert prompts("hi") == (["hi"], "hi", [], 2)
+    assert prompts([7, 8, 9]) == ([[7, 8, 9]], "", [7, 8, 9], 2)
+    assert prompts(["a", "b", "c"]) == (["a", "b", "c"], "a", [], 6)
+    assert prompts([[1], [2, 3]]) == ([[1], [2, 3]], "", [1], 4)
+    for value, param in (([], "prompt"), (["a", 3], "prompt[1]"), ([[1], "b"], "prompt[1]"), ([[1], []], "prompt[1]"),
+                         ([1, -2], "prompt[1]"), ([[1, 2.5]], "prompt[0][1]"), ([1, True], "prompt[1]"),
+                         (["a", ""], "prompt[1]"), ([None], "prompt[0]"), ({"a": 1}, "prompt")):
+        assert refused(COMPLETION, json.dumps({"model": "m", "prompt": value}).encode()).field == param, value
+    # 64 choices at most in one request, n for each prompt
+    assert refused(COMPLETION, json.dumps({"model": "m", "prompt": ["a"] * 65}).encode()).field == "prompt"
+    assert refused(COMPLETION, json.dumps({"model": "m", "prompt": ["a"] * 5, "n": 13}).encode()).field == "n"
+    assert parse_openai(COMPLETION, json.dumps({"model": "m", "prompt": ["a"] * 4, "n": 16}).encode()).choices == 64
+
+
+def test_a_batchs_usage_counts_each_prompt_once():
+    out = OpenAIResponse(parse_openai(COMPLETION, b'{"model": "m", "prompt": ["a", "bb"], "n": 2}'), "r", 7, LOW)
+    for index, prompt in ((0, 3), (1, 3), (2, 5), (3, 5)):
+        out.add(index, chunk(f"t{index}", common_pb2.FINISH_REASON_STOP, prompt=prompt, completion=1))
+    body = out.body()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["prompt_tokens"] == 8 and body["usage"]["completion_tokens"] == 4
 
 
 def test_n_is_1_to_16():

@@ -166,6 +166,15 @@ def test_a_conversation_overflows_to_the_pool_that_holds_its_cache_while_the_rul
     assert r.route(later) == ("npu", "overflow-cheapest", 0.0)
 
 
+def test_a_prompt_of_token_ids_has_an_opening_key_of_its_first_tokens():
+    from services.router.cache_affinity import OPENING_CHARS, affinity_key
+    opening = list(range(OPENING_CHARS // 4))
+    key = affinity_key("", (), "tenant-a", opening + [1, 2])
+    assert key == affinity_key("", (), "tenant-a", opening + [3]) != 0      # the same opening
+    assert key != affinity_key("", (), "tenant-b", opening)                # another scope
+    assert affinity_key("", (), "tenant-a", [5] + opening) != key
+
+
 def test_among_gpu_pools_a_conversation_stays_unless_its_pool_queues_more_than_the_slack():
     gpu2 = PoolSpec("gpu2", "cuda", frozenset({M}))
     r = router([GPU, gpu2], gpu=load(queued=3), gpu2=load(queued=0))

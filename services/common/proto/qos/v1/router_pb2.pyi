@@ -127,7 +127,7 @@ class CancelReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -142,10 +143,11 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     tools: str
     tool_choice: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequestBytes(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,7 @@ class GenerateRequestBytes(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessageBytes]
     sampling: _common_pb2.SamplingParams
@@ -160,7 +163,8 @@ class GenerateRequestBytes(_message.Message):
     cache_salt: bytes
     tools: bytes
     tool_choice: bytes
-    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., tools: _Optional[bytes] = ..., tool_choice: _Optional[bytes] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., tools: _Optional[bytes] = ..., tool_choice: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChatMessageBytes(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id")

@@ -23,7 +23,7 @@ class RegisterReply(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight", "stream_interval", "context_mode", "cache_scope", "tools", "tool_choice")
+    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight", "stream_interval", "context_mode", "cache_scope", "tools", "tool_choice", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class SubmitRequest(_message.Message):
     CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     priority: _common_pb2.Priority
     tenant: str
@@ -54,7 +55,8 @@ class SubmitRequest(_message.Message):
     cache_scope: str
     tools: str
     tool_choice: str
-    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ..., context_mode: _Optional[_Union[_common_pb2.ContextMode, str]] = ..., cache_scope: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ..., context_mode: _Optional[_Union[_common_pb2.ContextMode, str]] = ..., cache_scope: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("submits", "cancels")

@@ -1,0 +1,63 @@
+"""The `prompt` of OpenAI's completions: a string, token ids, or a batch of either. Pure: the
+JSON value in, a list of prompts out (each a string or a list of token ids), or INVALID naming
+the element at fault (`prompt[2]`, `prompt[1][7]`).
+
+    "text"                  one prompt
+    ["a", "b"]              two prompts: their choices are indexed prompt by prompt (OpenAI's order)
+    [1, 2, 3]               one prompt of token ids (the served model's; the scheduler checks
+                            each is in its vocabulary)
+    [[1, 2], [3]]           two prompts of token ids
+"""
+from __future__ import annotations
+
+from services.common.errors import invalid
+from services.common.proto.qos.v1 import router_pb2
+from services.router.json_fields import json_kind, text_field
+
+MAX_PROMPTS = 64             # prompts in one request; with n, choices in one request (each a sequence)
+MAX_TOKEN_ID = 2**32 - 1     # the wire's uint32; the scheduler checks the model's vocabulary
+
+
+def parse_prompts(value) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [text_field(value, "prompt", allow_empty=False)]
+    if not isinstance(value, list):
+        raise invalid(f"prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                      f"of token ids, got {json_kind(value)}", "prompt")
+    if not value:
+        raise invalid("prompt must not be empty", "prompt")
+    if _is_id(value[0]):
+        return [_token_ids(value, "prompt")]
+    if len(value) > MAX_PROMPTS:
+        raise invalid(f"prompt has {len(value)} prompts; at most {MAX_PROMPTS} are served in one request", "prompt")
+    kinds = {json_kind(v) for v in value}
+    if kinds == {"string"}:
+        return [text_field(v, f"prompt[{i}]", allow_empty=False) for i, v in enumerate(value)]
+    if kinds == {"array"}:
+        return [_token_ids(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    bad = next(i for i, v in enumerate(value) if json_kind(v) != json_kind(value[0]) or json_kind(v) not in
+               ("string", "array"))
+    raise invalid(f"prompt[{bad}] is {json_kind(value[bad])}: a batch is all strings or all lists of token ids",
+                  f"prompt[{bad}]")
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(value: list, field: str) -> list[int]:
+    if not value:
+        raise invalid(f"{field} must not be empty", field)
+    for i, token_id in enumerate(value):
+        if not _is_id(token_id) or not 0 <= token_id <= MAX_TOKEN_ID:
+            raise invalid(f"{field}[{i}] must be a token id (an integer from 0), got "
+                          f"{token_id if _is_id(token_id) else json_kind(token_id)}", f"{field}[{i}]")
+    return value
+
+
+def set_prompt(body: router_pb2.GenerateRequest, prompt: str | list[int]) -> None:
+    """One prompt into a request: its text or its token ids."""
+    if isinstance(prompt, str):
+        body.prompt = prompt
+    else:
+        body.prompt_token_ids[:] = prompt
