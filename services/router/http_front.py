@@ -8,7 +8,7 @@ field precisely and costs no model building per request; uvicorn's httptools par
 fastest. bench/http_overhead.py measures what the front costs against gRPC.
 
     POST /v1/chat/completions, /v1/completions   JSON or Server-Sent Events (stream: true)
-    GET  /v1/models, /v1/usage, /v1/requests/ID, /health, /metrics
+    GET  /v1/models[/MODEL], /v1/usage, /v1/requests/ID, /health, /metrics
     POST /v1/requests/ID/cancel
 """
 from __future__ import annotations
@@ -97,6 +97,7 @@ class HttpFront:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/usage", self.usage, methods=["GET"]),
             Route("/v1/alerts", self.alerts, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),
@@ -240,6 +241,18 @@ class HttpFront:
         return await read_body(http, self.config.http_max_body_bytes, self.config.http_read_timeout_s)
 
     async def models(self, http: Request) -> Response:
+        return JSONResponse({"object": "list", "data": list(self._models().values())})
+
+    async def model(self, http: Request) -> Response:
+        """GET /v1/models/{model} (OpenAI's retrieve): one entry of the list, or 404."""
+        name = http.path_params["model"]
+        found = self._models().get(name)
+        if found is None:
+            return error_response(ServiceError(ErrorKind.NOT_FOUND, f"the model {name[:200]!r} is not served here "
+                                               "(GET /v1/models lists them)", field="model", reason="model_not_found"))
+        return JSONResponse(found)
+
+    def _models(self) -> dict[str, dict]:
         seen = {}
         for stats in self.pools.latest_stats():
             if stats.model and stats.max_context:
@@ -254,7 +267,7 @@ class HttpFront:
                                                   "owned_by": "qos-serve", "parent": stats.model,
                                                   "max_model_len": stats.max_context, "pools": []})
                 entry["pools"].append(stats.pool)
-        return JSONResponse({"object": "list", "data": list(seen.values())})
+        return seen
 
     async def health(self, http: Request) -> Response:
         serving = [n for n, load in self.pools.router.loads.items() if load.healthy]

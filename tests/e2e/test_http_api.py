@@ -58,6 +58,11 @@ def class_tokens(cluster) -> dict[int, int]:
 def test_models_lists_the_pools_model(client, cluster):
     models = client.models.list().data
     assert len(models) == 1 and models[0].owned_by == "qos-serve"
+    one = client.models.retrieve(models[0].id)          # GET /v1/models/{model}
+    assert one.model_dump() == models[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such/model")
+    assert missing.value.body["code"] == "model_not_found" and missing.value.body["param"] == "model"
     status, _, body = raw(cluster, "GET", "/health")
     assert status == 200 and json.loads(body)["pools"] == ["cpu"]
 
