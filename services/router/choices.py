@@ -5,11 +5,11 @@ answer, each tagged with its choice's index (prompt by prompt, as OpenAI orders 
 Why a request a choice: each choice is a sequence of its own in its pool (its own sampling, stream,
 preemption and failover, as any request's), and the choices share the prompt through the prefix
 cache: they arrive together with one prefix, so the pool computes it once and the others wait for
-it (services/scheduler/prefix_in_flight.py), as vLLM's parallel sampling does. Choice i is request
-`ID-i` (choice 0 is `ID` itself, the X-Request-Id), seeded with seed + i when the request names a
-seed (vLLM's rule: the choices differ, and each is reproducible alone). Each prompt is billed once,
-with its first choice (accounts.billed_prompt); each choice counts against its tenant's limits as
-a request.
+it (services/scheduler/prefix_in_flight.py), as vLLM's parallel sampling does. Choice g is request
+`ID-g` (choice 0 is `ID` itself, the X-Request-Id); a prompt's i-th choice is seeded with seed + i
+when the request names a seed (vLLM's rule: the choices differ, and each is reproducible alone).
+Each prompt is billed once, with its first choice (accounts.billed_prompt); each choice counts
+against its tenant's limits as a request.
 
 All or nothing: nothing is passed on until every choice has sent its first chunk, so a refusal of
 any (a limit, a bad value) is the request's status and no tokens went out; after that an error in
@@ -70,7 +70,7 @@ async def merged(streams: list[AsyncIterator[common_pb2.GenerateChunk]], heads: 
             async for chunk in stream:
                 queue.put_nowait((index, chunk, None))
             queue.put_nowait((index, None, None))
-        except ServiceError as error:
+        except Exception as error:      # a ServiceError, or a bug: raised to the consumer as n = 1 would
             queue.put_nowait((index, None, error))
         except asyncio.CancelledError:
             if not closing:        # the Cancel API named this choice: the request ends

@@ -1,6 +1,6 @@
 """One OpenAI completion request answered over HTTP: run it on the shared request path (a request
-a choice when it asks for n: services/router/choices.py) and send the result as one JSON body or
-as Server-Sent Events, with the caller's rate-limit headers."""
+a choice when it asks for n choices or sends a batch of prompts: services/router/choices.py) and
+send the result as one JSON body or as Server-Sent Events, with the caller's rate-limit headers."""
 from __future__ import annotations
 
 import asyncio
@@ -101,11 +101,7 @@ class GenerationResponse(Response):
             chunks = one_choice(self._serve(head, request.body))
         else:
             heads = choice_heads(head, request.n, request.choices)
-            prompts = request.prompts or [None]
-            batch = len(prompts) > 1
-            chunks = merged([_in_prompt(self._serve(h, choice_body(request.body, h.choice, prompts[g // request.n])),
-                                        g // request.n) if batch else
-                             self._serve(h, choice_body(request.body, h.choice)) for g, h in enumerate(heads)], heads)
+            chunks = merged([self._choice(g, h) for g, h in enumerate(heads)], heads)
         self.started = False
         try:
             if request.stream:
@@ -125,6 +121,14 @@ class GenerationResponse(Response):
                 await self._error(cancelled, scope, send)
         finally:
             await chunks.aclose()      # cancelled mid-way: the relay cancels the scheduler's call
+
+    def _choice(self, index: int, head: RequestHead):
+        """Choice `index` of several: its own copy of the request (a batch's prompt, its seed)."""
+        request = self.request
+        if len(request.prompts) <= 1:
+            return self._serve(head, choice_body(request.body, head.choice))
+        prompt = index // request.n
+        return _in_prompt(self._serve(head, choice_body(request.body, head.choice, request.prompts[prompt])), prompt)
 
     def _serve(self, head: RequestHead, body):
         """One choice's request on the shared path."""

@@ -150,3 +150,13 @@ def test_one_choice_closes_its_stream_when_it_is_closed():
         return choice.closed
 
     assert asyncio.run(go())
+
+
+def test_a_bug_in_one_choice_is_raised_not_waited_for():
+    async def go():
+        never = asyncio.Event()
+        with pytest.raises(ZeroDivisionError):
+            await asyncio.wait_for(collect([Choice(("chunk", "a", 0), ("wait", never)),
+                                            Choice(("raise", ZeroDivisionError()),)]), 10)
+
+    asyncio.run(go())
