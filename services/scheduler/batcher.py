@@ -73,13 +73,15 @@ class ContinuousBatcher(WorkerChanges):
         self.wakeup = asyncio.Event()
         self.steps = 0
         self.output_tokens: Counter = Counter()
+        self.prompt_tokens: Counter = Counter()     # prompts whose first token came, by class
         self.kv_peak: Counter = Counter()           # most blocks each class held on one worker
         self.failovers: Counter = Counter()         # sequences moved off a worker, by reason
         self.quarantines: Counter = Counter()       # address -> answers that did not match plans
         self.totals = StepTotals()                  # for the router's latency model (step_totals.py)
         self.finished = 0                           # requests completed since start
         self.recent_ttft_ms: deque[float] = deque(maxlen=200)
-        self.on_finished: Callable[[Request, float], None] | None = None   # completed (metrics)
+        # Completed, with why (metrics): (request, when, FinishReason)
+        self.on_finished: Callable[[Request, float, FinishReason], None] | None = None
         # In run() (or a caller that does as run() does, bench/scheduler_overhead.py): the last
         # worker to answer a step has its tokens' text, chunks and failures held back until the
         # next step's plans are on their way (execute() releases them: stream_out.py).
@@ -331,19 +333,21 @@ class ContinuousBatcher(WorkerChanges):
             if request.first_token_at is None:
                 request.first_token_at = now
                 self.recent_ttft_ms.append((now - request.arrival) * 1000)
+                self.prompt_tokens[request.priority] += len(request.prompt_ids)
             output_tokens[request.priority] += 1
             engine_finish = finish_reason(ended.get(seq_id, 0)) if ended else None
             if engine_finish is not None:
-                self._completed(request, now)
+                self._completed(request, now, engine_finish)
             # SampledText(token_id, engine_finish, now) without NamedTuple's Python-level __new__
             emit(request, new_tuple(SampledText, (token_id, engine_finish, now)))
         return None
 
-    def _completed(self, request: Request, now: float) -> None:
+    def _completed(self, request: Request, now: float, reason: FinishReason = FinishReason.STOP) -> None:
+        """Ended by the engine (EOS, a stop token, its length: `reason`) or by a stop string."""
         self.finished += 1
         self._finish(request)
         if self.on_finished is not None:
-            self.on_finished(request, now)
+            self.on_finished(request, now, reason)
 
     def _finish(self, request: Request, failure: ServiceError | None = None) -> None:
         request.finished_at = request.finished_at or time.perf_counter()

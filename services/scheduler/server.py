@@ -30,6 +30,7 @@ from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from services.common.step import FinishReason
 from services.common.token_bytes import byte_table
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
@@ -271,11 +272,13 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         span.set_status(Status(StatusCode.ERROR, refused.message))
         span.end()
 
-    def _record_finished(self, request: Request, now: float) -> None:
+    def _record_finished(self, request: Request, now: float, reason: FinishReason) -> None:
         ttft_s = request.first_token_at - request.arrival
         self.metrics.finished((priority_name(request.priority),), ttft_s, now - request.arrival,
                               len(request.output_ids))
-        self.vllm_metrics.finished(priority_name(request.priority), ttft_s, now - request.arrival)
+        queue_s = (request.first_scheduled_at or request.first_token_at) - request.arrival
+        self.vllm_metrics.finished(priority_name(request.priority), ttft_s, now - request.arrival, queue_s,
+                                   len(request.prompt_ids), len(request.output_ids) - request.resumed, reason)
         if request.priority == Priority.HIGH:
             self.advisor.observe_high_ttft(ttft_s * 1000, time.time())
 

@@ -2,18 +2,26 @@
 vLLM: the Gateway API Inference Extension's endpoint picker and llm-d's scheduler (queue depth
 and KV use per server), the published KEDA recipes, vLLM's dashboards.
 
-Names, types, units and histogram buckets are vLLM's (vllm/v1/metrics/loggers.py). Labels:
+Names, types, units and histogram buckets are vLLM's (vllm/v1/metrics/loggers.py), with what it
+counts: the token counters (prompt tokens when a request's first token comes, generated tokens
+as they come, prefix-cache queries and hits in tokens, preemptions), the requests completed by
+`finished_reason`, and per completed request its prompt and generation lengths and the times it
+spent waiting, in prefill (first scheduled to first token), decoding and running. Labels:
 `model_name` as vLLM's (the model this pool serves, the `id` /v1/models lists) and `pool`, one
-series each for the gauges, since readers take one sample per server; the histograms add our
-class (`priority`), which `sum by (le)` folds away. They repeat numbers our own metrics carry
-(qos_queue_depth, qos_running, qos_ttft_seconds, qos_e2e_seconds) under the names others read.
+series each for the gauges and token counters, since readers take one sample per server; the
+per-request series add our class (`priority`), which `sum by (le)` folds away. The length
+histograms' 1-2-5 buckets run to 10^6 tokens where vLLM stops at the model's context (streaming
+mode has no such bound). They repeat numbers our own metrics carry (qos_queue_depth, qos_running,
+qos_ttft_seconds, qos_e2e_seconds, qos_cache_hit_tokens, ...) under the names others read.
+Not here: vllm:time_per_output_token_seconds (vLLM observes every token's gap; we time requests).
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.priority import ORDER
+from services.common.step import FinishReason
 from services.scheduler.batcher import ContinuousBatcher
 from services.scheduler.stats import kv_blocks_in_use, running_by_priority
 
@@ -23,26 +31,85 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def buckets_1_2_5(top: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `top` (vLLM's build_1_2_5_buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > top:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+LENGTH_BUCKETS = buckets_1_2_5(10**6)
+FINISHED = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}    # vLLM's finished_reason labels
+
+
 class VllmRequestMetrics:
-    """vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds, per class."""
+    """vLLM's per-request series, per class: observed when a request completes."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str, pool: str):
         self.labels = (model_name, pool)
         names = ("model_name", "pool", "priority")
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token "
-                              "in seconds.", names, buckets=TTFT_BUCKETS, registry=registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency "
-                             "in seconds.", names, buckets=E2E_BUCKETS, registry=registry)
 
-    def finished(self, priority: str, ttft_s: float, e2e_s: float) -> None:
-        self.ttft.labels(*self.labels, priority).observe(ttft_s)
-        self.e2e.labels(*self.labels, priority).observe(e2e_s)
+        def histogram(name: str, text: str, buckets) -> Histogram:
+            return Histogram(name, text, names, buckets=buckets, registry=registry)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             E2E_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", E2E_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", E2E_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", E2E_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", E2E_BUCKETS)
+        self.prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", LENGTH_BUCKETS)
+        self.generation = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                    LENGTH_BUCKETS)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               (*names, "finished_reason"), registry=registry)
+        self._series: dict[str, tuple] = {}
+
+    def finished(self, priority: str, ttft_s: float, e2e_s: float, queue_s: float = 0.0,
+                 prompt_tokens: int = 0, generated: int = 0, reason: FinishReason = FinishReason.STOP) -> None:
+        """A completed request: arrival to first token (`ttft_s`) and to its end (`e2e_s`), of which
+        `queue_s` waiting to be first scheduled."""
+        series = self._series.get(priority)
+        if series is None:      # each class's series looked up once (a lookup costs as much as a sample)
+            labels = (*self.labels, priority)
+            series = self._series[priority] = (
+                [h.labels(*labels) for h in (self.ttft, self.e2e, self.queue, self.prefill, self.decode,
+                                             self.inference, self.prompt, self.generation)],
+                {r: self.success.labels(*labels, name) for r, name in FINISHED.items()})
+        histograms, success = series
+        for histogram, observed in zip(histograms, (ttft_s, e2e_s, queue_s, ttft_s - queue_s, e2e_s - ttft_s,
+                                                    e2e_s - queue_s, prompt_tokens, generated)):
+            histogram.observe(observed)
+        success.get(reason, success[FinishReason.STOP]).inc()
 
 
 def vllm_gauges(model_name: str, pool: str, batcher: ContinuousBatcher):
-    """vllm:num_requests_waiting, vllm:num_requests_running and vllm:kv_cache_usage_perc, read
-    at scrape time. The KV figure is a fraction (1 means full) despite its name, as vLLM's is; idle
-    blocks kept for prefix caching count as free, as vLLM counts its evictable cached blocks."""
+    """vllm:num_requests_waiting, vllm:num_requests_running and vllm:kv_cache_usage_perc, and the
+    token counters, read at scrape time. The KV figure is a fraction (1 means full) despite its
+    name, as vLLM's is; idle blocks kept for prefix caching count as free, as vLLM counts its
+    evictable cached blocks."""
+    cache = batcher.prefix_cache
+    for name, text, value in [
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", sum(batcher.prompt_tokens.values())),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", sum(batcher.output_tokens.values())),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", batcher.preemptions),
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             sum(cache.queried.values()) if cache else 0),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             sum(cache.hits.values()) if cache else 0)]:
+        family = CounterMetricFamily(name, text, labels=["model_name", "pool"])
+        family.add_metric([model_name, pool], value)
+        yield family
     used, total = kv_blocks_in_use(batcher)
     for name, text, value in [
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",

@@ -55,6 +55,19 @@ def test_vllm_histograms_count_each_request_as_ours_do(cluster):
             assert value(samples, theirs + "_sum", **labels) == \
                 pytest.approx(value(samples, ours + "_sum", priority=priority), rel=1e-9)
             assert value(samples, theirs + "_bucket", le="+Inf", **labels) == n
+    # The token counters and per-request series agree with the pool's own counts.
+    stats = run(cluster.pool_stats())
+    pool = {"model_name": model, "pool": "cpu"}
+    generated = sum(c.output_tokens for c in stats.classes)
+    assert value(samples, "vllm:generation_tokens_total", **pool) == generated > 0
+    assert value(samples, "vllm:request_generation_tokens_sum", **pool) == generated
+    assert value(samples, "vllm:prompt_tokens_total", **pool) == value(samples, "vllm:request_prompt_tokens_sum", **pool) > 0
+    assert value(samples, "vllm:prefix_cache_queries_total", **pool) == sum(c.cache_queried_tokens for c in stats.classes)
+    assert value(samples, "vllm:prefix_cache_hits_total", **pool) == sum(c.cache_hit_tokens for c in stats.classes)
+    assert value(samples, "vllm:num_preemptions_total", **pool) == stats.preemptions
+    assert value(samples, "vllm:request_success_total", **pool) == sum(SENT.values())
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(samples, f"vllm:request_{phase}_time_seconds_count", **pool) == sum(SENT.values())
 
 
 def test_vllm_gauges_agree_with_pool_stats_while_requests_wait_and_run(cluster):

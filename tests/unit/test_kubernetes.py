@@ -100,6 +100,7 @@ def test_the_scheduler_exports_the_metrics_keda_scales_on():
     class Batcher:
         policy = Policy()
         links, running = [], {}
+        prefix_cache, prompt_tokens, output_tokens, preemptions = None, {}, {}, 0
 
     families = {f.name: f for f in scale_metrics("cpu", Batcher(), ScaleAdvisor(AutoscaleConfig(), 1, 4))}
     desired = families["qos_desired_workers"]
