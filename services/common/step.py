@@ -60,6 +60,9 @@ class SamplingParams:
     # Output tokens before EOS or a stop token id may be sampled (their logits are -inf until
     # then) and before a stop string counts (vLLM's min_tokens).
     min_tokens: int = 0
+    # Set: each prompt token's logprob given the tokens before it, and this many top ones
+    # (0-MAX_TOP_LOGPROBS): a completion's `echo` with `logprobs` (SequenceWork.prompt_targets).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:   # also catches NaN
@@ -70,8 +73,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {getattr(self, name)}")
         if self.json_schema and self.ignore_eos:
             raise ValueError("ignore_eos cannot be combined with json_schema: a structured answer ends "
                              "where its JSON is complete")
@@ -133,6 +137,10 @@ class SequenceWork:
     # streamed tokens are output): what its penalties count. Read only when it samples this step.
     history: Sequence[int] = ()
     output_start: int = 0
+    # With sampling.prompt_logprobs: the prompt tokens that follow this entry's tokens, one per
+    # row from the first (the last row's target is the next chunk's first token; a final chunk's
+    # last row samples instead). Their logprobs come back in StepOutput.prompt_logprobs.
+    prompt_targets: Sequence[int] = ()
 
     @property
     def end(self) -> int:
@@ -164,7 +172,18 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None      # only for a sequence whose sampling asks
 
 
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """Prompt tokens' logprobs (SequenceWork.prompt_targets): `entries[i]` is the token at
+    position `first_position + i`, given the tokens before it."""
+    seq_id: int
+    first_position: int
+    token_ids: tuple[int, ...]
+    entries: tuple[TokenLogprobs, ...]
+
+
 @dataclass(slots=True)
 class StepOutput:
     tokens: list[SampledToken]
     forward_seconds: float            # model forward + sampling wall time
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

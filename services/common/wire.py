@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
-from services.common.step import FinishReason, SampledToken, SamplingParams, TokenLogprobs
+from services.common.step import FinishReason, PromptLogprobs, SampledToken, SamplingParams, TokenLogprobs
 
 # What a client gets for a field it leaves unset (common.proto documents the same defaults).
 DEFAULT_TEMPERATURE = 1.0
@@ -35,6 +35,7 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None, json_schema=s.json_schema,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         **client_adjustments(s))
 
 
@@ -62,6 +63,8 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         proto.seed = params.seed
     if params.logprobs is not None:
         proto.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        proto.prompt_logprobs = params.prompt_logprobs
     return proto
 
 
@@ -71,6 +74,7 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           max_tokens=proto.max_tokens, stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos,
                           logprobs=proto.logprobs if proto.HasField("logprobs") else None,
+                          prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
                           json_schema=proto.json_schema, **_adjustments(proto, proto.repetition_penalty or 1.0))
 
 
@@ -101,6 +105,15 @@ def answer_tokens(result: worker_pb2.StepResult, tokens: Sequence[SampledToken],
             result.ended_seq_ids.append(token.seq_id)
             result.ended_reasons.append(token.finish_reason)
     return result
+
+
+def answer_prompt_logprobs(result: worker_pb2.StepResult, prompts: Sequence[PromptLogprobs]) -> None:
+    """A step's prompt logprobs into its answer (StepResult.prompt_logprobs)."""
+    for p in prompts:
+        result.prompt_logprobs.add(seq_id=p.seq_id, first_position=p.first_position, entries=[
+            common_pb2.TokenLogprob(token_id=token, logprob=e.logprob,
+                                    top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for token, e in zip(p.token_ids, p.entries)])
 
 
 def sampled_and_ended(result: worker_pb2.StepResult) -> tuple[Iterable[tuple[int, int]], dict[int, int]]:

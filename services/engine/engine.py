@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from services.common.config import DECODE_ATTENTION
-from services.common.step import FinishReason, SampledToken, StepBatch, StepOutput, SequenceWork
+from services.common.step import FinishReason, PromptLogprobs, SampledToken, StepBatch, StepOutput, SequenceWork
 from services.engine.config import ModelConfig, load_model_config
 from services.engine.device import DeviceBackend, dtype_reason, open_backend, resolve_dtype, set_cpu_threads
 from services.engine.grammar import Grammars, overlap_masks
@@ -28,7 +28,7 @@ from services.engine.linear import bound_onednn_caches
 from services.engine.lora import AdapterSet, LoraAdapter, LoraBatch, load_peft_adapter
 from services.engine.model import AttentionLayout, LlamaDecoder
 from services.engine.paged_attention import PagedKernel, load_paged_kernel, paged_kernel_takes
-from services.engine.sampler import sample_step
+from services.engine.sampler import sample_step, target_logprobs
 from services.common.kv_blocks import blocks_for_tokens as blocks_for
 from services.common.stream_window import kept_blocks, table_index
 from services.engine.step_layout import StepLayouter
@@ -179,7 +179,7 @@ class Engine:
         this step's sequences or cache blocks and, while this one uses a LoRA adapter, uses none."""
         started = time.perf_counter()
         ordered, token_ids, layout = self._prepare(batch)
-        ends = accumulate(len(seq.token_ids) for seq in ordered)
+        ends = list(accumulate(len(seq.token_ids) for seq in ordered))
         last_rows = [end - 1 for seq, end in zip(ordered, ends) if seq.sample]
         sampled = [seq for seq in ordered if seq.sample]
         masks = self.grammars.start_masks(sampled)     # during the forward where a core is free for it
@@ -193,7 +193,17 @@ class Engine:
             failed = masks.failed if masks is not None else ()
             tokens = [SampledToken(s.seq_id, tid, FinishReason.ERROR if i in failed else self._finish_reason(s, tid), lp)
                       for i, (s, (tid, lp)) in enumerate(zip(sampled, picks))]
-        return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started)
+        prompt = [self._prompt_logprobs(seq, hidden, end) for seq, end in zip(ordered, ends) if seq.prompt_targets]
+        return StepOutput(tokens=tokens, forward_seconds=time.perf_counter() - started, prompt_logprobs=prompt)
+
+    def _prompt_logprobs(self, seq: SequenceWork, hidden: torch.Tensor, end: int) -> PromptLogprobs:
+        """The logprobs of the prompt tokens after `seq`'s rows: its rows' own output head (a
+        sequence that asks pays for its prompt's logits, nobody else)."""
+        start = end - len(seq.token_ids)
+        targets = list(seq.prompt_targets)
+        logits = self.model.logits(hidden[start:start + len(targets)])
+        entries = target_logprobs(logits, targets, seq.sampling.prompt_logprobs or 0)
+        return PromptLogprobs(seq.seq_id, seq.position + 1, tuple(targets), entries)
 
     def compute_logits(self, batch: StepBatch) -> dict[int, torch.Tensor]:
         """Logits [len(token_ids), vocab] for every token of every entry (tests, debugging).
@@ -248,9 +258,12 @@ class Engine:
                 raise InvalidStepError(f"{name} has no tokens to compute")
             if seq.position < 0:
                 raise InvalidStepError(f"{name} starts at negative position {seq.position}")
-            bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
+            bad = next((t for t in (*seq.token_ids, *seq.prompt_targets) if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidStepError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
+            if len(seq.prompt_targets) > len(seq.token_ids):
+                raise InvalidStepError(f"{name} asks the logprobs of {len(seq.prompt_targets)} prompt tokens "
+                                       f"after {len(seq.token_ids)} rows")
             if seq.window is None:
                 if seq.end > self.max_context:
                     raise InvalidStepError(

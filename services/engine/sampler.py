@@ -227,6 +227,18 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
     return out
 
 
+def target_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> tuple[TokenLogprobs, ...]:
+    """Row i's logprob of targets[i] and its k most likely tokens' (prompt logprobs: the model's
+    own, no grammar or penalty applies to a prompt)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    if not k:
+        return tuple(TokenLogprobs(v) for v in picked)
+    values, ids = logprobs.topk(k, dim=-1)
+    return tuple(TokenLogprobs(v, tuple(zip(map(int, row_ids), row_values)))
+                 for v, row_ids, row_values in zip(picked, ids.tolist(), values.tolist()))
+
+
 @torch.inference_mode()      # the logits are the model's inference tensors; adjust_logits writes them
 def sample_step(logits: torch.Tensor, entries: list[SequenceWork], generator: torch.Generator,
                 masks=None, eos_ids: Sequence[int] = ()) -> list[tuple[int, TokenLogprobs | None]]:

@@ -8,11 +8,12 @@
 
 A token's text is its bytes decoded on their own, a part of a character shown as U+FFFD; `bytes`
 is exact, and the bytes of consecutive tokens join into the text. `text_offset` counts the
-characters of those token texts from the start of the completion, across a stream's chunks (as
-vLLM counts them).
+characters of those token texts from the start of the completion (of the prompt, when it is
+echoed), across a stream's chunks (as vLLM counts them).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from services.common.proto.qos.v1 import common_pb2
@@ -39,8 +40,10 @@ class LogprobsView:
         for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": texts, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{**{token_text(t.token_bytes): t.logprob for t in e.top},
+        # An echoed prompt's first token has no logprob (nothing comes before it): null, as OpenAI's.
+        return {"tokens": texts, "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
+                "top_logprobs": [None if math.isnan(e.logprob) else
+                                 {**{token_text(t.token_bytes): t.logprob for t in e.top},
                                   token_text(e.token_bytes): e.logprob} for e in entries],
                 "text_offset": offsets}
 

@@ -7,11 +7,13 @@ the element at fault (`prompt[2]`, `prompt[1][7]`).
     [1, 2, 3]               one prompt of token ids (the served model's; the scheduler checks
                             each is in its vocabulary)
     [[1, 2], [3]]           two prompts of token ids
+
+and `echo`, which puts the prompt before the answer (echo_sampling).
 """
 from __future__ import annotations
 
 from services.common.errors import invalid
-from services.common.proto.qos.v1 import router_pb2
+from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.router.json_fields import json_kind, text_field
 
 MAX_PROMPTS = 64             # prompts in one request; with n, choices in one request (each a sequence)
@@ -61,3 +63,14 @@ def set_prompt(body: router_pb2.GenerateRequest, prompt: str | list[int]) -> Non
         body.prompt = prompt
     else:
         body.prompt_token_ids[:] = prompt
+
+
+def echo_sampling(sampling: common_pb2.SamplingParams, prompts: list[str | list[int]]) -> None:
+    """`echo`: the answer's text starts with the prompt's; with `logprobs` N, its logprobs with
+    the prompt tokens' (each given the tokens before it; the first has none) and their N most
+    likely, which the scheduler's first chunk brings (sampling.prompt_logprobs). A prompt of
+    token ids needs those entries for its text even without logprobs (their logprobs unused)."""
+    if sampling.HasField("logprobs"):
+        sampling.prompt_logprobs = sampling.logprobs
+    elif any(not isinstance(p, str) for p in prompts):
+        sampling.prompt_logprobs = 0

@@ -17,7 +17,7 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
 from services.router.json_fields import json_kind, text_field
-from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, set_prompt
+from services.router.openai_prompt import MAX_PROMPTS, echo_sampling, parse_prompts, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.response_format import json_schema_of
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
@@ -47,7 +47,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
 HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                                   "tools", "tool_choice", "parallel_tool_calls"},     # openai_tools.py
-          COMPLETION: COMMON | HINTS | {"prompt", "logprobs"}}
+          COMPLETION: COMMON | HINTS | {"prompt", "logprobs", "echo"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
     "tools": ([],), "tool_choice": ("none",),
@@ -76,6 +76,7 @@ class OpenAIRequest:
     tool_name: str = ""                  # "named": the function
     n: int = 1                           # choices: requests of their own on the path (choices.py)
     prompts: list = field(default_factory=list)   # completions: each prompt (text or token ids); body has the first
+    echo: bool = False                   # completions: the prompt before the answer (openai_prompt.echo_sampling)
 
     @property
     def choices(self) -> int:
@@ -103,7 +104,10 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
     else:
         request.prompts = parse_prompts(_required(body, "prompt"))
         set_prompt(request.body, request.prompts[0])
+        request.echo = body.get("echo") is not None and _bool(body["echo"], "echo")
     _sampling(body, request)
+    if request.echo:
+        echo_sampling(request.body.sampling, request.prompts)
     _options(body, request)
     if kind == CHAT:
         forced_format = request.body.sampling.json_schema

@@ -12,7 +12,7 @@ from __future__ import annotations
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
-from services.router.openai_logprobs import LogprobsView
+from services.router.openai_logprobs import LogprobsView, token_text
 from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
 from services.router.tool_call_output import TaggedCalls, ToolCalls
 
@@ -42,11 +42,27 @@ class Choice:
         self.last: common_pb2.GenerateChunk | None = None
         self.sent_role = False
         self.entries: list[common_pb2.TokenLogprob] = []
+        # With logprobs asked for: its tokens' entries (common.proto TokenLogprob) made OpenAI's
+        self.view = LogprobsView(request.kind == CHAT) if request.body.sampling.HasField("logprobs") else None
+        # A completion's echo: its prompt (as text, or token ids whose text the first chunk's
+        # prompt entries give), sent before its first text
+        self.echo = request.prompts[index // request.n] if request.echo else None
+        self.prompt: list[common_pb2.TokenLogprob] = []
         # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
         # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
         forced = request.tool_mode in ("named", "required")
         self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
         self.tagged = TaggedCalls(request_id) if request.tool_mode == "auto" else None
+
+    def take_echo(self, chunk: common_pb2.GenerateChunk) -> tuple[str, list[common_pb2.TokenLogprob]]:
+        """Once, with the first chunk: the echoed prompt's text and its tokens' entries ("" and
+        none without echo, and after)."""
+        if self.echo is None:
+            return "", []
+        prompt, self.echo = self.echo, None
+        self.prompt = list(chunk.prompt_logprobs)
+        text = prompt if isinstance(prompt, str) else token_text(b"".join(e.token_bytes for e in self.prompt))
+        return text, self.prompt
 
 
 class OpenAIResponse:
@@ -60,8 +76,7 @@ class OpenAIResponse:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": request.model,
                      "service_tier": TIER_OF[priority], "system_fingerprint": None}
-        # With logprobs asked for: each token's entry (common.proto TokenLogprob), made OpenAI's
-        self.logprobs = LogprobsView(self.chat) if request.body.sampling.HasField("logprobs") else None
+        self.logprobs = request.body.sampling.HasField("logprobs")
         self.choices = [Choice(request, request_id if i == 0 else f"{request_id}-{i}", i)
                         for i in range(request.choices)]
         self.open = request.choices      # choices without their last chunk yet
@@ -90,7 +105,9 @@ class OpenAIResponse:
 
     def add(self, index: int, chunk: common_pb2.GenerateChunk) -> None:
         choice = self.choices[index]
-        choice.text.append(chunk.text)
+        echo, entries = choice.take_echo(chunk)
+        choice.text.append(echo + chunk.text)
+        choice.entries.extend(entries)
         choice.entries.extend(chunk.logprobs)
         self._last(index, chunk)
 
@@ -113,7 +130,7 @@ class OpenAIResponse:
                 choice["message"] = {"role": "assistant", "content": content.strip() or None,
                                      "tool_calls": c.tagged.calls}
         choice.update(finish_reason=self._finish(c, c.last.finish_reason),
-                      logprobs=self.logprobs.of(c.entries) if self.logprobs else None)
+                      logprobs=c.view.of(c.entries) if c.view else None)
         return choice
 
     # --- Server-Sent Events -----------------------------------------------------------------------
@@ -125,8 +142,9 @@ class OpenAIResponse:
         if self.chat and not c.sent_role:
             out.append(self._event(c, {"role": "assistant", "content": None if c.tools else ""}))
             c.sent_role = True
-        if chunk.text or (self.logprobs and chunk.logprobs):
-            delta = {"content": chunk.text} if self.chat else chunk.text
+        echo, prompt = c.take_echo(chunk)      # completions only (a chat has no echo)
+        if chunk.text or echo or (self.logprobs and chunk.logprobs):
+            delta = {"content": chunk.text} if self.chat else echo + chunk.text
             if c.tools is not None:
                 calls = c.tools.feed(chunk.text)      # none yet while the text is the form's own
                 delta = {"tool_calls": calls} if calls else {}
@@ -134,7 +152,7 @@ class OpenAIResponse:
                 content, calls = c.tagged.feed(chunk.text, final=bool(chunk.finish_reason))
                 delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if delta or self.logprobs:
-                out.append(self._event(c, delta, logprobs=self.logprobs.of(chunk.logprobs) if self.logprobs else None))
+                out.append(self._event(c, delta, logprobs=c.view.of([*prompt, *chunk.logprobs]) if c.view else None))
         if chunk.finish_reason:
             if c.tools is not None and c.tools.unparsed:     # cut before a call began: its text
                 out.append(self._event(c, {"content": c.tools.unparsed}))

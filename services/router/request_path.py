@@ -182,6 +182,8 @@ class RequestPath:
             stream_interval=head.stream_interval, context_mode=head.context_mode,
             cache_scope=self.scope(head, body), tools=body.tools, tool_choice=body.tool_choice,
             prompt_token_ids=body.prompt_token_ids)
+        if streamed and submit.sampling.HasField("prompt_logprobs"):
+            submit.sampling.ClearField("prompt_logprobs")    # the first chunk, which carries them, went out
         context = trace.set_span_in_context(span)
         spec = self.pools.specs[pool.name]
         on_link = self.scheduler_link == "stream" and not pool.link.unsupported

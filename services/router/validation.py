@@ -122,8 +122,9 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
         SamplingParams(**client_adjustments(s), max_tokens=s.max_tokens if s.max_tokens > 0 else 2**31 - 1)
     except ValueError as exc:
         raise invalid(f"sampling.{exc}", field=f"sampling.{str(exc).split()[0]}") from None
-    if s.HasField("logprobs") and s.logprobs > MAX_TOP_LOGPROBS:
-        raise invalid(f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {s.logprobs}", "sampling.logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and getattr(s, name) > MAX_TOP_LOGPROBS:
+            raise invalid(f"sampling.{name} must be in 0..{MAX_TOP_LOGPROBS}, got {getattr(s, name)}", f"sampling.{name}")
     if len(s.stop) > MAX_STOP_STRINGS:
         raise invalid(f"sampling.stop has {len(s.stop)} strings, at most {MAX_STOP_STRINGS} are allowed",
                       "sampling.stop")

@@ -40,3 +40,5 @@ def announce(plan: worker_pb2.StepPlan, request: Request) -> None:
         new.num_generated = len(request.output_ids)
     if request.computed:
         new.cached_tokens = request.computed     # its first blocks hold them (prefix caching)
+    if request.prompt_logprobs is None and new.sampling.HasField("prompt_logprobs"):
+        new.sampling.ClearField("prompt_logprobs")      # sent already: not computed again

@@ -9,6 +9,7 @@ tokens generated here, after the ones that pool streamed.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping
 
@@ -17,6 +18,8 @@ from services.common.step import TokenLogprobs
 from services.common.token_bytes import byte_table
 from services.common.wire import answer_logprobs
 from services.scheduler.request import Phase, Request
+
+log = logging.getLogger(__name__)
 
 
 def record(result: worker_pb2.StepResult, by_seq: Mapping[int, Request]) -> None:
@@ -41,3 +44,39 @@ def entry(request: Request, token_id: int) -> common_pb2.TokenLogprob | None:
         token_id=token_id, logprob=logprobs.logprob, token_bytes=table.decode_bytes([token_id]),
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp, token_bytes=table.decode_bytes([t]))
              for t, lp in logprobs.top])
+
+
+def record_prompt(result: worker_pb2.StepResult, scheduled: list[Request]) -> None:
+    """The answer's prompt logprobs onto their requests (sampling.prompt_logprobs), by position;
+    a position computed again (after a preemption, on another worker) keeps its first entry."""
+    by_seq = {r.seq_id: r for r in scheduled}
+    for part in result.prompt_logprobs:
+        request = by_seq.get(part.seq_id)
+        if request is None or request.prompt_logprobs is None:
+            continue
+        table = byte_table(request.detokenizer.tokenizer)
+        held = request.prompt_logprobs
+        for position, e in enumerate(part.entries, part.first_position):
+            if position not in held:
+                held[position] = common_pb2.TokenLogprob(
+                    token_id=e.token_id, logprob=e.logprob, token_bytes=table.decode_bytes([e.token_id]),
+                    top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob,
+                                               token_bytes=table.decode_bytes([t.token_id])) for t in e.top])
+
+
+def prompt_entries(request: Request) -> list[common_pb2.TokenLogprob]:
+    """The first chunk's prompt entries: every prompt token in order, the first with a NaN
+    logprob (nothing comes before it). Taken once: the request collects no more after it."""
+    held, request.prompt_logprobs = request.prompt_logprobs, None
+    table = byte_table(request.detokenizer.tokenizer)
+    prompt = request.prompt_ids
+    entries = [common_pb2.TokenLogprob(token_id=prompt[0], logprob=float("nan"),
+                                       token_bytes=table.decode_bytes([prompt[0]]))]
+    missing = [p for p in range(1, len(prompt)) if p not in held]
+    if missing:     # a scheduler bug: say so where it shows, never a made-up value
+        log.error("request %s: no prompt logprobs for %d of its %d prompt positions (first %d)",
+                  request.request_id, len(missing), len(prompt), missing[0])
+    entries.extend(held.get(p) or common_pb2.TokenLogprob(token_id=prompt[p], logprob=float("nan"),
+                                                           token_bytes=table.decode_bytes([prompt[p]]))
+                   for p in range(1, len(prompt)))
+    return entries

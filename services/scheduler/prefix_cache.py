@@ -80,7 +80,10 @@ class PrefixCache:
 
     def _usable_names(self, pool: PrefixCachingPool, request: Request) -> list[bytes]:
         """The names of the request's blocks wholly before its last known token (that one is
-        always computed, for its logits): those a cache may give it."""
+        always computed, for its logits): those a cache may give it. None while it collects its
+        prompt's logprobs: every prompt token's row is computed for them."""
+        if request.prompt_logprobs is not None:
+            return []
         usable = (request.num_tokens - 1) // pool.block_size
         return self.names(request, usable, pool.block_size)[:usable] if usable > 0 else []
 

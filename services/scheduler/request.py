@@ -71,6 +71,9 @@ class Request:
     resumed: int = 0                 # output tokens another pool streamed before this one took over
     # With sampling.logprobs: each recorded token's logprobs (its step's answer) until its chunk takes them
     logprobs: deque | None = None
+    # With sampling.prompt_logprobs, until its first chunk takes them: its prompt tokens' entries
+    # by position, as its prefill steps' answers bring them (logprobs.record_prompt)
+    prompt_logprobs: dict | None = None
     chunked: int = 0                 # output tokens made into chunks here (output.token_chunk)
     tenant_weight: float = 1.0       # the tenant's share inside its class
     slo_ms: float | None = None

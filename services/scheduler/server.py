@@ -160,6 +160,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         limits = self._limits()
         window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
                                limits.max_context, limits.block_size, self.streaming)
+        if window is not None and submit.sampling.HasField("prompt_logprobs"):
+            raise invalid("prompt logprobs (a completion's echo with logprobs) need every prompt token "
+                          "attended: not in streaming mode", field="sampling.prompt_logprobs")
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         limits, window, submit.tenant, submit.tenant_weight or 1.0)
         request = Request(
@@ -173,6 +176,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             window=window)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids), self.tokenizer.vocab_size)
+        elif sampling.prompt_logprobs is not None:     # (a resumed request's first chunk went out elsewhere)
+            request.prompt_logprobs = {}
         return request
 
     def adapters(self) -> frozenset[str]:
@@ -182,7 +187,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
 
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
-        if submit.sampling.HasField("logprobs"):
+        if submit.sampling.HasField("logprobs") or submit.sampling.HasField("prompt_logprobs"):
             byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
         if submit.sampling.json_schema:     # refused here, at once, if the workers could not compile it
             check_schema_text(submit.sampling.json_schema, "sampling.json_schema", byte_table(self.tokenizer))

@@ -80,6 +80,8 @@ class StreamOut:
         their requests for their tokens' chunks (logprobs.py)."""
         if result.logprob_seq_ids:
             logprobs.record(result, {r.seq_id: r for r in scheduled})
+        if result.prompt_logprobs:
+            logprobs.record_prompt(result, scheduled)
         return sampled_and_ended(result)
 
     def forget(self, request: Request) -> None:

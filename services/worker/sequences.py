@@ -78,13 +78,16 @@ class SequenceTable:
             seq = self.sequences[seq_id]
             start = seq.computed
             end = start + num_tokens
+            prompt_end = seq.prompt_len - seq.num_generated      # the client's prompt (not resumed output)
             work.append(SequenceWork(
                 seq_id=seq_id, token_ids=seq.tokens[start:end], position=start,
                 block_table=seq.block_table, sampling=seq.sampling,
                 num_generated=seq.num_generated + len(seq.tokens) - seq.prompt_len,
                 sample=end == len(seq.tokens), lora=seq.lora, window=seq.window,
                 dropped_blocks=seq.dropped_blocks, constraint=seq.constraint,
-                history=seq.tokens, output_start=seq.prompt_len - seq.num_generated))
+                history=seq.tokens, output_start=prompt_end,
+                prompt_targets=seq.tokens[start + 1:min(end + 1, prompt_end)]
+                if seq.sampling.prompt_logprobs is not None and start + 1 < prompt_end else ()))
         return StepBatch(work)
 
     def _check(self, plan: worker_pb2.StepPlan) -> None:

@@ -29,7 +29,7 @@ from services.common.metrics import TOKEN_BUCKETS, StateCollector, serve_metrics
 from services.common.tracing import (setup_tracing, shutdown_tracing, span_context_from,
                                      tracing_configured)
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.wire import answer_tokens
+from services.common.wire import answer_prompt_logprobs, answer_tokens
 from services.common.step import StepBatch
 from services.engine.engine import Engine, EngineConfig, InvalidStepError
 from services.engine.kv_tier import KVTier
@@ -282,11 +282,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             span.end()
         device = self._device_stats(finished)
         by_seq = {token.seq_id: token for token in tokens} if len(applied) > 1 else None
+        prompts = output.prompt_logprobs if output else []
         for plan, part in applied:
             mine = tokens if by_seq is None else [by_seq[w.seq_id] for w in part.sequences if w.seq_id in by_seq]
-            answers[plan.step_id] = answer_tokens(
+            answer = answer_tokens(
                 worker_pb2.StepResult(step_id=plan.step_id, forward_ms=(finished - started) * 1000, device=device),
                 mine, plan.packed_results)
+            if prompts:
+                ids = {w.seq_id for w in part.sequences}
+                answer_prompt_logprobs(answer, [p for p in prompts if p.seq_id in ids])
+            answers[plan.step_id] = answer
         return [answers[p.step_id] for p in plans]
 
     def _tier_copies(self, plan: worker_pb2.StepPlan) -> None:

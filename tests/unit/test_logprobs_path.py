@@ -3,6 +3,7 @@ entries (merged chunks too), with each token's exact bytes; chat's and completio
 from __future__ import annotations
 
 import json
+import math
 
 from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
@@ -98,3 +99,52 @@ def test_completion_logprobs_in_the_legacy_shape_with_offsets_across_chunks():
     assert first == {"tokens": ["Hi", " there"], "token_logprobs": [-0.5, -1.0],
                      "top_logprobs": [{"Yo": -0.25, "Hi": -0.5}, {" there": -1.0}], "text_offset": [0, 2]}
     assert second["text_offset"] == [8] and second["top_logprobs"] == [{".": -0.5, "!": -2.0}]
+
+
+def test_prompt_logprobs_reach_the_first_chunk_in_order_once_whatever_the_steps():
+    """Two prefill chunks' answers, a chunk computed again (a preemption) keeping its first
+    entries, then the first token's chunk carrying every prompt token, the first with no logprob."""
+    from services.common.step import PromptLogprobs
+    from services.common.wire import answer_prompt_logprobs
+    tok = load_text_tokenizer().tokenizer
+    prompt = encode(tok, "one two three four five")
+    r = Request(request_id="p", seq_id=9, priority=MEDIUM, tenant="", prompt_ids=prompt,
+                sampling=SamplingParams(max_tokens=5, prompt_logprobs=1), detokenizer=IncrementalDetokenizer(tok, prompt))
+    r.phase, r.prompt_logprobs = Phase.RUNNING, {}
+
+    def step(first: int, values: list[float]) -> None:
+        answer = worker_pb2.StepResult(step_id=first)
+        targets = tuple(prompt[first:first + len(values)])
+        answer_prompt_logprobs(answer, [PromptLogprobs(9, first, targets,
+                                                       tuple(TokenLogprobs(v, ((targets[0], v),)) for v in values))])
+        StreamOut.answer_tokens(answer, [r])
+
+    step(1, [-1.0, -2.0])
+    step(1, [-9.0, -9.0])                    # computed again after a preemption: the first stay
+    step(3, [-3.0] * (len(prompt) - 3))
+    r.add_output(7)
+    first = token_chunk(r, 7, None, "cpu", 0.0)
+    entries = list(first.prompt_logprobs)
+    assert [e.token_id for e in entries] == prompt
+    assert math.isnan(entries[0].logprob) and not entries[0].top
+    assert [e.logprob for e in entries[1:3]] == [-1.0, -2.0] and entries[3].logprob == -3.0
+    assert b"".join(e.token_bytes for e in entries) == "one two three four five".encode()
+    r.add_output(8)
+    assert not token_chunk(r, 8, None, "cpu", 0.0).prompt_logprobs and r.prompt_logprobs is None
+
+
+def test_an_echoed_completion_starts_with_its_prompt_and_its_first_token_has_no_logprob():
+    out = OpenAIResponse(parse_openai(COMPLETION, b'{"model": "m", "prompt": "Hi", "echo": true, "logprobs": 1}'),
+                         "a", 1, MEDIUM)
+    chunk = common_pb2.GenerateChunk(text="!", finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    chunk.prompt_logprobs.add(token_id=1, logprob=float("nan"), token_bytes=b"H")
+    chunk.prompt_logprobs.add(token_id=2, logprob=-0.5, token_bytes=b"i", top=[common_pb2.TopLogprob(
+        token_id=3, logprob=-0.25, token_bytes=b"o")])
+    chunk.logprobs.add(token_id=4, logprob=-1.0, token_bytes=b"!")
+    out.add(0, chunk)
+    choice = out.body()["choices"][0]
+    assert choice["text"] == "Hi!"
+    assert choice["logprobs"] == {"tokens": ["H", "i", "!"], "token_logprobs": [None, -0.5, -1.0],
+                                  "top_logprobs": [None, {"o": -0.25, "i": -0.5}, {"!": -1.0}],
+                                  "text_offset": [0, 1, 2]}
+    json.dumps(out.body(), allow_nan=False)          # no NaN reaches the JSON
