@@ -120,3 +120,24 @@ def test_grpc_prompt_logprobs_come_on_the_first_chunk(cluster):
     assert [e.token_id for e in first] == ids and math.isnan(first[0].logprob)
     assert [e.logprob for e in first[1:]] == pytest.approx(expected, abs=2e-3)
     assert all(len(e.top) == 1 for e in first[1:]) and not any(c.prompt_logprobs for c in chunks[1:])
+
+
+def test_lm_evaluation_harness_scores_a_batch_of_continuations(client, model):
+    """lm-evaluation-harness's local-completions loglikelihood request (its payload: token-id
+    prompts in a batch, temperature 0, max_tokens 1, logprobs 1, seed, echo) read as its
+    parse_logprobs reads it: the continuation's logprob is the sum of token_logprobs[ctxlen:-1],
+    greedy when each of those tokens is its top one."""
+    context = tokenizer().encode("The capital of France is")
+    continuations = [tokenizer().encode(" Paris"), tokenizer().encode(" a small village in the Alps")]
+    answer = client.completions.create(model=model, prompt=[context + c for c in continuations], temperature=0,
+                                       max_tokens=1, logprobs=1, seed=1234, echo=True)
+    scores = []
+    for choice, continuation in zip(sorted(answer.choices, key=lambda c: c.index), continuations):
+        logprobs = choice.logprobs.token_logprobs[len(context):-1]
+        tops = choice.logprobs.top_logprobs[len(context):-1]
+        assert len(logprobs) == len(continuation)
+        greedy = all(lp == max(top.values()) for lp, top in zip(logprobs, tops))
+        scores.append((sum(logprobs), greedy))
+        _, expected = engine_logprobs(tokenizer().decode(context + continuation))
+        assert sum(logprobs) == pytest.approx(sum(expected[len(context) - 1:]), abs=1e-2)
+    assert scores[0][0] > scores[1][0]          # the model finds Paris likelier than the village
