@@ -258,12 +258,14 @@ class Engine:
                 raise InvalidStepError(f"{name} has no tokens to compute")
             if seq.position < 0:
                 raise InvalidStepError(f"{name} starts at negative position {seq.position}")
-            bad = next((t for t in (*seq.token_ids, *seq.prompt_targets) if not 0 <= t < vocab), None)
+            bad = next((t for t in seq.token_ids if not 0 <= t < vocab), None)
+            if bad is None and seq.prompt_targets:
+                if len(seq.prompt_targets) > len(seq.token_ids):
+                    raise InvalidStepError(f"{name} asks the logprobs of {len(seq.prompt_targets)} prompt tokens "
+                                           f"after {len(seq.token_ids)} rows")
+                bad = next((t for t in seq.prompt_targets if not 0 <= t < vocab), None)
             if bad is not None:
                 raise InvalidStepError(f"{name} has token id {bad} outside the vocabulary [0, {vocab})")
-            if len(seq.prompt_targets) > len(seq.token_ids):
-                raise InvalidStepError(f"{name} asks the logprobs of {len(seq.prompt_targets)} prompt tokens "
-                                       f"after {len(seq.token_ids)} rows")
             if seq.window is None:
                 if seq.end > self.max_context:
                     raise InvalidStepError(
