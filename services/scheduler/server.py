@@ -51,7 +51,7 @@ from services.scheduler.request import Request, check_token_ids, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
 from services.scheduler.stats import pool_stats, scale_metrics, scale_signals, state_metrics
-from services.scheduler.vllm_metrics import VllmRequestMetrics, vllm_gauges
+from services.scheduler.vllm_metrics import VllmRequestMetrics, lora_info, vllm_gauges
 from services.scheduler.membership import Membership
 from services.scheduler.worker_link import WorkerLink
 
@@ -103,6 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.registry.register(StateCollector(lambda: scale_metrics(pool_name, self.batcher, self.advisor)))
         self.vllm_metrics = VllmRequestMetrics(self.registry, self.model_name, pool_name)
         self.registry.register(StateCollector(lambda: vllm_gauges(self.model_name, pool_name, self.batcher)))
+        self.registry.register(StateCollector(lambda: lora_info(self.batcher)))
         self.batcher.on_finished = self._record_finished
         self.tracer = setup_tracing("scheduler")
         self.seq_ids = itertools.count(1)

@@ -13,9 +13,15 @@ per-request series add our class (`priority`), which `sum by (le)` folds away. T
 histograms' 1-2-5 buckets run to 10^6 tokens where vLLM stops at the model's context (streaming
 mode has no such bound). They repeat numbers our own metrics carry (qos_queue_depth, qos_running,
 qos_ttft_seconds, qos_e2e_seconds, qos_cache_hit_tokens, ...) under the names others read.
-Not here: vllm:time_per_output_token_seconds (vLLM observes every token's gap; we time requests).
+vllm:lora_requests_info is vLLM's too: a gauge at the scrape time (unix seconds) whose labels
+name the adapters of the running and waiting requests and max_lora (the fewest a connected
+worker holds at once): what LoRA-aware endpoint pickers read (the Gateway API Inference
+Extension's). Not here: vllm:time_per_output_token_seconds (vLLM observes every token's gap; we
+time requests).
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -121,3 +127,16 @@ def vllm_gauges(model_name: str, pool: str, batcher: ContinuousBatcher):
         family = GaugeMetricFamily(name, text, labels=["model_name", "pool"])
         family.add_metric([model_name, pool], value)
         yield family
+
+
+def lora_info(batcher: ContinuousBatcher):
+    """vllm:lora_requests_info: one sample, labelled as vLLM labels it (adapters comma-joined,
+    sorted), its value the time of the scrape."""
+    running = {r.lora for requests in batcher.running.values() for r in requests if r.lora}
+    waiting = {r.lora for lane in batcher.policy.lanes for r in batcher.policy.queue(lane) if r.lora}
+    limits = [link.max_loras for link in batcher.links if link.is_connected]
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    family.add_metric([str(min(limits)) if limits else "0", ",".join(sorted(waiting)), ",".join(sorted(running))],
+                      time.time())
+    yield family

@@ -68,6 +68,9 @@ def test_vllm_histograms_count_each_request_as_ours_do(cluster):
     assert value(samples, "vllm:request_success_total", **pool) == sum(SENT.values())
     for phase in ("queue", "prefill", "decode", "inference"):
         assert value(samples, f"vllm:request_{phase}_time_seconds_count", **pool) == sum(SENT.values())
+    (lora,) = [s for s in samples if s.name == "vllm:lora_requests_info"]      # no adapter here: none named
+    assert lora.labels["running_lora_adapters"] == lora.labels["waiting_lora_adapters"] == ""
+    assert int(lora.labels["max_lora"]) >= 1 and lora.value > 1.7e9
 
 
 def test_vllm_gauges_agree_with_pool_stats_while_requests_wait_and_run(cluster):

@@ -111,3 +111,18 @@ def test_a_completed_request_is_split_into_vllms_phases_and_counted_by_its_reaso
                if s.name == "vllm:request_success_total"}
     assert success == {"length": 1, "stop": 1}
     assert buckets_1_2_5(100) == (1, 2, 5, 10, 20, 50, 100) and LENGTH_BUCKETS[-1] == 10**6
+
+
+def test_lora_info_names_the_adapters_running_and_waiting_and_the_fewest_a_worker_holds():
+    from services.scheduler.vllm_metrics import lora_info
+    queued = {0: [SimpleNamespace(lora="sql"), SimpleNamespace(lora="")], 1: [SimpleNamespace(lora="chat")]}
+    policy = SimpleNamespace(lanes=(0, 1), queue=lambda lane: queued[lane])
+    links = [SimpleNamespace(is_connected=True, max_loras=4), SimpleNamespace(is_connected=True, max_loras=2),
+             SimpleNamespace(is_connected=False, max_loras=1)]
+    running = {0: [SimpleNamespace(lora="sql"), SimpleNamespace(lora="math")], 1: [SimpleNamespace(lora="")]}
+    b = SimpleNamespace(policy=policy, links=links, running=running)
+    registry = CollectorRegistry()
+    registry.register(StateCollector(lambda: lora_info(b)))
+    (sample,) = exposition(registry)["vllm:lora_requests_info"].samples
+    assert sample.labels == {"max_lora": "2", "waiting_lora_adapters": "chat,sql", "running_lora_adapters": "math,sql"}
+    assert sample.value > 1.7e9              # the time of the scrape, as vLLM sets it
