@@ -205,6 +205,14 @@ def logprob_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits[torch.tensor(rows, device=logits.device)].float() if rows else None
 
 
+def _picked_and_top(logits: torch.Tensor, targets: Sequence[int], k: int) -> tuple[list, list, list]:
+    """Row i's log-probability of targets[i], and its k likeliest tokens' values and ids (lists)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
+    return picked.tolist(), values.tolist(), ids.tolist()
+
+
 def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
                    params: list[SamplingParams]) -> list[TokenLogprobs | None]:
     """Each asking row's chosen token's log-probability and its `params.logprobs` most likely
@@ -214,11 +222,8 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
     out: list[TokenLogprobs | None] = [None] * len(params)
     if asked is None:
         return out
-    logprobs = asked.log_softmax(dim=-1)
-    picked = logprobs.gather(1, torch.tensor([[chosen[i]] for i in rows], device=asked.device))
-    widest = max(params[i].logprobs for i in rows)
-    top_values, top_ids = logprobs.topk(widest, dim=-1) if widest else (logprobs[:, :0], logprobs[:, :0])
-    picked, top_values, top_ids = picked.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()
+    picked, top_values, top_ids = _picked_and_top(asked, [chosen[i] for i in rows],
+                                                  max(params[i].logprobs for i in rows))
     for n, i in enumerate(rows):
         k = params[i].logprobs
         # Tokens a grammar masked off have no probability: they are no one's "most likely".
@@ -230,13 +235,9 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
 def target_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> tuple[TokenLogprobs, ...]:
     """Row i's logprob of targets[i] and its k most likely tokens' (prompt logprobs: the model's
     own, no grammar or penalty applies to a prompt)."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    picked = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
-    if not k:
-        return tuple(TokenLogprobs(v) for v in picked)
-    values, ids = logprobs.topk(k, dim=-1)
-    return tuple(TokenLogprobs(v, tuple(zip(map(int, row_ids), row_values)))
-                 for v, row_ids, row_values in zip(picked, ids.tolist(), values.tolist()))
+    picked, top_values, top_ids = _picked_and_top(logits, targets, k)
+    return tuple(TokenLogprobs(v, tuple(zip(map(int, ids), values)))
+                 for v, ids, values in zip(picked, top_ids, top_values))
 
 
 @torch.inference_mode()      # the logits are the model's inference tensors; adjust_logits writes them

@@ -47,7 +47,6 @@ class Choice:
         # A completion's echo: its prompt (as text, or token ids whose text the first chunk's
         # prompt entries give), sent before its first text
         self.echo = request.prompts[index // request.n] if request.echo else None
-        self.prompt: list[common_pb2.TokenLogprob] = []
         # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
         # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
         forced = request.tool_mode in ("named", "required")
@@ -60,9 +59,9 @@ class Choice:
         if self.echo is None:
             return "", []
         prompt, self.echo = self.echo, None
-        self.prompt = list(chunk.prompt_logprobs)
-        text = prompt if isinstance(prompt, str) else token_text(b"".join(e.token_bytes for e in self.prompt))
-        return text, self.prompt
+        entries = list(chunk.prompt_logprobs)
+        text = prompt if isinstance(prompt, str) else token_text(b"".join(e.token_bytes for e in entries))
+        return text, entries
 
 
 class OpenAIResponse:
@@ -76,7 +75,6 @@ class OpenAIResponse:
                      "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": created, "model": request.model,
                      "service_tier": TIER_OF[priority], "system_fingerprint": None}
-        self.logprobs = request.body.sampling.HasField("logprobs")
         self.choices = [Choice(request, request_id if i == 0 else f"{request_id}-{i}", i)
                         for i in range(request.choices)]
         self.open = request.choices      # choices without their last chunk yet
@@ -143,7 +141,7 @@ class OpenAIResponse:
             out.append(self._event(c, {"role": "assistant", "content": None if c.tools else ""}))
             c.sent_role = True
         echo, prompt = c.take_echo(chunk)      # completions only (a chat has no echo)
-        if chunk.text or echo or (self.logprobs and chunk.logprobs):
+        if chunk.text or echo or (c.view and chunk.logprobs):
             delta = {"content": chunk.text} if self.chat else echo + chunk.text
             if c.tools is not None:
                 calls = c.tools.feed(chunk.text)      # none yet while the text is the form's own
@@ -151,7 +149,7 @@ class OpenAIResponse:
             elif c.tagged is not None:
                 content, calls = c.tagged.feed(chunk.text, final=bool(chunk.finish_reason))
                 delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if delta or self.logprobs:
+            if delta or c.view:
                 out.append(self._event(c, delta, logprobs=c.view.of([*prompt, *chunk.logprobs]) if c.view else None))
         if chunk.finish_reason:
             if c.tools is not None and c.tools.unparsed:     # cut before a call began: its text

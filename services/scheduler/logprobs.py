@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import TokenLogprobs
@@ -39,11 +39,14 @@ def entry(request: Request, token_id: int) -> common_pb2.TokenLogprob | None:
     if not request.logprobs:
         return None
     logprobs: TokenLogprobs = request.logprobs.popleft()
-    table = byte_table(request.detokenizer.tokenizer)
+    return chunk_entry(byte_table(request.detokenizer.tokenizer), token_id, logprobs.logprob, logprobs.top)
+
+
+def chunk_entry(table, token_id: int, logprob: float, top: Iterable[tuple[int, float]] = ()) -> common_pb2.TokenLogprob:
+    """A token's entry for a chunk, its and its top tokens' bytes from the tokenizer's `table`."""
     return common_pb2.TokenLogprob(
-        token_id=token_id, logprob=logprobs.logprob, token_bytes=table.decode_bytes([token_id]),
-        top=[common_pb2.TopLogprob(token_id=t, logprob=lp, token_bytes=table.decode_bytes([t]))
-             for t, lp in logprobs.top])
+        token_id=token_id, logprob=logprob, token_bytes=table.decode_bytes([token_id]),
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp, token_bytes=table.decode_bytes([t])) for t, lp in top])
 
 
 def record_prompt(result: worker_pb2.StepResult, scheduled: list[Request]) -> None:
@@ -58,10 +61,7 @@ def record_prompt(result: worker_pb2.StepResult, scheduled: list[Request]) -> No
         held = request.prompt_logprobs
         for position, e in enumerate(part.entries, part.first_position):
             if position not in held:
-                held[position] = common_pb2.TokenLogprob(
-                    token_id=e.token_id, logprob=e.logprob, token_bytes=table.decode_bytes([e.token_id]),
-                    top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob,
-                                               token_bytes=table.decode_bytes([t.token_id])) for t in e.top])
+                held[position] = chunk_entry(table, e.token_id, e.logprob, ((t.token_id, t.logprob) for t in e.top))
 
 
 def prompt_entries(request: Request) -> list[common_pb2.TokenLogprob]:
@@ -70,13 +70,8 @@ def prompt_entries(request: Request) -> list[common_pb2.TokenLogprob]:
     held, request.prompt_logprobs = request.prompt_logprobs, None
     table = byte_table(request.detokenizer.tokenizer)
     prompt = request.prompt_ids
-    entries = [common_pb2.TokenLogprob(token_id=prompt[0], logprob=float("nan"),
-                                       token_bytes=table.decode_bytes([prompt[0]]))]
     missing = [p for p in range(1, len(prompt)) if p not in held]
     if missing:     # a scheduler bug: say so where it shows, never a made-up value
         log.error("request %s: no prompt logprobs for %d of its %d prompt positions (first %d)",
                   request.request_id, len(missing), len(prompt), missing[0])
-    entries.extend(held.get(p) or common_pb2.TokenLogprob(token_id=prompt[p], logprob=float("nan"),
-                                                           token_bytes=table.decode_bytes([prompt[p]]))
-                   for p in range(1, len(prompt)))
-    return entries
+    return [held.get(p) or chunk_entry(table, prompt[p], float("nan")) for p in range(len(prompt))]

@@ -49,7 +49,7 @@ def buckets_1_2_5(top: int) -> tuple[int, ...]:
 
 
 LENGTH_BUCKETS = buckets_1_2_5(10**6)
-FINISHED = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}    # vLLM's finished_reason labels
+FINISHED = (FinishReason.STOP, FinishReason.LENGTH)     # a completed request's; their labels are vLLM's
 
 
 class VllmRequestMetrics:
@@ -91,7 +91,7 @@ class VllmRequestMetrics:
             series = self._series[priority] = (
                 [h.labels(*labels) for h in (self.ttft, self.e2e, self.queue, self.prefill, self.decode,
                                              self.inference, self.prompt, self.generation)],
-                {r: self.success.labels(*labels, name) for r, name in FINISHED.items()})
+                {r: self.success.labels(*labels, r.label) for r in FINISHED})
         histograms, success = series
         for histogram, observed in zip(histograms, (ttft_s, e2e_s, queue_s, ttft_s - queue_s, e2e_s - ttft_s,
                                                     e2e_s - queue_s, prompt_tokens, generated)):
