@@ -7,6 +7,7 @@ adapter_dirs, and a reload serves the new weights with nothing cached from the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import shutil
@@ -229,8 +230,12 @@ def test_a_reload_serves_the_new_weights_with_nothing_cached_from_the_old(cluste
         await started.wait()
         refused = await asyncio.to_thread(http_admin, cluster, "/v1/load_lora_adapter",
                                           {**load, "lora_path": str(adapter_v2)})
-        return refused, await long
-    (status, body), _ = run(reload_while_running())
+        # Long enough to be running on any host; nothing to learn from its last ~250 tokens.
+        long.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await long
+        return refused
+    status, body = run(reload_while_running())
     assert status == 409 and "'swapped'" in body["error"]["message"] and "once they finish" in body["error"]["message"]
     assert [t for c in run(generate_chunks(cluster, "swapped")) for t in c.token_ids] == \
         [t for c in first for t in c.token_ids]               # still v1
