@@ -33,8 +33,16 @@ model: venv
 demo: model
 	$(PY) -m services.tools.cli demo
 
+# The unit and engine tests in TEST_JOBS processes (a core each, at most 4: each may load a model),
+# then the e2e tests one at a time: their clusters are real processes sharing the cores, and what
+# they check (a stream's continuation, a class's share, an alert's window) must not race another
+# test's load. Both parts always run; either failing fails `make test`.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PARALLEL_TESTS := tests/unit tests/engine
+SERIAL_TESTS := tests/e2e tests/compose
 test: model $(NPU_WHEEL_STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=10 $(PARALLEL_TESTS); parallel=$$?; \
+		$(PY) -m pytest -q --durations=10 $(SERIAL_TESTS) || exit 1; exit $$parallel
 
 # The tests whose clusters run the host's dtype (bf16 where the CPU multiplies it natively, else
 # fp32), again with every such worker in DTYPE (fp32 or bf16): serving, preemption, admission and
@@ -45,11 +53,12 @@ test-dtype: model
 	@test -n "$(DTYPE)" || { echo "usage: make test-dtype DTYPE=fp32|bf16"; exit 2; }
 	QOS_TEST_DTYPE=$(DTYPE) $(PY) -m pytest -q $(DTYPE_TESTS)
 
-# Everything not marked slow (no SmolLM2 load, no cluster of real processes), the fault simulator
-# over 300 seeds (100 with second tiers) where `make test` runs 2,000 (500): ~3 minutes on 2 cores.
+# Everything not marked slow (no SmolLM2 load, no cluster of real processes), in TEST_JOBS
+# processes, the fault simulator over 300 seeds (100 with second tiers) where `make test` runs
+# 2,000 (500): ~2 minutes on 2 cores.
 test-fast: venv
 	QOS_SIM_SEEDS=$${QOS_SIM_SEEDS:-300} QOS_SIM_TIER_SEEDS=$${QOS_SIM_TIER_SEEDS:-100} \
-		$(PY) -m pytest -q tests -m "not slow"
+		$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests -m "not slow"
 
 bench: model
 	$(PY) bench/engine_throughput.py --json bench/results/engine_throughput.json

@@ -81,6 +81,17 @@ class SlotKeys:
         return self.kernel(q, keys_by_block(k_cache, block_size), v_cache, tables, lens, block_size, scale)
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (`make test`) each process hands its comparisons to the one that prints."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["logit_diffs"] = list(LOGIT_DIFFS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    LOGIT_DIFFS.extend(getattr(node, "workeroutput", {}).get("logit_diffs", ()))
+
+
 def pytest_terminal_summary(terminalreporter):
     if LOGIT_DIFFS:
         terminalreporter.write_line(
