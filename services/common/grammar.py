@@ -1,4 +1,5 @@
-"""Structured outputs: a JSON Schema as the grammar its answers must follow (llguidance).
+"""Structured outputs: a JSON Schema, a regular expression, a list of choices or a context-free
+grammar as the grammar its answers must follow (llguidance).
 
 Pure Python over llguidance's Rust library (no torch), so every hop compiles a request's schema:
 the router and the scheduler to refuse one that cannot be served at once, naming the part at fault
@@ -26,10 +27,56 @@ _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+MAX_GUIDE_CHARS = 65_536      # a regex's or a grammar's text, all choices together
+MAX_CHOICES = 1_024           # strings a choice may list
+
+
 def grammar_of(schema_text: str) -> str:
     """llguidance's grammar (JSON text) for a JSON Schema given as JSON text."""
     from llguidance import LLMatcher
     return LLMatcher.grammar_from_json_schema(schema_text, overrides=JSON_OPTIONS)
+
+
+def guide_grammar(regex: str = "", choice=(), grammar: str = "") -> str:
+    """llguidance's grammar (JSON text) for the one of these that is set: a regular expression,
+    strings the answer is exactly one of, a context-free grammar in Lark or GBNF. Raises
+    ValueError with the converter's message for a GBNF grammar it cannot read."""
+    from llguidance import LLMatcher
+    if regex:
+        return LLMatcher.grammar_from_regex(regex)
+    if choice:      # JSON's string escapes are Lark's
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choice))
+    from llguidance.gbnf_to_lark import any_to_lark
+    try:
+        return LLMatcher.grammar_from_lark(any_to_lark(grammar))
+    except Exception as exc:     # the converter raises Exception itself for a rule it cannot find
+        raise ValueError(str(exc)) from None
+
+
+def grammar_for(sampling) -> str:
+    """The llguidance grammar of a constrained sampling (SamplingParams or either proto)."""
+    if sampling.json_schema:
+        return grammar_of(sampling.json_schema)
+    return guide_grammar(sampling.regex, tuple(sampling.choice), sampling.grammar)
+
+
+def check_guide(regex: str, choice, grammar: str, field: str = "", tokenizer=None) -> None:
+    """A regex, choice list or grammar the engine can compile (with `tokenizer`, an LLTokenizer,
+    down to its tokens); else an INVALID error naming `field` (default: `sampling.regex`, ...)."""
+    choice = list(choice)
+    field = field or f"sampling.{'regex' if regex else 'choice' if choice else 'grammar'}"
+    if len(choice) > MAX_CHOICES:
+        raise invalid(f"{field} lists {len(choice)} strings; at most {MAX_CHOICES} are allowed", field)
+    size = len(regex) + sum(map(len, choice)) + len(grammar)
+    if size > MAX_GUIDE_CHARS:
+        raise invalid(f"{field} is {size} characters long; at most {MAX_GUIDE_CHARS} are allowed", field)
+    from llguidance import LLMatcher
+    try:
+        error = LLMatcher.validate_grammar(guide_grammar(regex, choice, grammar), tokenizer)
+    except ValueError as exc:
+        error = str(exc)
+    if error and not error.startswith("WARNING"):
+        raise invalid(f"{field} cannot be compiled into a grammar: {_first_line(error)}", field)
 
 
 def compile_error(schema_text: str, tokenizer=None) -> str:

@@ -34,6 +34,7 @@ MAX_LOGIT_BIAS = 1024    # tokens a sequence may bias (each costs the sampler a 
 PENALTY_RANGE = (-2.0, 2.0)          # presence and frequency penalties (OpenAI's bounds)
 MAX_REPETITION_PENALTY = 10.0        # > 0; 1 is none (vLLM's meaning); more only pushes logits to 0 or -inf
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's bounds
+GUIDES = ("json_schema", "regex", "choice", "grammar")   # structured outputs' kinds, at most one a sequence
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +48,11 @@ class SamplingParams:
     ignore_eos: bool = False          # benchmarks: keep going past EOS (stop_token_ids still stop)
     logprobs: int | None = None       # set: each token's logprob and this many top ones (0-MAX_TOP_LOGPROBS)
     json_schema: str = ""             # structured output: a JSON Schema (JSON text) the output must match
+    # ... or, at most one of them (services/common/grammar.py): a regular expression it matches,
+    # strings it is exactly one of, a context-free grammar (Lark or GBNF) it follows.
+    regex: str = ""
+    choice: tuple[str, ...] = ()
+    grammar: str = ""
     # Adjustments of the logits before sampling (services/engine/sampler.py, in vLLM's order and
     # with its formulas): a bias per token; a penalty on tokens of the prompt or output
     # (repetition: positive logits divided by it, negative ones multiplied); on output tokens by
@@ -76,9 +82,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {getattr(self, name)}")
-        if self.json_schema and self.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with json_schema: a structured answer ends "
-                             "where its JSON is complete")
+        guides = [name for name in GUIDES if getattr(self, name)]
+        if len(guides) > 1:
+            raise ValueError(f"{guides[1]} and {guides[0]} both say what the output is: set one of them")
+        if guides and self.ignore_eos:
+            raise ValueError(f"ignore_eos cannot be combined with {guides[0]}: a structured answer ends "
+                             "where it is complete")
         low, high = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             if not low <= getattr(self, name) <= high:
@@ -90,9 +99,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        if self.min_tokens and self.json_schema:
-            raise ValueError("min_tokens cannot be combined with json_schema: a structured answer ends "
-                             "where its JSON is complete")
+        if self.min_tokens and guides:
+            raise ValueError(f"min_tokens cannot be combined with {guides[0]}: a structured answer ends "
+                             "where it is complete")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         low, high = LOGIT_BIAS_RANGE
@@ -104,6 +113,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """A structured output: a grammar decides which tokens may come next."""
+        return bool(self.json_schema or self.regex or self.choice or self.grammar)
 
     @property
     def penalised(self) -> bool:

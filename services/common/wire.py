@@ -34,9 +34,9 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         top_p=s.top_p if s.HasField("top_p") else DEFAULT_TOP_P,
         seed=s.seed if s.HasField("seed") else None,
         max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs if s.HasField("logprobs") else None, json_schema=s.json_schema,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-        **client_adjustments(s))
+        **_guides(s), **client_adjustments(s))
 
 
 def client_adjustments(s: common_pb2.SamplingParams) -> dict:
@@ -52,11 +52,17 @@ def _adjustments(proto, repetition_penalty: float) -> dict:
                 min_p=proto.min_p, min_tokens=proto.min_tokens)
 
 
+def _guides(proto) -> dict:
+    """The structured output's fields, as a client's SamplingParams and EngineSampling both have them."""
+    return dict(json_schema=proto.json_schema, regex=proto.regex, choice=tuple(proto.choice), grammar=proto.grammar)
+
+
 def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
     proto = worker_pb2.EngineSampling(
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos, json_schema=params.json_schema, logit_bias=dict(params.logit_bias),
+        ignore_eos=params.ignore_eos, json_schema=params.json_schema, regex=params.regex,
+        choice=list(params.choice), grammar=params.grammar, logit_bias=dict(params.logit_bias),
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens)
     if params.seed is not None:
@@ -75,7 +81,7 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           ignore_eos=proto.ignore_eos,
                           logprobs=proto.logprobs if proto.HasField("logprobs") else None,
                           prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
-                          json_schema=proto.json_schema, **_adjustments(proto, proto.repetition_penalty or 1.0))
+                          **_guides(proto), **_adjustments(proto, proto.repetition_penalty or 1.0))
 
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:

@@ -76,9 +76,8 @@ class BatchRunner:
                 if blocks is None:
                     break
                 waiting.popleft()
-                schema = request.sampling.json_schema
                 running.append(_Running(index, request, blocks, constraint=self.engine.grammars.matcher(
-                    schema, []) if schema else None))
+                    request.sampling, []) if request.sampling.constrained else None))
             batch = self._plan_step(running)
             output = self.engine.step(batch)
             now = time.perf_counter()

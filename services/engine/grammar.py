@@ -2,7 +2,7 @@
 matcher) and the token masks applied to its logits before sampling.
 
 A sequence's grammar state is derived from its tokens: the worker builds its matcher from the
-request's schema (services/common/grammar.py) and advances it over the tokens generated so far,
+request's schema, regex, choices or grammar (services/common/grammar.py) and advances it over the tokens generated so far,
 so a sequence announced again after a preemption, a failover or a migration (its prompt carries
 them, NewSequence.num_generated counts them) continues exactly where it was. After each sampled
 token the engine advances it by that token.
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.grammar import grammar_of
-from services.common.step import SequenceWork
+from services.common.grammar import grammar_for
+from services.common.step import SamplingParams, SequenceWork
 from services.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,16 @@ class Grammars:
                                               n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
             return self._tokenizer
 
-    def matcher(self, json_schema: str, generated: list[int]):
-        """A matcher for the schema, advanced over the tokens the sequence generated so far. One
-        that cannot be built or refuses those tokens is kept in its error state: its sequence then
-        ends with FinishReason.ERROR at its next sampled token (StepMasks.failed)."""
+    def matcher(self, sampling: SamplingParams, generated: list[int]):
+        """A matcher for a constrained sequence's grammar, advanced over the tokens it generated
+        so far. One that cannot be built or refuses those tokens is kept in its error state: its
+        sequence then ends with FinishReason.ERROR at its next sampled token (StepMasks.failed)."""
         from llguidance import LLMatcher
-        matcher = LLMatcher(self.tokenizer, grammar_of(json_schema), log_level=0)
+        try:
+            grammar = grammar_for(sampling)
+        except ValueError as exc:       # the scheduler compiled it; should one still fail here,
+            grammar = str(exc)          # it is no grammar text: the matcher starts in its error state
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)
         if generated and not matcher.is_error():
             matcher.consume_tokens(generated)
         return matcher

@@ -11,6 +11,7 @@ import time
 from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError
+from services.common.step import GUIDES
 from services.common.wire import prompt_chars
 from services.control.limits import estimate_tokens
 from services.control.tenancy import Caller
@@ -38,8 +39,9 @@ def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
         return "messages"
     if field.startswith(TOKEN_IDS):
         return "prompt" + field.removeprefix(TOKEN_IDS)
-    if field.startswith("sampling.json_schema") and request.schema_field:
-        return request.schema_field + field.removeprefix("sampling.json_schema")
+    guide = next((f"sampling.{name}" for name in GUIDES if field.startswith(f"sampling.{name}")), None)
+    if guide and request.schema_field:      # the one structured output the request has
+        return request.schema_field + field.removeprefix(guide)
     return field.removeprefix("sampling.")
 
 

@@ -19,7 +19,8 @@ from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITI
 from services.router.json_fields import json_kind, text_field
 from services.router.openai_prompt import MAX_PROMPTS, echo_sampling, parse_prompts, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
-from services.router.response_format import json_schema_of
+from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS
+from services.router.structured_outputs import parse_structured
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
@@ -39,7 +40,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           "service_tier", "stream", "stream_options",
           "top_k", "ignore_eos", "stop_token_ids", "priority",   # these four as vLLM takes them
           "context_mode",                                 # ours: auto, dense or streaming attention
-          "response_format",                              # structured outputs (response_format.py)
+          *STRUCTURED_FIELDS,                             # response_format, vLLM's (structured_outputs.py)
           "cache_salt", "prompt_cache_key",               # narrow prefix-cache sharing (vLLM, OpenAI)
           "logit_bias", "frequency_penalty", "presence_penalty",
           "repetition_penalty", "min_p", "min_tokens"}    # these three as vLLM takes them
@@ -71,7 +72,7 @@ class OpenAIRequest:
     user: str = ""
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
     context_mode: str | None = None      # as sent (the x-context-mode header must agree)
-    schema_field: str = ""               # the body field its sampling.json_schema came from (errors name it)
+    schema_field: str = ""               # the body field its structured output came from (errors name it)
     tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (openai_tools.py)
     tool_name: str = ""                  # "named": the function
     n: int = 1                           # choices: requests of their own on the path (choices.py)
@@ -110,10 +111,10 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
         echo_sampling(request.body.sampling, request.prompts)
     _options(body, request)
     if kind == CHAT:
-        forced_format = request.body.sampling.json_schema
+        forced_format = request.schema_field
         parse_tools(body, request)
         if forced_format and request.tool_mode in ("named", "required"):
-            raise invalid("a forced tool call and a JSON response_format both say what the answer is: send one",
+            raise invalid(f"a forced tool call and {forced_format} both say what the answer is: send one",
                           "tool_choice")
     return request
 
@@ -264,12 +265,7 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
         s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
     _logprobs(body, request)
     _adjustments(body, s)
-    if body.get("response_format") is not None:
-        s.json_schema = json_schema_of(body["response_format"])
-        request.schema_field = "response_format.json_schema.schema"
-        if s.json_schema and s.ignore_eos:
-            raise invalid("ignore_eos cannot be combined with a JSON response_format: a structured answer "
-                          "ends where its JSON is complete", "ignore_eos")
+    request.schema_field = parse_structured(body, s)
 
 
 def _adjustments(body: dict, s: common_pb2.SamplingParams) -> None:

@@ -12,7 +12,7 @@ import asyncio
 
 from services.common.errors import ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
-from services.common.step import FinishReason
+from services.common.step import GUIDES, FinishReason
 from services.scheduler import logprobs
 from services.scheduler.request import Request
 
@@ -38,11 +38,13 @@ def streaming_usage(request: Request) -> common_pb2.StreamingUsage | None:
 
 def grammar_dead_end(request: Request) -> ServiceError:
     """The failure of a request whose structured output's grammar allowed no next token (the
-    engine's FinishReason.ERROR): llguidance compiled the schema but cannot follow it. What was
-    streamed stays; the request ends in this error, never in a "stop" with incomplete JSON."""
-    return invalid(f"the request's JSON schema allows no next token after {len(request.output_ids)} generated "
+    engine's FinishReason.ERROR): llguidance compiled it but cannot follow it. What was streamed
+    stays; the request ends in this error, never in a "stop" with an incomplete answer."""
+    name = next(name for name in GUIDES if getattr(request.sampling, name))
+    what = "JSON schema" if name == "json_schema" else name
+    return invalid(f"the request's {what} allows no next token after {len(request.output_ids)} generated "
                    "(a recursion that never ends, or a pattern too large to match): no complete answer "
-                   "follows it; simplify the schema", field="sampling.json_schema")
+                   f"follows it; simplify the {what}", field=f"sampling.{name}")
 
 
 def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | None, pool: str,

@@ -24,7 +24,7 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
-from services.common.grammar import check_schema_text
+from services.common.grammar import check_guide, check_schema_text
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
@@ -190,8 +190,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
         if submit.sampling.HasField("logprobs") or submit.sampling.HasField("prompt_logprobs"):
             byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
-        if submit.sampling.json_schema:     # refused here, at once, if the workers could not compile it
-            check_schema_text(submit.sampling.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
+        # A structured output the workers could not compile is refused here, at once.
+        s = submit.sampling
+        if s.json_schema:
+            check_schema_text(s.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
+        elif s.regex or s.choice or s.grammar:
+            check_guide(s.regex, s.choice, s.grammar, tokenizer=byte_table(self.tokenizer))
         if submit.prompt_token_ids:
             check_token_ids(submit.prompt_token_ids, self.tokenizer.vocab_size, "prompt_token_ids")
             return list(submit.prompt_token_ids)

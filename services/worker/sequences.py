@@ -37,10 +37,11 @@ class SequenceState:
 
 
 class SequenceTable:
-    def __init__(self, block_size: int = 16, constrain: Callable[[str, list[int]], object] | None = None) -> None:
+    def __init__(self, block_size: int = 16,
+                 constrain: Callable[[SamplingParams, list[int]], object] | None = None) -> None:
         self.sequences: dict[int, SequenceState] = {}
         self.block_size = block_size
-        # (json_schema, tokens generated so far) -> the grammar state of a sequence that has a schema
+        # (sampling, tokens generated so far) -> the grammar state of a constrained sequence
         # (Grammars.matcher): derived from its tokens, so one announced again continues exactly.
         self.constrain = constrain
 
@@ -64,13 +65,14 @@ class SequenceTable:
             sequences.pop(seq_id, None)
         for new in plan.new_sequences:
             tokens = list(new.prompt_token_ids)
+            sampling = sampling_from_engine(new.sampling)
             sequences[new.seq_id] = SequenceState(
                 tokens=tokens, prompt_len=len(tokens),
-                sampling=sampling_from_engine(new.sampling), num_generated=new.num_generated,
+                sampling=sampling, num_generated=new.num_generated,
                 traceparent=new.traceparent, lora=new.lora, computed=new.cached_tokens,
                 window=StreamWindow(new.sink_tokens, new.window_tokens) if new.window_tokens else None,
-                constraint=self.constrain(new.sampling.json_schema, tokens[len(tokens) - new.num_generated:])
-                if new.sampling.json_schema else None)
+                constraint=self.constrain(sampling, tokens[len(tokens) - new.num_generated:])
+                if sampling.constrained else None)
         for seq_id, block_id in zip(plan.granted_seq_ids, plan.granted_block_ids):
             sequences[seq_id].block_table.append(block_id)
         work = []
@@ -99,8 +101,9 @@ class SequenceTable:
                 raise PlanError(f"sequence {new.seq_id} announced twice")
             if not new.prompt_token_ids:
                 raise PlanError(f"sequence {new.seq_id} has an empty prompt")
-            if new.sampling.json_schema and self.constrain is None:
-                raise PlanError(f"sequence {new.seq_id} has a JSON schema; this worker has no grammar engine")
+            if (new.sampling.json_schema or new.sampling.regex or new.sampling.choice or new.sampling.grammar) \
+                    and self.constrain is None:
+                raise PlanError(f"sequence {new.seq_id} has a structured output; this worker has no grammar engine")
             if new.cached_tokens >= len(new.prompt_token_ids):
                 raise PlanError(f"sequence {new.seq_id}: {new.cached_tokens} cached tokens of "
                                 f"{len(new.prompt_token_ids)}; at least one must be computed")

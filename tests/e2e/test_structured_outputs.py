@@ -1,6 +1,7 @@
 """Structured outputs through a real cluster on the embedded model, in the host's dtype:
 response_format json_schema (strict) and json_object on both HTTP endpoints, streamed or not,
-and gRPC's sampling.json_schema; answers parse and match their schemas, in batches mixed with
+and gRPC's sampling.json_schema; vLLM's structured_outputs (choice, regex, a GBNF grammar) and
+its older guided_* fields, and gRPC's sampling.choice; answers parse and match their schemas, in batches mixed with
 unconstrained requests, with a LoRA adapter and in streaming mode (a 64-token window); a schema
 the engine cannot compile is refused at once naming its part, and one it compiles but cannot
 follow to a complete answer fails naming the schema."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import re
 import signal
 
 import grpc
@@ -117,6 +119,51 @@ def test_grpc_json_schema_and_a_refusal_naming_the_part(cluster):
         run(go(bad))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert dict(caught.value.trailing_metadata())["qos-error-field"] == "sampling.json_schema.properties.city"
+
+
+SENTIMENTS = ["positive", "negative", "neutral"]
+DATE = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+SQL_GBNF = ('root ::= "SELECT " col " FROM " table " WHERE " col " = " value\n'
+            'col ::= "id" | "name" | "city"\ntable ::= "users" | "orders"\nvalue ::= [0-9] [0-9]? [0-9]?')
+SQL = r"SELECT (id|name|city) FROM (users|orders) WHERE (id|name|city) = [0-9]{1,3}"
+
+
+def test_vllm_structured_outputs_choice_regex_and_grammar(client, model):
+    """As vLLM's docs show them: extra_body structured_outputs, and the guided_* fields clients
+    written for vLLM before 0.12 send; chat and completions, streamed or not."""
+    review = [{"role": "user", "content": "Classify the sentiment: the food was cold and the waiter rude."}]
+    for extra in ({"structured_outputs": {"choice": SENTIMENTS}}, {"guided_choice": SENTIMENTS}):
+        answer = client.chat.completions.create(model=model, messages=review, max_tokens=10, extra_body=extra)
+        assert answer.choices[0].message.content in SENTIMENTS and answer.choices[0].finish_reason == "stop"
+    date = client.completions.create(model=model, prompt="The treaty was signed on", max_tokens=20, temperature=0,
+                                     extra_body={"structured_outputs": {"regex": DATE}}).choices[0]
+    assert re.fullmatch(DATE, date.text) and date.finish_reason == "stop", date.text
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Write one SQL query over users."}], max_tokens=40,
+        temperature=0.9, seed=11, stream=True, extra_body={"structured_outputs": {"grammar": SQL_GBNF}})
+    chunks = list(stream)
+    assert re.fullmatch(SQL, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_grpc_choice_and_a_bad_regex_over_both_fronts(cluster, client, model):
+    async def go(**guide):
+        request = chat_request("Is water wet? Answer.", sampling_params(max_tokens=10, temperature=0.0, **guide))
+        async with RouterClient(cluster.router_address) as c:
+            return await c.generate(request)
+    answer = run(go(choice=["yes", "no"]))
+    assert answer.text in ("yes", "no") and answer.finish_reason == "stop"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        run(go(regex="[0-9"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(caught.value.trailing_metadata())["qos-error-field"] == "sampling.regex"
+    for extra, param in (({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+                         ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+                         ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+                          "structured_outputs.choice")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=model, messages=ASK, max_tokens=10, extra_body=extra)
+        assert refused.value.param == param
 
 
 def test_an_uncompilable_schema_is_a_400_naming_its_part(client, model):

@@ -5,6 +5,7 @@ unconstrained text is noise, so every valid answer is the grammar's doing), fp32
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import numpy as np
@@ -25,6 +26,7 @@ SCHEMA = {"type": "object", "properties": {
                 "required": ["city"], "additionalProperties": False}},
     "required": ["name", "age", "tags", "address"], "additionalProperties": False}
 SCHEMA_TEXT = json.dumps(SCHEMA)
+SCHEMA_PARAMS = SamplingParams(json_schema=SCHEMA_TEXT)
 PROMPT = list(range(300, 340))
 
 
@@ -59,7 +61,7 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(engine):
     eos = engine.model_config.eos_token_ids[0]
     result = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, SamplingParams(
         temperature=1.0, seed=9, max_tokens=120, json_schema=SCHEMA_TEXT))])[0]
-    matcher = engine.grammars.matcher(SCHEMA_TEXT, [])
+    matcher = engine.grammars.matcher(SCHEMA_PARAMS, [])
     mask = np.zeros((engine.model_config.vocab_size + 31) // 32, dtype=np.int32)
     for i, token in enumerate(result.token_ids):
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
@@ -156,7 +158,7 @@ def test_lora_and_streaming_mode_entries_are_constrained_too(engine, tmp_path):
     from tests.engine.test_lora import make_adapter      # skips without peft
     engine.load_adapter("a", make_adapter(text_model(), tmp_path / "a", seed=5, r=4, lora_alpha=8,
                                           target_modules=["q_proj", "v_proj"]))
-    matchers = {s: engine.grammars.matcher(SCHEMA_TEXT, []) for s in (1, 2)}
+    matchers = {s: engine.grammars.matcher(SCHEMA_PARAMS, []) for s in (1, 2)}
     params = SamplingParams(temperature=0.0, max_tokens=200, json_schema=SCHEMA_TEXT)
     window = StreamWindow(4, 32)                 # attends its first 4 tokens and the last 32
     tokens = {1: list(PROMPT), 2: list(PROMPT)}
@@ -185,7 +187,53 @@ def test_logprobs_are_of_the_masked_logits(engine):
     no token the grammar forbids is among the most likely."""
     from services.common.step import SequenceWork
     params = SamplingParams(temperature=0.0, max_tokens=10, json_schema=SCHEMA_TEXT, logprobs=5)
-    work = SequenceWork(1, PROMPT, 0, list(range(4)), params, constraint=engine.grammars.matcher(SCHEMA_TEXT, []))
+    work = SequenceWork(1, PROMPT, 0, list(range(4)), params, constraint=engine.grammars.matcher(SCHEMA_PARAMS, []))
     (token,) = engine.step(StepBatch([work])).tokens
     assert decode(engine, [token.token_id]) == '{"'
     assert token.logprobs.logprob == 0.0 and token.logprobs.top == ((token.token_id, 0.0),)
+
+
+# vLLM's other structured outputs: a regular expression, a choice, a context-free grammar (GBNF).
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+SQL_GBNF = ('root ::= "SELECT " cols " FROM " table ";"\ncols ::= col | col ", " cols\n'
+            'col ::= "id" | "name" | "email"\ntable ::= "users" | "orders"')
+SQL = r"SELECT (id|name|email)(, (id|name|email))* FROM (users|orders);"
+CHOICES = ("positive", "negative", "neither, or both")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_regex_a_choice_and_a_grammar_each_hold_in_a_mixed_batch(engine, seed):
+    kinds = [SamplingParams(temperature=1.0, seed=seed, max_tokens=40, regex=PHONE),
+             SamplingParams(temperature=1.0, seed=seed, max_tokens=20, choice=CHOICES),
+             SamplingParams(temperature=1.0, seed=seed, max_tokens=60, grammar=SQL_GBNF)]
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    results = BatchRunner(engine, max_running=8).run(
+        [GenerationRequest(PROMPT[:20 + i], p) for i, p in enumerate(kinds)] + [GenerationRequest(PROMPT, free)])
+    alone = BatchRunner(engine, max_running=1).run([GenerationRequest(PROMPT, free)])
+    assert results[3].token_ids == alone[0].token_ids        # the unconstrained row: as if alone
+    phone, choice, sql = (decode(engine, r.token_ids) for r in results[:3])
+    assert all(r.finish_reason is FinishReason.STOP for r in results[:3]), [r.finish_reason for r in results]
+    assert re.fullmatch(PHONE, phone), phone
+    assert choice in CHOICES, choice
+    assert re.fullmatch(SQL, sql), sql
+
+
+def test_a_regex_sequence_announced_again_continues_from_its_tokens(engine):
+    params = SamplingParams(temperature=0.0, max_tokens=40, regex=PHONE)
+    blocks = list(range(10))
+    whole = run_table(engine, SequenceTable(16, engine.grammars.matcher), 1, len(PROMPT), 40, blocks,
+                      announce(1, PROMPT, 0, params, blocks))
+    cut = len(whole) // 2
+    rest = run_table(engine, SequenceTable(16, engine.grammars.matcher), 2, len(PROMPT) + cut, 40,
+                     list(range(20, 30)), announce(2, PROMPT + whole[:cut], cut, params, blocks))
+    assert whole[:cut] + rest == whole
+
+
+def test_a_grammar_the_worker_cannot_convert_starts_in_error_not_an_exception(engine):
+    """The scheduler refuses such a grammar; should one reach a worker, its sequence ends in
+    FinishReason.ERROR like any grammar that fails, and the step goes on."""
+    assert engine.grammars.matcher(SamplingParams(grammar="root ::= missing"), []).is_error()
+    free = GenerationRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    bad, beside = BatchRunner(engine, max_running=2).run([GenerationRequest(PROMPT[:20], SamplingParams(
+        temperature=0.0, max_tokens=10, grammar="root ::= missing")), free])
+    assert bad.finish_reason is FinishReason.ERROR and beside.finish_reason is FinishReason.LENGTH
