@@ -237,3 +237,20 @@ def test_a_grammar_the_worker_cannot_convert_starts_in_error_not_an_exception(en
     bad, beside = BatchRunner(engine, max_running=2).run([GenerationRequest(PROMPT[:20], SamplingParams(
         temperature=0.0, max_tokens=10, grammar="root ::= missing")), free])
     assert bad.finish_reason is FinishReason.ERROR and beside.finish_reason is FinishReason.LENGTH
+
+
+def test_a_grammar_too_costly_for_a_step_fails_instead_of_stalling_the_batch(engine):
+    """(a{600}){600} needs more of llguidance's lexer work for its first mask than a step may
+    spend on one row (FIRST_MASK_FUEL): its sequence ends in ERROR. Under llguidance's default
+    limits it would be followed, at ~0.6 s of every step's time here."""
+    from llguidance import LLMatcher
+    from services.common.grammar import guide_grammar
+    costly = "(a{600}){600}"
+    free = GenerationRequest(PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    bad, beside = BatchRunner(engine, max_running=2).run([GenerationRequest(PROMPT[:20], SamplingParams(
+        temperature=0.0, max_tokens=8, regex=costly)), free])
+    assert bad.finish_reason is FinishReason.ERROR and beside.finish_reason is FinishReason.LENGTH
+    unbounded = LLMatcher(engine.grammars.tokenizer, guide_grammar(costly), log_level=0)
+    mask = np.zeros((engine.model_config.vocab_size + 31) // 32, dtype=np.int32)
+    unbounded.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    assert not unbounded.is_error()         # the limit, not the regex, is what ends it
