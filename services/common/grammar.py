@@ -38,9 +38,10 @@ def grammar_of(schema_text: str) -> str:
 
 
 def guide_grammar(regex: str = "", choice=(), grammar: str = "") -> str:
-    """llguidance's grammar (JSON text) for the one of these that is set: a regular expression,
-    strings the answer is exactly one of, a context-free grammar in Lark or GBNF. Raises
-    ValueError with the converter's message for a GBNF grammar it cannot read."""
+    """llguidance's grammar for the one of these that is set (its JSON form, or Lark text: its
+    matchers take either): a regular expression, strings the answer is exactly one of, a
+    context-free grammar in Lark or GBNF. Raises ValueError with the converter's message for a
+    GBNF grammar it cannot read."""
     from llguidance import LLMatcher
     if regex:
         return LLMatcher.grammar_from_regex(regex)
