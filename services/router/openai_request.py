@@ -67,6 +67,7 @@ class OpenAIRequest:
     body: router_pb2.GenerateRequest     # prompt or messages, sampling, model: the gRPC request
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False       # vLLM's continuous_usage_stats: every chunk's usage so far
     tier: Priority | None = None         # from service_tier or priority (x-priority must agree)
     tier_field: str = ""                 # which of the two set it (errors name it back)
     user: str = ""
@@ -321,10 +322,13 @@ def _options(body: dict, request: OpenAIRequest) -> None:
     if options is not None:
         if not request.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise invalid("stream_options takes only include_usage", "stream_options")
-        if options.get("include_usage") is not None:
-            request.include_usage = _bool(options["include_usage"], "stream_options.include_usage")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise invalid("stream_options takes include_usage and continuous_usage_stats", "stream_options")
+        flags = {name: _bool(v, f"stream_options.{name}") for name, v in options.items() if v is not None}
+        request.include_usage = flags.get("include_usage", False)
+        request.continuous_usage = flags.get("continuous_usage_stats", False)
+        if request.continuous_usage and not request.include_usage:
+            raise invalid("continuous_usage_stats needs include_usage: true", "stream_options.continuous_usage_stats")
     _class(body, request)
     if body.get("user") is not None:
         request.user = text_field(body["user"], "user")

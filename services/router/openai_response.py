@@ -4,7 +4,8 @@ ServiceError -> OpenAI's error body. Pure: dicts in, dicts out; the HTTP front s
     chat        {"object": "chat.completion", "choices": [{"message": ...}], "usage": ...}
                 stream: "chat.completion.chunk" objects; the first delta carries the role, the
                 last the finish_reason with an empty delta; with stream_options.include_usage a
-                final chunk with no choices carries the usage (and every other has usage null)
+                final chunk with no choices carries the usage (and every other has usage null, or
+                with vLLM's continuous_usage_stats its choice's tokens so far)
     completion  {"object": "text_completion", "choices": [{"text": ...}]} and chunks alike
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Choice:
         self.text: list[str] = []
         self.last: common_pb2.GenerateChunk | None = None
         self.sent_role = False
+        self.prompt_tokens = self.completion_tokens = 0     # so far: stream_options.continuous_usage_stats
         self.entries: list[common_pb2.TokenLogprob] = []
         # With logprobs asked for: its tokens' entries (common.proto TokenLogprob) made OpenAI's
         self.view = LogprobsView(request.kind == CHAT) if request.body.sampling.HasField("logprobs") else None
@@ -137,6 +139,9 @@ class OpenAIResponse:
         """The stream objects for one of our chunks (several tokens may arrive merged)."""
         out, c = [], self.choices[index]
         self._last(index, chunk)
+        c.prompt_tokens = chunk.usage.prompt_tokens or c.prompt_tokens      # on the first chunk and the last
+        c.completion_tokens = chunk.usage.completion_tokens if chunk.finish_reason else \
+            c.completion_tokens + len(chunk.token_ids)
         if self.chat and not c.sent_role:
             out.append(self._event(c, {"role": "assistant", "content": None if c.tools else ""}))
             c.sent_role = True
@@ -170,7 +175,10 @@ class OpenAIResponse:
         choice = {"index": c.index, "delta": delta} if self.chat else {"index": c.index, "text": delta}
         choice.update(finish_reason=finish_reason, logprobs=logprobs)
         event = {**self.head, "choices": [choice]}
-        if self.request.include_usage:
+        if self.request.continuous_usage:       # vLLM's: this choice's tokens so far
+            event["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+                              "total_tokens": c.prompt_tokens + c.completion_tokens}
+        elif self.request.include_usage:
             event["usage"] = None
         return event
 

@@ -99,6 +99,13 @@ def test_completions_equal_the_grpc_path_streaming_or_not(client, cluster, model
     streamed = client.completions.create(model=model, prompt=prompt, max_tokens=TOKENS,
                                          temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == reference.text
+    # vLLM's continuous_usage_stats: every chunk's usage so far, the last one's the whole
+    counted = list(client.completions.create(
+        model=model, prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    so_far = [c.usage.completion_tokens for c in counted]
+    assert so_far == sorted(so_far) and so_far[-1] == len(reference.token_ids) and len(set(so_far)) > 2
+    assert {c.usage.prompt_tokens for c in counted} == {reference.total_tokens - len(reference.token_ids)}
 
 
 @pytest.mark.parametrize("header, tier, priority, served_as, tier_echoed", [

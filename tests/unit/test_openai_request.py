@@ -197,6 +197,26 @@ def test_chat_stream_events_role_first_finish_last_usage_alone():
         {("chatcmpl-abc", "chat.completion.chunk", "priority")}
 
 
+def test_continuous_usage_stats_give_every_chunk_its_choices_tokens_so_far():
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage is its choice's prompt and
+    the tokens it streamed so far; the last chunk's counts are the scheduler's; the usage chunk
+    after the last choice stays the request's whole."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    out = OpenAIResponse(chat(n=2, stream=True, stream_options=options), "abc", 7, HIGH)
+    first = common_pb2.GenerateChunk(text="He", token_ids=[5, 6])
+    first.usage.prompt_tokens = 3
+    events = out.events(0, first) + out.events(0, common_pb2.GenerateChunk(text="l", token_ids=[7])) + \
+        out.events(1, chunk("x", common_pb2.FINISH_REASON_STOP, prompt=3, completion=1)) + \
+        out.events(0, chunk("lo", common_pb2.FINISH_REASON_LENGTH, prompt=3, completion=4))
+    so_far = [(e["choices"][0]["index"], e["usage"]["completion_tokens"]) for e in events if e["choices"]]
+    assert so_far == [(0, 2), (0, 2), (0, 3), (1, 1), (1, 1), (1, 1), (0, 4), (0, 4)]   # role, text, finish
+    assert all(e["usage"]["prompt_tokens"] == 3 for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+    for options in ({"continuous_usage_stats": True}, {"include_usage": True, "continuous_usage_stats": 1}):
+        body = {"model": "m", "messages": MESSAGES, "stream": True, "stream_options": options}
+        assert refused(CHAT, json.dumps(body).encode()).field == "stream_options.continuous_usage_stats"
+
+
 def test_a_whole_completion_body():
     out = OpenAIResponse(parse_openai(COMPLETION, b'{"model": "m", "prompt": "x"}'), "id1", 7, LOW)
     out.add(0, chunk("a"))
