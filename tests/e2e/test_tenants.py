@@ -247,20 +247,29 @@ def test_more_choices_than_the_tenants_streams_is_a_400_naming_n(cluster):
 
 
 def test_cancelling_one_choice_by_its_id_cancels_the_request(cluster):
-    alpha = cluster.keys["alpha"]
+    """Its owner may, by any choice's id; another tenant can neither cancel nor read a choice's id
+    (404, as for an id that does not exist), and the stream goes on."""
+    alpha, beta = cluster.keys["alpha"], cluster.keys["beta"]
 
     async def go():
         stream = await Exchange.post(cluster, "/v1/completions", completion(
             cluster, 2000, ignore_eos=True, stream=True, n=2), {"authorization": f"Bearer {alpha}"})
         assert stream.status == 200 and isinstance(await stream.event(), dict)
         request_id = stream.headers["x-request-id"]
+        stranger = await asyncio.to_thread(lambda: [
+            post(cluster, {}, beta, path=f"/v1/requests/{request_id}-1/cancel")[0],
+            post(cluster, None, beta, path=f"/v1/requests/{request_id}-1")[0],
+            grpc_unary_error(cluster, "Cancel", router_pb2.CancelRequest(request_id=f"{request_id}-1"), beta).code()])
+        still = await asyncio.wait_for(stream.event(), 30)       # beta's tries ended nothing
         cancelled = await asyncio.to_thread(post, cluster, {}, alpha, path=f"/v1/requests/{request_id}-1/cancel")
         events = []
         while (event := await asyncio.wait_for(stream.event(), 30)) is not None:
             events.append(event)
-        return request_id, cancelled, events
+        return request_id, stranger, still, cancelled, events
 
-    request_id, cancelled, events = run(go())
+    request_id, stranger, still, cancelled, events = run(go())
+    assert stranger == [404, 404, grpc.StatusCode.NOT_FOUND]
+    assert isinstance(still, dict) and "error" not in still
     assert cancelled[0] == 200 and events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
     for choice_id in (request_id, f"{request_id}-1"):         # both ended, and are billed as cancelled
         for _ in range(100):
