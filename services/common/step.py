@@ -176,6 +176,7 @@ class TokenLogprobs:
     """A sampled token's log-probability, and the most likely tokens' (id, logprob), best first."""
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int = 0           # a prompt token's 1-based rank by logprob in the vocabulary (0: not computed)
 
 
 @dataclass(slots=True, frozen=True)

@@ -117,7 +117,7 @@ def answer_prompt_logprobs(result: worker_pb2.StepResult, prompts: Sequence[Prom
     """A step's prompt logprobs into its answer (StepResult.prompt_logprobs)."""
     for p in prompts:
         result.prompt_logprobs.add(seq_id=p.seq_id, first_position=p.first_position, entries=[
-            common_pb2.TokenLogprob(token_id=token, logprob=e.logprob,
+            common_pb2.TokenLogprob(token_id=token, logprob=e.logprob, rank=e.rank,
                                     top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
             for token, e in zip(p.token_ids, p.entries)])
 

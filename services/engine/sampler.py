@@ -205,12 +205,16 @@ def logprob_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return logits[torch.tensor(rows, device=logits.device)].float() if rows else None
 
 
-def _picked_and_top(logits: torch.Tensor, targets: Sequence[int], k: int) -> tuple[list, list, list]:
-    """Row i's log-probability of targets[i], and its k likeliest tokens' values and ids (lists)."""
+def _picked_and_top(logits: torch.Tensor, targets: Sequence[int], k: int,
+                    ranks: bool = False) -> tuple[list, list, list, list | None]:
+    """Row i's log-probability of targets[i], its k likeliest tokens' values and ids (lists), and
+    with `ranks` each target's 1-based rank (1 + the tokens likelier than it)."""
     logprobs = logits.float().log_softmax(dim=-1)
     picked = logprobs.gather(1, torch.tensor(targets, device=logits.device).unsqueeze(1)).squeeze(1)
     values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
-    return picked.tolist(), values.tolist(), ids.tolist()
+    # (int32: summing the booleans as int64 took twice as long, ~80 ms for 512 rows of 49,152 here)
+    rank = ((logprobs > picked.unsqueeze(1)).sum(dim=-1, dtype=torch.int32) + 1).tolist() if ranks else None
+    return picked.tolist(), values.tolist(), ids.tolist(), rank
 
 
 def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
@@ -222,7 +226,7 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
     out: list[TokenLogprobs | None] = [None] * len(params)
     if asked is None:
         return out
-    picked, top_values, top_ids = _picked_and_top(asked, [chosen[i] for i in rows],
+    picked, top_values, top_ids, _ = _picked_and_top(asked, [chosen[i] for i in rows],
                                                   max(params[i].logprobs for i in rows))
     for n, i in enumerate(rows):
         k = params[i].logprobs
@@ -235,9 +239,9 @@ def token_logprobs(asked: torch.Tensor | None, chosen: list[int],
 def target_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> tuple[TokenLogprobs, ...]:
     """Row i's logprob of targets[i] and its k most likely tokens' (prompt logprobs: the model's
     own, no grammar or penalty applies to a prompt)."""
-    picked, top_values, top_ids = _picked_and_top(logits, targets, k)
-    return tuple(TokenLogprobs(v, tuple(zip(map(int, ids), values)))
-                 for v, ids, values in zip(picked, top_ids, top_values))
+    picked, top_values, top_ids, ranks = _picked_and_top(logits, targets, k, ranks=True)
+    return tuple(TokenLogprobs(v, tuple(zip(map(int, ids), values)), rank)
+                 for v, ids, values, rank in zip(picked, top_ids, top_values, ranks))
 
 
 @torch.inference_mode()      # the logits are the model's inference tensors; adjust_logits writes them

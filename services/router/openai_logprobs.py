@@ -51,3 +51,17 @@ class LogprobsView:
 def _top(entry) -> dict:
     return {"token": token_text(entry.token_bytes), "logprob": entry.logprob,
             "bytes": list(entry.token_bytes)}
+
+
+def vllm_prompt_logprobs(entries: Sequence[common_pb2.TokenLogprob], k: int) -> list:
+    """vLLM's `prompt_logprobs`: None for the first prompt token (nothing comes before it), then for
+    each a map of token id (as text) -> {"logprob", "rank", "decoded_token"}: the prompt token's own
+    and the k most likely tokens' there (as many as k + 1)."""
+    out: list = [None]
+    for e in entries[1:]:
+        position = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": token_text(e.token_bytes)}}
+        for rank, t in enumerate(e.top[:k], 1):
+            position.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank,
+                                                  "decoded_token": token_text(t.token_bytes)})
+        out.append(position)
+    return out

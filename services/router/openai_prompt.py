@@ -8,12 +8,14 @@ the element at fault (`prompt[2]`, `prompt[1][7]`).
                             each is in its vocabulary)
     [[1, 2], [3]]           two prompts of token ids
 
-and `echo`, which puts the prompt before the answer (echo_sampling).
+and `echo`, which puts the prompt before the answer (echo_sampling), and vLLM's
+`prompt_logprobs` (prompt_logprob_sampling).
 """
 from __future__ import annotations
 
 from services.common.errors import invalid
 from services.common.proto.qos.v1 import common_pb2, router_pb2
+from services.common.step import MAX_TOP_LOGPROBS
 from services.router.json_fields import json_kind, text_field
 
 MAX_PROMPTS = 64             # prompts in one request; with n, choices in one request (each a sequence)
@@ -74,3 +76,23 @@ def echo_sampling(sampling: common_pb2.SamplingParams, prompts: list[str | list[
         sampling.prompt_logprobs = sampling.logprobs
     elif any(not isinstance(p, str) for p in prompts):
         sampling.prompt_logprobs = 0
+
+
+def prompt_logprob_sampling(body: dict, request) -> None:
+    """What the scheduler's first chunk must bring of the prompt (sampling.prompt_logprobs, the
+    larger N of the two): for `echo` (completions: echo_sampling), and for vLLM's
+    `prompt_logprobs` N (0-20; chat and completions, not streamed, as vLLM serves it): each prompt
+    token's logprob given the tokens before it, its rank, and the N most likely there."""
+    if request.echo:
+        echo_sampling(request.body.sampling, request.prompts)
+    value = body.get("prompt_logprobs")
+    if value is None:
+        return
+    if not _is_id(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise invalid(f"prompt_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got "
+                      f"{value if _is_id(value) else json_kind(value)}", "prompt_logprobs")
+    if request.stream:
+        raise invalid("prompt_logprobs is not served on a stream: send stream: false (as vLLM)", "prompt_logprobs")
+    request.prompt_logprobs = value
+    s = request.body.sampling
+    s.prompt_logprobs = max(value, s.prompt_logprobs) if s.HasField("prompt_logprobs") else value

@@ -17,7 +17,7 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
 from services.router.json_fields import json_kind, text_field
-from services.router.openai_prompt import MAX_PROMPTS, echo_sampling, parse_prompts, set_prompt
+from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, prompt_logprob_sampling, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS
 from services.router.structured_outputs import parse_structured
@@ -43,7 +43,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           *STRUCTURED_FIELDS,                             # response_format, vLLM's (structured_outputs.py)
           "cache_salt", "prompt_cache_key",               # narrow prefix-cache sharing (vLLM, OpenAI)
           "logit_bias", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "min_p", "min_tokens"}    # these three as vLLM takes them
+          "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs"}    # these four as vLLM takes them
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -79,6 +79,7 @@ class OpenAIRequest:
     n: int = 1                           # choices: requests of their own on the path (choices.py)
     prompts: list = field(default_factory=list)   # completions: each prompt (text or token ids); body has the first
     echo: bool = False                   # completions: the prompt before the answer (openai_prompt.echo_sampling)
+    prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
 
     @property
     def choices(self) -> int:
@@ -108,9 +109,8 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
         set_prompt(request.body, request.prompts[0])
         request.echo = body.get("echo") is not None and _bool(body["echo"], "echo")
     _sampling(body, request)
-    if request.echo:
-        echo_sampling(request.body.sampling, request.prompts)
     _options(body, request)
+    prompt_logprob_sampling(body, request)
     if kind == CHAT:
         forced_format = request.schema_field
         parse_tools(body, request)

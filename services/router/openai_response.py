@@ -13,7 +13,7 @@ from __future__ import annotations
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
-from services.router.openai_logprobs import LogprobsView, token_text
+from services.router.openai_logprobs import LogprobsView, token_text, vllm_prompt_logprobs
 from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
 from services.router.tool_call_output import TaggedCalls, ToolCalls
 
@@ -43,9 +43,11 @@ class Choice:
         self.last: common_pb2.GenerateChunk | None = None
         self.sent_role = False
         self.prompt_tokens = self.completion_tokens = 0     # so far: stream_options.continuous_usage_stats
+        self.prompt_entries: list[common_pb2.TokenLogprob] = []   # vLLM's prompt_logprobs, from the first chunk
         self.entries: list[common_pb2.TokenLogprob] = []
         # With logprobs asked for: its tokens' entries (common.proto TokenLogprob) made OpenAI's
         self.view = LogprobsView(request.kind == CHAT) if request.body.sampling.HasField("logprobs") else None
+        self.top = request.body.sampling.logprobs      # most likely tokens an entry shows
         # A completion's echo: its prompt (as text, or token ids whose text the first chunk's
         # prompt entries give), sent before its first text
         self.echo = request.prompts[index // request.n] if request.echo else None
@@ -62,8 +64,18 @@ class Choice:
             return "", []
         prompt, self.echo = self.echo, None
         entries = list(chunk.prompt_logprobs)
+        if any(len(e.top) > self.top for e in entries):    # vLLM's prompt_logprobs asked for more of them
+            entries = [_cut(e, self.top) for e in entries]
         text = prompt if isinstance(prompt, str) else token_text(b"".join(e.token_bytes for e in entries))
         return text, entries
+
+
+def _cut(entry: common_pb2.TokenLogprob, k: int) -> common_pb2.TokenLogprob:
+    """The entry with its k most likely tokens only."""
+    cut = common_pb2.TokenLogprob()
+    cut.CopyFrom(entry)
+    del cut.top[k:]
+    return cut
 
 
 class OpenAIResponse:
@@ -105,6 +117,8 @@ class OpenAIResponse:
 
     def add(self, index: int, chunk: common_pb2.GenerateChunk) -> None:
         choice = self.choices[index]
+        if chunk.prompt_logprobs and self.request.prompt_logprobs is not None:
+            choice.prompt_entries = list(chunk.prompt_logprobs)
         echo, entries = choice.take_echo(chunk)
         choice.text.append(echo + chunk.text)
         choice.entries.extend(entries)
@@ -113,8 +127,11 @@ class OpenAIResponse:
 
     def body(self) -> dict:
         """After add() of every chunk, each choice's last (finished) one included."""
-        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+        body = {**self.head, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": [self._whole(c) for c in self.choices], "usage": self.usage()}
+        if self.chat and self.request.prompt_logprobs is not None:     # vLLM's: the response's, of its one prompt
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.choices[0].prompt_entries, self.request.prompt_logprobs)
+        return body
 
     def _whole(self, c: Choice) -> dict:
         text = "".join(c.text)
@@ -131,6 +148,8 @@ class OpenAIResponse:
                                      "tool_calls": c.tagged.calls}
         choice.update(finish_reason=self._finish(c, c.last.finish_reason),
                       logprobs=c.view.of(c.entries) if c.view else None)
+        if not self.chat and self.request.prompt_logprobs is not None:    # vLLM's: each choice's prompt
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_entries, self.request.prompt_logprobs)
         return choice
 
     # --- Server-Sent Events -----------------------------------------------------------------------

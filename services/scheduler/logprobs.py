@@ -42,10 +42,11 @@ def entry(request: Request, token_id: int) -> common_pb2.TokenLogprob | None:
     return chunk_entry(byte_table(request.detokenizer.tokenizer), token_id, logprobs.logprob, logprobs.top)
 
 
-def chunk_entry(table, token_id: int, logprob: float, top: Iterable[tuple[int, float]] = ()) -> common_pb2.TokenLogprob:
+def chunk_entry(table, token_id: int, logprob: float, top: Iterable[tuple[int, float]] = (),
+                rank: int = 0) -> common_pb2.TokenLogprob:
     """A token's entry for a chunk, its and its top tokens' bytes from the tokenizer's `table`."""
     return common_pb2.TokenLogprob(
-        token_id=token_id, logprob=logprob, token_bytes=table.decode_bytes([token_id]),
+        token_id=token_id, logprob=logprob, token_bytes=table.decode_bytes([token_id]), rank=rank,
         top=[common_pb2.TopLogprob(token_id=t, logprob=lp, token_bytes=table.decode_bytes([t])) for t, lp in top])
 
 
@@ -61,7 +62,8 @@ def record_prompt(result: worker_pb2.StepResult, scheduled: list[Request]) -> No
         held = request.prompt_logprobs
         for position, e in enumerate(part.entries, part.first_position):
             if position not in held:
-                held[position] = chunk_entry(table, e.token_id, e.logprob, ((t.token_id, t.logprob) for t in e.top))
+                held[position] = chunk_entry(table, e.token_id, e.logprob, ((t.token_id, t.logprob) for t in e.top),
+                                             e.rank)
 
 
 def prompt_entries(request: Request) -> list[common_pb2.TokenLogprob]:

@@ -98,6 +98,33 @@ def test_a_prompt_of_token_ids_is_echoed_as_its_text_in_each_choice(client, mode
     assert answer.usage.prompt_tokens == len(ids)
 
 
+def test_vllm_prompt_logprobs_without_echo_on_completions_and_chat(client, model):
+    """vLLM's prompt_logprobs: the same values as echo's, each with its rank, and the N likeliest;
+    on a chat, the response's, of the rendered conversation's tokens."""
+    ids, expected = engine_logprobs(PROMPT)
+    answer = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    positions = answer.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None and not answer.choices[0].text.startswith(PROMPT)
+    own = [position[str(token)] for position, token in zip(positions[1:], ids[1:])]
+    assert [e["logprob"] for e in own] == pytest.approx(expected, abs=2e-3)
+    assert "".join(e["decoded_token"] for e in own) == tokenizer().decode(ids[1:])
+    for position, entry in zip(positions[1:], own):
+        likeliest = sorted(position.values(), key=lambda e: -e["logprob"])
+        assert len(position) in (2, 3) and entry["rank"] >= 1
+        assert [e["rank"] for e in likeliest[:2]] == [1, 2] or entry["rank"] > 2
+        assert (entry["rank"] == 1) == (entry["logprob"] >= likeliest[0]["logprob"])
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0})
+    rendered = chat.model_extra["prompt_logprobs"]
+    assert rendered[0] is None and len(rendered) == chat.usage.prompt_tokens
+    assert all(len(p) == 1 and next(iter(p.values()))["rank"] >= 1 for p in rendered[1:])
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert streamed.value.param == "prompt_logprobs"
+
+
 def test_echo_is_refused_on_a_chat(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
@@ -120,6 +147,7 @@ def test_grpc_prompt_logprobs_come_on_the_first_chunk(cluster):
     assert [e.token_id for e in first] == ids and math.isnan(first[0].logprob)
     assert [e.logprob for e in first[1:]] == pytest.approx(expected, abs=2e-3)
     assert all(len(e.top) == 1 for e in first[1:]) and not any(c.prompt_logprobs for c in chunks[1:])
+    assert first[0].rank == 0 and all((e.rank == 1) == (e.top[0].token_id == e.token_id) for e in first[1:])
 
 
 def test_lm_evaluation_harness_scores_a_batch_of_continuations(client, model):

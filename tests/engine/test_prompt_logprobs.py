@@ -40,6 +40,11 @@ def test_each_prompt_token_gets_the_references_logprob_in_one_step_or_in_chunks(
         assert entry.logprob == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
         top_ids = [t for t, _ in entry.top]
         assert len(top_ids) == 3 and top_ids == expected[position - 1].topk(3).indices.tolist()
+        # its rank (vLLM's prompt_logprobs): 1 + the tokens likelier than it, those within the
+        # logprobs' tolerance of it either way (the tiny model's distribution is nearly flat)
+        row, own = expected[position - 1], expected[position - 1, token]
+        assert 1 + int((row > own + 1e-4).sum()) <= entry.rank <= 1 + int((row > own - 1e-4).sum())
+    assert len({e.rank for _, e in whole.values()}) > 5
 
 
 def test_chunks_and_company_change_nothing(tiny_model_dir, tiny_reference):

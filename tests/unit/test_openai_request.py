@@ -310,3 +310,52 @@ def test_an_error_message_names_the_field_as_the_client_sent_it():
                     "message": "max_completion_tokens=10000 does not fit: ... lower max_completion_tokens"}
     plain = ServiceError(ErrorKind.INVALID, "prompt is empty", field="prompt")     # not a sampling field: as is
     assert error_body(plain, "messages")["error"]["message"] == "prompt is empty"
+
+
+def prompt_chunk() -> common_pb2.GenerateChunk:
+    """A first chunk carrying three prompt tokens' entries (the first with no logprob), 3 top each."""
+    c = common_pb2.GenerateChunk(text="!", token_ids=[9], finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    c.usage.prompt_tokens, c.usage.completion_tokens = 3, 1
+    c.prompt_logprobs.add(token_id=1, logprob=float("nan"), token_bytes=b"A")
+    for token, logprob, rank in ((2, -1.5, 2), (3, -0.25, 1)):
+        c.prompt_logprobs.add(token_id=token, logprob=logprob, rank=rank, token_bytes=bytes([64 + token]), top=[
+            common_pb2.TopLogprob(token_id=t, logprob=lp, token_bytes=bytes([64 + t]))
+            for t, lp in ((3, -0.25), (2, -1.5), (7, -2.0))])
+    return c
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints():
+    """vLLM's prompt_logprobs N: completions' choices and chat's response carry, for each prompt
+    token after the first, its own entry (logprob, rank, decoded_token) and the N most likely."""
+    completion = parse_openai(COMPLETION, b'{"model": "m", "prompt": "x", "prompt_logprobs": 1}')
+    assert completion.prompt_logprobs == 1 and completion.body.sampling.prompt_logprobs == 1
+    out = OpenAIResponse(completion, "abc", 7, HIGH)
+    out.add(0, prompt_chunk())
+    assert out.body()["choices"][0]["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -1.5, "rank": 2, "decoded_token": "B"}, "3": {"logprob": -0.25, "rank": 1, "decoded_token": "C"}},
+        {"3": {"logprob": -0.25, "rank": 1, "decoded_token": "C"}}]
+    talk = OpenAIResponse(chat(prompt_logprobs=0), "abc", 7, HIGH)
+    talk.add(0, prompt_chunk())
+    body = talk.body()
+    assert [list(p) if p else p for p in body["prompt_logprobs"]] == [None, ["2"], ["3"]]
+    assert "prompt_logprobs" not in body["choices"][0]
+    plain = OpenAIResponse(chat(), "abc", 7, HIGH)
+    plain.add(0, prompt_chunk())
+    assert "prompt_logprobs" not in plain.body() and "prompt_logprobs" not in plain.body()["choices"][0]
+
+
+def test_echo_keeps_its_own_top_count_beside_more_prompt_logprobs():
+    both = parse_openai(COMPLETION, b'{"model": "m", "prompt": "x", "echo": true, "logprobs": 1, "prompt_logprobs": 3}')
+    assert both.body.sampling.prompt_logprobs == 3 and both.body.sampling.logprobs == 1
+    out = OpenAIResponse(both, "abc", 7, HIGH)
+    out.add(0, prompt_chunk())
+    choice = out.body()["choices"][0]
+    assert [len(top) for top in choice["logprobs"]["top_logprobs"][1:3]] == [2, 1]   # its one, and the chosen
+    assert len(choice["prompt_logprobs"][1]) == 3        # the token's own and the three likeliest (one is it)
+
+
+@pytest.mark.parametrize("raw", [b'"prompt_logprobs": 21', b'"prompt_logprobs": "2"', b'"prompt_logprobs": true',
+                                 b'"prompt_logprobs": -1', b'"prompt_logprobs": 2, "stream": true'])
+def test_a_bad_prompt_logprobs_is_a_400_naming_it(raw):
+    assert refused(COMPLETION, b'{"model": "m", "prompt": "x", ' + raw + b'}').field == "prompt_logprobs"
