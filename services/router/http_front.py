@@ -39,7 +39,8 @@ from services.control.console_feed import CONSOLE_DIR
 from services.control.sla import ALL_TENANTS
 from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
-from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
+from services.router.openai_class import class_header
+from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import error_body
 from services.router.http_timeouts import read_timeout_protocol
 from services.router.validation import request_headers

@@ -4,6 +4,8 @@ Pure: JSON bytes in, an `OpenAIRequest` out, or a ServiceError of kind INVALID w
 the body parameter at fault (OpenAI's `param`). Every field is checked for its type and range; a
 field we do not implement is refused by name unless it carries the value that means "off" (so
 clients that send defaults, such as `presence_penalty: 0`, still work), never silently ignored.
+Parts with a module of their own: the prompt (openai_prompt.py), the class (openai_class.py),
+what the answer must look like (structured_outputs.py), tools (openai_tools.py).
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.errors import invalid
-from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_context_mode, parse_priority
+from services.common.priority import Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
 from services.router.json_fields import json_kind, text_field
+from services.router.openai_class import body_class
 from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, prompt_logprob_sampling, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS
@@ -24,10 +27,6 @@ from services.router.structured_outputs import parse_structured
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
-# service_tier as OpenAI names its tiers -> our classes, and back for the response.
-TIERS = {"priority": HIGH, "default": MEDIUM, "auto": MEDIUM, "flex": LOW}
-TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}
-MAX_INT64 = 2**63 - 1
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
 # Keys a message may carry besides role and content, by role (OpenAI's function calling).
@@ -329,7 +328,9 @@ def _options(body: dict, request: OpenAIRequest) -> None:
         request.continuous_usage = flags.get("continuous_usage_stats", False)
         if request.continuous_usage and not request.include_usage:
             raise invalid("continuous_usage_stats needs include_usage: true", "stream_options.continuous_usage_stats")
-    _class(body, request)
+    asked = body_class(body)
+    if asked:
+        request.tier_field, request.tier = asked
     if body.get("user") is not None:
         request.user = text_field(body["user"], "user")
     if body.get("context_mode") is not None:
@@ -346,47 +347,3 @@ def _options(body: dict, request: OpenAIRequest) -> None:
     salts = [check_cache_salt(text_field(body[name], name), name) for name in ("cache_salt", "prompt_cache_key")
              if body.get(name) is not None]
     request.body.cache_salt = "\x1f".join(salts)
-
-
-def class_of_priority(priority: int) -> Priority | None:
-    """vLLM's `priority` -> our class. vLLM orders requests by it (lower sooner, 0 by default)
-    but gives it no scale, so only its sign carries over: below 0 High, above 0 Low; 0, vLLM's
-    default, asks for nothing (Medium unless service_tier or x-priority says otherwise)."""
-    return HIGH if priority < 0 else LOW if priority > 0 else None
-
-
-def _class(body: dict, request: OpenAIRequest) -> None:
-    """service_tier and priority: each names a class; both sent, they must name the same one."""
-    asked = []
-    tier = body.get("service_tier")
-    if tier is not None:
-        if text_field(tier, "service_tier") not in TIERS:
-            raise invalid(f"service_tier must be one of {', '.join(TIERS)}, got {tier!r}", "service_tier")
-        asked.append(("service_tier", TIERS[tier]))
-    if body.get("priority") is not None:
-        priority = class_of_priority(_int(body["priority"], "priority", -MAX_INT64 - 1, MAX_INT64))
-        if priority is not None:
-            asked.append(("priority", priority))
-    if len({p for _, p in asked}) > 1:
-        raise invalid(f"priority {body['priority']} asks for {asked[1][1].label} and service_tier "
-                      f"{tier!r} for {asked[0][1].label}: send one of them", "priority")
-    if asked:
-        request.tier_field, request.tier = asked[-1]
-
-
-def class_header(request: OpenAIRequest, header: str | None) -> str | None:
-    """The x-priority value the request goes on with: the header's or the body's class, which
-    must agree when both are sent (a 400 naming the body's field). None: neither names one. A
-    header that is no class is passed on as it is, to be refused by name where headers are read."""
-    if request.tier is None:
-        return header
-    if header is None:
-        return request.tier.label
-    try:
-        sent = parse_priority(header)
-    except ValueError:
-        return header
-    if sent != request.tier:
-        raise invalid(f"{request.tier_field} asks for {request.tier.label} and the x-priority header "
-                      f"for {sent.label}: send one of them", request.tier_field)
-    return header

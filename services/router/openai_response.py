@@ -13,8 +13,9 @@ from __future__ import annotations
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
+from services.router.openai_class import TIER_OF
 from services.router.openai_logprobs import LogprobsView, token_text, vllm_prompt_logprobs
-from services.router.openai_request import CHAT, TIER_OF, OpenAIRequest
+from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.tool_call_output import TaggedCalls, ToolCalls
 
 

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.local.cluster import LocalCluster
-from services.router.openai_request import FIELDS, MAX_CHOICES, NEUTRAL, TIERS
+from services.router.openai_class import TIERS
+from services.router.openai_request import FIELDS, MAX_CHOICES, NEUTRAL
 from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,8 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import common_pb2
-from services.router.openai_request import CHAT, COMPLETION, class_header, parse_openai
+from services.router.openai_class import class_header
+from services.router.openai_request import CHAT, COMPLETION, parse_openai
 from services.router.openai_response import OpenAIResponse, error_body
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
