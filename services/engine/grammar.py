@@ -2,9 +2,10 @@
 matcher) and the token masks applied to its logits before sampling.
 
 A sequence's grammar state is derived from its tokens: the worker builds its matcher from the
-request's schema, regex, choices or grammar (services/common/grammar.py) and advances it over the tokens generated so far,
-so a sequence announced again after a preemption, a failover or a migration (its prompt carries
-them, NewSequence.num_generated counts them) continues exactly where it was. After each sampled
+request's schema, regex, choices or grammar (services/common/grammar.py) and advances it over the
+tokens generated so far, so a sequence announced again after a preemption, a failover or a
+migration (its prompt carries them, NewSequence.num_generated counts them) continues exactly
+where it was. After each sampled
 token the engine advances it by that token.
 
 The masks are computed on a helper thread while the step's forward pass runs (`start_masks`,
