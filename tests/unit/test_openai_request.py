@@ -334,7 +334,8 @@ def test_vllm_prompt_logprobs_on_both_endpoints():
     out.add(0, prompt_chunk())
     assert out.body()["choices"][0]["prompt_logprobs"] == [
         None,
-        {"2": {"logprob": -1.5, "rank": 2, "decoded_token": "B"}, "3": {"logprob": -0.25, "rank": 1, "decoded_token": "C"}},
+        {"2": {"logprob": -1.5, "rank": 2, "decoded_token": "B"},
+         "3": {"logprob": -0.25, "rank": 1, "decoded_token": "C"}},
         {"3": {"logprob": -0.25, "rank": 1, "decoded_token": "C"}}]
     talk = OpenAIResponse(chat(prompt_logprobs=0), "abc", 7, HIGH)
     talk.add(0, prompt_chunk())
