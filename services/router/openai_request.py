@@ -56,6 +56,13 @@ NEUTRAL = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "metadata": ({},), "reasoning_effort": (),
     "audio": (), "prediction": (), "web_search_options": (),
+    # vLLM's extra parameters, at what we do anyway (answers drop special tokens, a chat's prompt
+    # ends with the assistant's turn, one sampling path): clients written for vLLM send defaults
+    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True, False),
+    "return_tokens_as_token_ids": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "allowed_token_ids": (), "truncate_prompt_tokens": (), "chat_template": (), "chat_template_kwargs": (),
+    "documents": (), "mm_processor_kwargs": (), "logits_processors": (), "vllm_xargs": (),
 }
 
 

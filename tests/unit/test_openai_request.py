@@ -361,3 +361,21 @@ def test_echo_keeps_its_own_top_count_beside_more_prompt_logprobs():
                                  b'"prompt_logprobs": -1', b'"prompt_logprobs": 2, "stream": true'])
 def test_a_bad_prompt_logprobs_is_a_400_naming_it(raw):
     assert refused(COMPLETION, b'{"model": "m", "prompt": "x", ' + raw + b'}').field == "prompt_logprobs"
+
+
+VLLM_DEFAULTS = {"use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+                 "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                 "return_tokens_as_token_ids": False, "add_generation_prompt": True,
+                 "continue_final_message": False, "truncate_prompt_tokens": None, "chat_template": None}
+
+
+def test_vllm_extras_at_their_defaults_are_taken_and_anything_else_named():
+    """Clients written for vLLM send its extra parameters at their defaults, which is what we do;
+    another value is a 400 naming the parameter, never ignored."""
+    for kind, body in ((CHAT, {"model": "m", "messages": MESSAGES}), (COMPLETION, {"model": "m", "prompt": "x"})):
+        parse_openai(kind, json.dumps({**body, **VLLM_DEFAULTS}).encode())
+    for name, other in (("use_beam_search", True), ("length_penalty", 0.8), ("include_stop_str_in_output", True),
+                        ("skip_special_tokens", False), ("add_generation_prompt", False),
+                        ("truncate_prompt_tokens", 100), ("chat_template", "{{ messages }}")):
+        error = refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, name: other}).encode())
+        assert error.field == name and "not supported" in error.message
