@@ -33,6 +33,9 @@ METHOD_ROLES: dict[str, frozenset[str]] = {name: frozenset(roles) for name, role
     # Adapters: the router's HTTP admin endpoints (admin key checked there) and operators' tools.
     "/qos.v1.Scheduler/LoadAdapter": ("router", "admin"),
     "/qos.v1.Scheduler/UnloadAdapter": ("router", "admin"),
+    # The model's tokenizer: the router's /tokenize and /detokenize; operators' tools.
+    "/qos.v1.Scheduler/Tokenize": ("router", "admin"),
+    "/qos.v1.Scheduler/Detokenize": ("router", "admin"),
     # The scheduler drives its workers; operators ask what a worker is and drain it.
     "/qos.v1.Worker/Info": ("scheduler", "admin"),
     "/qos.v1.Worker/Execute": ("scheduler",),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -37,6 +38,7 @@ from services.common.tracing import extract_metadata
 from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.sla import ALL_TENANTS
+from services.router import tokenize_front
 from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_class import class_header
@@ -99,6 +101,8 @@ class HttpFront:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/tokenize", functools.partial(tokenize_front.tokenize, self), methods=["POST"]),
+            Route("/detokenize", functools.partial(tokenize_front.detokenize, self), methods=["POST"]),
             Route("/v1/usage", self.usage, methods=["GET"]),
             Route("/v1/alerts", self.alerts, methods=["GET"]),
             Route("/v1/load_lora_adapter", self.load_adapter, methods=["POST"]),

@@ -109,7 +109,7 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
                             router_pb2.GenerateRequest())
     request.body.model = request.model
     if kind == CHAT:
-        request.body.messages.extend(_messages(_required(body, "messages")))
+        request.body.messages.extend(chat_messages(_required(body, "messages")))
     else:
         request.prompts = parse_prompts(_required(body, "prompt"))
         set_prompt(request.body, request.prompts[0])
@@ -186,7 +186,7 @@ def _bool(value, field: str) -> bool:
     return value
 
 
-def _messages(value) -> list[common_pb2.ChatMessage]:
+def chat_messages(value) -> list[common_pb2.ChatMessage]:
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content} objects", "messages")
     out = []

@@ -307,6 +307,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self.drain.check()
         return scheduler_pb2.RegisterReply(pool=self.pool_name, known=self.membership.register(address))
 
+    # --- the model's tokenizer (the router's /tokenize and /detokenize) ---------------------------
+
+    async def Tokenize(self, request: scheduler_pb2.TokenizeRequest, context) -> scheduler_pb2.TokenizeReply:
+        """A prompt tokenized as a completion's is, or messages rendered as a chat's are."""
+        if bool(request.prompt) == bool(request.messages):
+            raise invalid("set one of prompt and messages", field="prompt")
+        if request.messages and request.add_special_tokens:
+            raise invalid("add_special_tokens is for a prompt: a chat template writes its own", "add_special_tokens")
+        if request.add_special_tokens:
+            ids = await asyncio.to_thread(self.tokenizer.encode, request.prompt, True)
+        else:
+            ids = await asyncio.to_thread(self._tokenize, scheduler_pb2.SubmitRequest(
+                prompt=request.prompt, messages=request.messages))
+        return scheduler_pb2.TokenizeReply(token_ids=ids, max_model_len=self._limits().max_context)
+
+    async def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context) -> scheduler_pb2.DetokenizeReply:
+        """Token ids back to text, special tokens included (the inverse of Tokenize, as vLLM's)."""
+        check_token_ids(request.token_ids, self.tokenizer.vocab_size, "token_ids")
+        text = await asyncio.to_thread(self.tokenizer.decode, list(request.token_ids), False)
+        return scheduler_pb2.DetokenizeReply(text=text)
+
     # --- LoRA adapters at run time (pool_adapters.py) ----------------------------------------------
 
     async def LoadAdapter(self, request: worker_pb2.LoadAdapterRequest, context) -> scheduler_pb2.AdaptersReply:

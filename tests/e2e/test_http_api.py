@@ -67,6 +67,41 @@ def test_models_lists_the_pools_model(client, cluster):
     assert status == 200 and json.loads(body)["pools"] == ["cpu"]
 
 
+def test_tokenize_and_detokenize_use_the_models_tokenizer(client, cluster, model):
+    """vLLM's /tokenize and /detokenize: a prompt's ids are the model tokenizer's own and as many
+    as a completion's usage counts; messages as a chat renders them; back to the same text."""
+    from services.common.tokenizer import TextTokenizer
+    from services.engine.default_model import default_model_dir
+    tokenizer = TextTokenizer.from_model_dir(default_model_dir(progress=False))
+
+    def post(path, body):
+        status, _, data = raw(cluster, "POST", path, json.dumps(body).encode())
+        return status, json.loads(data)
+
+    status, done = post("/tokenize", {"model": model, "prompt": PROMPT})
+    assert status == 200 and done["tokens"] == tokenizer.encode(PROMPT) and done["count"] == len(done["tokens"])
+    assert done["max_model_len"] == client.models.retrieve(model).model_extra["max_model_len"]
+    assert done["count"] == client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
+    messages = [{"role": "user", "content": PROMPT}]
+    status, chat = post("/tokenize", {"model": model, "messages": messages, "add_generation_prompt": True})
+    assert status == 200 and chat["tokens"] == tokenizer.encode_chat(messages)
+    assert chat["count"] == client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"model": model, "tokens": done["tokens"]}) == (200, {"prompt": PROMPT})
+    status, text = post("/detokenize", {"model": model, "tokens": chat["tokens"]})
+    assert status == 200 and PROMPT in text["prompt"] and "<|im_start|>" in text["prompt"]   # special tokens kept
+    for path, body, param in (
+            ("/tokenize", {"model": "no-such/model", "prompt": "x"}, "model"),
+            ("/tokenize", {"model": model}, "prompt"),
+            ("/tokenize", {"model": model, "prompt": "x", "messages": messages}, "prompt"),
+            ("/tokenize", {"model": model, "messages": messages, "add_special_tokens": True}, "add_special_tokens"),
+            ("/tokenize", {"model": model, "prompt": "x", "return_token_strs": True}, "return_token_strs"),
+            ("/tokenize", {"model": model, "prompt": "x", "temperature": 1}, "temperature"),
+            ("/detokenize", {"model": model, "tokens": [1, 10**9]}, "tokens[1]"),
+            ("/detokenize", {"model": model, "tokens": [1, "a"]}, "tokens[1]")):
+        status, error = post(path, body)
+        assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (body, error)
+
+
 def test_chat_equals_the_grpc_path_streaming_or_not(client, cluster, model):
     reference = grpc_answer(cluster, chat_request(PROMPT, sampling_params(max_tokens=TOKENS, temperature=0.0)))
     whole = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],

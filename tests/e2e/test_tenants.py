@@ -223,6 +223,18 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
     assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
 
 
+def test_tokenize_needs_a_key_and_bills_nothing(cluster):
+    key = cluster.keys["alpha"]
+    body = {"model": Path(cluster.config.model).name, "prompt": "Hello there"}
+    assert post(cluster, body, None, path="/tokenize")[0] == 401
+    assert post(cluster, {**body, "tokens": [1]}, "qsk_not_a_key", path="/detokenize")[0] == 401
+    before = post(cluster, None, key, path="/v1/usage")[2]
+    status, _, done = post(cluster, body, key, path="/tokenize")
+    assert status == 200 and done["count"] == len(done["tokens"]) > 0
+    after = post(cluster, None, key, path="/v1/usage")[2]
+    assert (after["requests"], after["prompt_tokens"]) == (before["requests"], before["prompt_tokens"])
+
+
 def test_n_choices_bill_the_prompt_once_and_each_choices_completion(cluster):
     """A request with n choices is a request a choice (ids ID, ID-1, ...): the ledger bills its
     prompt once, with choice 0, as the response's usage counts it; the tenant's usage agrees."""

@@ -26,7 +26,7 @@ from services.common.proto.qos.v1 import common_pb2 as qos_dot_v1_dot_common__pb
 from services.common.proto.qos.v1 import worker_pb2 as qos_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16qos/v1/scheduler.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\x1a\x13qos/v1/worker.proto\"\"\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\",\n\rRegisterReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\"\x9e\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12%\n\x08messages\x18\x05 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\x0e\n\x06slo_ms\x18\x07 \x01(\r\x12\x0c\n\x04lora\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x15\n\rtenant_weight\x18\n \x01(\x01\x12\x17\n\x0fstream_interval\x18\x0b \x01(\r\x12)\n\x0c\x63ontext_mode\x18\x0c \x01(\x0e\x32\x13.qos.v1.ContextMode\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\x12\r\n\x05tools\x18\x0e \x01(\t\x12\x13\n\x0btool_choice\x18\x0f \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\r\"C\n\x0bLinkRequest\x12#\n\x07submits\x18\x01 \x03(\x0b\x32\x12.qos.v1.LinkSubmit\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\"U\n\nLinkSubmit\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12%\n\x06submit\x18\x02 \x01(\x0b\x32\x15.qos.v1.SubmitRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\".\n\tLinkReply\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.qos.v1.LinkEvent\"`\n\tLinkEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.qos.v1.GenerateChunk\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.qos.v1.LinkError\"\x90\x01\n\tLinkError\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08trailers\x18\x03 \x03(\x0b\x32\x1f.qos.v1.LinkError.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\'\n\x10PoolStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x8f\x03\n\nClassStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tkv_blocks\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0e\n\x06kv_cap\x18\x07 \x01(\x01\x12\x15\n\rserved_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ekv_blocks_peak\x18\t \x01(\r\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x11\n\tpreempted\x18\x0b \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x0c \x01(\x04\x12\x16\n\x0ewaiting_tokens\x18\r \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_queried_tokens\x18\x0e \x01(\x04\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x10 \x01(\x04\x12\x19\n\x11\x63\x61\x63he_idle_blocks\x18\x11 \x01(\r\"\x93\x01\n\x0cWeightChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x12\n\nold_weight\x18\x03 \x01(\x01\x12\x12\n\nnew_weight\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x0f\n\x07\x66ree_kv\x18\x06 \x01(\x01\"\xce\x05\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12#\n\x07\x63lasses\x18\t \x03(\x0b\x32\x12.qos.v1.ClassStats\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x13\n\x0butilization\x18\r \x01(\x01\x12,\n\x0eweight_changes\x18\x0e \x03(\x0b\x32\x14.qos.v1.WeightChange\x12\x13\n\x0bttft_p90_ms\x18\x0f \x01(\x01\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x18\n\x10workers_draining\x18\x11 \x01(\r\x12\x11\n\tfailovers\x18\x12 \x01(\x04\x12$\n\x07members\x18\x13 \x03(\x0b\x32\x13.qos.v1.WorkerState\x12\x17\n\x0f\x64\x65sired_workers\x18\x14 \x01(\r\x12\x13\n\x0bmin_workers\x18\x15 \x01(\r\x12\x13\n\x0bmax_workers\x18\x16 \x01(\r\x12\x14\n\x0cscale_reason\x18\x17 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x18 \x03(\t\x12\x14\n\x0cstep_seconds\x18\x19 \x01(\x01\x12\x14\n\x0cworker_steps\x18\x1a \x01(\x04\x12\x13\n\x0bstep_tokens\x18\x1b \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x1c \x01(\r\x12\x13\n\x0bmax_running\x18\x1d \x01(\r\x12\x16\n\x0estep_kv_tokens\x18\x1e \x01(\x04\x12\x10\n\x08\x66inished\x18\x1f \x01(\x04\x12\x0f\n\x07\x63ut_ins\x18  \x01(\x04\"\xa6\x01\n\x0bWorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\"X\n\rAdaptersReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12%\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x13.qos.v1.AdapterInfo\x12\x12\n\nmissing_on\x18\x03 \x03(\t2\xc1\x03\n\tScheduler\x12\x38\n\x06Submit\x12\x15.qos.v1.SubmitRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12\x38\n\nSubmitLink\x12\x13.qos.v1.LinkRequest\x1a\x11.qos.v1.LinkReply(\x01\x30\x01\x12;\n\x0cGetPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats\x12?\n\x0eWatchPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats0\x01\x12:\n\x08Register\x12\x17.qos.v1.RegisterRequest\x1a\x15.qos.v1.RegisterReply\x12@\n\x0bLoadAdapter\x12\x1a.qos.v1.LoadAdapterRequest\x1a\x15.qos.v1.AdaptersReply\x12\x44\n\rUnloadAdapter\x12\x1c.qos.v1.UnloadAdapterRequest\x1a\x15.qos.v1.AdaptersReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16qos/v1/scheduler.proto\x12\x06qos.v1\x1a\x13qos/v1/common.proto\x1a\x13qos/v1/worker.proto\"d\n\x0fTokenizeRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"9\n\rTokenizeReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x1f\n\x0f\x44\x65tokenizeReply\x12\x0c\n\x04text\x18\x01 \x01(\t\"\"\n\x0fRegisterRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\",\n\rRegisterReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05known\x18\x02 \x01(\x08\"\x9e\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12%\n\x08messages\x18\x05 \x03(\x0b\x32\x13.qos.v1.ChatMessage\x12(\n\x08sampling\x18\x06 \x01(\x0b\x32\x16.qos.v1.SamplingParams\x12\x0e\n\x06slo_ms\x18\x07 \x01(\r\x12\x0c\n\x04lora\x18\x08 \x01(\t\x12\x18\n\x10resume_token_ids\x18\t \x03(\x05\x12\x15\n\rtenant_weight\x18\n \x01(\x01\x12\x17\n\x0fstream_interval\x18\x0b \x01(\r\x12)\n\x0c\x63ontext_mode\x18\x0c \x01(\x0e\x32\x13.qos.v1.ContextMode\x12\x13\n\x0b\x63\x61\x63he_scope\x18\r \x01(\t\x12\r\n\x05tools\x18\x0e \x01(\t\x12\x13\n\x0btool_choice\x18\x0f \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x10 \x03(\r\"C\n\x0bLinkRequest\x12#\n\x07submits\x18\x01 \x03(\x0b\x32\x12.qos.v1.LinkSubmit\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\"U\n\nLinkSubmit\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12%\n\x06submit\x18\x02 \x01(\x0b\x32\x15.qos.v1.SubmitRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\".\n\tLinkReply\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.qos.v1.LinkEvent\"`\n\tLinkEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.qos.v1.GenerateChunk\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.qos.v1.LinkError\"\x90\x01\n\tLinkError\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x31\n\x08trailers\x18\x03 \x03(\x0b\x32\x1f.qos.v1.LinkError.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\'\n\x10PoolStatsRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\x8f\x03\n\nClassStats\x12\"\n\x08priority\x18\x01 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tkv_blocks\x18\x04 \x01(\r\x12\x15\n\routput_tokens\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12\x0e\n\x06kv_cap\x18\x07 \x01(\x01\x12\x15\n\rserved_tokens\x18\x08 \x01(\x04\x12\x16\n\x0ekv_blocks_peak\x18\t \x01(\r\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x11\n\tpreempted\x18\x0b \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\x0c \x01(\x04\x12\x16\n\x0ewaiting_tokens\x18\r \x01(\x04\x12\x1c\n\x14\x63\x61\x63he_queried_tokens\x18\x0e \x01(\x04\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x0f \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_evictions\x18\x10 \x01(\x04\x12\x19\n\x11\x63\x61\x63he_idle_blocks\x18\x11 \x01(\r\"\x93\x01\n\x0cWeightChange\x12\x11\n\tat_unix_s\x18\x01 \x01(\x01\x12\"\n\x08priority\x18\x02 \x01(\x0e\x32\x10.qos.v1.Priority\x12\x12\n\nold_weight\x18\x03 \x01(\x01\x12\x12\n\nnew_weight\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x0f\n\x07\x66ree_kv\x18\x06 \x01(\x01\"\xce\x05\n\tPoolStats\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12#\n\x07\x63lasses\x18\t \x03(\x0b\x32\x12.qos.v1.ClassStats\x12\r\n\x05steps\x18\n \x01(\x04\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x13\n\x0butilization\x18\r \x01(\x01\x12,\n\x0eweight_changes\x18\x0e \x03(\x0b\x32\x14.qos.v1.WeightChange\x12\x13\n\x0bttft_p90_ms\x18\x0f \x01(\x01\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x18\n\x10workers_draining\x18\x11 \x01(\r\x12\x11\n\tfailovers\x18\x12 \x01(\x04\x12$\n\x07members\x18\x13 \x03(\x0b\x32\x13.qos.v1.WorkerState\x12\x17\n\x0f\x64\x65sired_workers\x18\x14 \x01(\r\x12\x13\n\x0bmin_workers\x18\x15 \x01(\r\x12\x13\n\x0bmax_workers\x18\x16 \x01(\r\x12\x14\n\x0cscale_reason\x18\x17 \x01(\t\x12\x10\n\x08\x61\x64\x61pters\x18\x18 \x03(\t\x12\x14\n\x0cstep_seconds\x18\x19 \x01(\x01\x12\x14\n\x0cworker_steps\x18\x1a \x01(\x04\x12\x13\n\x0bstep_tokens\x18\x1b \x01(\x04\x12\x17\n\x0fmax_step_tokens\x18\x1c \x01(\r\x12\x13\n\x0bmax_running\x18\x1d \x01(\r\x12\x16\n\x0estep_kv_tokens\x18\x1e \x01(\x04\x12\x10\n\x08\x66inished\x18\x1f \x01(\x04\x12\x0f\n\x07\x63ut_ins\x18  \x01(\x04\"\xa6\x01\n\x0bWorkerState\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tconnected\x18\x02 \x01(\x08\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x10\n\x08\x61\x64mitted\x18\x07 \x01(\x04\x12\r\n\x05\x64type\x18\x08 \x01(\t\"X\n\rAdaptersReply\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12%\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x13.qos.v1.AdapterInfo\x12\x12\n\nmissing_on\x18\x03 \x03(\t2\xbf\x04\n\tScheduler\x12\x38\n\x06Submit\x12\x15.qos.v1.SubmitRequest\x1a\x15.qos.v1.GenerateChunk0\x01\x12\x38\n\nSubmitLink\x12\x13.qos.v1.LinkRequest\x1a\x11.qos.v1.LinkReply(\x01\x30\x01\x12;\n\x0cGetPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats\x12?\n\x0eWatchPoolStats\x12\x18.qos.v1.PoolStatsRequest\x1a\x11.qos.v1.PoolStats0\x01\x12:\n\x08Register\x12\x17.qos.v1.RegisterRequest\x1a\x15.qos.v1.RegisterReply\x12@\n\x0bLoadAdapter\x12\x1a.qos.v1.LoadAdapterRequest\x1a\x15.qos.v1.AdaptersReply\x12\x44\n\rUnloadAdapter\x12\x1c.qos.v1.UnloadAdapterRequest\x1a\x15.qos.v1.AdaptersReply\x12:\n\x08Tokenize\x12\x17.qos.v1.TokenizeRequest\x1a\x15.qos.v1.TokenizeReply\x12@\n\nDetokenize\x12\x19.qos.v1.DetokenizeRequest\x1a\x17.qos.v1.DetokenizeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,36 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LINKERROR_TRAILERSENTRY']._loaded_options = None
   _globals['_LINKERROR_TRAILERSENTRY']._serialized_options = b'8\001'
-  _globals['_REGISTERREQUEST']._serialized_start=76
-  _globals['_REGISTERREQUEST']._serialized_end=110
-  _globals['_REGISTERREPLY']._serialized_start=112
-  _globals['_REGISTERREPLY']._serialized_end=156
-  _globals['_SUBMITREQUEST']._serialized_start=159
-  _globals['_SUBMITREQUEST']._serialized_end=573
-  _globals['_LINKREQUEST']._serialized_start=575
-  _globals['_LINKREQUEST']._serialized_end=642
-  _globals['_LINKSUBMIT']._serialized_start=644
-  _globals['_LINKSUBMIT']._serialized_end=729
-  _globals['_LINKREPLY']._serialized_start=731
-  _globals['_LINKREPLY']._serialized_end=777
-  _globals['_LINKEVENT']._serialized_start=779
-  _globals['_LINKEVENT']._serialized_end=875
-  _globals['_LINKERROR']._serialized_start=878
-  _globals['_LINKERROR']._serialized_end=1022
-  _globals['_LINKERROR_TRAILERSENTRY']._serialized_start=975
-  _globals['_LINKERROR_TRAILERSENTRY']._serialized_end=1022
-  _globals['_POOLSTATSREQUEST']._serialized_start=1024
-  _globals['_POOLSTATSREQUEST']._serialized_end=1063
-  _globals['_CLASSSTATS']._serialized_start=1066
-  _globals['_CLASSSTATS']._serialized_end=1465
-  _globals['_WEIGHTCHANGE']._serialized_start=1468
-  _globals['_WEIGHTCHANGE']._serialized_end=1615
-  _globals['_POOLSTATS']._serialized_start=1618
-  _globals['_POOLSTATS']._serialized_end=2336
-  _globals['_WORKERSTATE']._serialized_start=2339
-  _globals['_WORKERSTATE']._serialized_end=2505
-  _globals['_ADAPTERSREPLY']._serialized_start=2507
-  _globals['_ADAPTERSREPLY']._serialized_end=2595
-  _globals['_SCHEDULER']._serialized_start=2598
-  _globals['_SCHEDULER']._serialized_end=3047
+  _globals['_TOKENIZEREQUEST']._serialized_start=76
+  _globals['_TOKENIZEREQUEST']._serialized_end=176
+  _globals['_TOKENIZEREPLY']._serialized_start=178
+  _globals['_TOKENIZEREPLY']._serialized_end=235
+  _globals['_DETOKENIZEREQUEST']._serialized_start=237
+  _globals['_DETOKENIZEREQUEST']._serialized_end=275
+  _globals['_DETOKENIZEREPLY']._serialized_start=277
+  _globals['_DETOKENIZEREPLY']._serialized_end=308
+  _globals['_REGISTERREQUEST']._serialized_start=310
+  _globals['_REGISTERREQUEST']._serialized_end=344
+  _globals['_REGISTERREPLY']._serialized_start=346
+  _globals['_REGISTERREPLY']._serialized_end=390
+  _globals['_SUBMITREQUEST']._serialized_start=393
+  _globals['_SUBMITREQUEST']._serialized_end=807
+  _globals['_LINKREQUEST']._serialized_start=809
+  _globals['_LINKREQUEST']._serialized_end=876
+  _globals['_LINKSUBMIT']._serialized_start=878
+  _globals['_LINKSUBMIT']._serialized_end=963
+  _globals['_LINKREPLY']._serialized_start=965
+  _globals['_LINKREPLY']._serialized_end=1011
+  _globals['_LINKEVENT']._serialized_start=1013
+  _globals['_LINKEVENT']._serialized_end=1109
+  _globals['_LINKERROR']._serialized_start=1112
+  _globals['_LINKERROR']._serialized_end=1256
+  _globals['_LINKERROR_TRAILERSENTRY']._serialized_start=1209
+  _globals['_LINKERROR_TRAILERSENTRY']._serialized_end=1256
+  _globals['_POOLSTATSREQUEST']._serialized_start=1258
+  _globals['_POOLSTATSREQUEST']._serialized_end=1297
+  _globals['_CLASSSTATS']._serialized_start=1300
+  _globals['_CLASSSTATS']._serialized_end=1699
+  _globals['_WEIGHTCHANGE']._serialized_start=1702
+  _globals['_WEIGHTCHANGE']._serialized_end=1849
+  _globals['_POOLSTATS']._serialized_start=1852
+  _globals['_POOLSTATS']._serialized_end=2570
+  _globals['_WORKERSTATE']._serialized_start=2573
+  _globals['_WORKERSTATE']._serialized_end=2739
+  _globals['_ADAPTERSREPLY']._serialized_start=2741
+  _globals['_ADAPTERSREPLY']._serialized_end=2829
+  _globals['_SCHEDULER']._serialized_start=2832
+  _globals['_SCHEDULER']._serialized_end=3407
 # @@protoc_insertion_point(module_scope)

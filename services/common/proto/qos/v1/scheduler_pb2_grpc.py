@@ -71,6 +71,16 @@ class SchedulerStub:
                 request_serializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
                 response_deserializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/qos.v1.Scheduler/Tokenize',
+                request_serializer=qos_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.TokenizeReply.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/qos.v1.Scheduler/Detokenize',
+                request_serializer=qos_dot_v1_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=qos_dot_v1_dot_scheduler__pb2.DetokenizeReply.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -137,6 +147,20 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The pool's tokenizer (vLLM's /tokenize and /detokenize on the router's HTTP front): a prompt
+        as a completion's is tokenized, or messages as a chat's are rendered; token ids back to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +198,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.UnloadAdapter,
                     request_deserializer=qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.FromString,
                     response_serializer=qos_dot_v1_dot_scheduler__pb2.AdaptersReply.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=qos_dot_v1_dot_scheduler__pb2.TokenizeRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.TokenizeReply.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=qos_dot_v1_dot_scheduler__pb2.DetokenizeRequest.FromString,
+                    response_serializer=qos_dot_v1_dot_scheduler__pb2.DetokenizeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,6 +399,60 @@ class Scheduler:
             '/qos.v1.Scheduler/UnloadAdapter',
             qos_dot_v1_dot_worker__pb2.UnloadAdapterRequest.SerializeToString,
             qos_dot_v1_dot_scheduler__pb2.AdaptersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Scheduler/Tokenize',
+            qos_dot_v1_dot_scheduler__pb2.TokenizeRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.TokenizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/qos.v1.Scheduler/Detokenize',
+            qos_dot_v1_dot_scheduler__pb2.DetokenizeRequest.SerializeToString,
+            qos_dot_v1_dot_scheduler__pb2.DetokenizeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,107 @@
+"""vLLM's POST /tokenize and /detokenize on the HTTP front: the served model's own tokenizer, at
+the scheduler of a pool serving the model (Scheduler.Tokenize and Detokenize; the router holds
+no tokenizer). Nothing is generated or billed; with auth required, a caller needs a key.
+
+    /tokenize    {"model", "prompt"} (tokenized as a completion's prompt is, `add_special_tokens`
+                 false by default) or {"model", "messages"} (rendered with the chat template as a
+                 chat's prompt is) -> {"count", "max_model_len", "tokens", "token_strs": null}
+    /detokenize  {"model", "tokens": [ids]} -> {"prompt": the text, special tokens included}
+
+A field either endpoint does not serve is a 400 naming it, as on the generation endpoints;
+vLLM's `add_generation_prompt` (true), `continue_final_message` (false) and `return_token_strs`
+(false) are taken at those values, what is done anyway.
+"""
+from __future__ import annotations
+
+import json
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.grpc_errors import error_from_rpc
+from services.common.proto.qos.v1 import scheduler_pb2
+from services.router.http_generation import error_response
+from services.router.json_fields import json_kind, text_field
+from services.router.openai_request import chat_messages
+
+CALL_TIMEOUT_S = 30.0
+# vLLM's fields at the values that mean what we do anyway.
+NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False, "return_token_strs": False}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", *NEUTRAL}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+async def tokenize(front, http: Request) -> Response:
+    try:
+        body, handle = await _request(front, http, TOKENIZE_FIELDS)
+        if ("prompt" in body) == ("messages" in body):
+            raise invalid("send one of prompt (a string) and messages", "prompt")
+        request = scheduler_pb2.TokenizeRequest()
+        if "prompt" in body:
+            request.prompt = text_field(body["prompt"], "prompt", allow_empty=False)
+        else:
+            request.messages.extend(chat_messages(body["messages"]))
+        special = body.get("add_special_tokens", False)
+        if not isinstance(special, bool):
+            raise invalid(f"add_special_tokens must be true or false, got {json_kind(special)}", "add_special_tokens")
+        request.add_special_tokens = special
+        reply = await _call(handle, handle.scheduler.Tokenize, request)
+    except ServiceError as error:
+        return error_response(error)
+    return JSONResponse({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
+                         "tokens": list(reply.token_ids), "token_strs": None})
+
+
+async def detokenize(front, http: Request) -> Response:
+    try:
+        body, handle = await _request(front, http, DETOKENIZE_FIELDS)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise invalid("tokens must be a list of token ids", "tokens")
+        for i, token in enumerate(tokens):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**31:
+                raise invalid(f"tokens[{i}] must be a token id (an integer from 0), got "
+                              f"{token if isinstance(token, int) else json_kind(token)}", f"tokens[{i}]")
+        reply = await _call(handle, handle.scheduler.Detokenize, scheduler_pb2.DetokenizeRequest(token_ids=tokens))
+    except ServiceError as error:
+        if error.field and error.field.startswith("token_ids"):      # the scheduler's name for them
+            error = ServiceError(error.kind, error.message.replace("token_ids[", "tokens["),
+                                 field="tokens" + error.field.removeprefix("token_ids"), reason=error.reason)
+        return error_response(error)
+    return JSONResponse({"prompt": reply.text})
+
+
+async def _request(front, http: Request, fields: set[str]) -> tuple[dict, object]:
+    """The caller checked (a key, with auth required), the body read and its fields checked, and
+    the handle of a pool serving its model."""
+    front._caller(http)
+    try:
+        body = json.loads(await front._body(http) or b"null")
+    except (ValueError, RecursionError) as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise invalid(f"the request body must be a JSON object, got {json_kind(body)}", "body")
+    body = {name: value for name, value in body.items() if value is not None}
+    for name, value in body.items():
+        if name not in fields:
+            raise invalid(f"unknown field {name!r} for {http.url.path}", name)
+        if name in NEUTRAL and value is not NEUTRAL[name]:
+            raise invalid(f"{name} is not supported by this server (only {json.dumps(NEUTRAL[name])})", name)
+    if "model" not in body:
+        raise invalid("model is required", "model")
+    model = text_field(body["model"], "model", allow_empty=False)
+    served = front._models().get(model)
+    handles = [front.pools.handles[p] for p in (served or {}).get("pools", ()) if p in front.pools.handles]
+    if not handles:
+        raise ServiceError(ErrorKind.NOT_FOUND, f"the model {model[:200]!r} is not served here (GET /v1/models "
+                                                "lists them)", field="model", reason="model_not_found")
+    return body, handles[0]
+
+
+async def _call(handle, method, request):
+    try:
+        return await method(request, timeout=CALL_TIMEOUT_S, metadata=handle.metadata)
+    except grpc.aio.AioRpcError as exc:
+        raise error_from_rpc(exc, handle.peer) from None
