@@ -4,12 +4,13 @@ no tokenizer). Nothing is generated or billed; with auth required, a caller need
 
     /tokenize    {"model", "prompt"} (tokenized as a completion's prompt is, `add_special_tokens`
                  false by default) or {"model", "messages"} (rendered with the chat template as a
-                 chat's prompt is) -> {"count", "max_model_len", "tokens", "token_strs": null}
+                 chat's prompt is) -> {"count", "max_model_len", "tokens", "token_strs"}
+                 (`token_strs`: with `return_token_strs`, each token as the vocabulary spells it)
     /detokenize  {"model", "tokens": [ids]} -> {"prompt": the text, special tokens included}
 
 A field either endpoint does not serve is a 400 naming it, as on the generation endpoints;
-vLLM's `add_generation_prompt` (true), `continue_final_message` (false) and `return_token_strs`
-(false) are taken at those values, what is done anyway.
+vLLM's `add_generation_prompt` (true) and `continue_final_message` (false) are taken at those
+values, what is done anyway.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from services.router.openai_request import chat_messages
 
 CALL_TIMEOUT_S = 30.0
 # vLLM's fields at the values that mean what we do anyway.
-NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False, "return_token_strs": False}
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", *NEUTRAL}
+NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *NEUTRAL}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -43,15 +44,17 @@ async def tokenize(front, http: Request) -> Response:
             request.prompt = text_field(body["prompt"], "prompt", allow_empty=False)
         else:
             request.messages.extend(chat_messages(body["messages"]))
-        special = body.get("add_special_tokens", False)
-        if not isinstance(special, bool):
-            raise invalid(f"add_special_tokens must be true or false, got {json_kind(special)}", "add_special_tokens")
-        request.add_special_tokens = special
+        for name in ("add_special_tokens", "return_token_strs"):
+            value = body.get(name, False)
+            if not isinstance(value, bool):
+                raise invalid(f"{name} must be true or false, got {json_kind(value)}", name)
+            setattr(request, name, value)
         reply = await _call(handle, handle.scheduler.Tokenize, request)
     except ServiceError as error:
         return error_response(error)
     return JSONResponse({"count": len(reply.token_ids), "max_model_len": reply.max_model_len,
-                         "tokens": list(reply.token_ids), "token_strs": None})
+                         "tokens": list(reply.token_ids),
+                         "token_strs": list(reply.token_strs) if request.return_token_strs else None})
 
 
 async def detokenize(front, http: Request) -> Response:

@@ -320,7 +320,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         else:
             ids = await asyncio.to_thread(self._tokenize, scheduler_pb2.SubmitRequest(
                 prompt=request.prompt, messages=request.messages))
-        return scheduler_pb2.TokenizeReply(token_ids=ids, max_model_len=self._limits().max_context)
+        strs = [self.tokenizer.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else []
+        return scheduler_pb2.TokenizeReply(token_ids=ids, max_model_len=self._limits().max_context, token_strs=strs)
 
     async def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context) -> scheduler_pb2.DetokenizeReply:
         """Token ids back to text, special tokens included (the inverse of Tokenize, as vLLM's)."""

@@ -80,6 +80,9 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(client, cluster, model
 
     status, done = post("/tokenize", {"model": model, "prompt": PROMPT})
     assert status == 200 and done["tokens"] == tokenizer.encode(PROMPT) and done["count"] == len(done["tokens"])
+    assert done["token_strs"] is None
+    spelled = post("/tokenize", {"model": model, "prompt": PROMPT, "return_token_strs": True})[1]["token_strs"]
+    assert spelled == [tokenizer.tokenizer.id_to_token(t) for t in done["tokens"]] and len(spelled) == done["count"]
     assert done["max_model_len"] == client.models.retrieve(model).model_extra["max_model_len"]
     assert done["count"] == client.completions.create(model=model, prompt=PROMPT, max_tokens=1).usage.prompt_tokens
     messages = [{"role": "user", "content": PROMPT}]
@@ -94,7 +97,8 @@ def test_tokenize_and_detokenize_use_the_models_tokenizer(client, cluster, model
             ("/tokenize", {"model": model}, "prompt"),
             ("/tokenize", {"model": model, "prompt": "x", "messages": messages}, "prompt"),
             ("/tokenize", {"model": model, "messages": messages, "add_special_tokens": True}, "add_special_tokens"),
-            ("/tokenize", {"model": model, "prompt": "x", "return_token_strs": True}, "return_token_strs"),
+            ("/tokenize", {"model": model, "prompt": "x", "return_token_strs": 1}, "return_token_strs"),
+            ("/tokenize", {"model": model, "prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
             ("/tokenize", {"model": model, "prompt": "x", "temperature": 1}, "temperature"),
             ("/detokenize", {"model": model, "tokens": [1, 10**9]}, "tokens[1]"),
             ("/detokenize", {"model": model, "tokens": [1, "a"]}, "tokens[1]")):
