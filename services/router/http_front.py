@@ -148,6 +148,8 @@ class HttpFront:
                 # The answer goes out whole: tokens come from the scheduler in as few chunks as
                 # it may send (the first, one per max hold, the last), not one message per token.
                 head = replace(head, stream_interval=MAX_STREAM_INTERVAL)
+            if request.prompt_only:
+                head = replace(head, prompt_only=True)
         except ServiceError as error:
             self.router.totals.refused_early(error)
             return error_response(error, request)

@@ -85,6 +85,11 @@ def prompt_logprob_sampling(body: dict, request) -> None:
     token's logprob given the tokens before it, its rank, and the N most likely there."""
     if request.echo:
         echo_sampling(request.body.sampling, request.prompts)
+        if request.body.sampling.max_tokens == 0:
+            # OpenAI's legacy scoring call (and vLLM's): the prompt and its logprobs, nothing after.
+            # The model computes one token, which the router drops and nobody is billed for
+            # (RequestHead.prompt_only).
+            request.prompt_only, request.body.sampling.max_tokens = True, 1
     value = body.get("prompt_logprobs")
     if value is None:
         return

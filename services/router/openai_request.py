@@ -86,6 +86,7 @@ class OpenAIRequest:
     prompts: list = field(default_factory=list)   # completions: each prompt (text or token ids); body has the first
     echo: bool = False                   # completions: the prompt before the answer (openai_prompt.echo_sampling)
     prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
+    prompt_only: bool = False            # echo with max_tokens 0: the prompt, and no answer
 
     @property
     def choices(self) -> int:
@@ -236,7 +237,8 @@ def _content(value, field: str) -> str:
 def _sampling(body: dict, request: OpenAIRequest) -> None:
     s = request.body.sampling
     limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens")]
-    given = [(name, _int(v, name, 1, MAX_INT32)) for name, v in limits if v is not None]
+    least = 0 if request.echo else 1        # echo with max_tokens 0: the prompt alone (openai_prompt.py)
+    given = [(name, _int(v, name, least, MAX_INT32)) for name, v in limits if v is not None]
     if len({v for _, v in given}) > 1:
         raise invalid("max_tokens and max_completion_tokens differ: send one of them",
                       "max_completion_tokens")

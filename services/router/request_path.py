@@ -193,6 +193,8 @@ class RequestPath:
             finished = False
             try:
                 async for chunk in call:
+                    if head.prompt_only:
+                        drop_answer(chunk)
                     tally.on_chunk(chunk)
                     if chunk.finish_reason:
                         finished = True
@@ -218,3 +220,14 @@ class RequestPath:
                 if not finished:
                     tally.on_cancel()
                     call.cancel()
+
+
+def drop_answer(chunk: common_pb2.GenerateChunk) -> None:
+    """An echo with max_tokens 0 (RequestHead.prompt_only): the one token computed after the prompt
+    is no part of the answer, shown or billed; the answer ends "length", as one cut at 0 tokens."""
+    del chunk.token_ids[:]
+    del chunk.logprobs[:]
+    chunk.text = ""
+    if chunk.finish_reason:
+        chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
+        chunk.usage.completion_tokens = 0

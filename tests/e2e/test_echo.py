@@ -125,6 +125,26 @@ def test_vllm_prompt_logprobs_without_echo_on_completions_and_chat(client, model
     assert streamed.value.param == "prompt_logprobs"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_0_scores_the_prompt_alone(client, model, stream):
+    """OpenAI's legacy scoring call (echo, logprobs, max_tokens 0): the prompt and its logprobs,
+    nothing after it, no completion token counted, finish_reason "length"."""
+    ids, expected = engine_logprobs(PROMPT)
+    asked = dict(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    if stream:
+        chunks = list(client.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+        finish, usage = [c.choices[0].finish_reason for c in chunks if c.choices][-1], chunks[-1].usage
+    else:
+        answer = client.completions.create(**asked)
+        text, tokens = answer.choices[0].text, answer.choices[0].logprobs.token_logprobs
+        finish, usage = answer.choices[0].finish_reason, answer.usage
+    assert text == PROMPT and finish == "length"
+    assert len(tokens) == len(ids) and tokens[0] is None and tokens[1:] == pytest.approx(expected, abs=2e-3)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 0)
+
+
 def test_echo_is_refused_on_a_chat(client, model):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,

@@ -235,6 +235,17 @@ def test_tokenize_needs_a_key_and_bills_nothing(cluster):
     assert (after["requests"], after["prompt_tokens"]) == (before["requests"], before["prompt_tokens"])
 
 
+def test_a_scoring_call_bills_its_prompt_and_no_completion(cluster):
+    """echo with max_tokens 0: the one token the model computed after the prompt is dropped, and
+    not billed; the prompt is."""
+    key = cluster.keys["alpha"]
+    status, headers, body = post(cluster, completion(cluster, 0, echo=True, logprobs=1), key)
+    assert status == 200 and body["usage"]["completion_tokens"] == 0 and body["choices"][0]["text"] == "Hello"
+    row = post(cluster, None, key, path=f"/v1/requests/{headers['x-request-id']}")[2]
+    assert (row["status"], row["prompt_tokens"], row["completion_tokens"]) == \
+        ("completed", body["usage"]["prompt_tokens"], 0), row
+
+
 def test_n_choices_bill_the_prompt_once_and_each_choices_completion(cluster):
     """A request with n choices is a request a choice (ids ID, ID-1, ...): the ledger bills its
     prompt once, with choice 0, as the response's usage counts it; the tenant's usage agrees."""

@@ -379,3 +379,19 @@ def test_vllm_extras_at_their_defaults_are_taken_and_anything_else_named():
                         ("truncate_prompt_tokens", 100), ("chat_template", "{{ messages }}")):
         error = refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, name: other}).encode())
         assert error.field == name and "not supported" in error.message
+
+
+def test_echo_with_max_tokens_0_asks_for_the_prompt_alone():
+    """OpenAI's legacy scoring call: the model computes one token, which the router drops
+    (request_path.drop_answer): no text, no logprob, no completion token billed, "length"."""
+    from services.router.request_path import drop_answer
+    scoring = parse_openai(COMPLETION, b'{"model": "m", "prompt": "x", "echo": true, "logprobs": 1, "max_tokens": 0}')
+    assert scoring.prompt_only and scoring.body.sampling.max_tokens == 1
+    assert refused(COMPLETION, b'{"model": "m", "prompt": "x", "max_tokens": 0}').field == "max_tokens"
+    last = common_pb2.GenerateChunk(text="!", token_ids=[9], finish_reason=common_pb2.FINISH_REASON_STOP)
+    last.logprobs.add(token_id=9, logprob=-0.5)
+    last.usage.prompt_tokens, last.usage.completion_tokens = 3, 1
+    drop_answer(last)
+    assert (last.text, list(last.token_ids), len(last.logprobs)) == ("", [], 0)
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and last.usage.completion_tokens == 0
+    assert last.usage.prompt_tokens == 3
