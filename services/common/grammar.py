@@ -80,6 +80,15 @@ def check_guide(regex: str, choice, grammar: str, field: str = "", tokenizer=Non
         raise invalid(f"{field} cannot be compiled into a grammar: {_first_line(error)}", field)
 
 
+def check_structured(sampling, tokenizer=None) -> None:
+    """A client's sampling's structured output (json_schema, or regex / choice / grammar), if it
+    has one, compiled as every hop compiles it: INVALID naming `sampling.<kind>` when it cannot be."""
+    if sampling.json_schema:
+        check_schema_text(sampling.json_schema, "sampling.json_schema", tokenizer)
+    elif sampling.regex or sampling.choice or sampling.grammar:
+        check_guide(sampling.regex, sampling.choice, sampling.grammar, tokenizer=tokenizer)
+
+
 def compile_error(schema_text: str, tokenizer=None) -> str:
     """Why llguidance cannot compile the schema ("" when it can); with `tokenizer` (an
     LLTokenizer) the token-level part too."""

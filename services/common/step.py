@@ -37,6 +37,11 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's bounds
 GUIDES = ("json_schema", "regex", "choice", "grammar")   # structured outputs' kinds, at most one a sequence
 
 
+def guides_set(sampling) -> list[str]:
+    """The structured-output kinds a sampling sets (SamplingParams, or either proto's), in GUIDES' order."""
+    return [name for name in GUIDES if getattr(sampling, name)]
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     temperature: float = 1.0          # 0 means greedy
@@ -82,7 +87,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in 0..{MAX_TOP_LOGPROBS}, got {getattr(self, name)}")
-        guides = [name for name in GUIDES if getattr(self, name)]
+        guides = guides_set(self)
         if len(guides) > 1:
             raise ValueError(f"{guides[1]} and {guides[0]} both say what the output is: set one of them")
         if guides and self.ignore_eos:
@@ -117,7 +122,7 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         """A structured output: a grammar decides which tokens may come next."""
-        return bool(self.json_schema or self.regex or self.choice or self.grammar)
+        return bool(guides_set(self))
 
     @property
     def penalised(self) -> bool:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from services.common.errors import invalid
-from services.common.grammar import check_guide, check_schema_text
+from services.common.grammar import check_structured
 from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY_HEADER, SLO_HEADER,
                                       STREAM_INTERVAL_HEADER, TENANT_HEADER, Priority, parse_context_mode,
                                       parse_priority, parse_slo_ms, parse_stream_interval, parse_tenant)
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.common.step import GUIDES, MAX_TOP_LOGPROBS, SamplingParams
+from services.common.step import MAX_TOP_LOGPROBS, SamplingParams, guides_set
 from services.common.wire import client_adjustments
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -176,17 +176,12 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
 def check_guides(s: common_pb2.SamplingParams) -> None:
     """A structured output (json_schema, regex, choice or grammar: one at most), compiled here: one
     the workers could not use is refused at once."""
-    guides = [name for name in GUIDES if getattr(s, name)]
+    guides = guides_set(s)
     if len(guides) > 1:
         raise invalid(f"sampling.{guides[1]} and sampling.{guides[0]} both say what the output is: set one "
                       "of them", f"sampling.{guides[1]}")
-    if not guides:
-        return
-    if s.json_schema:
-        check_schema_text(s.json_schema, "sampling.json_schema")
-    else:
-        check_guide(s.regex, s.choice, s.grammar)
-    if s.ignore_eos:
+    check_structured(s)
+    if guides and s.ignore_eos:
         raise invalid(f"sampling.ignore_eos cannot be combined with sampling.{guides[0]}: a structured "
                       "answer ends where it is complete", "sampling.ignore_eos")
 

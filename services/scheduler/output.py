@@ -12,7 +12,7 @@ import asyncio
 
 from services.common.errors import ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
-from services.common.step import GUIDES, FinishReason
+from services.common.step import FinishReason, guides_set
 from services.scheduler import logprobs
 from services.scheduler.request import Request
 
@@ -40,7 +40,7 @@ def grammar_dead_end(request: Request) -> ServiceError:
     """The failure of a request whose structured output's grammar allowed no next token (the
     engine's FinishReason.ERROR): llguidance compiled it but cannot follow it. What was streamed
     stays; the request ends in this error, never in a "stop" with an incomplete answer."""
-    name = next(name for name in GUIDES if getattr(request.sampling, name))
+    name = guides_set(request.sampling)[0]
     what = "JSON schema" if name == "json_schema" else name
     return invalid(f"the request's {what} allows no next token after {len(request.output_ids)} generated "
                    "(a recursion that never ends, or a pattern too large to match): no complete answer "

@@ -24,13 +24,13 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
-from services.common.grammar import check_guide, check_schema_text
+from services.common.grammar import check_structured
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from services.common.step import FinishReason
+from services.common.step import FinishReason, guides_set
 from services.common.token_bytes import byte_table
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
@@ -191,11 +191,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if submit.sampling.HasField("logprobs") or submit.sampling.HasField("prompt_logprobs"):
             byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
         # A structured output the workers could not compile is refused here, at once.
-        s = submit.sampling
-        if s.json_schema:
-            check_schema_text(s.json_schema, "sampling.json_schema", byte_table(self.tokenizer))
-        elif s.regex or s.choice or s.grammar:
-            check_guide(s.regex, s.choice, s.grammar, tokenizer=byte_table(self.tokenizer))
+        if guides_set(submit.sampling):
+            check_structured(submit.sampling, byte_table(self.tokenizer))
         if submit.prompt_token_ids:
             check_token_ids(submit.prompt_token_ids, self.tokenizer.vocab_size, "prompt_token_ids")
             return list(submit.prompt_token_ids)

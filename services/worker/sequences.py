@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.proto.qos.v1 import worker_pb2
-from services.common.step import SampledToken, SamplingParams, SequenceWork, StepBatch
+from services.common.step import SampledToken, SamplingParams, SequenceWork, StepBatch, guides_set
 from services.common.stream_window import StreamWindow
 from services.common.wire import sampling_from_engine
 
@@ -101,8 +101,7 @@ class SequenceTable:
                 raise PlanError(f"sequence {new.seq_id} announced twice")
             if not new.prompt_token_ids:
                 raise PlanError(f"sequence {new.seq_id} has an empty prompt")
-            if (new.sampling.json_schema or new.sampling.regex or new.sampling.choice or new.sampling.grammar) \
-                    and self.constrain is None:
+            if guides_set(new.sampling) and self.constrain is None:
                 raise PlanError(f"sequence {new.seq_id} has a structured output; this worker has no grammar engine")
             if new.cached_tokens >= len(new.prompt_token_ids):
                 raise PlanError(f"sequence {new.seq_id}: {new.cached_tokens} cached tokens of "
