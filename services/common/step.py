@@ -31,6 +31,7 @@ class FinishReason(IntEnum):
 
 MAX_TOP_LOGPROBS = 20    # top tokens a sequence may ask logprobs of (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024    # tokens a sequence may bias (each costs the sampler a little, every step)
+MAX_ALLOWED_TOKEN_IDS = 4096   # tokens a sequence may restrict its sampling to (vLLM has no bound; ours is cost)
 PENALTY_RANGE = (-2.0, 2.0)          # presence and frequency penalties (OpenAI's bounds)
 MAX_REPETITION_PENALTY = 10.0        # > 0; 1 is none (vLLM's meaning); more only pushes logits to 0 or -inf
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's bounds
@@ -59,10 +60,12 @@ class SamplingParams:
     choice: tuple[str, ...] = ()
     grammar: str = ""
     # Adjustments of the logits before sampling (services/engine/sampler.py, in vLLM's order and
-    # with its formulas): a bias per token; a penalty on tokens of the prompt or output
-    # (repetition: positive logits divided by it, negative ones multiplied); on output tokens by
-    # their count (frequency) and for being there at all (presence); then, after temperature,
-    # dropping tokens less likely than min_p times the likeliest.
+    # with its formulas): every token but the allowed ones off (none given: all allowed; kept as
+    # sent, so a duplicate counts toward the bound); a bias per token; a penalty on tokens of the
+    # prompt or output (repetition: positive logits divided by it, negative ones multiplied); on
+    # output tokens by their count (frequency) and for being there at all (presence); then, after
+    # temperature, dropping tokens less likely than min_p times the likeliest.
+    allowed_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -114,6 +117,17 @@ class SamplingParams:
             if token_id < 0 or not low <= bias <= high:
                 raise ValueError(f"logit_bias[{token_id}] must be a token id >= 0 with a bias in "
                                  f"[{low:g}, {high:g}], got {bias}")
+        self._check_allowed_token_ids(guides)
+
+    def _check_allowed_token_ids(self, guides: list[str]) -> None:
+        # Messages start with the field's name: the router reports the first word as the field.
+        allowed = self.allowed_token_ids
+        if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids may name at most {MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}")
+        if allowed and min(allowed) < 0:
+            raise ValueError(f"allowed_token_ids must be token ids >= 0, got {min(allowed)}")
+        if allowed and guides:
+            raise ValueError(f"allowed_token_ids and {guides[0]} both say which tokens may come: set one of them")
 
     @property
     def greedy(self) -> bool:
@@ -127,8 +141,8 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Some adjustment applies to its logits before the sampling (not min_p, which comes after)."""
-        return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty) \
-            or self.repetition_penalty != 1.0
+        return bool(self.allowed_token_ids) or bool(self.logit_bias) or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -40,14 +40,16 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
 
 
 def client_adjustments(s: common_pb2.SamplingParams) -> dict:
-    """A client's logit adjustments (bias, penalties, min_p) as SamplingParams' fields, defaults
-    applied: the router's gRPC front checks them with SamplingParams' own bounds too."""
+    """A client's logit adjustments (allowed tokens, bias, penalties, min_p) as SamplingParams'
+    fields, defaults applied: the router's gRPC front checks them with SamplingParams' own bounds
+    too."""
     return _adjustments(s, s.repetition_penalty if s.HasField("repetition_penalty") else 1.0)
 
 
 def _adjustments(proto, repetition_penalty: float) -> dict:
     """The logit adjustments' fields, as a client's SamplingParams and EngineSampling both have them."""
-    return dict(logit_bias=tuple(sorted(proto.logit_bias.items())), presence_penalty=proto.presence_penalty,
+    return dict(allowed_token_ids=tuple(proto.allowed_token_ids),
+                logit_bias=tuple(sorted(proto.logit_bias.items())), presence_penalty=proto.presence_penalty,
                 frequency_penalty=proto.frequency_penalty, repetition_penalty=repetition_penalty,
                 min_p=proto.min_p, min_tokens=proto.min_tokens)
 
@@ -62,9 +64,10 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, json_schema=params.json_schema, regex=params.regex,
-        choice=list(params.choice), grammar=params.grammar, logit_bias=dict(params.logit_bias),
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty, min_p=params.min_p, min_tokens=params.min_tokens)
+        choice=list(params.choice), grammar=params.grammar, allowed_token_ids=list(params.allowed_token_ids),
+        logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p, min_tokens=params.min_tokens)
     if params.seed is not None:
         proto.seed = params.seed
     if params.logprobs is not None:

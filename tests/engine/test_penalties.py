@@ -1,6 +1,6 @@
-"""Logit bias, repetition / frequency / presence penalties and min_p: each against its formula
-written out by hand (vLLM's), the order they apply in, a grammar's mask kept, logprobs left the
-model's, the same token alone or in any batch, and their bounds."""
+"""Allowed tokens, logit bias, repetition / frequency / presence penalties and min_p: each
+against its formula written out by hand (vLLM's), the order they apply in, a grammar's mask kept,
+logprobs left the model's, the same token alone or in any batch, and their bounds."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from services.common.step import SamplingParams, SequenceWork
+from services.common.step import SamplingParams, SequenceWork, StepBatch
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.sampler import adjust_logits, sample, sample_step
 from tests.tiny_models import make_engine
@@ -171,3 +171,79 @@ def test_min_tokens_is_bounded_by_max_tokens_and_refused_with_a_schema():
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(ValueError, match="min_tokens cannot be combined with json_schema"):
         SamplingParams(min_tokens=1, json_schema='{"type": "object"}')
+
+
+INF = float("-inf")
+
+
+def test_only_allowed_tokens_keep_their_logits_and_the_other_adjustments_follow():
+    assert adjusted(SamplingParams(allowed_token_ids=(0, 3, 3)), LOGITS) == [2.0, INF, INF, -3.0, INF, INF, INF, INF]
+    # A bias lifts an allowed token, not a masked one; a penalty leaves -inf as it is.
+    got = adjusted(SamplingParams(allowed_token_ids=(0, 3), logit_bias=((3, 10.0), (6, 100.0)),
+                                  repetition_penalty=2.0, frequency_penalty=1.0), LOGITS, [0, 6], 0)
+    assert got == [1.0 - 1.0, INF, INF, 7.0, INF, INF, INF, INF]
+
+
+def test_min_tokens_holds_an_allowed_end_off_unless_only_ends_are_allowed():
+    rows = [SequenceWork(seq_id=i, token_ids=[0], position=0, block_table=[0], sampling=p)
+            for i, p in enumerate([SamplingParams(temperature=0.0, min_tokens=2, allowed_token_ids=(6, 4)),
+                                   SamplingParams(temperature=0.0, min_tokens=2, allowed_token_ids=(6,))])]
+    picks = sample_step(torch.tensor([LOGITS, LOGITS]), rows, torch.Generator(), eos_ids=(6,))
+    assert [token for token, _ in picks] == [4, 6]
+
+
+def test_logprobs_are_the_models_not_the_allowed_ones():
+    params = SamplingParams(temperature=0.0, logprobs=2, allowed_token_ids=(3, 7))
+    [(token, logprobs)] = sample_step(torch.tensor([LOGITS]), [entry(params)], torch.Generator())
+    total = math.log(sum(math.exp(v) for v in LOGITS))
+    assert token == 7                                   # the likelier of the two allowed ...
+    assert logprobs.logprob == pytest.approx(-0.5 - total, abs=1e-5)      # ... at its model logprob
+    assert [t for t, _ in logprobs.top] == [6, 0]       # the model's likeliest, masked or not
+
+
+ALLOWED = (7, 11, 13, 101, 150)
+PROMPT = list(range(40, 70))
+
+
+def decode(engine, requests: dict[int, SamplingParams], steps: int):
+    """Each sequence (seq_id -> sampling) prefilled with PROMPT in one step, then decoded together
+    for `steps` tokens; returns each one's generated tokens and their logprobs."""
+    tokens = {s: list(PROMPT) for s in requests}
+    logprobs = {s: [] for s in requests}
+    for step in range(steps):
+        batch = StepBatch([SequenceWork(s, tokens[s] if step == 0 else tokens[s][-1:],
+                                        0 if step == 0 else len(tokens[s]) - 1, list(range(4 * s, 4 * s + 4)),
+                                        params, num_generated=step) for s, params in requests.items()])
+        for token in engine.step(batch).tokens:
+            tokens[token.seq_id].append(token.token_id)
+            logprobs[token.seq_id].append(token.logprobs)
+    return {s: t[len(PROMPT):] for s, t in tokens.items()}, logprobs
+
+
+def test_restricted_rows_sample_only_their_allowed_tokens_beside_unrestricted_ones(tiny_model_dir):
+    steps = 20
+    plain = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    requests = {1: SamplingParams(temperature=0.9, seed=3, max_tokens=64, ignore_eos=True),
+                2: SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=3,
+                                  allowed_token_ids=ALLOWED),
+                3: SamplingParams(temperature=1.5, seed=11, max_tokens=64, ignore_eos=True, logprobs=0,
+                                  allowed_token_ids=ALLOWED),
+                4: plain}
+    tokens, logprobs = decode(make_engine(tiny_model_dir), requests, steps)
+    assert set(tokens[2]) <= set(ALLOWED) and set(tokens[3]) <= set(ALLOWED)
+    assert len(set(tokens[3])) > 1                      # drawn, not one token over and over
+    assert not set(tokens[4]) <= set(ALLOWED)           # the restriction changed the tokens
+    for seq_id in (1, 3, 4):                            # the same tokens alone as in the batch
+        assert decode(make_engine(tiny_model_dir), {seq_id: requests[seq_id]}, steps)[0][seq_id] == tokens[seq_id]
+
+    # Each restricted token's logprob is the model's over the whole vocabulary, not renormalised
+    # over the allowed ones.
+    fresh = make_engine(tiny_model_dir)
+    for seq_id in (2, 3):
+        full = PROMPT + tokens[seq_id]
+        reference = fresh.compute_logits(StepBatch([SequenceWork(9, full, 0, list(range(40, 44)))]))[9]
+        reference = reference.double().log_softmax(dim=-1)
+        for i, got in enumerate(logprobs[seq_id]):
+            assert got.logprob == pytest.approx(reference[len(PROMPT) - 1 + i, tokens[seq_id][i]].item(), abs=1e-4)
+    assert any(t not in ALLOWED for lp in logprobs[2] for t, _ in lp.top)   # the model's likeliest
+

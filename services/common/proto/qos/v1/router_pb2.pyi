@@ -127,7 +127,7 @@ class CancelReply(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids", "chat_template")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     sampling: _common_pb2.SamplingParams
@@ -144,10 +145,11 @@ class GenerateRequest(_message.Message):
     tools: str
     tool_choice: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    chat_template: _common_pb2.ChatTemplateOptions
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[_Union[_common_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class GenerateRequestBytes(_message.Message):
-    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids")
+    __slots__ = ("prompt", "messages", "sampling", "model", "cache_salt", "tools", "tool_choice", "prompt_token_ids", "chat_template")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class GenerateRequestBytes(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     prompt: bytes
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessageBytes]
     sampling: _common_pb2.SamplingParams
@@ -164,7 +167,18 @@ class GenerateRequestBytes(_message.Message):
     tools: bytes
     tool_choice: bytes
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., tools: _Optional[bytes] = ..., tool_choice: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    chat_template: ChatTemplateOptionsBytes
+    def __init__(self, prompt: _Optional[bytes] = ..., messages: _Optional[_Iterable[_Union[ChatMessageBytes, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[bytes] = ..., cache_salt: _Optional[bytes] = ..., tools: _Optional[bytes] = ..., tool_choice: _Optional[bytes] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[_Union[ChatTemplateOptionsBytes, _Mapping]] = ...) -> None: ...
+
+class ChatTemplateOptionsBytes(_message.Message):
+    __slots__ = ("add_generation_prompt", "continue_final_message", "kwargs_json")
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs_json: bytes
+    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., kwargs_json: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessageBytes(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id")

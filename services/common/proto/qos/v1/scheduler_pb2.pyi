@@ -9,16 +9,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "add_special_tokens", "return_token_strs")
+    __slots__ = ("prompt", "messages", "add_special_tokens", "return_token_strs", "chat_template")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKEN_STRS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     add_special_tokens: bool
     return_token_strs: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ...) -> None: ...
+    chat_template: _common_pb2.ChatTemplateOptions
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., add_special_tokens: _Optional[bool] = ..., return_token_strs: _Optional[bool] = ..., chat_template: _Optional[_Union[_common_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class TokenizeReply(_message.Message):
     __slots__ = ("token_ids", "max_model_len", "token_strs")
@@ -57,7 +59,7 @@ class RegisterReply(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight", "stream_interval", "context_mode", "cache_scope", "tools", "tool_choice", "prompt_token_ids")
+    __slots__ = ("request_id", "priority", "tenant", "prompt", "messages", "sampling", "slo_ms", "lora", "resume_token_ids", "tenant_weight", "stream_interval", "context_mode", "cache_scope", "tools", "tool_choice", "prompt_token_ids", "chat_template")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class SubmitRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     priority: _common_pb2.Priority
     tenant: str
@@ -90,7 +93,8 @@ class SubmitRequest(_message.Message):
     tools: str
     tool_choice: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ..., context_mode: _Optional[_Union[_common_pb2.ContextMode, str]] = ..., cache_scope: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    chat_template: _common_pb2.ChatTemplateOptions
+    def __init__(self, request_id: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., tenant: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., slo_ms: _Optional[int] = ..., lora: _Optional[str] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., tenant_weight: _Optional[float] = ..., stream_interval: _Optional[int] = ..., context_mode: _Optional[_Union[_common_pb2.ContextMode, str]] = ..., cache_scope: _Optional[str] = ..., tools: _Optional[str] = ..., tool_choice: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., chat_template: _Optional[_Union[_common_pb2.ChatTemplateOptions, _Mapping]] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("submits", "cancels")
