@@ -14,6 +14,8 @@ from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from services.common.chat_options import DEFAULT_RENDER, ChatRender
+
 
 def _raise_template_error(message: str):
     raise ValueError(f"chat template error: {message}")
@@ -24,6 +26,21 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _open_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered conversation cut right after the final message's text, so that the model
+    continues that message (what transformers' continue_final_message does): the template's
+    end-of-turn after it goes. A template that trims the message's spaces keeps them trimmed."""
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs text in the final message to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the final message as "
+                         "it was sent, so there is no place to continue it from")
+    whole = len(final.lstrip())
+    return text[:at + whole] if text[at:at + whole] == final.lstrip() else text[:at + len(final.strip())]
 
 
 @dataclass(slots=True)
@@ -42,15 +59,19 @@ class ChatTemplate:
         tool-call format do (Qwen2.5, Llama 3.1, Hermes, ...)."""
         return "tools" in self.source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+               continue_final_message: bool = False, kwargs: dict | None = None) -> str:
+        """The conversation as the template writes it. `kwargs`: the client's extra variables
+        (checked by services/common/chat_options.py: none of the names set here)."""
         if self._compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_template_error
             self._compiled = env.from_string(self.source)
-        return self._compiled.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
+        text = self._compiled.render(
+            **(kwargs or {}), messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             **({"tools": tools} if tools else {}))
+        return _open_final_message(text, messages) if continue_final_message else text
 
 
 class TextTokenizer:
@@ -89,10 +110,13 @@ class TextTokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None,
+                    render: ChatRender = DEFAULT_RENDER) -> list[int]:
         """Token ids of `messages` rendered with the chat template (and `tools`, for a template
-        with a tool format), ready for the reply."""
+        with a tool format), by default ready for the reply (`render`: the client's options)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt")
+        text = self.chat_template.render(messages, render.add_generation_prompt, tools,
+                                         render.continue_final_message, render.kwargs)
         # The template already writes any BOS; don't let the tokenizer add a second one.
-        return self.encode(self.chat_template.render(messages, tools=tools), add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False)

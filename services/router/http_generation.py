@@ -31,6 +31,8 @@ def to_json(obj) -> bytes:
 
 def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
     """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
+    if field is not None and field.startswith("chat_template."):    # ChatTemplateOptions' are the body's own
+        return field.removeprefix("chat_template.").replace("kwargs_json", "chat_template_kwargs")
     if field is None or request is None:
         return field
     if field == "sampling.max_tokens":

@@ -37,3 +37,17 @@ def name_field(value, field: str) -> str:
     if not isinstance(value, str) or not NAME.fullmatch(value):
         raise invalid(f"{field} must be 1-64 letters, digits, underscores or dashes", field)
     return value
+
+
+def bool_field(value, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(f"{field} must be true or false, got {json_kind(value)}", field)
+    return value
+
+
+def int_field(value, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{field} must be an integer, got {json_kind(value)}", field)
+    if not low <= value <= high:
+        raise invalid(f"{field} must be in {low}..{high}, got {value}", field)
+    return value

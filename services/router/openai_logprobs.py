@@ -24,33 +24,34 @@ def token_text(token_bytes: bytes) -> str:
 
 
 class LogprobsView:
-    """The logprobs objects of one response, chunk after chunk (or all at once)."""
+    """The logprobs objects of one response, chunk after chunk (or all at once). `as_ids`: vLLM's
+    return_tokens_as_token_ids, each token named "token_id:N" (a token whose bytes are not text
+    on their own stays identifiable); `bytes` and `text_offset` stay the text's."""
 
-    def __init__(self, chat: bool):
+    def __init__(self, chat: bool, as_ids: bool = False):
         self.chat = chat
+        self.name = (lambda e: f"token_id:{e.token_id}") if as_ids else (lambda e: token_text(e.token_bytes))
         self.offset = 0          # completions: characters of the token texts given so far
 
     def of(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict:
         """The object for these entries, the next ones of the response."""
         if self.chat:
-            return {"content": [{**_top(e), "top_logprobs": [_top(t) for t in e.top]} for e in entries],
+            return {"content": [{**self._top(e), "top_logprobs": [self._top(t) for t in e.top]} for e in entries],
                     "refusal": None}
-        texts = [token_text(e.token_bytes) for e in entries]
         offsets = []
-        for text in texts:
+        for e in entries:
             offsets.append(self.offset)
-            self.offset += len(text)
+            self.offset += len(token_text(e.token_bytes))
         # An echoed prompt's first token has no logprob (nothing comes before it): null, as OpenAI's.
-        return {"tokens": texts, "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
+        return {"tokens": [self.name(e) for e in entries],
+                "token_logprobs": [None if math.isnan(e.logprob) else e.logprob for e in entries],
                 "top_logprobs": [None if math.isnan(e.logprob) else
-                                 {**{token_text(t.token_bytes): t.logprob for t in e.top},
-                                  token_text(e.token_bytes): e.logprob} for e in entries],
+                                 {**{self.name(t): t.logprob for t in e.top}, self.name(e): e.logprob}
+                                 for e in entries],
                 "text_offset": offsets}
 
-
-def _top(entry) -> dict:
-    return {"token": token_text(entry.token_bytes), "logprob": entry.logprob,
-            "bytes": list(entry.token_bytes)}
+    def _top(self, entry) -> dict:
+        return {"token": self.name(entry), "logprob": entry.logprob, "bytes": list(entry.token_bytes)}
 
 
 def vllm_prompt_logprobs(entries: Sequence[common_pb2.TokenLogprob], k: int) -> list:

@@ -18,12 +18,15 @@ from services.common.priority import Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
-from services.router.json_fields import json_kind, text_field
+from services.router.json_fields import bool_field, int_field, json_kind, text_field
 from services.router.openai_class import body_class
 from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, prompt_logprob_sampling, set_prompt
 from services.router.openai_tools import parse_tools, tool_calls_text
 from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS
 from services.router.structured_outputs import parse_structured
+from services.router.vllm_options import CHAT_TEMPLATE as VLLM_CHAT_TEMPLATE
+from services.router.vllm_options import SAMPLING as VLLM_SAMPLING
+from services.router.vllm_options import parse_vllm_options
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
@@ -42,11 +45,12 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
           *STRUCTURED_FIELDS,                             # response_format, vLLM's (structured_outputs.py)
           "cache_salt", "prompt_cache_key",               # narrow prefix-cache sharing (vLLM, OpenAI)
           "logit_bias", "frequency_penalty", "presence_penalty",
-          "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs"}    # these four as vLLM takes them
+          "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",    # these five as vLLM takes them
+          *VLLM_SAMPLING}                                 # vLLM's (vllm_options.py)
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
-FIELDS = {CHAT: COMMON | HINTS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                  "tools", "tool_choice", "parallel_tool_calls"},     # openai_tools.py
+FIELDS = {CHAT: COMMON | HINTS | VLLM_CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                                                       "tools", "tool_choice", "parallel_tool_calls"},  # openai_tools.py
           COMPLETION: COMMON | HINTS | {"prompt", "logprobs", "echo"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
@@ -56,13 +60,12 @@ NEUTRAL = {
     "best_of": (1,), "echo": (False,), "suffix": ("",),
     "metadata": ({},), "reasoning_effort": (),
     "audio": (), "prediction": (), "web_search_options": (),
-    # vLLM's extra parameters, at what we do anyway (answers drop special tokens, a chat's prompt
-    # ends with the assistant's turn, one sampling path): clients written for vLLM send defaults
-    "use_beam_search": (False,), "length_penalty": (1,), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True, False),
-    "return_tokens_as_token_ids": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "allowed_token_ids": (), "truncate_prompt_tokens": (), "chat_template": (), "chat_template_kwargs": (),
-    "documents": (), "mm_processor_kwargs": (), "logits_processors": (), "vllm_xargs": (),
+    # vLLM's extra parameters at what we do anyway (one sampling path, no beam search): clients
+    # written for vLLM send defaults (the ones served: vllm_options.py)
+    "use_beam_search": (False,), "length_penalty": (1,), "spaces_between_special_tokens": (True, False),
+    # completions: the chat template's options at what they are there (no template)
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template_kwargs": ({},),
+    "chat_template": (), "documents": (), "mm_processor_kwargs": (), "logits_processors": (), "vllm_xargs": (),
 }
 
 
@@ -87,6 +90,7 @@ class OpenAIRequest:
     echo: bool = False                   # completions: the prompt before the answer (openai_prompt.echo_sampling)
     prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
     prompt_only: bool = False            # echo with max_tokens 0: the prompt, and no answer
+    tokens_as_ids: bool = False          # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
 
     @property
     def choices(self) -> int:
@@ -114,9 +118,10 @@ def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
     else:
         request.prompts = parse_prompts(_required(body, "prompt"))
         set_prompt(request.body, request.prompts[0])
-        request.echo = body.get("echo") is not None and _bool(body["echo"], "echo")
+        request.echo = body.get("echo") is not None and bool_field(body["echo"], "echo")
     _sampling(body, request)
     _options(body, request)
+    parse_vllm_options(body, request, chat=kind == CHAT)
     prompt_logprob_sampling(body, request)
     if kind == CHAT:
         forced_format = request.schema_field
@@ -163,14 +168,6 @@ def _required(body: dict, name: str, field: str | None = None):
     return body[name]
 
 
-def _int(value, field: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{field} must be an integer, got {json_kind(value)}", field)
-    if not low <= value <= high:
-        raise invalid(f"{field} must be in {low}..{high}, got {value}", field)
-    return value
-
-
 def _number(value, field: str, low: float, high: float, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise invalid(f"{field} must be a finite number, got {value if isinstance(value, float) else json_kind(value)}",
@@ -179,12 +176,6 @@ def _number(value, field: str, low: float, high: float, low_open: bool = False) 
         raise invalid(f"{field} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}",
                       field)
     return float(value)
-
-
-def _bool(value, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(f"{field} must be true or false, got {json_kind(value)}", field)
-    return value
 
 
 def chat_messages(value) -> list[common_pb2.ChatMessage]:
@@ -238,7 +229,7 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
     s = request.body.sampling
     limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens")]
     least = 0 if request.echo else 1        # echo with max_tokens 0: the prompt alone (openai_prompt.py)
-    given = [(name, _int(v, name, least, MAX_INT32)) for name, v in limits if v is not None]
+    given = [(name, int_field(v, name, least, MAX_INT32)) for name, v in limits if v is not None]
     if len({v for _, v in given}) > 1:
         raise invalid("max_tokens and max_completion_tokens differ: send one of them",
                       "max_completion_tokens")
@@ -251,9 +242,9 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
     if body.get("top_p") is not None:
         s.top_p = _number(body["top_p"], "top_p", 0.0, 1.0, low_open=True)
     if body.get("top_k") is not None:
-        s.top_k = max(0, _int(body["top_k"], "top_k", -1, MAX_INT32))    # vLLM's -1 means off
+        s.top_k = max(0, int_field(body["top_k"], "top_k", -1, MAX_INT32))    # vLLM's -1 means off
     if body.get("seed") is not None:
-        s.seed = _int(body["seed"], "seed", 0, 2**64 - 1)
+        s.seed = int_field(body["seed"], "seed", 0, 2**64 - 1)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -269,9 +260,9 @@ def _sampling(body: dict, request: OpenAIRequest) -> None:
         if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
             raise invalid(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                           "stop_token_ids")
-        s.stop_token_ids.extend(_int(v, f"stop_token_ids[{i}]", 0, MAX_INT32) for i, v in enumerate(ids))
+        s.stop_token_ids.extend(int_field(v, f"stop_token_ids[{i}]", 0, MAX_INT32) for i, v in enumerate(ids))
     if body.get("ignore_eos") is not None:
-        s.ignore_eos = _bool(body["ignore_eos"], "ignore_eos")
+        s.ignore_eos = bool_field(body["ignore_eos"], "ignore_eos")
     _logprobs(body, request)
     _adjustments(body, s)
     request.schema_field = parse_structured(body, s)
@@ -291,7 +282,7 @@ def _adjustments(body: dict, s: common_pb2.SamplingParams) -> None:
     if body.get("min_p") is not None:
         s.min_p = _number(body["min_p"], "min_p", 0.0, 1.0)
     if body.get("min_tokens") is not None:      # the scheduler holds it to max_tokens
-        s.min_tokens = _int(body["min_tokens"], "min_tokens", 0, MAX_INT32)
+        s.min_tokens = int_field(body["min_tokens"], "min_tokens", 0, MAX_INT32)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
@@ -309,30 +300,30 @@ def _logprobs(body: dict, request: OpenAIRequest) -> None:
     s = request.body.sampling
     if request.kind == COMPLETION:
         if body.get("logprobs") is not None:
-            s.logprobs = _int(body["logprobs"], "logprobs", 0, MAX_TOP_LOGPROBS)
+            s.logprobs = int_field(body["logprobs"], "logprobs", 0, MAX_TOP_LOGPROBS)
         return
     top = body.get("top_logprobs")
-    if body.get("logprobs") is not None and _bool(body["logprobs"], "logprobs"):
-        s.logprobs = 0 if top is None else _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    elif top is not None and _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS):
+    if body.get("logprobs") is not None and bool_field(body["logprobs"], "logprobs"):
+        s.logprobs = 0 if top is None else int_field(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    elif top is not None and int_field(top, "top_logprobs", 0, MAX_TOP_LOGPROBS):
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def _options(body: dict, request: OpenAIRequest) -> None:
     if body.get("n") is not None:
-        request.n = _int(body["n"], "n", 1, MAX_CHOICES)
+        request.n = int_field(body["n"], "n", 1, MAX_CHOICES)
     if request.choices > MAX_PROMPTS:
         raise invalid(f"n={request.n} for each of {len(request.prompts)} prompts is {request.choices} "
                       f"choices; at most {MAX_PROMPTS} are served in one request", "n")
     if body.get("stream") is not None:
-        request.stream = _bool(body["stream"], "stream")
+        request.stream = bool_field(body["stream"], "stream")
     options = body.get("stream_options")
     if options is not None:
         if not request.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
             raise invalid("stream_options takes include_usage and continuous_usage_stats", "stream_options")
-        flags = {name: _bool(v, f"stream_options.{name}") for name, v in options.items() if v is not None}
+        flags = {name: bool_field(v, f"stream_options.{name}") for name, v in options.items() if v is not None}
         request.include_usage = flags.get("include_usage", False)
         request.continuous_usage = flags.get("continuous_usage_stats", False)
         if request.continuous_usage and not request.include_usage:

@@ -47,7 +47,7 @@ class Choice:
         self.prompt_entries: list[common_pb2.TokenLogprob] = []   # vLLM's prompt_logprobs, from the first chunk
         self.entries: list[common_pb2.TokenLogprob] = []
         # With logprobs asked for: its tokens' entries (common.proto TokenLogprob) made OpenAI's
-        self.view = LogprobsView(request.kind == CHAT) if request.body.sampling.HasField("logprobs") else None
+        self.view = LogprobsView(request.kind == CHAT, request.tokens_as_ids) if request.body.sampling.HasField("logprobs") else None
         self.top = request.body.sampling.logprobs      # most likely tokens an entry shows
         # A completion's echo: its prompt (as text, or token ids whose text the first chunk's
         # prompt entries give), sent before its first text

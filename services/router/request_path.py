@@ -181,7 +181,7 @@ class RequestPath:
             lora=head.lora or "", resume_token_ids=streamed, tenant_weight=head.tenant_weight,
             stream_interval=head.stream_interval, context_mode=head.context_mode,
             cache_scope=self.scope(head, body), tools=body.tools, tool_choice=body.tool_choice,
-            prompt_token_ids=body.prompt_token_ids)
+            prompt_token_ids=body.prompt_token_ids, chat_template=body.chat_template)
         if streamed and submit.sampling.HasField("prompt_logprobs"):
             submit.sampling.ClearField("prompt_logprobs")    # the first chunk, which carries them, went out
         context = trace.set_span_in_context(span)

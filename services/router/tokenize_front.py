@@ -8,9 +8,9 @@ no tokenizer). Nothing is generated or billed; with auth required, a caller need
                  (`token_strs`: with `return_token_strs`, each token as the vocabulary spells it)
     /detokenize  {"model", "tokens": [ids]} -> {"prompt": the text, special tokens included}
 
-A field either endpoint does not serve is a 400 naming it, as on the generation endpoints;
-vLLM's `add_generation_prompt` (true) and `continue_final_message` (false) are taken at those
-values, what is done anyway.
+With messages, vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
+render them as on /v1/chat/completions (services/router/vllm_options.py). A field either endpoint
+does not serve is a 400 naming it, as on the generation endpoints.
 """
 from __future__ import annotations
 
@@ -24,13 +24,12 @@ from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2
 from services.router.http_generation import error_response
-from services.router.json_fields import json_kind, text_field
+from services.router.json_fields import bool_field, json_kind, text_field
 from services.router.openai_request import chat_messages
+from services.router.vllm_options import CHAT_TEMPLATE, parse_chat_template
 
 CALL_TIMEOUT_S = 30.0
-# vLLM's fields at the values that mean what we do anyway.
-NEUTRAL = {"add_generation_prompt": True, "continue_final_message": False}
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *NEUTRAL}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *CHAT_TEMPLATE}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -42,13 +41,14 @@ async def tokenize(front, http: Request) -> Response:
         request = scheduler_pb2.TokenizeRequest()
         if "prompt" in body:
             request.prompt = text_field(body["prompt"], "prompt", allow_empty=False)
+            if chat_options := next((name for name in CHAT_TEMPLATE if body.get(name) is not None), None):
+                raise invalid(f"{chat_options} is for messages (rendered with the chat template), not a prompt",
+                              chat_options)
         else:
             request.messages.extend(chat_messages(body["messages"]))
+            parse_chat_template(body, request.chat_template)
         for name in ("add_special_tokens", "return_token_strs"):
-            value = body.get(name, False)
-            if not isinstance(value, bool):
-                raise invalid(f"{name} must be true or false, got {json_kind(value)}", name)
-            setattr(request, name, value)
+            setattr(request, name, bool_field(body.get(name, False), name))
         reply = await _call(handle, handle.scheduler.Tokenize, request)
     except ServiceError as error:
         return error_response(error)
@@ -87,11 +87,9 @@ async def _request(front, http: Request, fields: set[str]) -> tuple[dict, object
     if not isinstance(body, dict):
         raise invalid(f"the request body must be a JSON object, got {json_kind(body)}", "body")
     body = {name: value for name, value in body.items() if value is not None}
-    for name, value in body.items():
+    for name in body:
         if name not in fields:
             raise invalid(f"unknown field {name!r} for {http.url.path}", name)
-        if name in NEUTRAL and value is not NEUTRAL[name]:
-            raise invalid(f"{name} is not supported by this server (only {json.dumps(NEUTRAL[name])})", name)
     if "model" not in body:
         raise invalid("model is required", "model")
     model = text_field(body["model"], "model", allow_empty=False)

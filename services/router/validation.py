@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from services.common.chat_options import chat_render, options_set
 from services.common.errors import invalid
 from services.common.grammar import check_structured
 from services.common.priority import (CONTEXT_MODE_HEADER, LORA_HEADER, PRIORITY_HEADER, SLO_HEADER,
@@ -135,6 +136,14 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
         if len(stop) > MAX_STOP_CHARS:
             raise invalid(f"sampling.stop[{i}] is {len(stop)} characters long, at most {MAX_STOP_CHARS} "
                           "are allowed", f"sampling.stop[{i}]")
+    if s.allowed_token_ids and guides_set(s):
+        raise invalid(f"sampling.allowed_token_ids and sampling.{guides_set(s)[0]} both say which tokens may come: "
+                      "set one of them", "sampling.allowed_token_ids")
+    if s.HasField("truncate_prompt_tokens") and not (
+            s.truncate_prompt_tokens == -1 or 1 <= s.truncate_prompt_tokens <= (max_context or 2**31 - 1)):
+        raise invalid(f"sampling.truncate_prompt_tokens must be -1 (what leaves room for the answer) or a number of "
+                      f"tokens from 1{f' to {max_context} (the context window)' if max_context else ''}, got "
+                      f"{s.truncate_prompt_tokens}", "sampling.truncate_prompt_tokens")
     # The scheduler checks each id against its model's vocabulary; here, what any model refuses.
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid(f"sampling.stop_token_ids has {len(s.stop_token_ids)} ids, at most {MAX_STOP_TOKEN_IDS} "
@@ -170,7 +179,24 @@ def decode_request(raw: router_pb2.GenerateRequestBytes,
     check_guides(raw.sampling)
     return router_pb2.GenerateRequest(prompt=prompt, messages=messages, sampling=raw.sampling,
                                       model=model, prompt_token_ids=raw.prompt_token_ids,
-                                      cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")))
+                                      cache_salt=check_cache_salt(_text(raw.cache_salt, "cache_salt")),
+                                      chat_template=_chat_template(raw, bool(messages)))
+
+
+def _chat_template(raw: router_pb2.GenerateRequestBytes, chat: bool) -> common_pb2.ChatTemplateOptions:
+    """The chat template's options, decoded and checked; only with messages (a prompt has no template)."""
+    options = raw.chat_template
+    if not raw.HasField("chat_template"):
+        return common_pb2.ChatTemplateOptions()
+    typed = common_pb2.ChatTemplateOptions(continue_final_message=options.continue_final_message,
+                                           kwargs_json=_text(options.kwargs_json, "chat_template.kwargs_json"))
+    if options.HasField("add_generation_prompt"):
+        typed.add_generation_prompt = options.add_generation_prompt
+    if options_set(typed) and not chat:
+        raise invalid("chat_template options apply to messages (rendered with the chat template), not to a prompt",
+                      "chat_template")
+    chat_render(typed)
+    return typed
 
 
 def check_guides(s: common_pb2.SamplingParams) -> None:

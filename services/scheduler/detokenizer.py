@@ -47,6 +47,9 @@ class IncrementalDetokenizer:
     # Stop strings count only once this many tokens were added (a request's min_tokens): the
     # text before is emitted as it comes and the matching starts after it.
     min_tokens: int = 0
+    # The stop string that ends the output is streamed too (vLLM's include_stop_str_in_output);
+    # by default it is cut off with what follows it.
+    include_stop: bool = False
 
     # The stop string that ended the output, or None.
     stop_string: str | None = field(default=None, init=False)
@@ -149,7 +152,7 @@ class IncrementalDetokenizer:
         # Only `delta` needs reading: each stop string's matcher already went through the rest.
         cut = self._first_stop(buf, len(self._pending))
         if cut is not None:
-            out = buf[:cut[0]]
+            out = buf[:cut[0] + (len(cut[1]) if self.include_stop else 0)]
             self.stop_string = cut[1]
             self._pending = ""
         elif final:

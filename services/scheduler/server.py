@@ -24,14 +24,12 @@ from services.common.cluster_auth import ClusterTrust
 from services.common.config import AutoscaleConfig, SchedulerConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
-from services.common.grammar import check_structured
 from services.common.grpc_server import run_server
 from services.common.intake import PriorityIntake
 from services.common.metrics import RequestMetrics, StateCollector, serve_metrics
 from services.common.priority import HIGH, ORDER, Priority, priority_name
 from services.common.proto.qos.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from services.common.step import FinishReason, guides_set
-from services.common.token_bytes import byte_table
+from services.common.step import FinishReason
 from services.common.tokenizer import TextTokenizer
 from services.common.wire import prompt_chars
 from services.common.tracing import TRACEPARENT, extract_metadata, setup_tracing, shutdown_tracing, traceparent
@@ -39,7 +37,6 @@ from services.scheduler.admission import Admission, pool_limits
 from services.scheduler.long_context import StreamSettings, choose_window
 from services.scheduler.request_trace import end_request_trace
 from services.scheduler.batcher import ContinuousBatcher
-from services.scheduler.chat_tools import chat_turns
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.link_session import LinkSession
 from services.scheduler.monitor import ResourceMonitor
@@ -47,6 +44,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.pool_adapters import PoolAdapters
 from services.scheduler.prefix_cache import PrefixCache
+from services.scheduler.prompt_intake import check_allowed, tokenized, truncated
 from services.scheduler.request import Request, check_token_ids, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
@@ -158,7 +156,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         check_token_ids(submit.sampling.stop_token_ids, self.tokenizer.vocab_size, "sampling.stop_token_ids")
         check_token_ids(sorted(submit.sampling.logit_bias), self.tokenizer.vocab_size, "sampling.logit_bias", keyed=True)
+        check_allowed(submit.sampling, self.tokenizer.vocab_size,
+                      {i for l in self.batcher.links if l.info is not None for i in l.info.eos_token_ids})
         limits = self._limits()
+        prompt_ids = truncated(prompt_ids, submit.sampling, limits.max_context)
         window = choose_window(submit.context_mode, submit.priority, len(prompt_ids), submit.sampling,
                                limits.max_context, limits.block_size, self.streaming)
         if window is not None and submit.sampling.HasField("prompt_logprobs"):
@@ -171,7 +172,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
             detokenizer=IncrementalDetokenizer(self.tokenizer.tokenizer, prompt_ids,
                                                stop=list(submit.sampling.stop),
-                                               min_tokens=sampling.min_tokens),
+                                               min_tokens=sampling.min_tokens,
+                                               skip_special_tokens=submit.sampling.skip_special_tokens
+                                               if submit.sampling.HasField("skip_special_tokens") else True,
+                                               include_stop=submit.sampling.include_stop_str_in_output),
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
             cache_scope=submit.cache_scope, stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
             window=window)
@@ -188,21 +192,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
 
     def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
-        if submit.sampling.HasField("logprobs") or submit.sampling.HasField("prompt_logprobs"):
-            byte_table(self.tokenizer)      # for the chunks' token bytes: built once, off the event loop
-        # A structured output the workers could not compile is refused here, at once.
-        if guides_set(submit.sampling):
-            check_structured(submit.sampling, byte_table(self.tokenizer))
-        if submit.prompt_token_ids:
-            check_token_ids(submit.prompt_token_ids, self.tokenizer.vocab_size, "prompt_token_ids")
-            return list(submit.prompt_token_ids)
-        if not submit.messages:
-            return self.tokenizer.encode(submit.prompt)
-        messages, tools = chat_turns(submit, self.tokenizer.chat_template, self.model_name)
-        try:
-            return self.tokenizer.encode_chat(messages, tools)
-        except ValueError as exc:   # no template, or the template refused the conversation
-            raise invalid(f"messages: {exc}", field="messages") from exc
+        return tokenized(submit, self.tokenizer, self.model_name)
 
     # --- RPCs -----------------------------------------------------------------------------------
 
@@ -316,7 +306,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             ids = await asyncio.to_thread(self.tokenizer.encode, request.prompt, True)
         else:
             ids = await asyncio.to_thread(self._tokenize, scheduler_pb2.SubmitRequest(
-                prompt=request.prompt, messages=request.messages))
+                prompt=request.prompt, messages=request.messages, chat_template=request.chat_template))
         strs = [self.tokenizer.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else []
         return scheduler_pb2.TokenizeReply(token_ids=ids, max_model_len=self._limits().max_context, token_strs=strs)
 

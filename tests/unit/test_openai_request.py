@@ -374,10 +374,11 @@ def test_vllm_extras_at_their_defaults_are_taken_and_anything_else_named():
     another value is a 400 naming the parameter, never ignored."""
     for kind, body in ((CHAT, {"model": "m", "messages": MESSAGES}), (COMPLETION, {"model": "m", "prompt": "x"})):
         parse_openai(kind, json.dumps({**body, **VLLM_DEFAULTS}).encode())
-    for name, other in (("use_beam_search", True), ("length_penalty", 0.8), ("include_stop_str_in_output", True),
-                        ("skip_special_tokens", False), ("add_generation_prompt", False),
-                        ("truncate_prompt_tokens", 100), ("chat_template", "{{ messages }}")):
-        error = refused(CHAT, json.dumps({"model": "m", "messages": MESSAGES, name: other}).encode())
+    for kind, name, other in ((CHAT, "use_beam_search", True), (CHAT, "length_penalty", 0.8),
+                              (CHAT, "chat_template", "{{ messages }}"), (COMPLETION, "add_generation_prompt", False),
+                              (COMPLETION, "continue_final_message", True), (COMPLETION, "chat_template_kwargs", {"a": 1})):
+        body = {"model": "m", **({"messages": MESSAGES} if kind == CHAT else {"prompt": "x"}), name: other}
+        error = refused(kind, json.dumps(body).encode())
         assert error.field == name and "not supported" in error.message
 
 

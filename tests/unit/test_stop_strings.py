@@ -43,6 +43,15 @@ def test_stopped_as_soon_as_the_stop_string_completes(tok):
     assert detok.flush() == "" and detok.text == "Answer: 42"
 
 
+def test_the_stop_string_is_kept_when_asked_and_nothing_after_it(tok):
+    # vLLM's include_stop_str_in_output: the output ends with the stop string, not before it.
+    text = "Sure, here it is.\n\nUser: and now something else"
+    for stop in ("\n\nUser:", "here"):
+        deltas, tail, detok = stream(tok, encode(tok, text), stop=[stop], include_stop=True)
+        assert detok.stop_string == stop
+        assert "".join(deltas) + tail == text[:text.index(stop) + len(stop)] == detok.text
+
+
 def test_stop_string_inside_a_token(tok):
     text = "The capital of France"
     ids = encode(tok, text)
