@@ -82,6 +82,12 @@ class WithoutTenants:
                 yield family
 
 
+async def _client_gone(http: Request, exc: ClientDisconnect) -> Response:
+    """The client hung up while sending its body (any endpoint): nobody is left to answer, and
+    nothing went wrong here, so no error is logged (unhandled, Starlette logged a traceback)."""
+    return Response(status_code=499)
+
+
 class _EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
@@ -114,7 +120,7 @@ class HttpFront:
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={HTTPException: self._http_error})
+        ], exception_handlers={HTTPException: self._http_error, ClientDisconnect: _client_gone})
         self.server: _EmbeddedServer | None = None
         self.task: asyncio.Task | None = None
 
@@ -129,7 +135,7 @@ class HttpFront:
         try:
             headers = request_headers(http.headers.items(), self.book.required)
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
-            request = parse_openai(kind, await self._body(http))
+            request = parse_openai(kind, await self.body(http))
             label = class_header(request, headers.get(PRIORITY_HEADER))
             if label is not None:
                 headers[PRIORITY_HEADER] = label
@@ -153,18 +159,18 @@ class HttpFront:
         except ServiceError as error:
             self.router.totals.refused_early(error)
             return error_response(error, request)
-        except ClientDisconnect:      # gone while sending the body: nobody to answer
-            return Response(status_code=499)
         return GenerationResponse(self, head, caller, request, extract_metadata(http.headers.items()))
 
-    def _caller(self, http: Request):
+    def caller(self, http: Request):
+        """Who sends the request: its key's tenant (or, with auth off, x-tenant's); UNAUTHENTICATED
+        when auth is required and the key is missing or unknown."""
         headers = request_headers(http.headers.items(), self.book.required)
         return self.book.authenticate(headers.get("authorization"), headers.get(TENANT_HEADER, ""))
 
     async def usage(self, http: Request) -> Response:
         """GET /v1/usage[?tenant=T][&since=UNIX_S]: from the ledger; a tenant key sees its own."""
         try:
-            usage = await self.accounts.usage(self._caller(http), http.query_params.get("tenant"),
+            usage = await self.accounts.usage(self.caller(http), http.query_params.get("tenant"),
                                               unix_seconds(http.query_params.get("since"), "since"))
         except ServiceError as error:
             return error_response(error)
@@ -173,7 +179,7 @@ class HttpFront:
     async def alerts(self, http: Request) -> Response:
         """GET /v1/alerts: Router.Alerts as JSON (objectives now, open and recent alerts)."""
         try:
-            caller = self._caller(http)
+            caller = self.caller(http)
         except ServiceError as error:
             return error_response(error)
         # The admin sees every objective; a tenant's key its own; with auth off, the cluster-wide
@@ -195,7 +201,7 @@ class HttpFront:
         try:
             self._admin(http, "loading and unloading LoRA adapters")
             try:
-                body = json.loads(await self._body(http) or b"{}")
+                body = json.loads(await self.body(http) or b"{}")
             except json.JSONDecodeError as exc:
                 raise ServiceError(ErrorKind.INVALID, f"the body is not JSON: {exc}", reason="invalid_json") from None
             if not isinstance(body, dict):
@@ -220,7 +226,7 @@ class HttpFront:
         the cluster in every mode; with auth on a tenant's key sees its own tenant; with auth off
         nobody else is anyone (a tenant is whatever x-tenant says), so the page asks for the key."""
         try:
-            caller = self._caller(http)
+            caller = self.caller(http)
             if not caller.admin and not self.book.required:
                 self._admin(http, "the console's cluster view", caller)
         except ServiceError as error:
@@ -231,35 +237,37 @@ class HttpFront:
 
     async def request_status(self, http: Request) -> Response:
         try:
-            found = await self.accounts.request(self._caller(http), http.path_params["request_id"])
+            found = await self.accounts.request(self.caller(http), http.path_params["request_id"])
         except ServiceError as error:
             return error_response(error)
         return JSONResponse({"object": "request", **found})
 
     async def cancel(self, http: Request) -> Response:
         try:
-            entry = self.accounts.cancel(self._caller(http), http.path_params["request_id"])
+            entry = self.accounts.cancel(self.caller(http), http.path_params["request_id"])
         except ServiceError as error:
             return error_response(error)
         return JSONResponse({"object": "request", "request_id": entry.request_id, "tenant": entry.tenant,
                              "status": "cancelled"})
 
-    async def _body(self, http: Request) -> bytes:
+    async def body(self, http: Request) -> bytes:
+        """The request's body within the front's size and time limits (http_body.py)."""
         return await read_body(http, self.config.http_max_body_bytes, self.config.http_read_timeout_s)
 
     async def models(self, http: Request) -> Response:
-        return JSONResponse({"object": "list", "data": list(self._models().values())})
+        return JSONResponse({"object": "list", "data": list(self.served_models().values())})
 
     async def model(self, http: Request) -> Response:
         """GET /v1/models/{model} (OpenAI's retrieve): one entry of the list, or 404."""
         name = http.path_params["model"]
-        found = self._models().get(name)
+        found = self.served_models().get(name)
         if found is None:
             return error_response(ServiceError(ErrorKind.NOT_FOUND, f"the model {name[:200]!r} is not served here "
                                                "(GET /v1/models lists them)", field="model", reason="model_not_found"))
         return JSONResponse(found)
 
-    def _models(self) -> dict[str, dict]:
+    def served_models(self) -> dict[str, dict]:
+        """/v1/models' entries by id: each model a pool serves, and each LoRA adapter."""
         seen = {}
         for stats in self.pools.latest_stats():
             if stats.model and stats.max_context:
@@ -288,7 +296,7 @@ class HttpFront:
         tenant's requests, and a tenant that subtracted its own would read another's. With auth
         off (tenants are labels) anyone, less the series labelled with a tenant (SLA objectives)."""
         try:
-            caller = self._caller(http)
+            caller = self.caller(http)
             admin = caller.admin
             if self.book.required and not admin:
                 self._admin(http, "with auth on, the router's metrics (they count every tenant's requests)", caller)
@@ -302,7 +310,7 @@ class HttpFront:
     def _admin(self, http: Request, what: str, caller=None) -> None:
         """Refuses `what` to anyone without the admin key, auth on or off (PERMISSION_DENIED);
         `caller`: the request's, where the endpoint has authenticated it already."""
-        if (caller or self._caller(http)).admin:
+        if (caller or self.caller(http)).admin:
             return
         hint = "" if self.book.admin_key else "; none is configured: set [auth] admin_key or $QOS_ADMIN_KEY"
         raise ServiceError(ErrorKind.PERMISSION_DENIED, f"{what} needs the admin key{hint}",

@@ -79,9 +79,9 @@ async def detokenize(front, http: Request) -> Response:
 async def _request(front, http: Request, fields: set[str]) -> tuple[dict, object]:
     """The caller checked (a key, with auth required), the body read and its fields checked, and
     the handle of a pool serving its model."""
-    front._caller(http)
+    front.caller(http)
     try:
-        body = json.loads(await front._body(http) or b"null")
+        body = json.loads(await front.body(http) or b"null")
     except (ValueError, RecursionError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):
@@ -93,7 +93,7 @@ async def _request(front, http: Request, fields: set[str]) -> tuple[dict, object
     if "model" not in body:
         raise invalid("model is required", "model")
     model = text_field(body["model"], "model", allow_empty=False)
-    served = front._models().get(model)
+    served = front.served_models().get(model)
     handles = [front.pools.handles[p] for p in (served or {}).get("pools", ()) if p in front.pools.handles]
     if not handles:
         raise ServiceError(ErrorKind.NOT_FOUND, f"the model {model[:200]!r} is not served here (GET /v1/models "

@@ -148,6 +148,33 @@ def test_a_body_declared_far_over_the_limit_is_refused_without_waiting_for_it(cl
     assert head.split()[1] == b"413" and json.loads(body)["error"]["code"] == "body_too_large"
 
 
+def test_a_client_gone_in_mid_body_is_no_error_at_any_endpoint(cluster):
+    """A client that hangs up while sending its body: nobody to answer and nothing wrong here, so
+    the router logs no error (the endpoints beside generation let Starlette log a traceback)."""
+    log = cluster.log_dir / "router.log"
+    before = log.stat().st_size
+
+    async def hang_up_in_mid_body(path: str) -> None:
+        router = cluster.config.router
+        reader, writer = await asyncio.open_connection(router.host, router.http_port)
+        writer.write(f"POST {path} HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n"
+                     f"\r\n".encode() + b'{"model": "x", "prompt": "half of a')
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+
+    for path in ("/tokenize", "/detokenize", "/v1/chat/completions", "/v1/completions"):
+        run(hang_up_in_mid_body(path))
+    async def healthy():
+        exchange = await Exchange.post(cluster, "/detokenize", with_model(cluster, {"model": "", "tokens": [1]}))
+        return exchange.status
+    assert run(healthy()) == 200
+    with open(log, "rb") as logged:
+        logged.seek(before)
+        added = logged.read().decode(errors="replace")
+    assert "Traceback" not in added and "ClientDisconnect" not in added, added[-2000:]
+
+
 def test_a_full_queue_is_a_429_with_retry_after(cluster):
     async def go():
         running = await Exchange.post(cluster, "/v1/completions", with_model(cluster, completion(400)),
