@@ -43,6 +43,7 @@ from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_class import class_header
 from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.responses_request import RESPONSES, parse_responses
 from services.router.openai_response import error_body
 from services.router.http_timeouts import read_timeout_protocol
 from services.router.validation import request_headers
@@ -105,6 +106,7 @@ class HttpFront:
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/tokenize", functools.partial(tokenize_front.tokenize, self), methods=["POST"]),
@@ -130,12 +132,17 @@ class HttpFront:
     async def completions(self, http: Request) -> Response:
         return await self._generation(http, COMPLETION)
 
+    async def responses(self, http: Request) -> Response:
+        """OpenAI's Responses API: a chat request in other words (responses_request.py)."""
+        return await self._generation(http, RESPONSES)
+
     async def _generation(self, http: Request, kind: str) -> Response:
         request = None
         try:
             headers = request_headers(http.headers.items(), self.book.required)
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
-            request = parse_openai(kind, await self.body(http))
+            raw = await self.body(http)
+            request = parse_responses(raw) if kind == RESPONSES else parse_openai(kind, raw)
             label = class_header(request, headers.get(PRIORITY_HEADER))
             if label is not None:
                 headers[PRIORITY_HEADER] = label

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 from starlette.responses import JSONResponse, Response
@@ -18,6 +17,7 @@ from services.control.tenancy import Caller
 from services.router.choices import choice_body, choice_heads, merged, one_choice
 from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.openai_response import OpenAIResponse, error_body
+from services.router.responses_output import ResponsesAnswer
 from services.router.validation import RequestHead, check_sampling
 
 TOKEN_IDS = "prompt_token_ids"     # the scheduler's name for a prompt given as token ids
@@ -25,12 +25,14 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
                "x-accel-buffering": "no"}
 
 
-def to_json(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
 def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
     """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
+    if request is not None and request.responses is not None:     # a Responses body names them its way
+        return request.responses.param(_chat_param(field, request))
+    return _chat_param(field, request)
+
+
+def _chat_param(field: str | None, request: OpenAIRequest | None) -> str | None:
     if field is not None and field.startswith("chat_template."):    # ChatTemplateOptions' are the body's own
         return field.removeprefix("chat_template.").replace("kwargs_json", "chat_template_kwargs")
     if field is None or request is None:
@@ -99,7 +101,8 @@ class GenerationResponse(Response):
 
     async def _answer(self, scope, send) -> None:
         request, head = self.request, self.head
-        out = OpenAIResponse(request, head.request_id, int(time.time()), head.priority)
+        answer = OpenAIResponse if request.responses is None else ResponsesAnswer
+        out = answer(request, head.request_id, int(time.time()), head.priority)
 
         if request.choices == 1:
             chunks = one_choice(self._serve(head, request.body))
@@ -119,8 +122,7 @@ class GenerationResponse(Response):
             cancelled = ServiceError(ErrorKind.CANCELLED, f"request {head.request_id} was cancelled",
                                      reason="cancelled")
             if self.started:
-                await send({"type": "http.response.body", "more_body": False, "body": b"data: " + to_json(
-                    error_body(cancelled, None)) + b"\n\n"})
+                await send({"type": "http.response.body", "more_body": False, "body": out.failed(cancelled, None)})
             else:
                 await self._error(cancelled, scope, send)
         finally:
@@ -167,14 +169,13 @@ class GenerationResponse(Response):
         self.started = True
         try:
             while True:
-                body = b"".join(b"data: " + to_json(e) + b"\n\n" for e in out.events(index, chunk))
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await send({"type": "http.response.body", "body": out.frames(index, chunk), "more_body": True})
                 if out.finished:
                     break
                 index, chunk = await anext(chunks)
-            tail = b"data: [DONE]\n\n"
+            tail = out.end()
         except ServiceError as error:
-            tail = b"data: " + to_json(error_body(error, http_param(error.field, self.request))) + b"\n\n"
+            tail = out.failed(error, http_param(error.field, self.request))
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 

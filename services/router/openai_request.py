@@ -91,6 +91,7 @@ class OpenAIRequest:
     prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
     prompt_only: bool = False            # echo with max_tokens 0: the prompt, and no answer
     tokens_as_ids: bool = False          # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+    responses: object = None             # a Responses API request's ResponsesEcho (responses_request.py)
 
     @property
     def choices(self) -> int:
@@ -99,7 +100,7 @@ class OpenAIRequest:
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
-    body = _json_object(raw)
+    body = json_object(raw)
     for name, value in body.items():
         if name in FIELDS[kind] or value is None:
             continue
@@ -144,7 +145,7 @@ def _same_json(value, expected) -> bool:
     return value == expected
 
 
-def _json_object(raw: bytes) -> dict:
+def json_object(raw: bytes) -> dict:
     if not raw.strip():
         raise invalid("the request body is empty: send a JSON object", "body")
     try:

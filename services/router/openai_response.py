@@ -10,6 +10,8 @@ ServiceError -> OpenAI's error body. Pure: dicts in, dicts out; the HTTP front s
 """
 from __future__ import annotations
 
+import json
+
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
@@ -17,6 +19,10 @@ from services.router.openai_class import TIER_OF
 from services.router.openai_logprobs import LogprobsView, token_text, vllm_prompt_logprobs
 from services.router.openai_request import CHAT, OpenAIRequest
 from services.router.tool_call_output import TaggedCalls, ToolCalls
+
+
+def to_json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def finish_label(value: int) -> str | None:
@@ -154,6 +160,19 @@ class OpenAIResponse:
         return choice
 
     # --- Server-Sent Events -----------------------------------------------------------------------
+
+    def frames(self, index: int, chunk: common_pb2.GenerateChunk) -> bytes:
+        """The stream objects for one of our chunks, each a `data:` line."""
+        return b"".join(b"data: " + to_json(e) + b"\n\n" for e in self.events(index, chunk))
+
+    @staticmethod
+    def end() -> bytes:
+        return b"data: [DONE]\n\n"
+
+    @staticmethod
+    def failed(error: ServiceError, param: str | None) -> bytes:
+        """An error after the stream began: a last `data:` line with OpenAI's error body."""
+        return b"data: " + to_json(error_body(error, param)) + b"\n\n"
 
     def events(self, index: int, chunk: common_pb2.GenerateChunk) -> list[dict]:
         """The stream objects for one of our chunks (several tokens may arrive merged)."""

@@ -20,6 +20,8 @@ from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.local.cluster import LocalCluster
 from services.router.openai_class import TIERS
 from services.router.openai_request import FIELDS, MAX_CHOICES, NEUTRAL
+from services.router.responses_request import NEUTRAL as RESPONSES_NEUTRAL
+from services.router.responses_request import OWN, PASSED
 from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow
@@ -79,6 +81,7 @@ BAD = {
     "tools": st.lists(st.dictionaries(st.text(max_size=3), st.integers()), min_size=1, max_size=2),
 }
 KNOWN = FIELDS["chat"] | set(NEUTRAL)
+RESPONSES_KNOWN = PASSED | OWN | set(RESPONSES_NEUTRAL)
 
 
 def base_body(model: str) -> dict:
@@ -117,11 +120,11 @@ def render(model: str, kind: str, value) -> bytes:
     return value
 
 
-def post(cluster, raw: bytes) -> tuple[int, dict]:
+def post(cluster, raw: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict]:
     router = cluster.config.router
     conn = http.client.HTTPConnection(router.host, router.http_port, timeout=10)
     try:
-        conn.request("POST", "/v1/chat/completions", body=raw, headers={"content-type": "application/json"})
+        conn.request("POST", path, body=raw, headers={"content-type": "application/json"})
         response = conn.getresponse()
         return response.status, json.loads(response.read())
     finally:
@@ -148,6 +151,60 @@ def test_http_bodies_get_a_4xx_naming_the_field(cluster):
     assert sum(statuses.values()) >= HTTP_EXAMPLES and statuses.get(400, 0) > HTTP_EXAMPLES // 2
     status, answer = post(cluster, json.dumps(base_body(model)).encode())     # still serving
     assert status == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+# --- HTTP: the Responses API ---------------------------------------------------------------------
+
+RESPONSES_EXAMPLES = 500
+ITEM_BAD = st.one_of(anything_but("dict"), st.dictionaries(st.text(max_size=6), anything_but(), max_size=3),
+                     st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                            "content": st.one_of(anything_but("str", "list"), st.lists(
+                                                st.dictionaries(st.text(max_size=5), st.text(max_size=4)),
+                                                min_size=1, max_size=2))}),
+                     st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output",
+                                                                     "reasoning", "input_image"]),
+                                            "call_id": anything_but("str")}))
+RESPONSES_BAD = {
+    "model": BAD["model"], "temperature": BAD["temperature"], "top_p": BAD["top_p"], "stream": BAD["stream"],
+    "input": st.one_of(anything_but("str", "list"), st.just([]), st.lists(ITEM_BAD, min_size=1, max_size=3)),
+    "instructions": anything_but("str"),
+    "max_output_tokens": st.one_of(st.integers(max_value=0), st.integers(min_value=2**31), anything_but("int")),
+    "text": st.one_of(anything_but("dict"), st.fixed_dictionaries({"format": st.one_of(
+        anything_but("dict"), st.dictionaries(st.sampled_from(["type", "name", "schema"]), anything_but(),
+                                              min_size=1))})),
+    "tools": st.one_of(anything_but("list"), st.lists(st.one_of(anything_but("dict"), st.fixed_dictionaries(
+        {"type": st.text(max_size=8).filter(lambda t: t != "function")})), min_size=1, max_size=2)),
+    "tool_choice": st.one_of(st.text(max_size=8).filter(lambda t: t not in ("none",)), anything_but("str")),
+    "include": st.one_of(anything_but("list"), st.lists(st.text(max_size=10), min_size=1, max_size=2)),
+    "store": st.just(True), "background": st.just(True), "previous_response_id": anything_but(),
+    "metadata": st.one_of(anything_but("dict"), st.dictionaries(st.text(max_size=4), anything_but("str"),
+                                                                min_size=1, max_size=2)),
+}
+responses_bodies = st.one_of(
+    st.sampled_from(sorted(RESPONSES_BAD)).flatmap(lambda f: st.tuples(st.just(f), RESPONSES_BAD[f])),
+    st.tuples(st.text(min_size=1, max_size=12).filter(lambda k: k not in RESPONSES_KNOWN), anything_but()),
+)
+
+
+def test_responses_bodies_get_a_4xx_naming_the_field(cluster):
+    model = Path(cluster.config.model).name
+    statuses: dict[int, int] = {}
+
+    @settings(FUZZ, max_examples=RESPONSES_EXAMPLES)
+    @given(responses_bodies)
+    def check(case):
+        field, bad = case
+        status, answer = post(cluster, json.dumps({"model": model, "input": "Hi", "max_output_tokens": 2,
+                                                   field: bad}).encode(), "/v1/responses")
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status in (400, 404), (case, status, answer)
+        assert isinstance(answer["error"]["param"], str) and answer["error"]["param"], (case, answer)
+
+    check()
+    print(f"\nResponses fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+    status, answer = post(cluster, json.dumps({"model": model, "input": "Hi", "max_output_tokens": 2}).encode(),
+                          "/v1/responses")
+    assert status == 200 and answer["usage"]["output_tokens"] == 2
 
 
 # --- gRPC ---------------------------------------------------------------------------------------
