@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import MISSING, Field, fields
 
+from services.common.batch_config import BatchConfig
 from services.common.config import (AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
                                     ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, SecurityConfig,
                                     SlaConfig, StoreConfig, WorkerConfig)
@@ -31,6 +32,7 @@ TABLES = [
     ("[[sla]]", SlaConfig, "An SLA contract, judged over a rolling window (default: High TTFT P99 <= 200 ms, "
                            "success >= 99.9%). An empty list turns SLA alerts off."),
     ("[alerts]", AlertsConfig, "Where alerts go."),
+    ("[batches]", BatchConfig, "OpenAI's Batch API, run by the routers."),
 ]
 
 

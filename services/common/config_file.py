@@ -8,6 +8,7 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
+from services.common.batch_config import BatchConfig
 from services.common.config import (
     AdapterConfig,
     AlertsConfig,
@@ -167,7 +168,7 @@ def _check_router(router: RouterConfig) -> None:
 
 
 TABLES = ("router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth", "security", "billing",
-          "sla", "alerts")
+          "sla", "alerts", "batches")
 
 
 def parse_config(raw: dict) -> ClusterConfig:
@@ -204,6 +205,7 @@ def parse_config(raw: dict) -> ClusterConfig:
     cluster.auth = _section(AuthConfig, raw.get("auth", {}), "auth")
     cluster.security = _section(SecurityConfig, raw.get("security", {}), "security")
     cluster.billing = _section(BillingConfig, raw.get("billing", {}), "billing")
+    cluster.batches = _section(BatchConfig, raw.get("batches", {}), "batches")
     return cluster
 
 

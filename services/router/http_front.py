@@ -39,6 +39,7 @@ from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.sla import ALL_TENANTS
 from services.router import tokenize_front
+from services.router.batch_front import BatchFront
 from services.router.http_body import read_body
 from services.router.http_generation import GenerationResponse, error_response
 from services.router.openai_class import class_header
@@ -103,12 +104,22 @@ class HttpFront:
         self.registry = router.totals.registry
         self.config = config
         self.started = int(time.time())
+        batch = BatchFront(self, router.batches, router.batch_config, router.batch_wake)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/files", batch.upload, methods=["POST"]),
+            Route("/v1/files", batch.list_files, methods=["GET"]),
+            Route("/v1/files/{file_id}", batch.file, methods=["GET"]),
+            Route("/v1/files/{file_id}", batch.delete_file, methods=["DELETE"]),
+            Route("/v1/files/{file_id}/content", batch.file_content, methods=["GET"]),
+            Route("/v1/batches", batch.create, methods=["POST"]),
+            Route("/v1/batches", batch.list_batches, methods=["GET"]),
+            Route("/v1/batches/{batch_id}", batch.batch, methods=["GET"]),
+            Route("/v1/batches/{batch_id}/cancel", batch.cancel, methods=["POST"]),
             Route("/tokenize", functools.partial(tokenize_front.tokenize, self), methods=["POST"]),
             Route("/detokenize", functools.partial(tokenize_front.detokenize, self), methods=["POST"]),
             Route("/v1/usage", self.usage, methods=["GET"]),

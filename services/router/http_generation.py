@@ -101,14 +101,8 @@ class GenerationResponse(Response):
 
     async def _answer(self, scope, send) -> None:
         request, head = self.request, self.head
-        answer = OpenAIResponse if request.responses is None else ResponsesAnswer
-        out = answer(request, head.request_id, int(time.time()), head.priority)
-
-        if request.choices == 1:
-            chunks = one_choice(self._serve(head, request.body))
-        else:
-            heads = choice_heads(head, request.n, request.choices)
-            chunks = merged([self._choice(g, h) for g, h in enumerate(heads)], heads)
+        out = answer_object(request, head)
+        chunks = choice_chunks(self.front.path, head, self.caller, request, self.parent)
         self.started = False
         try:
             if request.stream:
@@ -127,25 +121,6 @@ class GenerationResponse(Response):
                 await self._error(cancelled, scope, send)
         finally:
             await chunks.aclose()      # cancelled mid-way: the relay cancels the scheduler's call
-
-    def _choice(self, index: int, head: RequestHead):
-        """Choice `index` of several: its own copy of the request (a batch's prompt, its seed)."""
-        request = self.request
-        if len(request.prompts) <= 1:
-            return self._serve(head, choice_body(request.body, head.choice))
-        prompt = index // request.n
-        return _in_prompt(self._serve(head, choice_body(request.body, head.choice, request.prompts[prompt])), prompt)
-
-    def _serve(self, head: RequestHead, body):
-        """One choice's request on the shared path."""
-        def read_body(max_context: int | None):
-            check_sampling(body.sampling, max_context)
-            return body
-
-        estimate = estimate_tokens(prompt_chars(body),
-                                   body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
-        return self.front.path.serve(head, read_body, self.caller, estimate, self.parent,
-                                     {"qos.user": self.request.user})
 
     async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
         try:
@@ -177,6 +152,54 @@ class GenerationResponse(Response):
         except ServiceError as error:
             tail = out.failed(error, http_param(error.field, self.request))
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def answer_object(request: OpenAIRequest, head: RequestHead):
+    """What a request's chunks become: a chat or completion object, or a Responses API one."""
+    answer = OpenAIResponse if request.responses is None else ResponsesAnswer
+    return answer(request, head.request_id, int(time.time()), head.priority)
+
+
+def choice_chunks(path, head: RequestHead, caller: Caller, request: OpenAIRequest, parent):
+    """(choice index, chunk) of a request on the shared path: one stream, or a request a choice
+    merged (n choices, a batch of prompts; services/router/choices.py)."""
+    if request.choices == 1:
+        return one_choice(_serve(path, head, caller, request, request.body, parent))
+    heads = choice_heads(head, request.n, request.choices)
+    streams = []
+    for index, choice_head in enumerate(heads):
+        if len(request.prompts) <= 1:
+            streams.append(_serve(path, choice_head, caller, request, choice_body(request.body, choice_head.choice),
+                                  parent))
+        else:       # a batch's prompt, its seed
+            prompt = index // request.n
+            body = choice_body(request.body, choice_head.choice, request.prompts[prompt])
+            streams.append(_in_prompt(_serve(path, choice_head, caller, request, body, parent), prompt))
+    return merged(streams, heads)
+
+
+async def whole_answer(path, head: RequestHead, caller: Caller, request: OpenAIRequest, parent=None) -> dict:
+    """A request's whole answer object (not streamed); a ServiceError when it is refused or fails."""
+    out = answer_object(request, head)
+    chunks = choice_chunks(path, head, caller, request, parent)
+    try:
+        async for index, chunk in chunks:
+            out.add(index, chunk)
+            if out.finished:
+                break
+    finally:
+        await chunks.aclose()
+    return out.body()
+
+
+def _serve(path, head: RequestHead, caller: Caller, request: OpenAIRequest, body, parent):
+    """One choice's request on the shared path."""
+    def read_body(max_context: int | None):
+        check_sampling(body.sampling, max_context)
+        return body
+
+    estimate = estimate_tokens(prompt_chars(body), body.sampling.max_tokens if body.sampling.HasField("max_tokens") else None)
+    return path.serve(head, read_body, caller, estimate, parent, {"qos.user": request.user})
 
 
 async def _in_prompt(stream, index: int):

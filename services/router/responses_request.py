@@ -87,7 +87,7 @@ def parse_responses(raw: bytes) -> OpenAIRequest:
     _tools(body, chat)
     _logprobs(body, chat)
     if body.get("metadata") is not None:
-        echo.fields["metadata"] = _metadata(body["metadata"])
+        echo.fields["metadata"] = check_metadata(body["metadata"])
     try:
         request = parse_openai(CHAT, json.dumps(chat).encode())
     except ServiceError as error:
@@ -224,7 +224,7 @@ def _logprobs(body: dict, chat: dict) -> None:
         raise invalid(f"top_logprobs needs include: [{LOGPROBS_INCLUDE!r}]", "top_logprobs")
 
 
-def _metadata(value) -> dict:
+def check_metadata(value) -> dict:
     # OpenAI's bounds: 16 keys of up to 64 characters, string values of up to 512.
     if not isinstance(value, dict) or len(value) > 16 or any(
             not isinstance(k, str) or len(k) > 64 or not isinstance(v, str) or len(v) > 512 for k, v in value.items()):

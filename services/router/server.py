@@ -33,11 +33,13 @@ from services.control.process_view import ProcessView
 from services.control.sla import ALL_TENANTS
 from services.control.sla_monitor import SlaMonitor
 from services.control.tenancy import Caller, TenantBook, store_metrics
+from services.router.batch_runner import BatchRunner
 from services.router.http_front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals
 from services.router.validation import RequestHead, decode_request, parse_head, request_headers
+from services.store.batch_store import BatchStore
 from services.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ class RouterService:
                                 router.cache_scope)
         self.drain = drain or Drain("router")
         self.console = ConsoleFeed(self)
+        # OpenAI's Batch API: files and jobs in the store, run here in the background
+        self.batches, self.batch_config, self.batch_wake = BatchStore(store), config.batches, asyncio.Event()
+        self.batch_runner = BatchRunner(self, self.batches, config.batches, self.batch_wake)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -79,7 +84,8 @@ class RouterService:
                       asyncio.create_task(self.book.keep_fresh()),
                       asyncio.create_task(self.ledger.run()),
                       asyncio.create_task(self.sla.run()),
-                      asyncio.create_task(self.console.run())]
+                      asyncio.create_task(self.console.run()),
+                      asyncio.create_task(self.batch_runner.run())]
         if self.book.shared:
             self.tasks.append(asyncio.create_task(self.book.keep_shared()))
 

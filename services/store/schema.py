@@ -9,6 +9,10 @@ and its version.
                   so router replicas can re-read what a tenant spent twice a second, cheaply)
     limit_shares  router replicas' shares of each tenant's rpm/tpm/max_concurrent
                   (services/control/limit_shares.py): one row per replica, tenant and limit
+    files         files uploaded for the Batch API (their bytes too), each a tenant's
+    batches       Batch API jobs: input file, endpoint, status and its times, the replica that
+                  runs it (a lease), counts, output and error files
+    batch_results one row per finished line of a batch: what its output or error line says
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -16,12 +20,12 @@ must not write into a schema it does not know); an older one is upgraded by MIGR
 """
 from __future__ import annotations
 
-from sqlalchemy import (Column, Float, ForeignKey, Integer, MetaData, String, Table,
+from sqlalchemy import (Column, Float, ForeignKey, Integer, LargeBinary, MetaData, String, Table, Text,
                         UniqueConstraint)
 
 from services.common.priority import TENANT_NAME_MAX  # noqa: F401 (the store checks names by it)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 metadata = MetaData()
 
 schema_info = Table(
@@ -91,6 +95,53 @@ limit_shares = Table(
     Column("used", Integer, nullable=False),                 # what it had used when it wrote the row
     Column("demand", Float, nullable=False),                 # its recent asks (admitted + refused)
     Column("heartbeat", Float, nullable=False),              # unix seconds of its last exchange
+)
+
+files = Table(
+    "files", metadata,
+    Column("id", String(40), primary_key=True),              # file-<hex>
+    Column("tenant", String(64), nullable=False, index=True),
+    Column("purpose", String(16), nullable=False),           # batch | batch_output
+    Column("filename", String(256), nullable=False),
+    Column("bytes", Integer, nullable=False),
+    Column("content", LargeBinary, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+batches = Table(
+    "batches", metadata,
+    Column("id", String(40), primary_key=True),              # batch_<hex>
+    Column("tenant", String(64), nullable=False, index=True),
+    Column("key_prefix", String(16), nullable=False, default=""),   # the key that created it (billed with it)
+    Column("endpoint", String(32), nullable=False),
+    Column("input_file_id", String(40), nullable=False),
+    Column("status", String(16), nullable=False, index=True),
+    Column("total", Integer, nullable=False),                # lines of the input
+    Column("completed", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+    Column("errors", Text),                                  # JSON: why it failed validation
+    Column("meta", Text),                                    # JSON: the metadata the client sent
+    Column("output_file_id", String(40)),
+    Column("error_file_id", String(40)),
+    Column("owner", String(64)),                             # the router replica running it
+    Column("lease_until", Float),                            # ... until then (unix seconds)
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("in_progress_at", Float),
+    Column("finalizing_at", Float),
+    Column("completed_at", Float),
+    Column("failed_at", Float),
+    Column("cancelling_at", Float),
+    Column("cancelled_at", Float),
+    Column("expired_at", Float),
+)
+
+batch_results = Table(
+    "batch_results", metadata,
+    Column("batch_id", String(40), primary_key=True),
+    Column("line", Integer, primary_key=True),               # 0-based line of the input
+    Column("ok", Integer, nullable=False),                   # 1: an output line, 0: an error line
+    Column("text", Text, nullable=False),                    # the line, JSON
 )
 
 # version -> the statements that bring a database from version-1 to it (metadata.create_all has

@@ -1,0 +1,218 @@
+"""OpenAI's Batch API in pieces: the input file's checks (services/router/batch_lines.py), the
+multipart upload, the store's rows on SQLite and PostgreSQL (tenants apart, one runner at a time
+by lease, a line recorded once), and the runner on a stub request path (services/router/
+batch_runner.py): retries what says when to retry, records every other outcome once, writes the
+output and error files in the input's order, stops for a cancel and for a lost lease."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy import text
+
+from services.common.batch_config import BatchConfig
+from services.common.drain import Drain
+from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.proto.qos.v1 import common_pb2
+from services.router.batch_front import batch_object, multipart_form
+from services.router.batch_lines import read_lines
+from services.router.batch_runner import BatchRunner
+from services.router.validation import RequestHead
+from services.store.batch_store import BatchStore
+from services.store.store import Store
+from tests.postgres import database_url
+
+CHAT = "/v1/chat/completions"
+
+
+def line(custom_id: str, content: str = "Hi", **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT,
+                       "body": {"model": "m", "messages": [{"role": "user", "content": content}], **body}})
+
+
+def test_an_input_file_is_read_line_by_line_and_each_fault_named_with_its_line():
+    lines, errors = read_lines(f"{line('a')}\n{line('b', max_tokens=3)}\n\n".encode(), CHAT, 10)
+    assert not errors and [(l.number, l.custom_id) for l in lines] == [(0, "a"), (1, "b")]
+    assert lines[1].body["max_tokens"] == 3
+    bad = "\n".join([line("a"), line("a"), "{not json", json.dumps({"custom_id": "c", "method": "GET", "url": CHAT,
+                                                                    "body": {}}),
+                     line("d").replace(CHAT, "/v1/completions"), line("e", stream=True), line("")])
+    _, errors = read_lines(bad.encode(), CHAT, 10)
+    assert [(e["line"], e["code"]) for e in errors] == [(2, "duplicate_custom_id"), (3, "invalid_json_line"),
+                                                        (4, "invalid_request"), (5, "mismatched_endpoint"),
+                                                        (6, "invalid_request"), (7, "invalid_request")]
+    assert read_lines(b"", CHAT, 10)[1][0]["code"] == "empty_file"
+    assert read_lines(("\n".join(line(str(i)) for i in range(11))).encode(), CHAT, 10)[1][0]["code"] == "too_many_lines"
+    assert read_lines(b"\xff", CHAT, 10)[1][0]["code"] == "invalid_file"
+
+
+def test_a_multipart_upload_is_read_byte_for_byte():
+    data = b'{"a": 1}\r\n{"b": "\xc3\xa9"}\n'
+    body = (b"--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+            b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n--XyZ--\r\n")
+    form = multipart_form('multipart/form-data; boundary="XyZ"', body)
+    assert form == {"purpose": (None, b"batch"), "file": ("in.jsonl", data)}
+    with pytest.raises(ServiceError) as refused:
+        multipart_form("application/json", b"{}")
+    assert refused.value.field == "file"
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def url(request, tmp_path_factory):
+    with database_url(request.param, tmp_path_factory.mktemp("batches")) as url:
+        yield url
+
+
+@pytest.fixture
+def store(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        for table in ("batch_results", "batches", "files"):
+            db.execute(text(f"DELETE FROM {table}"))
+    yield BatchStore(store)
+    store.close()
+
+
+def new_batch(store: BatchStore, tenant: str = "alpha", lines: list[str] | None = None, created: float = 100.0) -> dict:
+    lines = lines or [line(f"r{i}") for i in range(3)]
+    upload = store.add_file(tenant, "batch", "in.jsonl", "\n".join(lines).encode(), created)
+    return store.add_batch({"id": f"batch_{tenant}{int(created)}", "tenant": tenant, "key_prefix": "",
+                            "endpoint": CHAT, "input_file_id": upload["id"], "status": "validating",
+                            "total": len(lines), "completed": 0, "failed": 0, "errors": None, "meta": None,
+                            "created_at": created, "expires_at": time.time() + 86400})
+
+
+def test_files_and_batches_are_their_tenants(store):
+    batch = new_batch(store)
+    assert store.file("beta", batch["input_file_id"]) is None and store.batch("beta", batch["id"]) is None
+    assert store.file_content("beta", batch["input_file_id"]) is None
+    assert not store.delete_file("beta", batch["input_file_id"]) and store.files("beta", None, None, 10) == []
+    assert store.file("alpha", batch["input_file_id"])["bytes"] > 0 and store.batch(None, batch["id"])
+    assert store.cancel("beta", batch["id"], 101) is None
+    assert store.batch("alpha", batch["id"])["status"] == "validating"      # beta's cancel changed nothing
+    later = new_batch(store, created=200.0)
+    assert [b["id"] for b in store.batches("alpha", None, 10)] == [later["id"], batch["id"]]   # newest first
+    assert [b["id"] for b in store.batches("alpha", later["id"], 10)] == [batch["id"]]
+
+
+def test_one_router_runs_a_batch_until_its_lease_is_over(store):
+    batch = new_batch(store)
+    assert store.claim("r1", 1000, 30)["id"] == batch["id"]
+    assert store.claim("r2", 1010, 30) is None                     # r1's lease holds
+    assert store.renew(batch["id"], "r1", 1020, 30) == "validating"
+    assert store.claim("r2", 1049, 30) is None
+    assert store.claim("r2", 1051, 30)["id"] == batch["id"]       # r1 stopped renewing
+    assert store.renew(batch["id"], "r1", 1052, 30) is None          # ... and learns it lost it
+    store.release(batch["id"], "r2")
+    assert store.claim("r1", 1053, 30)["id"] == batch["id"]
+
+
+def test_a_line_is_recorded_once_and_counted_once(store):
+    batch = new_batch(store)
+    assert store.record(batch["id"], 1, True, "one") and not store.record(batch["id"], 1, False, "again")
+    assert store.record(batch["id"], 0, False, "zero")
+    row = store.batch(None, batch["id"])
+    assert (row["completed"], row["failed"]) == (1, 1) and store.done_lines(batch["id"]) == {0, 1}
+    assert store.results(batch["id"]) == [(0, False, "zero"), (1, True, "one")]
+    store.finish(row, "completed", 2000, b"one\n", b"zero\n")
+    done = store.batch("alpha", batch["id"])
+    assert done["status"] == "completed" and done["owner"] is None and done["completed_at"] == 2000
+    assert store.file_content("alpha", done["output_file_id"]) == b"one\n"
+    assert store.file("alpha", done["error_file_id"])["purpose"] == "batch_output"
+    assert batch_object(done)["request_counts"] == {"total": 3, "completed": 1, "failed": 1}
+    assert store.cancel("alpha", batch["id"], 2001)["status"] == "completed"     # over: nothing to cancel
+
+
+class StubPath:
+    """The request path's serve(): a refusal with retry advice the first `busy` times a request
+    id is sent, an error for prompts saying "fail", else one chunk with the prompt echoed."""
+
+    def __init__(self, busy: int = 0, gate: asyncio.Event | None = None):
+        self.busy, self.gate, self.sent = busy, gate, []
+
+    def serve(self, head: RequestHead, read_body, caller, estimate, parent, attrs):
+        async def chunks():
+            body = read_body(2048)
+            self.sent.append(head.request_id)
+            if self.sent.count(head.request_id) <= self.busy:
+                raise ServiceError(ErrorKind.EXHAUSTED, "queue full", retry_after_ms=1, reason="queue_full")
+            if self.gate is not None:
+                await self.gate.wait()
+            prompt = body.messages[0].content
+            if prompt == "fail":
+                raise invalid("sampling.temperature is wrong", "sampling.temperature")
+            chunk = common_pb2.GenerateChunk(text=prompt.upper(), token_ids=[1],
+                                             finish_reason=common_pb2.FINISH_REASON_STOP)
+            chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 3, 1
+            yield chunk
+        return chunks()
+
+
+def runner(store: BatchStore, path: StubPath, **config) -> BatchRunner:
+    router = SimpleNamespace(book=SimpleNamespace(replica="r1", tenants={}), drain=Drain("router"), path=path,
+                             let_in=lambda headers, caller: RequestHead(priority=3, tenant=caller.name))
+    return BatchRunner(router, store, BatchConfig(**config), asyncio.Event())
+
+
+def output(store: BatchStore, batch: dict, field: str) -> list[dict]:
+    row = store.batch(None, batch["id"])
+    return [json.loads(t) for t in store.file_content(None, row[field]).decode().splitlines()] if row[field] else []
+
+
+def test_the_runner_retries_what_may_be_retried_and_records_the_rest_in_order(store):
+    batch = new_batch(store, lines=[line("a", "one"), line("b", "fail"), line("c", "three"),
+                                    line("d", "x", service_tier="priority")])
+    path = StubPath(busy=2)
+    run = runner(store, path, concurrency=2)
+    asyncio.run(run.run_batch(store.claim("r1", 1000, 30)))
+    row = store.batch(None, batch["id"])
+    assert (row["status"], row["completed"], row["failed"]) == ("completed", 2, 2)
+    good = output(store, batch, "output_file_id")
+    assert [(o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"]) for o in good] == \
+        [("a", "ONE"), ("c", "THREE")]
+    assert good[0]["response"]["request_id"] == f"{batch['id']}-0" and good[0]["response"]["status_code"] == 200
+    assert good[0]["response"]["body"]["service_tier"] == "flex"        # the batch's class: Low
+    bad = output(store, batch, "error_file_id")
+    assert [(o["custom_id"], o["response"]["status_code"], o["response"]["body"]["error"]["param"]) for o in bad] == \
+        [("b", 400, "temperature"), ("d", 400, "service_tier")]
+    assert path.sent.count(f"{batch['id']}-0") == 3                  # two refusals, then served
+    assert f"{batch['id']}-3" not in path.sent                       # its class was refused before sending
+
+
+def test_a_cancelled_batch_stops_and_lists_what_never_ran(store):
+    batch = new_batch(store, lines=[line(f"r{i}", f"p{i}") for i in range(6)])
+
+    async def go():
+        gate = asyncio.Event()
+        run = runner(store, StubPath(gate=gate), concurrency=2, lease_s=0.3)
+        task = asyncio.create_task(run.run_batch(store.claim("r1", 1000, 30)))
+        await asyncio.sleep(0.05)
+        assert store.cancel("alpha", batch["id"], 1001)["status"] == "cancelling"
+        await asyncio.sleep(0.2)          # the runner sees it at its next renewal
+        gate.set()
+        await task
+    asyncio.run(go())
+    row = store.batch(None, batch["id"])
+    assert row["status"] == "cancelled" and row["completed"] == 2       # the two in flight finished
+    unrun = [o for o in output(store, batch, "error_file_id") if o["response"] is None]
+    assert [o["error"]["code"] for o in unrun] == ["batch_cancelled"] * 4
+
+
+def test_a_runner_that_lost_its_lease_leaves_the_batch_to_the_other(store):
+    batch = new_batch(store, lines=[line(f"r{i}", f"p{i}") for i in range(4)])
+
+    async def go():
+        gate = asyncio.Event()
+        run = runner(store, StubPath(gate=gate), concurrency=1, lease_s=0.3)
+        task = asyncio.create_task(run.run_batch(store.claim("r1", 1000, 30)))
+        await asyncio.sleep(0.05)
+        with store.engine.begin() as db:
+            db.execute(text("UPDATE batches SET owner = 'r2' WHERE id = :b"), {"b": batch["id"]})
+        await asyncio.wait_for(task, 5)
+    asyncio.run(go())
+    row = store.batch(None, batch["id"])
+    assert row["status"] == "in_progress" and row["owner"] == "r2" and row["completed"] == 0
