@@ -82,8 +82,8 @@ class BatchRunner:
     async def run_batch(self, batch: dict) -> None:
         content = await asyncio.to_thread(self.store.file_content, None, batch["input_file_id"])
         lines, errors = read_lines(content or b"", batch["endpoint"], self.config.max_lines)
-        if errors or content is None:       # its input was deleted or changed since it was checked
-            await asyncio.to_thread(self.store.finish, batch, "failed", time.time(), b"", b"")
+        if errors or content is None:       # its input was deleted since it was checked: what ran stays
+            await asyncio.to_thread(self._finish, batch, [], "failed")
             return
         if batch["status"] == "validating":
             await asyncio.to_thread(self.store.set_status, batch["id"], "in_progress", time.time())
@@ -157,13 +157,15 @@ class BatchRunner:
             return
 
     def _finish(self, batch: dict, lines: list[BatchLine], ending: str) -> None:
-        results = {number: (ok, text) for number, ok, text in self.store.results(batch["id"])}
-        output, errors = [], []
+        """The output and error files from the lines' results, in the input's order, and the lines
+        that never ran (a cancelled or expired batch); without the lines (the input is gone), the
+        results alone."""
+        results = self.store.results(batch["id"])
+        output = [text for _, ok, text in results if ok]
+        errors = [text for _, ok, text in results if not ok]
+        done = {number for number, _, _ in results}
         for line in lines:
-            if line.number in results:
-                ok, text = results[line.number]
-                (output if ok else errors).append(text)
-            else:
+            if line.number not in done:
                 code = "batch_cancelled" if ending == "cancelled" else "batch_expired"
                 errors.append(unrun_line(batch["id"], line, code, f"the batch was {ending} before this request ran"))
         self.store.finish(batch, ending, time.time(), "".join(t + "\n" for t in output).encode(),

@@ -216,3 +216,12 @@ def test_a_runner_that_lost_its_lease_leaves_the_batch_to_the_other(store):
     asyncio.run(go())
     row = store.batch(None, batch["id"])
     assert row["status"] == "in_progress" and row["owner"] == "r2" and row["completed"] == 0
+
+
+def test_a_batch_whose_input_was_deleted_fails_keeping_what_ran(store):
+    batch = new_batch(store)
+    store.record(batch["id"], 0, True, json.dumps({"custom_id": "r0"}))
+    assert store.delete_file("alpha", batch["input_file_id"])
+    asyncio.run(runner(store, StubPath()).run_batch(store.claim("r1", 1000, 30)))
+    row = store.batch(None, batch["id"])
+    assert row["status"] == "failed" and [o["custom_id"] for o in output(store, batch, "output_file_id")] == ["r0"]
