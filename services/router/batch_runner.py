@@ -104,26 +104,30 @@ class BatchRunner:
         running: set[asyncio.Task] = set()
         renew_every = self.config.lease_s / 3
         renewed = time.monotonic()
-        while True:
-            stopping = status == "cancelling" or time.time() >= batch["expires_at"] or self.router.drain.draining
-            while not stopping and len(running) < self.config.concurrency:
-                line = next(pending, None)
-                if line is None:
+        try:
+            while True:
+                stopping = status == "cancelling" or time.time() >= batch["expires_at"] or self.router.drain.draining
+                while not stopping and len(running) < self.config.concurrency:
+                    line = next(pending, None)
+                    if line is None:
+                        break
+                    running.add(asyncio.create_task(self._line(batch, caller, line)))
+                if not running:
                     break
-                running.add(asyncio.create_task(self._line(batch, caller, line)))
-            if not running:
-                break
-            finished, running = await asyncio.wait(running, timeout=renew_every, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
-                task.result()       # a bug in a line's run stops the batch here, logged by run()
-            if time.monotonic() - renewed >= renew_every:
-                renewed = time.monotonic()
-                status = await asyncio.to_thread(self.store.renew, batch["id"], self.replica, time.time(),
-                                                 self.config.lease_s)
-                if status is None:
-                    for task in running:
-                        task.cancel()
-                    return None
+                finished, running = await asyncio.wait(running, timeout=renew_every,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    task.result()       # a bug in a line's run stops the batch here, logged by run()
+                if time.monotonic() - renewed >= renew_every:
+                    renewed = time.monotonic()
+                    status = await asyncio.to_thread(self.store.renew, batch["id"], self.replica, time.time(),
+                                                     self.config.lease_s)
+                    if status is None:
+                        return None
+        finally:        # lost the lease, a bug, or the router stops: no line is left running
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
         if self.router.drain.draining and next(pending, None) is not None:
             await asyncio.to_thread(self.store.release, batch["id"], self.replica)
             return None
