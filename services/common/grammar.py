@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from services.common.errors import invalid
+from services.common.step import guides_set
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_OBJECT = '{"type": "object"}'           # json_object mode: any JSON object
@@ -87,6 +88,46 @@ def check_structured(sampling, tokenizer=None) -> None:
         check_schema_text(sampling.json_schema, "sampling.json_schema", tokenizer)
     elif sampling.regex or sampling.choice or sampling.grammar:
         check_guide(sampling.regex, sampling.choice, sampling.grammar, tokenizer=tokenizer)
+
+
+# llguidance's lexer work on a matcher's first mask, bounded as on each later one (200,000 units of
+# fuel) instead of its default 1,000,000: a step waits for every constrained row's mask, so one
+# request's grammar stalls its whole batch, High's rows too. The regex (a{1000}){1000} took 0.95 s
+# of a step here under the default and failed anyway; 0.09 s under this. The workers build every
+# matcher with it (services/engine/grammar.py) and the scheduler computes each request's first masks
+# with it before admitting the request (check_admissible); the JSON schemas and tool calls of
+# tests/e2e/test_openai_client_parse.py all fit.
+FIRST_MASK_FUEL = 200_000
+
+
+def check_admissible(sampling, tokenizer) -> None:
+    """A structured output compiled and its first two masks computed as a worker does (tokenizer: an
+    LLTokenizer; the second after the first token the first allows), within the workers' limits:
+    a grammar that exceeds them fails there (llguidance's "too many expressions" comes with the
+    second mask of (a{600}){600}, after 0.18 s on the first), so it is INVALID here, naming its
+    field, instead of ending in an error after waiting its turn and holding up a step."""
+    from llguidance import LLMatcher, LLParserLimits
+    field = f"sampling.{guides_set(sampling)[0]}"
+    try:
+        grammar = grammar_for(sampling)
+    except ValueError as exc:
+        check_structured(sampling, tokenizer)       # says what is wrong, and where
+        raise invalid(f"{field} cannot be compiled into a grammar: {_first_line(str(exc))}", field) from None
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=LLParserLimits(initial_lexer_fuel=FIRST_MASK_FUEL))
+    if matcher.is_error():         # it does not compile for this tokenizer: the precise error
+        check_structured(sampling, tokenizer)
+    else:
+        mask = matcher.compute_bitmask()
+        first = next((i for i, byte in enumerate(mask) if byte), None)
+        if first is not None and not matcher.is_error():
+            matcher.consume_token(8 * first + (mask[first] & -mask[first]).bit_length() - 1)
+            if not matcher.is_error() and not matcher.is_stopped():
+                matcher.compute_bitmask()
+    if matcher.is_error():
+        error = matcher.get_error()
+        reason = next((line for line in error.splitlines() if line.startswith("Error:")), error.splitlines()[0])
+        raise invalid(f"{field} cannot be followed within the engine's limits from its first tokens on (a step "
+                      f"does not wait longer on one grammar): {reason.removeprefix('Error: ')[:200]}", field)
 
 
 def compile_error(schema_text: str, tokenizer=None) -> str:

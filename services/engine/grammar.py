@@ -30,20 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.grammar import grammar_for
+from services.common.grammar import FIRST_MASK_FUEL, grammar_for
 from services.common.step import SamplingParams, SequenceWork
 from services.engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-# llguidance's lexer work on a matcher's first mask, bounded as on each later one (200,000 units of
-# fuel) instead of its default 1,000,000: a step waits for every constrained row's mask, so one
-# request's grammar stalls its whole batch, High's rows too. The regex (a{1000}){1000} took 0.95 s
-# of a step here under the default and failed anyway; 0.09 s under this. A grammar that needs more
-# fails (FinishReason.ERROR, an error naming its field); the JSON schemas and tool calls of
-# tests/e2e/test_openai_client_parse.py all fit.
-FIRST_MASK_FUEL = 200_000
 # The bias of each byte of a bitmask: 8 floats, 0.0 for a set bit (allowed), -inf for a clear one.
 _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"),
                       np.float32(0), np.float32(-np.inf)).astype(np.float32)

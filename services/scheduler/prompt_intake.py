@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from services.common.chat_options import chat_render
 from services.common.errors import invalid
-from services.common.grammar import check_structured
+from services.common.grammar import check_admissible
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2
 from services.common.step import guides_set
 from services.common.token_bytes import byte_table
@@ -26,9 +26,10 @@ from services.scheduler.request import check_token_ids
 def tokenized(submit: scheduler_pb2.SubmitRequest, tokenizer: TextTokenizer, model: str) -> list[int]:
     if submit.sampling.HasField("logprobs") or submit.sampling.HasField("prompt_logprobs"):
         byte_table(tokenizer)      # for the chunks' token bytes: built once, off the event loop
-    # A structured output the workers could not compile is refused here, at once.
+    # A structured output the workers could not compile, or whose first mask needs more work than
+    # a step allows, is refused here, at once (not after waiting its turn, failing in a step).
     if guides_set(submit.sampling):
-        check_structured(submit.sampling, byte_table(tokenizer))
+        check_admissible(submit.sampling, byte_table(tokenizer))
     if submit.prompt_token_ids:
         check_token_ids(submit.prompt_token_ids, tokenizer.vocab_size, "prompt_token_ids")
         return list(submit.prompt_token_ids)

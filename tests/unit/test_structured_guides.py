@@ -145,3 +145,18 @@ def test_check_guide_names_the_field_it_is_given_or_the_samplings():
     assert refused(check_guide, "(", (), "").field == "sampling.regex"
     assert refused(check_guide, "", (), "start: x", field="guided_grammar").field == "guided_grammar"
     check_guide("", ("é", 'a "quoted" \\ one', "line\nbreak"), "")     # JSON's escapes are Lark's
+
+
+def test_a_guide_whose_first_mask_needs_more_than_a_step_allows_is_refused(text_tokenizer):
+    """The scheduler computes each structured output's first mask under the workers' fuel
+    (services/common/grammar.py FIRST_MASK_FUEL) before admitting it."""
+    from services.common.errors import ServiceError
+    from services.common.grammar import check_admissible
+    from services.common.token_bytes import byte_table
+    table = byte_table(text_tokenizer)
+    for sampling in (common_pb2.SamplingParams(regex="[0-9]{4}-[0-9]{2}"), common_pb2.SamplingParams(choice=["a", "b"]),
+                     common_pb2.SamplingParams(json_schema=ANY_OBJECT), common_pb2.SamplingParams(regex="(a{60}){60}")):
+        check_admissible(sampling, table)
+    with pytest.raises(ServiceError) as refused:
+        check_admissible(common_pb2.SamplingParams(regex="(a{600}){600}"), table)
+    assert refused.value.field == "sampling.regex" and "too many expressions" in refused.value.message
