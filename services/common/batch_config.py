@@ -1,4 +1,4 @@
-"""The `[batches]` table: how routers run OpenAI's Batch API (services/router/batch_runner.py)."""
+"""The `[batches]` table: how routers run OpenAI's Batch API (services/router/openai_api/batch_runner.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,5 @@
 """The Router's gRPC front: Generate (parse the metadata, then the shared request path:
-services/router/request_path.py) and Stats; the HTTP front beside it (http_front.py); both drain
+services/router/request_path.py) and Stats; the HTTP front beside it (openai_api/front.py); both drain
 on SIGTERM.
 
 Errors are ServiceErrors, mapped to gRPC statuses by the server's interceptor.
@@ -33,8 +33,8 @@ from services.control.process_view import ProcessView
 from services.control.sla import ALL_TENANTS
 from services.control.sla_monitor import SlaMonitor
 from services.control.tenancy import Caller, TenantBook, store_metrics
-from services.router.batch_runner import BatchRunner
-from services.router.http_front import HttpFront
+from services.router.openai_api.batch_runner import BatchRunner
+from services.router.openai_api.front import HttpFront
 from services.router.pools import PoolDirectory
 from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals

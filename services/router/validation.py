@@ -42,7 +42,7 @@ class RequestHead:
     tenant_weight: float = 1.0       # the tenant's share inside its class (from its record)
     stream_interval: int = 0         # tokens per chunk after the first; 0: the pool's setting
     context_mode: int = common_pb2.CONTEXT_MODE_AUTO    # dense or streaming attention (qos.v1.ContextMode)
-    choice: int = 0                  # of a request with n choices (services/router/choices.py)
+    choice: int = 0                  # of a request with n choices (services/router/openai_api/choices.py)
     prompt_only: bool = False        # an echo with max_tokens 0: its one computed token is dropped
 
     @property

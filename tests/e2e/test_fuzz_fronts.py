@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.local.cluster import LocalCluster
-from services.router.openai_class import TIERS
-from services.router.openai_request import FIELDS, MAX_CHOICES, NEUTRAL
-from services.router.responses_request import NEUTRAL as RESPONSES_NEUTRAL
-from services.router.responses_request import OWN, PASSED
+from services.router.openai_api.service_class import TIERS
+from services.router.openai_api.request import FIELDS, MAX_CHOICES, NEUTRAL
+from services.router.openai_api.responses_request import NEUTRAL as RESPONSES_NEUTRAL
+from services.router.openai_api.responses_request import OWN, PASSED
 from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow

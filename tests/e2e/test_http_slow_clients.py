@@ -1,4 +1,4 @@
-"""Clients that stop sending are let go (services/router/http_timeouts.py): a connection that
+"""Clients that stop sending are let go (services/router/openai_api/timeouts.py): a connection that
 sends nothing, one that stops inside its headers and one that stops inside its body were held for
 ever; now each is closed after [router] http_read_timeout_s (the last two with a 408 saying why),
 and so is one sending stray bytes after a response; a client sending at its own pace meanwhile is

@@ -1,4 +1,4 @@
-"""OpenAI's Batch API in pieces: the input file's checks (services/router/batch_lines.py), the
+"""OpenAI's Batch API in pieces: the input file's checks (services/router/openai_api/batch_lines.py), the
 multipart upload, the store's rows on SQLite and PostgreSQL (tenants apart, one runner at a time
 by lease, a line recorded once), and the runner on a stub request path (services/router/
 batch_runner.py): retries what says when to retry, records every other outcome once, writes the
@@ -17,9 +17,9 @@ from services.common.batch_config import BatchConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
-from services.router.batch_front import batch_object, multipart_form
-from services.router.batch_lines import read_lines
-from services.router.batch_runner import BatchRunner
+from services.router.openai_api.batch_front import batch_object, multipart_form
+from services.router.openai_api.batch_lines import read_lines
+from services.router.openai_api.batch_runner import BatchRunner
 from services.router.validation import RequestHead
 from services.store.batch_store import BatchStore
 from services.store.store import Store

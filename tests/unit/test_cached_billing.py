@@ -9,7 +9,7 @@ import pytest
 from services.common.priority import HIGH, LOW
 from services.common.proto.qos.v1 import common_pb2
 from services.control.accounts import Accounts
-from services.router.openai_response import usage_of
+from services.router.openai_api.response import usage_of
 
 POOL = SimpleNamespace(name="cpu", device="cpu", cost=0.1)
 

@@ -1,4 +1,4 @@
-"""A request's n choices merged (services/router/choices.py), with streams standing in for the
+"""A request's n choices merged (services/router/openai_api/choices.py), with streams standing in for the
 request path: nothing passes before every choice has started, an error or a cancelled choice ends
 them all (every stream closed), the consumer going away closes them, and each choice's request
 carries its own id and seed."""
@@ -11,7 +11,7 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.router.choices import SEEDS, choice_body, choice_heads, merged, one_choice
+from services.router.openai_api.choices import SEEDS, choice_body, choice_heads, merged, one_choice
 from services.router.validation import RequestHead
 
 FINISH = common_pb2.FINISH_REASON_LENGTH

@@ -9,8 +9,8 @@ from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, worker_pb2
 from services.common.step import FinishReason, SampledToken, SamplingParams, TokenLogprobs
 from services.common.wire import answer_tokens
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
-from services.router.openai_response import OpenAIResponse
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.response import OpenAIResponse
 from services.scheduler.detokenizer import IncrementalDetokenizer
 from services.scheduler.output import merge, token_chunk
 from services.scheduler.request import Phase, Request

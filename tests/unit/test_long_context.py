@@ -10,7 +10,7 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import HIGH, LOW, MEDIUM, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2
 from services.common.stream_window import StreamWindow
-from services.router.openai_request import CHAT, parse_openai
+from services.router.openai_api.request import CHAT, parse_openai
 from services.router.validation import parse_head
 from services.scheduler.admission import Admission, PoolLimits
 from services.scheduler.long_context import StreamSettings, choose_window

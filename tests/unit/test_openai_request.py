@@ -8,9 +8,9 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import common_pb2
-from services.router.openai_class import class_header
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
-from services.router.openai_response import OpenAIResponse, error_body
+from services.router.openai_api.service_class import class_header
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.response import OpenAIResponse, error_body
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -302,7 +302,7 @@ def test_an_assistant_turn_echoed_from_an_openai_response_is_taken():
 def test_an_error_message_names_the_field_as_the_client_sent_it():
     """HTTP answered 'sampling.max_tokens=10000 does not fit ...; lower sampling.max_tokens' with
     param max_completion_tokens: the message spoke of a gRPC request the client never sent."""
-    from services.router.http_generation import http_param
+    from services.router.openai_api.generation import http_param
     request = chat(max_completion_tokens=10_000)
     error = ServiceError(ErrorKind.INVALID, "sampling.max_tokens=10000 does not fit: ... lower sampling.max_tokens",
                          field="sampling.max_tokens")

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from services.common.errors import ErrorKind, ServiceError
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
 
 PARAMETERS = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}}, "required": ["x"]}
 TOOLS = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": PARAMETERS}}]

@@ -1,7 +1,7 @@
 """OpenAI's Responses API on the HTTP front: a body read as the chat request it means
-(services/router/responses_request.py), refused by name where it asks for what is not served,
+(services/router/openai_api/responses_request.py), refused by name where it asks for what is not served,
 and our chunks told as a `response` object or its typed event stream
-(services/router/responses_output.py)."""
+(services/router/openai_api/responses_output.py)."""
 from __future__ import annotations
 
 import json
@@ -10,9 +10,9 @@ import pytest
 
 from services.common.errors import ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
-from services.router.http_generation import http_param
-from services.router.responses_output import ResponsesAnswer
-from services.router.responses_request import parse_responses
+from services.router.openai_api.generation import http_param
+from services.router.openai_api.responses_output import ResponsesAnswer
+from services.router.openai_api.responses_request import parse_responses
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "the weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}

@@ -13,8 +13,8 @@ from services.common.grammar import ANY_OBJECT, MAX_CHOICES, MAX_GUIDE_CHARS, ch
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import SamplingParams
 from services.common.wire import engine_sampling, sampling_from_engine, sampling_from_request
-from services.router.http_generation import http_param
-from services.router.openai_request import COMPLETION, parse_openai
+from services.router.openai_api.generation import http_param
+from services.router.openai_api.request import COMPLETION, parse_openai
 from services.router.validation import decode_request
 from tests.unit.test_structured_requests import chat, refused
 

@@ -9,7 +9,7 @@ import pytest
 from services.common.errors import ErrorKind, ServiceError
 from services.common.grammar import ANY_OBJECT, check_schema
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
 from services.router.validation import decode_request
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -11,9 +11,9 @@ from services.common.errors import ErrorKind, ServiceError
 from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2, scheduler_pb2
 from services.common.tokenizer import ChatTemplate
-from services.router.openai_request import CHAT, parse_openai
-from services.router.openai_response import OpenAIResponse
-from services.router.tool_call_output import TaggedCalls, ToolCalls
+from services.router.openai_api.request import CHAT, parse_openai
+from services.router.openai_api.response import OpenAIResponse
+from services.router.openai_api.tool_calls import TaggedCalls, ToolCalls
 from services.scheduler.chat_tools import chat_turns
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

@@ -12,9 +12,9 @@ from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.step import MAX_ALLOWED_TOKEN_IDS
 from services.common.tokenizer import ChatTemplate
-from services.router.http_generation import http_param
-from services.router.openai_logprobs import LogprobsView
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.generation import http_param
+from services.router.openai_api.logprobs import LogprobsView
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
 from services.router.validation import check_sampling, decode_request
 from services.scheduler.prompt_intake import check_allowed, tokenized, truncated
 

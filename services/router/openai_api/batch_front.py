@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError, invalid
-from services.router.batch_lines import ENDPOINTS, read_lines
-from services.router.http_body import read_body
-from services.router.http_generation import error_response
-from services.router.json_fields import json_kind, text_field
-from services.router.responses_request import check_metadata
+from services.router.openai_api.batch_lines import ENDPOINTS, read_lines
+from services.router.openai_api.body import read_body
+from services.router.openai_api.generation import error_response
+from services.router.openai_api.json_fields import json_kind, text_field
+from services.router.openai_api.responses_request import check_metadata
 from services.store.batch_store import errors_json, new_id
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600.0}

@@ -1,5 +1,5 @@
 """One OpenAI completion request answered over HTTP: run it on the shared request path (a request
-a choice when it asks for n choices or sends a batch of prompts: services/router/choices.py) and
+a choice when it asks for n choices or sends a batch of prompts: services/router/openai_api/choices.py) and
 send the result as one JSON body or as Server-Sent Events, with the caller's rate-limit headers."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from services.common.step import GUIDES
 from services.common.wire import prompt_chars
 from services.control.limits import estimate_tokens
 from services.control.tenancy import Caller
-from services.router.choices import choice_body, choice_heads, merged, one_choice
-from services.router.openai_request import CHAT, OpenAIRequest
-from services.router.openai_response import OpenAIResponse, error_body
-from services.router.responses_output import ResponsesAnswer
+from services.router.openai_api.choices import choice_body, choice_heads, merged, one_choice
+from services.router.openai_api.request import CHAT, OpenAIRequest
+from services.router.openai_api.response import OpenAIResponse, error_body
+from services.router.openai_api.responses_output import ResponsesAnswer
 from services.router.validation import RequestHead, check_sampling
 
 TOKEN_IDS = "prompt_token_ids"     # the scheduler's name for a prompt given as token ids
@@ -162,7 +162,7 @@ def answer_object(request: OpenAIRequest, head: RequestHead):
 
 def choice_chunks(path, head: RequestHead, caller: Caller, request: OpenAIRequest, parent):
     """(choice index, chunk) of a request on the shared path: one stream, or a request a choice
-    merged (n choices, a batch of prompts; services/router/choices.py)."""
+    merged (n choices, a batch of prompts; services/router/openai_api/choices.py)."""
     if request.choices == 1:
         return one_choice(_serve(path, head, caller, request, request.body, parent))
     heads = choice_heads(head, request.n, request.choices)

@@ -11,7 +11,7 @@ regex, choice or grammar. Pure. At most one of:
 Each is compiled here (services/common/grammar.py), before the request goes anywhere: one the
 grammar engine cannot compile is a 400 naming the field sent (`structured_outputs.regex`,
 `guided_json.properties.age`); the scheduler compiles it again with the model's tokenizer, and
-its errors name the same field (http_generation.http_param, through `schema_field`).
+its errors name the same field (generation.http_param, through `schema_field`).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import json
 from services.common.errors import invalid
 from services.common.grammar import ANY_OBJECT, check_guide, check_schema
 from services.common.proto.qos.v1 import common_pb2
-from services.router.json_fields import json_kind, text_field
-from services.router.response_format import json_schema_of
+from services.router.openai_api.json_fields import json_kind, text_field
+from services.router.openai_api.response_format import json_schema_of
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

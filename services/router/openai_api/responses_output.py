@@ -1,5 +1,5 @@
 """Our stream chunks -> a Responses API answer (one `response` object, or its stream of typed
-events). Pure: the chat answer is made as for /v1/chat/completions (openai_response.py: text,
+events). Pure: the chat answer is made as for /v1/chat/completions (response.py: text,
 logprobs, a forced call's arguments, a template's tagged calls) and told in the Responses shape:
 
     output      a `message` item (its `output_text` part, logprobs when asked) and a
@@ -17,9 +17,9 @@ import copy
 
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
-from services.router.openai_class import TIER_OF
-from services.router.openai_request import OpenAIRequest
-from services.router.openai_response import OpenAIResponse, to_json
+from services.router.openai_api.service_class import TIER_OF
+from services.router.openai_api.request import OpenAIRequest
+from services.router.openai_api.response import OpenAIResponse, to_json
 
 
 class ResponsesAnswer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from services.common.errors import invalid
 from services.common.priority import HIGH, LOW, MEDIUM, Priority, parse_priority
-from services.router.json_fields import json_kind, text_field
+from services.router.openai_api.json_fields import json_kind, text_field
 
 TIERS = {"priority": HIGH, "default": MEDIUM, "auto": MEDIUM, "flex": LOW}
 TIER_OF = {HIGH: "priority", MEDIUM: "default", LOW: "flex"}

@@ -19,7 +19,7 @@ import json
 
 from services.common.errors import invalid
 from services.common.grammar import ANY_OBJECT, check_schema
-from services.router.json_fields import name_field, text_field
+from services.router.openai_api.json_fields import name_field, text_field
 
 CALL_FIELDS = {"id", "type", "function"}
 

@@ -3,7 +3,7 @@ router's own event loop, on the same request path as gRPC (services/router/reque
 
 Why this shape: in the router's loop, an HTTP request reaches the shared priority intake, pool
 cache and scheduler channels with no thread hop or copy; Starlette (not FastAPI) because the
-bodies are checked by our own parser (services/router/openai_request.py), which names each bad
+bodies are checked by our own parser (services/router/openai_api/request.py), which names each bad
 field precisely and costs no model building per request; uvicorn's httptools parser is its
 fastest. bench/http_overhead.py measures what the front costs against gRPC.
 
@@ -38,15 +38,15 @@ from services.common.tracing import extract_metadata
 from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.sla import ALL_TENANTS
-from services.router import tokenize_front
-from services.router.batch_front import BatchFront
-from services.router.http_body import read_body
-from services.router.http_generation import GenerationResponse, error_response
-from services.router.openai_class import class_header
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
-from services.router.responses_request import RESPONSES, parse_responses
-from services.router.openai_response import error_body
-from services.router.http_timeouts import read_timeout_protocol
+from services.router.openai_api import tokenize_front
+from services.router.openai_api.batch_front import BatchFront
+from services.router.openai_api.body import read_body
+from services.router.openai_api.generation import GenerationResponse, error_response
+from services.router.openai_api.service_class import class_header
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.responses_request import RESPONSES, parse_responses
+from services.router.openai_api.response import error_body
+from services.router.openai_api.timeouts import read_timeout_protocol
 from services.router.validation import request_headers
 
 CONSOLE_FILES = {name: ((CONSOLE_DIR / name).read_bytes(), media_type) for name, media_type in (
@@ -269,7 +269,7 @@ class HttpFront:
                              "status": "cancelled"})
 
     async def body(self, http: Request) -> bytes:
-        """The request's body within the front's size and time limits (http_body.py)."""
+        """The request's body within the front's size and time limits (body.py)."""
         return await read_body(http, self.config.http_max_body_bytes, self.config.http_read_timeout_s)
 
     async def models(self, http: Request) -> Response:

@@ -20,7 +20,7 @@ import json
 from services.common.chat_options import check_kwargs
 from services.common.errors import invalid
 from services.common.step import MAX_ALLOWED_TOKEN_IDS
-from services.router.json_fields import bool_field, int_field
+from services.router.openai_api.json_fields import bool_field, int_field
 
 MAX_INT32 = 2**31 - 1
 SAMPLING = {"include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",

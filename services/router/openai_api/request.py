@@ -4,8 +4,8 @@ Pure: JSON bytes in, an `OpenAIRequest` out, or a ServiceError of kind INVALID w
 the body parameter at fault (OpenAI's `param`). Every field is checked for its type and range; a
 field we do not implement is refused by name unless it carries the value that means "off" (so
 clients that send defaults, such as `presence_penalty: 0`, still work), never silently ignored.
-Parts with a module of their own: the prompt (openai_prompt.py), the class (openai_class.py),
-what the answer must look like (structured_outputs.py), tools (openai_tools.py).
+Parts with a module of their own: the prompt (prompt.py), the class (service_class.py),
+what the answer must look like (structured_outputs.py), tools (tools.py).
 """
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from services.common.priority import Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
                                    PENALTY_RANGE)
-from services.router.json_fields import bool_field, int_field, json_kind, text_field
-from services.router.openai_class import body_class
-from services.router.openai_prompt import MAX_PROMPTS, parse_prompts, prompt_logprob_sampling, set_prompt
-from services.router.openai_tools import parse_tools, tool_calls_text
-from services.router.structured_outputs import FIELDS as STRUCTURED_FIELDS
-from services.router.structured_outputs import parse_structured
-from services.router.vllm_options import CHAT_TEMPLATE as VLLM_CHAT_TEMPLATE
-from services.router.vllm_options import SAMPLING as VLLM_SAMPLING
-from services.router.vllm_options import parse_vllm_options
+from services.router.openai_api.json_fields import bool_field, int_field, json_kind, text_field
+from services.router.openai_api.service_class import body_class
+from services.router.openai_api.prompt import MAX_PROMPTS, parse_prompts, prompt_logprob_sampling, set_prompt
+from services.router.openai_api.tools import parse_tools, tool_calls_text
+from services.router.openai_api.structured_outputs import FIELDS as STRUCTURED_FIELDS
+from services.router.openai_api.structured_outputs import parse_structured
+from services.router.openai_api.vllm_options import CHAT_TEMPLATE as VLLM_CHAT_TEMPLATE
+from services.router.openai_api.vllm_options import SAMPLING as VLLM_SAMPLING
+from services.router.openai_api.vllm_options import parse_vllm_options
 from services.router.validation import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, check_cache_salt
 
 CHAT, COMPLETION = "chat", "completion"
@@ -50,7 +50,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "user",
 # Identifiers: they never change an answer, so they are only checked to be strings.
 HINTS = {"safety_identifier"}
 FIELDS = {CHAT: COMMON | HINTS | VLLM_CHAT_TEMPLATE | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                                                       "tools", "tool_choice", "parallel_tool_calls"},  # openai_tools.py
+                                                       "tools", "tool_choice", "parallel_tool_calls"},  # tools.py
           COMPLETION: COMMON | HINTS | {"prompt", "logprobs", "echo"}}
 # OpenAI fields we do not implement, with the values that mean "off" (null always does).
 NEUTRAL = {
@@ -83,11 +83,11 @@ class OpenAIRequest:
     max_tokens_field: str = "max_tokens"  # which name the client used (errors name it back)
     context_mode: str | None = None      # as sent (the x-context-mode header must agree)
     schema_field: str = ""               # the body field its structured output came from (errors name it)
-    tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (openai_tools.py)
+    tool_mode: str = ""                  # tools: "auto", or a forced call, "required" or "named" (tools.py)
     tool_name: str = ""                  # "named": the function
     n: int = 1                           # choices: requests of their own on the path (choices.py)
     prompts: list = field(default_factory=list)   # completions: each prompt (text or token ids); body has the first
-    echo: bool = False                   # completions: the prompt before the answer (openai_prompt.echo_sampling)
+    echo: bool = False                   # completions: the prompt before the answer (prompt.echo_sampling)
     prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
     prompt_only: bool = False            # echo with max_tokens 0: the prompt, and no answer
     tokens_as_ids: bool = False          # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
@@ -229,7 +229,7 @@ def _content(value, field: str) -> str:
 def _sampling(body: dict, request: OpenAIRequest) -> None:
     s = request.body.sampling
     limits = [(name, body.get(name)) for name in ("max_tokens", "max_completion_tokens")]
-    least = 0 if request.echo else 1        # echo with max_tokens 0: the prompt alone (openai_prompt.py)
+    least = 0 if request.echo else 1        # echo with max_tokens 0: the prompt alone (prompt.py)
     given = [(name, int_field(v, name, least, MAX_INT32)) for name, v in limits if v is not None]
     if len({v for _, v in given}) > 1:
         raise invalid("max_tokens and max_completion_tokens differ: send one of them",

@@ -15,10 +15,10 @@ import json
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2
 from services.common.step import FinishReason
-from services.router.openai_class import TIER_OF
-from services.router.openai_logprobs import LogprobsView, token_text, vllm_prompt_logprobs
-from services.router.openai_request import CHAT, OpenAIRequest
-from services.router.tool_call_output import TaggedCalls, ToolCalls
+from services.router.openai_api.service_class import TIER_OF
+from services.router.openai_api.logprobs import LogprobsView, token_text, vllm_prompt_logprobs
+from services.router.openai_api.request import CHAT, OpenAIRequest
+from services.router.openai_api.tool_calls import TaggedCalls, ToolCalls
 
 
 def to_json(obj) -> bytes:
@@ -58,7 +58,7 @@ class Choice:
         # A completion's echo: its prompt (as text, or token ids whose text the first chunk's
         # prompt entries give), sent before its first text
         self.echo = request.prompts[index // request.n] if request.echo else None
-        # Function calling (tool_call_output.py): a forced call's text becomes tool_calls; with
+        # Function calling (tool_calls.py): a forced call's text becomes tool_calls; with
         # tool_choice "auto" (a template with a tool format) the calls the model writes are read out.
         forced = request.tool_mode in ("named", "required")
         self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
@@ -86,7 +86,7 @@ def _cut(entry: common_pb2.TokenLogprob, k: int) -> common_pb2.TokenLogprob:
 
 
 class OpenAIResponse:
-    """The response to one request, of one choice or n (services/router/choices.py): its id,
+    """The response to one request, of one choice or n (services/router/openai_api/choices.py): its id,
     creation time, model and tier on every object."""
 
     def __init__(self, request: OpenAIRequest, request_id: str, created: int, priority: int):

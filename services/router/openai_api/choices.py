@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from services.common.errors import ErrorKind, ServiceError, unavailable
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.router.openai_prompt import set_prompt
+from services.router.openai_api.prompt import set_prompt
 from services.router.validation import RequestHead
 
 SEEDS = 2**64          # sampling.seed is a uint64: seed + i wraps

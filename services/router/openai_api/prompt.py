@@ -16,7 +16,7 @@ from __future__ import annotations
 from services.common.errors import invalid
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import MAX_TOP_LOGPROBS
-from services.router.json_fields import json_kind, text_field
+from services.router.openai_api.json_fields import json_kind, text_field
 
 MAX_PROMPTS = 64             # prompts in one request; with n, choices in one request (each a sequence)
 MAX_TOKEN_ID = 2**32 - 1     # the wire's uint32; the scheduler checks the model's vocabulary

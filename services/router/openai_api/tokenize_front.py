@@ -9,7 +9,7 @@ no tokenizer). Nothing is generated or billed; with auth required, a caller need
     /detokenize  {"model", "tokens": [ids]} -> {"prompt": the text, special tokens included}
 
 With messages, vLLM's `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`
-render them as on /v1/chat/completions (services/router/vllm_options.py). A field either endpoint
+render them as on /v1/chat/completions (services/router/openai_api/vllm_options.py). A field either endpoint
 does not serve is a 400 naming it, as on the generation endpoints.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ from starlette.responses import JSONResponse, Response
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2
-from services.router.http_generation import error_response
-from services.router.json_fields import bool_field, json_kind, text_field
-from services.router.openai_request import chat_messages
-from services.router.vllm_options import CHAT_TEMPLATE, parse_chat_template
+from services.router.openai_api.generation import error_response
+from services.router.openai_api.json_fields import bool_field, json_kind, text_field
+from services.router.openai_api.request import chat_messages
+from services.router.openai_api.vllm_options import CHAT_TEMPLATE, parse_chat_template
 
 CALL_TIMEOUT_S = 30.0
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *CHAT_TEMPLATE}

@@ -27,12 +27,12 @@ from services.common.batch_config import BatchConfig
 from services.common.errors import ServiceError
 from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
 from services.control.tenancy import Caller
-from services.router.batch_lines import BatchLine, read_lines, result_line, unrun_line
-from services.router.http_generation import http_param, whole_answer
-from services.router.openai_class import class_header
-from services.router.openai_request import CHAT, COMPLETION, parse_openai
-from services.router.openai_response import error_body
-from services.router.responses_request import parse_responses
+from services.router.openai_api.batch_lines import BatchLine, read_lines, result_line, unrun_line
+from services.router.openai_api.generation import http_param, whole_answer
+from services.router.openai_api.service_class import class_header
+from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.response import error_body
+from services.router.openai_api.responses_request import parse_responses
 from services.store.batch_store import BatchStore
 from services.store.store import Tenant
 

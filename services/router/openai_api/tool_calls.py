@@ -1,6 +1,6 @@
 """A call's answer as OpenAI's `tool_calls`, whole or streamed as OpenAI streams them. Pure.
 
-The answer is JSON text written under a grammar (openai_tools.py), compact with ", " and ": "
+The answer is JSON text written under a grammar (tools.py), compact with ", " and ": "
 separators, so its shape is known as it arrives:
 
     named      the arguments object itself: one call, its name known from the start

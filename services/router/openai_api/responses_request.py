@@ -4,7 +4,7 @@ A Responses body says what a chat completion says in other words: `input` (a str
 items: messages, the function calls of an earlier answer and their outputs) after `instructions`
 (a system turn); `max_output_tokens`; `text.format` for a structured answer; function tools
 flattened (`{"type": "function", "name", "parameters"}`). So it is rewritten as the chat body it
-means and read by the chat parser (openai_request.py): every check is the chat endpoint's, and an
+means and read by the chat parser (request.py): every check is the chat endpoint's, and an
 error names the field as this body has it (`input[2].content[0].text`, `text.format.schema`).
 
 Refused by name, with the reason: what needs state this server does not keep (`store: true`,
@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 
 from services.common.errors import ServiceError, invalid
-from services.router.json_fields import json_kind, text_field
-from services.router.openai_request import CHAT, OpenAIRequest, json_object, parse_openai
+from services.router.openai_api.json_fields import json_kind, text_field
+from services.router.openai_api.request import CHAT, OpenAIRequest, json_object, parse_openai
 
 RESPONSES = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"

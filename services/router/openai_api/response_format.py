@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from services.common.errors import invalid
 from services.common.grammar import ANY_OBJECT, check_schema
-from services.router.json_fields import name_field
+from services.router.openai_api.json_fields import name_field
 
 FIELD = "response_format"
 SCHEMA_KEYS = {"name", "description", "schema", "strict"}

@@ -7,7 +7,7 @@ router's connections and file handles. `ReadTimeoutProtocol` gives a request's h
 [router] http_read_timeout_s from the connection's opening, or from the first byte after the
 previous response; past it the client gets 408 and the connection is closed. Any bytes while no
 request is being answered arm it (uvicorn's own keep-alive timer is cancelled by any byte, a
-bare CRLF included). The body's pieces are held to the same time each (http_body.py): a 408
+bare CRLF included). The body's pieces are held to the same time each (body.py): a 408
 in OpenAI's error shape, with `connection: close`.
 """
 from __future__ import annotations
