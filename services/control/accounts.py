@@ -24,6 +24,7 @@ class Head(Protocol):
     request_id: str
     priority: int
     choice: int               # of a request with n choices: the prompt is billed with the first (0)
+    batch: bool               # a line of a batch (the Batch API): not held to the tenant's rate limits
 
 
 class PricedPool(Protocol):
@@ -77,7 +78,7 @@ class Accounts:
     # --- one request ---------------------------------------------------------------------------------
 
     def admit(self, caller: Caller, head: Head, estimated_tokens: int) -> Pass:
-        ticket = self.book.admit(caller, head.priority, estimated_tokens)
+        ticket = self.book.admit(caller, head.priority, estimated_tokens, rate_limited=not head.batch)
         self.in_flight[head.request_id] = InFlight(head.request_id, caller.name, priority_name(head.priority),
                                                    asyncio.current_task(), time.time())
         return ticket

@@ -128,8 +128,11 @@ class Limiter:
         self.shares.ask(tenant, kind, amount)
         return self.shares.allowance(tenant, kind, now)
 
-    def admit(self, tenant: Tenant, priority: str, tokens: int, spent: float, now: float) -> Reservation:
-        """Check every limit; raises ServiceError for the first one exceeded, else reserves."""
+    @staticmethod
+    def entitled(tenant: Tenant, priority: str, spent: float) -> None:
+        """The class is one the tenant may send, and its budget is not spent; else ServiceError.
+        (A batch's lines are held to these alone: rpm, tpm and max_concurrent are the tenant's
+        interactive traffic's, as OpenAI keeps batch limits apart.)"""
         if priority not in tenant.priorities:
             raise ServiceError(ErrorKind.PERMISSION_DENIED,
                                f"tenant {tenant.name} may send {', '.join(tenant.priorities)} requests, "
@@ -139,6 +142,10 @@ class Limiter:
                                f"tenant {tenant.name} has spent {spent:.1f} of its budget of "
                                f"{tenant.budget:.1f} cost units; raise it with `qos-serve tenants set "
                                f"{tenant.name} --budget N`", reason="insufficient_quota")
+
+    def admit(self, tenant: Tenant, priority: str, tokens: int, spent: float, now: float) -> Reservation:
+        """Check every limit; raises ServiceError for the first one exceeded, else reserves."""
+        self.entitled(tenant, priority, spent)
         if tenant.tpm is not None and tokens > tenant.tpm:
             raise ServiceError(ErrorKind.TOO_LARGE, f"the request may use {tokens} tokens (prompt + "
                                f"max_tokens) but tenant {tenant.name} has {tenant.tpm} tokens per minute",

@@ -215,8 +215,9 @@ class TenantBook:
             raise invalid(str(exc), field=TENANT_HEADER) from None
         return Caller(self.tenants.get(name, Tenant(name)))
 
-    def admit(self, caller: Caller, priority: int, estimated_tokens: int) -> Pass:
-        """Entitlement and limits, before routing; raises ServiceError (403 / 429)."""
+    def admit(self, caller: Caller, priority: int, estimated_tokens: int, rate_limited: bool = True) -> Pass:
+        """Entitlement and limits, before routing; raises ServiceError (403 / 429). Not
+        `rate_limited` (a batch's line): entitlement and budget only (Limiter.entitled)."""
         if caller.admin:
             return Pass(caller)
         now = time.monotonic()
@@ -227,6 +228,9 @@ class TenantBook:
                               f"tenant {caller.name!r} has limits or a budget, which cannot be checked "
                               "until it answers", retry_after_ms=round(self.refresh_s * 1000),
                               reason="store_unreachable")
+        if not rate_limited:
+            self.limiter.entitled(caller.tenant, priority_name(priority), self.spent.get(caller.name, 0.0))
+            return Pass(caller)
         reservation = self.limiter.admit(caller.tenant, priority_name(priority), estimated_tokens,
                                          self.spent.get(caller.name, 0.0), now)
         return Pass(caller, reservation)

@@ -44,6 +44,7 @@ class RequestHead:
     context_mode: int = common_pb2.CONTEXT_MODE_AUTO    # dense or streaming attention (qos.v1.ContextMode)
     choice: int = 0                  # of a request with n choices (services/router/openai_api/choices.py)
     prompt_only: bool = False        # an echo with max_tokens 0: its one computed token is dropped
+    batch: bool = False              # a line of a batch (openai_api/batch_runner.py): not rate-limited
 
     @property
     def context_checked(self) -> bool:

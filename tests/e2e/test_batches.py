@@ -3,7 +3,8 @@ replicas over one pool and PostgreSQL (embedded SmolLM2, fp32, greedy): a JSONL 
 a batch created and polled to its end, each output line the answer its endpoint gives the same
 body alone; a bad line in the error file, a bad file failing the batch at once; a cancel; one
 tenant's files and batches invisible to another; and the router running a batch SIGKILLed: the
-other replica takes it over, every line answered once and billed once."""
+other replica takes it over, every line answered once and billed once; a tenant's rate limits
+left to its interactive traffic."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import openai
 import pytest
 
 from services.local.cluster import LocalCluster
-from services.store.store import Store
+from services.store.store import Store, Tenant
 from tests.e2e.conftest import cluster_config
 from tests.postgres import database_url
 
@@ -28,6 +29,9 @@ PROMPTS = [f"Write one sentence about the number {i}." for i in range(8)]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     with database_url("postgresql", tmp_path_factory.mktemp("batches")) as url:
+        store = Store(url)
+        store.add_tenant(Tenant("limited", rpm=1, max_concurrent=1))
+        store.close()
         config = cluster_config(dtype="fp32")
         config.store.url, config.auth.replicas, config.billing.flush_seconds = url, 2, 0.2
         config.batches.lease_s, config.batches.concurrency = 2.0, 2
@@ -121,6 +125,17 @@ def test_completions_and_responses_batches(alpha, model):
     body = lines(alpha, responses.output_file_id)["r"]["response"]["body"]
     alone = alpha.responses.create(model=model, input="Say hello.", max_output_tokens=8, temperature=0)
     assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == alone.output_text
+
+
+def test_a_batch_does_not_take_its_tenants_rate_limits(cluster, model):
+    """A tenant allowed 1 request a minute and 1 stream: its batch of 4 runs all the same (its
+    rates are its interactive traffic's), and its own chat request still finds them unused."""
+    with tenant_client(cluster, "limited") as limited:
+        batch = run_batch(limited, model, {f"l{i}": chat_body(p, 4) for i, p in enumerate(PROMPTS[:4])})
+        assert batch.status == "completed" and batch.request_counts.completed == 4
+        assert limited.chat.completions.create(model=model, **chat_body("Hi", 2)).usage.completion_tokens == 2
+        with pytest.raises(openai.RateLimitError):
+            limited.chat.completions.create(model=model, **chat_body("Hi", 2))       # rpm 1: the second
 
 
 def test_a_bad_file_fails_the_batch_and_says_where(alpha, model):

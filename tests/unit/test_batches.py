@@ -225,3 +225,27 @@ def test_a_batch_whose_input_was_deleted_fails_keeping_what_ran(store):
     asyncio.run(runner(store, StubPath()).run_batch(store.claim("r1", 1000, 30)))
     row = store.batch(None, batch["id"])
     assert row["status"] == "failed" and [o["custom_id"] for o in output(store, batch, "output_file_id")] == ["r0"]
+
+
+def test_a_batch_line_is_held_to_its_tenants_classes_and_budget_not_to_its_rates(tmp_path):
+    """rpm, tpm and max_concurrent are a tenant's interactive traffic's: a batch's lines (the
+    runner bounds them) do not take them, so a running batch never 429s the tenant's chat."""
+    from services.common.priority import HIGH, LOW
+    from services.control.tenancy import Caller, TenantBook
+    from services.store.store import Tenant
+    book = TenantBook(Store(f"sqlite:///{tmp_path / 'store.db'}"))
+    caller = Caller(Tenant("t", priorities=("low",), rpm=1, max_concurrent=1, budget=10.0))
+    for _ in range(5):
+        assert book.admit(caller, LOW, 100, rate_limited=False).reservation is None
+    book.admit(caller, LOW, 100)                                         # its one request a minute
+    with pytest.raises(ServiceError) as limited:
+        book.admit(caller, LOW, 100)
+    assert limited.value.kind is ErrorKind.EXHAUSTED and limited.value.retry_after_ms is not None
+    book.admit(caller, LOW, 100, rate_limited=False)                     # the batch goes on
+    with pytest.raises(ServiceError) as denied:
+        book.admit(caller, HIGH, 100, rate_limited=False)
+    assert denied.value.kind is ErrorKind.PERMISSION_DENIED
+    book.spent["t"] = 10.0
+    with pytest.raises(ServiceError) as spent:
+        book.admit(caller, LOW, 100, rate_limited=False)
+    assert spent.value.reason == "insufficient_quota" and spent.value.retry_after_ms is None

@@ -2,8 +2,10 @@
 
 A router claims a batch in the store with a lease (services/store/batch_store.py) and renews it
 while it runs the batch's lines, `[batches] concurrency` at a time, each a request of the batch's
-tenant on the shared request path in the class `[batches] priority` (Low by default): limits,
-routing, failover and billing are a request's. A line refused for now (a full queue, a rate
+tenant on the shared request path in the class `[batches] priority` (Low by default): routing,
+failover and billing are a request's; of the tenant's limits its entitled classes and budget
+apply, not its rpm, tpm and max_concurrent, which stay its interactive traffic's (OpenAI keeps
+batch limits apart too; this concurrency bounds a batch's load). A line refused for now (a full queue, a rate
 limit, no worker: anything that says when to retry) waits and is sent again; any other outcome
 is its result, written to the store once. Every line keeps one request id (the batch's id and
 the line), so a line run again after a router stopped is not billed twice (the ledger keeps one
@@ -143,7 +145,7 @@ class BatchRunner:
                 request = PARSERS[batch["endpoint"]](json.dumps(line.body).encode())
                 headers = {PRIORITY_HEADER: self.config.priority}
                 class_header(request, headers[PRIORITY_HEADER])          # the body may not ask for another
-                head = replace(self.router.let_in(headers, caller), request_id=request_id,
+                head = replace(self.router.let_in(headers, caller), request_id=request_id, batch=True,
                                stream_interval=MAX_STREAM_INTERVAL, prompt_only=request.prompt_only)
                 with self.router.drain.track():
                     body = await whole_answer(self.router.path, head, caller, request)
