@@ -191,10 +191,12 @@ def test_a_cancelled_batch_stops_and_lists_what_never_ran(store):
         run = runner(store, StubPath(gate=gate), concurrency=2, lease_s=0.3)
         task = asyncio.create_task(run.run_batch(store.claim("r1", 1000, 30)))
         await asyncio.sleep(0.05)
-        assert store.cancel("alpha", batch["id"], 1001)["status"] == "cancelling"
-        await asyncio.sleep(0.2)          # the runner sees it at its next renewal
+        lease = store.cancel("alpha", batch["id"], 1001)["lease_until"]
+        assert store.batch(None, batch["id"])["status"] == "cancelling"
+        while store.batch(None, batch["id"])["lease_until"] == lease:      # the runner's next renewal
+            await asyncio.sleep(0.02)                                       # reads the status (under any load)
         gate.set()
-        await task
+        await asyncio.wait_for(task, 10)
     asyncio.run(go())
     row = store.batch(None, batch["id"])
     assert row["status"] == "cancelled" and row["completed"] == 2       # the two in flight finished
