@@ -72,7 +72,7 @@ class RouterService:
         self.console = ConsoleFeed(self)
         # OpenAI's Batch API: files and jobs in the store, run here in the background
         self.batches, self.batch_config, self.batch_wake = BatchStore(store), config.batches, asyncio.Event()
-        self.batch_runner = BatchRunner(self, self.batches, config.batches, self.batch_wake)
+        self.batch_runner = BatchRunner(self, self.batches, config.batches, self.batch_wake, registry)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:

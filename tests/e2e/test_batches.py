@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.local.cluster import LocalCluster
 from services.store.store import Store, Tenant
@@ -96,7 +98,7 @@ def run_batch(client, model, bodies, url: str = CHAT, **create):
     return finished(client, batch.id)
 
 
-def test_a_batch_answers_each_line_as_its_endpoint_does(alpha, model):
+def test_a_batch_answers_each_line_as_its_endpoint_does(cluster, alpha, model):
     bodies = {f"q{i}": chat_body(p) for i, p in enumerate(PROMPTS[:4])}
     bodies["bad"] = chat_body("x", temperature=5)
     batch = run_batch(alpha, model, bodies, metadata={"job": "nightly"})
@@ -113,6 +115,15 @@ def test_a_batch_answers_each_line_as_its_endpoint_does(alpha, model):
         assert response["body"]["usage"]["completion_tokens"] == direct.usage.completion_tokens
     refused = errors["bad"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "temperature"
+    counted = {"completed": 0.0, "failed": 0.0}          # the routers' metrics, over both replicas
+    for host in cluster.router_http_addresses:
+        with urllib.request.urlopen(f"http://{host}/metrics", timeout=10) as page:
+            families = list(text_string_to_metric_families(page.read().decode()))
+        for sample in families:
+            for s in sample.samples:
+                if s.name == "qos_batch_lines_total":
+                    counted[s.labels["outcome"]] += s.value
+    assert counted["completed"] >= 4 and counted["failed"] >= 1
 
 
 def test_completions_and_responses_batches(alpha, model):

@@ -169,6 +169,8 @@ def test_the_runner_retries_what_may_be_retried_and_records_the_rest_in_order(st
     path = StubPath(busy=2)
     run = runner(store, path, concurrency=2)
     asyncio.run(run.run_batch(store.claim("r1", 1000, 30)))
+    assert [run.lines.labels(o)._value.get() for o in ("completed", "failed")] == [2, 2]
+    assert run.batches.labels("completed")._value.get() == 1 and run.running._value.get() == 0
     row = store.batch(None, batch["id"])
     assert (row["status"], row["completed"], row["failed"]) == ("completed", 2, 2)
     good = output(store, batch, "output_file_id")

@@ -25,6 +25,8 @@ import logging
 import time
 from dataclasses import replace
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from services.common.batch_config import BatchConfig
 from services.common.errors import ServiceError
 from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER
@@ -48,9 +50,16 @@ PARSERS = {"/v1/chat/completions": lambda raw: parse_openai(CHAT, raw),
 
 
 class BatchRunner:
-    def __init__(self, router, batches: BatchStore, config: BatchConfig, wake: asyncio.Event):
+    def __init__(self, router, batches: BatchStore, config: BatchConfig, wake: asyncio.Event,
+                 registry: CollectorRegistry | None = None):
         self.router, self.store, self.config, self.wake = router, batches, config, wake
         self.replica = router.book.replica
+        registry = registry or CollectorRegistry()
+        self.lines = Counter("qos_batch_lines", "Batch lines this router finished, by outcome (completed: "
+                             "answered 200; failed: another status)", ("outcome",), registry=registry)
+        self.running = Gauge("qos_batch_lines_running", "Batch lines this router has in flight", registry=registry)
+        self.batches = Counter("qos_batches", "Batches this router ended, by their last status", ("status",),
+                               registry=registry)
 
     async def run(self) -> None:
         store_away = False
@@ -147,7 +156,7 @@ class BatchRunner:
                 class_header(request, headers[PRIORITY_HEADER])          # the body may not ask for another
                 head = replace(self.router.let_in(headers, caller), request_id=request_id, batch=True,
                                stream_interval=MAX_STREAM_INTERVAL, prompt_only=request.prompt_only)
-                with self.router.drain.track():
+                with self.router.drain.track(), self.running.track_inprogress():
                     body = await whole_answer(self.router.path, head, caller, request)
                 text, ok = result_line(request_id, line, 200, body), True
             except ServiceError as error:
@@ -159,7 +168,8 @@ class BatchRunner:
                 text = result_line(request_id, line, error.kind.status.http,
                                    error_body(error, http_param(error.field, request)))
                 ok = False
-            await asyncio.to_thread(self.store.record, batch["id"], line.number, ok, text)
+            if await asyncio.to_thread(self.store.record, batch["id"], line.number, ok, text):
+                self.lines.labels("completed" if ok else "failed").inc()
             return
 
     def _finish(self, batch: dict, lines: list[BatchLine], ending: str) -> None:
@@ -176,3 +186,4 @@ class BatchRunner:
                 errors.append(unrun_line(batch["id"], line, code, f"the batch was {ending} before this request ran"))
         self.store.finish(batch, ending, time.time(), "".join(t + "\n" for t in output).encode(),
                           "".join(t + "\n" for t in errors).encode())
+        self.batches.labels(ending).inc()
