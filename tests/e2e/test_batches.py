@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -136,6 +137,19 @@ def test_completions_and_responses_batches(alpha, model):
     body = lines(alpha, responses.output_file_id)["r"]["response"]["body"]
     alone = alpha.responses.create(model=model, input="Say hello.", max_output_tokens=8, temperature=0)
     assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == alone.output_text
+
+
+def test_a_body_that_is_no_json_object_is_a_400(cluster):
+    """Batches and /tokenize read their bodies as the generation endpoints do: invalid UTF-8 and
+    deep nesting (a 500 before) are 400s naming the body."""
+    host = cluster.router_http_addresses[0]
+    for path in ("/v1/batches", "/tokenize"):
+        for raw in (b"\xff\xfe", b"[" * 50_000 + b"]" * 50_000, b"", b"[1]"):
+            request = urllib.request.Request(f"http://{host}{path}", data=raw, method="POST",
+                                             headers={"content-type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            assert refused.value.code == 400 and json.loads(refused.value.read())["error"]["param"] == "body"
 
 
 def test_a_batch_does_not_take_its_tenants_rate_limits(cluster, model):

@@ -25,7 +25,8 @@ from services.common.errors import ErrorKind, ServiceError, invalid
 from services.router.openai_api.batch_lines import ENDPOINTS, read_lines
 from services.router.openai_api.body import read_body
 from services.router.openai_api.generation import error_response
-from services.router.openai_api.json_fields import json_kind, text_field
+from services.router.openai_api.json_fields import text_field
+from services.router.openai_api.request import json_object
 from services.router.openai_api.responses_request import check_metadata
 from services.store.batch_store import errors_json, new_id
 
@@ -122,12 +123,7 @@ class BatchFront:
         try:
             caller = self.front.caller(http)
             self.front.router.drain.check()
-            body = json.loads(await self.front.body(http) or b"null")
-            if not isinstance(body, dict):
-                raise invalid(f"the request body must be a JSON object, got {json_kind(body)}", "body")
-            row = await self._new_batch(caller, body)
-        except json.JSONDecodeError as exc:
-            return error_response(invalid(f"the request body is not valid JSON: {exc}", "body"))
+            row = await self._new_batch(caller, json_object(await self.front.body(http)))
         except ServiceError as error:
             return error_response(error)
         self.wake.set()

@@ -32,7 +32,7 @@ def read_lines(content: bytes, endpoint: str, max_lines: int) -> tuple[list[Batc
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
         return [], [_error("invalid_file", f"the file is not UTF-8 (byte {exc.start})", None)]
-    raw = [line for line in text.split("\n")]
+    raw = text.split("\n")
     while raw and not raw[-1].strip():
         raw.pop()
     if not raw:

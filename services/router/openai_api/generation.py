@@ -124,10 +124,7 @@ class GenerationResponse(Response):
 
     async def _whole(self, out: OpenAIResponse, chunks, scope, send) -> None:
         try:
-            async for index, chunk in chunks:
-                out.add(index, chunk)
-                if out.finished:
-                    break
+            await _fill(out, chunks)
         except ServiceError as error:
             await self._error(error, scope, send)
             return
@@ -183,13 +180,18 @@ async def whole_answer(path, head: RequestHead, caller: Caller, request: OpenAIR
     out = answer_object(request, head)
     chunks = choice_chunks(path, head, caller, request, parent)
     try:
-        async for index, chunk in chunks:
-            out.add(index, chunk)
-            if out.finished:
-                break
+        await _fill(out, chunks)
     finally:
         await chunks.aclose()
     return out.body()
+
+
+async def _fill(out, chunks) -> None:
+    """Every choice's chunks into the answer object, up to each one's last."""
+    async for index, chunk in chunks:
+        out.add(index, chunk)
+        if out.finished:
+            break
 
 
 def _serve(path, head: RequestHead, caller: Caller, request: OpenAIRequest, body, parent):

@@ -14,7 +14,6 @@ does not serve is a 400 naming it, as on the generation endpoints.
 """
 from __future__ import annotations
 
-import json
 
 import grpc
 from starlette.requests import Request
@@ -25,7 +24,7 @@ from services.common.grpc_errors import error_from_rpc
 from services.common.proto.qos.v1 import scheduler_pb2
 from services.router.openai_api.generation import error_response
 from services.router.openai_api.json_fields import bool_field, json_kind, text_field
-from services.router.openai_api.request import chat_messages
+from services.router.openai_api.request import chat_messages, json_object
 from services.router.openai_api.vllm_options import CHAT_TEMPLATE, parse_chat_template
 
 CALL_TIMEOUT_S = 30.0
@@ -80,13 +79,7 @@ async def _request(front, http: Request, fields: set[str]) -> tuple[dict, object
     """The caller checked (a key, with auth required), the body read and its fields checked, and
     the handle of a pool serving its model."""
     front.caller(http)
-    try:
-        body = json.loads(await front.body(http) or b"null")
-    except (ValueError, RecursionError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}", "body") from None
-    if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {json_kind(body)}", "body")
-    body = {name: value for name, value in body.items() if value is not None}
+    body = {name: value for name, value in json_object(await front.body(http)).items() if value is not None}
     for name in body:
         if name not in fields:
             raise invalid(f"unknown field {name!r} for {http.url.path}", name)
