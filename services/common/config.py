@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.common.batch_config import BatchConfig
+from services.common.responses_config import ResponsesConfig
 from services.common.drain import DEFAULT_DRAIN_SECONDS
 from services.common.settings import (NON_NEGATIVE, PORT, PORT_OR_OFF, POSITIVE, SHARE, Bounds,  # noqa: F401
                                       ConfigError, setting)
@@ -367,6 +368,7 @@ class ClusterConfig:
     sla: list[SlaConfig] = field(default_factory=default_slas)
     alerts: AlertsConfig = field(default_factory=AlertsConfig)
     batches: BatchConfig = field(default_factory=BatchConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
     def sla_ttft_ms(self, priority: str) -> float | None:
         """The class-wide TTFT objective for a class, if an SLA sets one (autoscaling uses High's)."""

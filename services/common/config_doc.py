@@ -9,6 +9,7 @@ import json
 from dataclasses import MISSING, Field, fields
 
 from services.common.batch_config import BatchConfig
+from services.common.responses_config import ResponsesConfig
 from services.common.config import (AdapterConfig, AlertsConfig, AuthConfig, AutoscaleConfig, BillingConfig,
                                     ClusterConfig, PoolConfig, RouterConfig, SchedulerConfig, SecurityConfig,
                                     SlaConfig, StoreConfig, WorkerConfig)
@@ -33,6 +34,7 @@ TABLES = [
                            "success >= 99.9%). An empty list turns SLA alerts off."),
     ("[alerts]", AlertsConfig, "Where alerts go."),
     ("[batches]", BatchConfig, "OpenAI's Batch API, run by the routers."),
+    ("[responses]", ResponsesConfig, "What the routers keep of OpenAI Responses API answers."),
 ]
 
 

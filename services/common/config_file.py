@@ -9,6 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from services.common.batch_config import BatchConfig
+from services.common.responses_config import ResponsesConfig
 from services.common.config import (
     AdapterConfig,
     AlertsConfig,
@@ -168,7 +169,7 @@ def _check_router(router: RouterConfig) -> None:
 
 
 TABLES = ("router", "pools", "scheduler", "workers", "autoscale", "adapters", "store", "auth", "security", "billing",
-          "sla", "alerts", "batches")
+          "sla", "alerts", "batches", "responses")
 
 
 def parse_config(raw: dict) -> ClusterConfig:
@@ -206,6 +207,7 @@ def parse_config(raw: dict) -> ClusterConfig:
     cluster.security = _section(SecurityConfig, raw.get("security", {}), "security")
     cluster.billing = _section(BillingConfig, raw.get("billing", {}), "billing")
     cluster.batches = _section(BatchConfig, raw.get("batches", {}), "batches")
+    cluster.responses = _section(ResponsesConfig, raw.get("responses", {}), "responses")
     return cluster
 
 

@@ -13,6 +13,8 @@ and its version.
     batches       Batch API jobs: input file, endpoint, status and its times, the replica that
                   runs it (a lease), counts, output and error files
     batch_results one row per finished line of a batch: what its output or error line says
+    responses     Responses API answers kept (store: true), each a tenant's, until expires_at: the
+                  response object and its conversation's input items
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -25,7 +27,7 @@ from sqlalchemy import (Column, Float, ForeignKey, Integer, LargeBinary, MetaDat
 
 from services.common.priority import TENANT_NAME_MAX  # noqa: F401 (the store checks names by it)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 metadata = MetaData()
 
 schema_info = Table(
@@ -142,6 +144,17 @@ batch_results = Table(
     Column("line", Integer, primary_key=True),               # 0-based line of the input
     Column("ok", Integer, nullable=False),                   # 1: an output line, 0: an error line
     Column("text", Text, nullable=False),                    # the line, JSON
+)
+
+responses = Table(
+    "responses", metadata,
+    Column("id", String(64), primary_key=True),              # resp_<request id>
+    Column("tenant", String(64), nullable=False, index=True),
+    Column("previous_id", String(64)),                       # the response it continued, if any
+    Column("input_items", Text, nullable=False),             # JSON: every input item, earlier turns' too
+    Column("response", Text, nullable=False),                # JSON: the response object as answered
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False, index=True),
 )
 
 # version -> the statements that bring a database from version-1 to it (metadata.create_all has

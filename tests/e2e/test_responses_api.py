@@ -1,7 +1,9 @@
 """OpenAI's Responses API (POST /v1/responses) through the official `openai` client on a real
-cluster (embedded SmolLM2, fp32, greedy): each answer equals the chat completion of the same
-conversation, whole or streamed event by event; structured output through `responses.parse`;
-a function call and its output sent back as input; logprobs; what is not served refused by name."""
+cluster of two router replicas (embedded SmolLM2, fp32, greedy): each answer equals the chat
+completion of the same conversation, whole or streamed event by event; structured output through
+`responses.parse`; a function call and its output sent back as input; logprobs; kept answers read
+back, listed, deleted and continued with previous_response_id on the other replica, each
+tenant's alone; what is not served refused by name."""
 from __future__ import annotations
 
 import openai
@@ -20,8 +22,15 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:
+    config = cluster_config(dtype="fp32")
+    config.auth.replicas = 2
+    with LocalCluster(config, quiet=True) as running:
         yield running
+
+
+def tenant_client(cluster, tenant: str, replica: int = 0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{cluster.router_http_addresses[replica]}/v1", api_key="unused",
+                         max_retries=0, timeout=120, default_headers={"x-tenant": tenant})
 
 
 def chat_answer(client, model, messages, max_tokens, **extra):
@@ -42,7 +51,7 @@ def test_a_response_is_the_chat_answer_of_its_conversation(client, model):
     assert response.status == ("incomplete" if finished == "length" else "completed")
     if finished == "length":
         assert response.incomplete_details.reason == "max_output_tokens"
-    assert response.instructions == "Be brief." and response.max_output_tokens == 16 and response.store is False
+    assert response.instructions == "Be brief." and response.max_output_tokens == 16 and response.store is True
 
 
 def test_a_stream_tells_the_same_answer_event_by_event(client, model):
@@ -102,8 +111,9 @@ def test_logprobs_are_the_chat_endpoints(client, model):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_x"}, "previous_response_id"),
+    ({"store": "yes"}, "store"),
+    ({"previous_response_id": 7}, "previous_response_id"),
+    ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -113,3 +123,62 @@ def test_what_is_not_served_is_a_400_naming_it(client, model, extra, param):
     with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=model, **{"input": "Hi", **extra})
     assert refused.value.body["param"] == param
+
+
+def test_a_kept_response_is_read_back_and_continued_on_the_other_replica(cluster, model):
+    with tenant_client(cluster, "alpha", 0) as first, tenant_client(cluster, "alpha", 1) as second:
+        opened = first.responses.create(model=model, instructions="Be brief.", input="Name a fruit.",
+                                        max_output_tokens=12, temperature=0)
+        assert opened.store is True and second.responses.retrieve(opened.id).model_dump() == opened.model_dump()
+        went_on = second.responses.create(model=model, previous_response_id=opened.id, instructions="Answer.",
+                                          input="And a colour?", max_output_tokens=12, temperature=0)
+        # its instructions, then the earlier turns (their instructions not carried), then its input
+        chat = chat_answer(second, model, [{"role": "system", "content": "Answer."},
+                                           {"role": "user", "content": "Name a fruit."},
+                                           {"role": "assistant", "content": opened.output_text},
+                                           {"role": "user", "content": "And a colour?"}], 12)
+        assert went_on.previous_response_id == opened.id
+        assert went_on.output_text == chat.choices[0].message.content
+        assert went_on.usage.input_tokens == chat.usage.prompt_tokens
+        listed = list(first.responses.input_items.list(went_on.id))            # newest first, paged by the client
+        assert [(i.type, i.role) for i in listed] == [("message", "user"), ("message", "assistant"),
+                                                      ("message", "user")]
+        assert listed[0].content[0].text == "And a colour?" and listed[1].id == opened.output[0].id
+        oldest = first.responses.input_items.list(went_on.id, order="asc", limit=1)
+        assert oldest.data[0].content[0].text == "Name a fruit." and oldest.has_more
+        after = first.responses.input_items.list(went_on.id, order="asc", limit=5, after=oldest.data[0].id)
+        assert [i.id for i in after.data] == [i.id for i in listed[1::-1]] and not after.has_more
+
+
+def test_a_streamed_response_is_kept_before_its_last_event(cluster, model):
+    with tenant_client(cluster, "alpha") as client:
+        with client.responses.stream(model=model, input="Count to three.", max_output_tokens=400,
+                                     temperature=0) as stream:
+            final = stream.get_final_response()
+        assert client.responses.retrieve(final.id).output_text == final.output_text
+        went_on = client.responses.create(model=model, previous_response_id=final.id, input="Again.",
+                                          max_output_tokens=4, temperature=0)
+        assert went_on.usage.input_tokens > final.usage.input_tokens + final.usage.output_tokens
+
+
+def test_deleted_unkept_and_other_tenants_responses_are_not_found(cluster, model):
+    with tenant_client(cluster, "alpha") as alpha, tenant_client(cluster, "beta", 1) as beta:
+        mine = alpha.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0)
+        for attempt in (lambda: beta.responses.retrieve(mine.id), lambda: beta.responses.delete(mine.id),
+                        lambda: beta.responses.input_items.list(mine.id),
+                        lambda: beta.responses.create(model=model, input="Hi", previous_response_id=mine.id)):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        assert alpha.responses.retrieve(mine.id).id == mine.id               # beta's delete took nothing
+        with pytest.raises(openai.BadRequestError) as refused:
+            alpha.responses.cancel(mine.id)
+        assert "background" in refused.value.body["message"]
+        alpha.responses.delete(mine.id)
+        unkept = alpha.responses.create(model=model, input="Hi", max_output_tokens=2, temperature=0, store=False)
+        assert unkept.store is False
+        for gone in (mine.id, unkept.id):
+            with pytest.raises(openai.NotFoundError):
+                alpha.responses.retrieve(gone)
+            with pytest.raises(openai.NotFoundError) as missing:
+                alpha.responses.create(model=model, input="Hi", previous_response_id=gone)
+            assert missing.value.body["param"] == "previous_response_id"

@@ -71,7 +71,7 @@ def test_a_worker_entry_that_is_not_a_table_is_refused():
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"routers": {}}, "unknown key routers; known: adapters, alerts, auth, autoscale, batches, billing, model, pools, router, "
+    ({"routers": {}}, "unknown key routers; known: adapters, alerts, auth, autoscale, batches, billing, model, pools, responses, router, "
                       "scheduler, security, sla, store, workers"),
     ({"pools": []}, "pools must be a non-empty list"),
     ({"pools": {"name": "p"}}, "pools must be a non-empty list"),

@@ -7,7 +7,8 @@ bodies are checked by our own parser (services/router/openai_api/request.py), wh
 field precisely and costs no model building per request; uvicorn's httptools parser is its
 fastest. bench/http_overhead.py measures what the front costs against gRPC.
 
-    POST /v1/chat/completions, /v1/completions   JSON or Server-Sent Events (stream: true)
+    POST /v1/chat/completions, /v1/completions, /v1/responses   JSON or Server-Sent Events
+    GET/DELETE /v1/responses/ID (kept answers: responses_kept.py); /v1/files, /v1/batches (batch_front.py)
     GET  /v1/models[/MODEL], /v1/usage, /v1/requests/ID, /health, /metrics
     POST /v1/requests/ID/cancel
 """
@@ -44,7 +45,8 @@ from services.router.openai_api.body import read_body
 from services.router.openai_api.generation import GenerationResponse, error_response
 from services.router.openai_api.service_class import class_header
 from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
-from services.router.openai_api.responses_request import RESPONSES, parse_responses
+from services.router.openai_api.responses_kept import KeptResponses
+from services.router.openai_api.responses_request import RESPONSES
 from services.router.openai_api.response import error_body
 from services.router.openai_api.timeouts import read_timeout_protocol
 from services.router.validation import request_headers
@@ -105,10 +107,15 @@ class HttpFront:
         self.config = config
         self.started = int(time.time())
         batch = BatchFront(self, router.batches, router.batch_config, router.batch_wake)
+        kept = self.kept_responses = KeptResponses(self, router.kept_responses, router.responses_config, self.registry)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", kept.retrieve, methods=["GET"]),
+            Route("/v1/responses/{response_id}", kept.delete, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", kept.input_items, methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", kept.cancel, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/files", batch.upload, methods=["POST"]),
@@ -153,7 +160,10 @@ class HttpFront:
             headers = request_headers(http.headers.items(), self.book.required)
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
             raw = await self.body(http)
-            request = parse_responses(raw) if kind == RESPONSES else parse_openai(kind, raw)
+            if kind == RESPONSES:
+                request = await self.kept_responses.parse(raw, caller)
+            else:
+                request = parse_openai(kind, raw)
             label = class_header(request, headers.get(PRIORITY_HEADER))
             if label is not None:
                 headers[PRIORITY_HEADER] = label

@@ -116,7 +116,9 @@ class GenerationResponse(Response):
             cancelled = ServiceError(ErrorKind.CANCELLED, f"request {head.request_id} was cancelled",
                                      reason="cancelled")
             if self.started:
-                await send({"type": "http.response.body", "more_body": False, "body": out.failed(cancelled, None)})
+                tail = out.failed(cancelled, None)
+                await self._keep(out)
+                await send({"type": "http.response.body", "more_body": False, "body": tail})
             else:
                 await self._error(cancelled, scope, send)
         finally:
@@ -128,7 +130,9 @@ class GenerationResponse(Response):
         except ServiceError as error:
             await self._error(error, scope, send)
             return
-        await JSONResponse(out.body(), headers=self._headers())(scope, None, send)
+        body = out.body()
+        await self._keep(out)
+        await JSONResponse(body, headers=self._headers())(scope, None, send)
 
     async def _stream(self, out: OpenAIResponse, chunks, scope, send) -> None:
         try:
@@ -141,14 +145,24 @@ class GenerationResponse(Response):
         self.started = True
         try:
             while True:
-                await send({"type": "http.response.body", "body": out.frames(index, chunk), "more_body": True})
+                frames = out.frames(index, chunk)
+                if out.finished:
+                    await self._keep(out)        # before its last event: the next turn may name it at once
+                await send({"type": "http.response.body", "body": frames, "more_body": True})
                 if out.finished:
                     break
                 index, chunk = await anext(chunks)
             tail = out.end()
         except ServiceError as error:
             tail = out.failed(error, http_param(error.field, self.request))
+            await self._keep(out)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def _keep(self, out) -> None:
+        """A Responses API answer asked to be kept (store), into the store (responses_kept.py)."""
+        kept = out.kept() if isinstance(out, ResponsesAnswer) else None
+        if kept is not None:
+            await self.front.kept_responses.keep(self.caller, *kept)
 
 
 def answer_object(request: OpenAIRequest, head: RequestHead):

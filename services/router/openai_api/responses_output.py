@@ -25,7 +25,8 @@ from services.router.openai_api.response import OpenAIResponse, to_json
 class ResponsesAnswer:
     def __init__(self, request: OpenAIRequest, request_id: str, created: int, priority: int):
         self.chat = OpenAIResponse(request, request_id, created, priority)
-        self.echo = request.responses.fields
+        self.echo, self.request = request.responses.fields, request.responses
+        self.final: dict | None = None         # the response as it ended (what is kept)
         self.id, self.rid = "resp_" + request_id, request_id
         self.created, self.tier, self.model = created, TIER_OF[priority], request.model
         self.sequence = 0
@@ -38,14 +39,19 @@ class ResponsesAnswer:
     def finished(self) -> bool:
         return self.chat.finished
 
+    def kept(self) -> tuple[dict, list[dict]] | None:
+        """(the response as it ended, its conversation's input items) when it is to be kept."""
+        return (self.final, self.request.items) if self.request.store and self.final is not None else None
+
     def response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         reason = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "background": False, "error": error, "incomplete_details": reason,
                 "instructions": self.echo.get("instructions"), "max_output_tokens": self.echo.get("max_output_tokens"),
                 "metadata": self.echo.get("metadata", {}), "model": self.model, "output": self.items,
-                "parallel_tool_calls": self.echo["parallel_tool_calls"], "previous_response_id": None,
-                "reasoning": {"effort": None, "summary": None}, "service_tier": self.tier, "store": False,
+                "parallel_tool_calls": self.echo["parallel_tool_calls"],
+                "previous_response_id": self.request.previous_id,
+                "reasoning": {"effort": None, "summary": None}, "service_tier": self.tier, "store": self.request.store,
                 "temperature": self.echo.get("temperature"), "text": self.echo["text"],
                 "tool_choice": self.echo["tool_choice"], "tools": self.echo["tools"], "top_p": self.echo.get("top_p"),
                 "truncation": "disabled", "usage": usage, "user": self.echo.get("user")}
@@ -74,7 +80,8 @@ class ResponsesAnswer:
             self._message(status)["content"].append(self._part(message.get("content") or "", entries))
         for k, call in enumerate(message.get("tool_calls") or ()):
             self.items.append(self._call(k, call, status, call["function"]["arguments"]))
-        return self.response(status, self.usage())
+        self.final = self.response(status, self.usage())
+        return self.final
 
     def _message(self, status: str) -> dict:
         self.text = {"id": f"msg_{self.rid}", "type": "message", "status": status, "role": "assistant",
@@ -105,7 +112,7 @@ class ResponsesAnswer:
                 events += self._from_chat(choice["delta"], choice["logprobs"])
         if chunk.finish_reason:
             events += self._close(self._status())
-            final = self.response(self._status(), self.usage())
+            self.final = final = self.response(self._status(), self.usage())
             events.append(self._event("response.incomplete" if final["status"] == "incomplete"
                                       else "response.completed", response=final))
         return b"".join(_frame(e) for e in events)
@@ -118,9 +125,9 @@ class ResponsesAnswer:
             opening = [self._event("response.created", response=self.response("in_progress"))]
         else:
             opening = []
+        self.final = self.response("failed", error={"code": error.reason or "server_error", "message": error.message})
         events = [*opening, self._event("error", code=error.reason, message=error.message, param=param),
-                  self._event("response.failed", response=self.response(
-                      "failed", error={"code": error.reason or "server_error", "message": error.message}))]
+                  self._event("response.failed", response=self.final)]
         return b"".join(_frame(e) for e in events)
 
     def _event(self, kind: str, **fields) -> dict:

@@ -7,17 +7,23 @@ flattened (`{"type": "function", "name", "parameters"}`). So it is rewritten as 
 means and read by the chat parser (request.py): every check is the chat endpoint's, and an
 error names the field as this body has it (`input[2].content[0].text`, `text.format.schema`).
 
-Refused by name, with the reason: what needs state this server does not keep (`store: true`,
-`previous_response_id`, `conversation`, `background`, `prompt`), OpenAI's own tools (web search,
-file search, ...), inputs other than text, reasoning items and settings.
+`previous_response_id` continues a kept response (responses_kept.py reads it from the store): its
+input items and its output come before this body's input, its instructions do not (OpenAI's
+rule). The conversation's items, each with an id, are what a kept response keeps as its input.
+
+Refused by name, with the reason: `conversation`, `background` and `prompt` (state this server
+does not keep), OpenAI's own tools (web search, file search, ...), inputs other than text,
+reasoning items and settings.
 """
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass, field
 
 from services.common.errors import ServiceError, invalid
+from services.common.responses_config import ResponsesConfig
 from services.router.openai_api.json_fields import json_kind, text_field
 from services.router.openai_api.request import CHAT, OpenAIRequest, json_object, parse_openai
 
@@ -29,10 +35,9 @@ PASSED = {"model", "temperature", "top_p", "stream", "user", "service_tier", "pa
           "cache_salt", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "frequency_penalty",
           "presence_penalty", "context_mode"}
 OWN = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "include",
-       "top_logprobs", "store"}
+       "top_logprobs", "store", "previous_response_id"}
 # Fields at the values that ask for nothing we lack (null always does), and why others are refused.
-NEUTRAL = {"previous_response_id": ((), "this server keeps no responses: send the whole conversation as input"),
-           "conversation": ((), "this server keeps no conversations: send the whole conversation as input"),
+NEUTRAL = {"conversation": ((), "this server keeps no conversations: send the whole conversation as input"),
            "background": ((False,), "answers are streamed or returned, not run in the background"),
            "truncation": (("disabled",), "an input over the context window is refused, not cut"),
            "reasoning": (({},), "the served models do not reason apart from their answer"),
@@ -41,6 +46,8 @@ NEUTRAL = {"previous_response_id": ((), "this server keeps no responses: send th
            "stream_options": (({},), "no option of a stream is served")}
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")
+ID_PREFIX = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+MAX_ID = 64
 
 
 @dataclass(slots=True)
@@ -49,6 +56,9 @@ class ResponsesEcho:
     (for errors): `inputs[k]` is the `input` item (or "instructions") chat message k was made of."""
     fields: dict = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)   # the conversation's input items, as kept
+    previous_id: str | None = None
+    store: bool = False                               # whether the answer is kept
 
     def param(self, chat_param: str | None) -> str | None:
         """A chat body's parameter as this Responses body named it."""
@@ -67,7 +77,14 @@ class ResponsesEcho:
 
 
 def parse_responses(raw: bytes) -> OpenAIRequest:
-    body = json_object(raw)
+    """A body on its own (a batch's line): nothing kept, no earlier response continued."""
+    return parse_responses_body(json_object(raw))
+
+
+def parse_responses_body(body: dict, previous: tuple[dict, list[dict]] | None = None,
+                         keeping: ResponsesConfig | None = None) -> OpenAIRequest:
+    """`previous`: the kept response `previous_response_id` names and its input items (the caller
+    reads them); `keeping`: the settings when this request's answer may be kept, else None."""
     echo = ResponsesEcho()
     chat = {name: body[name] for name in PASSED if body.get(name) is not None}
     for name, value in body.items():
@@ -78,9 +95,8 @@ def parse_responses(raw: bytes) -> OpenAIRequest:
         values, why = NEUTRAL[name]
         if value not in values or type(value) is not type(values[0]):
             raise invalid(f"{name} is not supported by this server: {why}", name)
-    if body.get("store"):
-        raise invalid("store: this server keeps no responses (send store false, or leave it out)", "store")
-    chat["messages"] = _messages(body, echo)
+    _keeping(body, previous, keeping, echo)
+    chat["messages"] = _messages(body, echo, previous, keeping.max_items if keeping else None)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     _text_format(body.get("text"), chat)
@@ -101,6 +117,31 @@ def parse_responses(raw: bytes) -> OpenAIRequest:
     return request
 
 
+def previous_id(body: dict) -> str | None:
+    """The kept response a body continues (None: none), checked before it is looked up."""
+    value = body.get("previous_response_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID:
+        raise invalid(f"previous_response_id must be a response's id (a string of 1 to {MAX_ID} characters)",
+                      "previous_response_id")
+    return value
+
+
+def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: ResponsesEcho) -> None:
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise invalid(f"store must be true or false, got {json_kind(store)}", "store")
+    if keeping is None and (store or body.get("previous_response_id") is not None):
+        field_name = "store" if store else "previous_response_id"
+        raise invalid(f"{field_name}: no response is kept for this request (this server's [responses] store is "
+                      "off, or it is a batch's line): send the whole conversation as input, with store false",
+                      field_name)
+    echo.store = keeping is not None and store is not False
+    if previous is not None:
+        echo.previous_id = previous[0]["id"]
+
+
 def _renamed(error: ServiceError, echo: ResponsesEcho) -> ServiceError:
     param = echo.param(error.field)
     if param != error.field and error.field:
@@ -108,7 +149,7 @@ def _renamed(error: ServiceError, echo: ResponsesEcho) -> ServiceError:
     return error
 
 
-def _messages(body: dict, echo: ResponsesEcho) -> list[dict]:
+def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) -> list[dict]:
     messages = []
     if body.get("instructions") is not None:
         messages.append({"role": "system", "content": text_field(body["instructions"], "instructions")})
@@ -117,13 +158,19 @@ def _messages(body: dict, echo: ResponsesEcho) -> list[dict]:
     if items is None:
         raise invalid("input is required", "input")
     if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-        echo.inputs.append("input")
-        return messages
-    if not isinstance(items, list) or not items:
+        items, named = [{"type": "message", "role": "user", "content": items}], ["input"]
+    elif not isinstance(items, list) or not items:
         raise invalid(f"input must be a string or a non-empty list of items, got {json_kind(items)}", "input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    else:
+        named = [f"input[{i}]" for i in range(len(items))]
+    if previous is not None:
+        carried = previous[1] + [_carried(item) for item in previous[0].get("output") or ()]
+        items, named = carried + items, ["previous_response_id"] * len(carried) + named
+    if max_items is not None and len(items) > max_items:
+        where = "previous_response_id" if previous else "input"
+        raise invalid(f"{where}: the conversation holds {len(items)} input items; at most {max_items} are kept",
+                      where)
+    for item, where in zip(items, named):
         if not isinstance(item, dict):
             raise invalid(f"{where} must be an object (a message, a function call or its output)", where)
         kind = item.get("type", "message")
@@ -145,7 +192,28 @@ def _messages(body: dict, echo: ResponsesEcho) -> list[dict]:
             raise invalid(f"{where}.type {kind!r} is not served: input items are messages, function_call and "
                           "function_call_output (no reasoning, images, files or OpenAI's tools here)", f"{where}.type")
         echo.inputs.append(where)
+    if echo.store:
+        echo.items = [_kept(item) for item in items]
     return messages
+
+
+def _carried(item: dict) -> dict:
+    """An earlier response's output item as the next one's input (its logprobs are not input)."""
+    if item.get("type") != "message":
+        return item
+    return {**item, "content": [{k: v for k, v in part.items() if k != "logprobs"} for part in item["content"]]}
+
+
+def _kept(item: dict) -> dict:
+    """An input item as a kept response lists it: with an id, a message's content as parts."""
+    kind, given = item.get("type", "message"), item.get("id")
+    kept = {"id": given if isinstance(given, str) and 0 < len(given) <= MAX_ID else ID_PREFIX[kind] + secrets.token_hex(12),
+            "type": kind,
+            **{k: v for k, v in item.items() if k not in ("id", "type")}}
+    if kind == "message" and isinstance(kept["content"], str):
+        part = "output_text" if kept["role"] == "assistant" else "input_text"
+        kept["content"] = [{"type": part, "text": kept["content"]}]
+    return kept
 
 
 def _message(item: dict, where: str) -> dict:

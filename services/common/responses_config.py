@@ -1,0 +1,20 @@
+"""The `[responses]` table: what the routers keep of OpenAI Responses API answers
+(services/router/openai_api/responses_kept.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.settings import POSITIVE, Bounds, setting
+
+
+@dataclass(slots=True)
+class ResponsesConfig:
+    """Stored responses: GET and DELETE /v1/responses/{id}, their input items, previous_response_id."""
+    store: bool = setting(True, "keep the responses a request asks to keep (store: true, OpenAI's default) in the "
+                          "store's database, its tenant's alone; false: none is kept, store: true is refused and "
+                          "a request that leaves store out is answered with store: false")
+    retention_s: float = setting(30 * 86400.0, "a kept response (its input and output) is deleted this long after "
+                                 "it was made (OpenAI keeps 30 days)", bounds=POSITIVE)
+    max_items: int = setting(10_000, "the most input items one response's conversation may hold, its earlier "
+                             "responses' included (a longer one is refused naming previous_response_id)",
+                             bounds=Bounds(1))

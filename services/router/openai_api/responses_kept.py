@@ -1,0 +1,132 @@
+"""Kept Responses API answers on the HTTP front: what `store: true` (OpenAI's default) is for.
+
+    GET    /v1/responses/{id}                  the response object as it was answered
+    GET    /v1/responses/{id}/input_items      its conversation's input items (earlier turns' too),
+                                               a page at a time (after, limit 1-100, order)
+    DELETE /v1/responses/{id}
+    POST   /v1/responses/{id}/cancel           only a background response can be; none is here
+    POST   /v1/responses  previous_response_id continues a kept response (responses_request.py)
+
+An answer is kept when it ends (completed, incomplete, or failed after its stream began), before
+its last event or its body goes out, so the next turn can name it at once. Each is its tenant's
+(the caller's key; with auth off, x-tenant): to another tenant it is an id that does not exist,
+to GET, DELETE and previous_response_id alike; the admin key sees every tenant's. Kept
+`[responses] retention_s`, then deleted. A store that cannot take it leaves the answer unkept
+(logged, counted in qos_responses_kept_total{outcome="failed"}); the answer still goes out.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import Counter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from services.common.errors import ErrorKind, ServiceError, invalid
+from services.common.responses_config import ResponsesConfig
+from services.control.tenancy import Caller
+from services.router.openai_api.generation import error_response
+from services.router.openai_api.request import OpenAIRequest, json_object
+from services.router.openai_api.responses_request import parse_responses_body, previous_id
+from services.store.response_store import ResponseStore
+
+log = logging.getLogger(__name__)
+
+PURGE_EVERY_S = 60.0       # expired rows are deleted at most this often (reads never see them anyway)
+MAX_PAGE = 100
+
+
+class KeptResponses:
+    def __init__(self, front, store: ResponseStore, config: ResponsesConfig, registry):
+        self.front, self.store, self.config = front, store, config
+        self.purged = 0.0
+        self.outcomes = Counter("qos_responses_kept", "Responses API answers asked to be kept (store: true), by "
+                                "outcome (kept; failed: the store refused them)", ("outcome",), registry=registry)
+
+    def _owner(self, http: Request) -> str | None:
+        """The tenant whose responses the caller sees; None: the admin's, all of them."""
+        caller = self.front.caller(http)
+        return None if caller.admin else caller.name
+
+    async def parse(self, raw: bytes, caller: Caller) -> OpenAIRequest:
+        """A POST /v1/responses body, with the kept response it continues read from the store."""
+        body = json_object(raw)
+        previous, wanted = None, previous_id(body)
+        if wanted is not None and self.config.store:
+            previous = await asyncio.to_thread(self.store.get, None if caller.admin else caller.name, wanted,
+                                               time.time())
+            if previous is None:
+                raise ServiceError(ErrorKind.NOT_FOUND, f"previous response {wanted!r} not found: it was never "
+                                   "kept (store false), was deleted or expired, or is not yours",
+                                   field="previous_response_id", reason="not_found")
+        return parse_responses_body(body, previous, self.config if self.config.store else None)
+
+    async def keep(self, caller: Caller, response: dict, input_items: list[dict]) -> None:
+        now = time.time()
+        try:
+            await asyncio.to_thread(self.store.add, caller.name, response, input_items, now,
+                                    now + self.config.retention_s)
+            if now - self.purged > PURGE_EVERY_S:
+                self.purged = now
+                await asyncio.to_thread(self.store.purge, now)
+        except Exception:          # the answer is made and billed: it goes out unkept
+            self.outcomes.labels("failed").inc()
+            log.exception("could not keep response %s", response["id"])
+            return
+        self.outcomes.labels("kept").inc()
+
+    async def _kept(self, http: Request) -> tuple[dict, list[dict]]:
+        response_id = http.path_params["response_id"]
+        found = await asyncio.to_thread(self.store.get, self._owner(http), response_id, time.time())
+        if found is None:
+            raise ServiceError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r} here (responses are kept "
+                               "when made with store true, until deleted or expired)", reason="not_found")
+        return found
+
+    async def retrieve(self, http: Request) -> Response:
+        try:
+            if http.query_params.get("stream", "false").lower() not in ("false", "0"):
+                raise invalid("stream: only a background response is streamed again, and none runs here", "stream")
+            response, _ = await self._kept(http)
+        except ServiceError as error:
+            return error_response(error)
+        return JSONResponse(response)
+
+    async def delete(self, http: Request) -> Response:
+        try:
+            response_id = http.path_params["response_id"]
+            if not await asyncio.to_thread(self.store.delete, self._owner(http), response_id, time.time()):
+                await self._kept(http)           # its 404
+        except ServiceError as error:
+            return error_response(error)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def cancel(self, http: Request) -> Response:
+        try:
+            response, _ = await self._kept(http)
+            raise invalid(f"response {response['id']!r} is {response['status']}: only a background response "
+                          "can be cancelled, and none runs here (cancel a running request with "
+                          "POST /v1/requests/{id}/cancel)", "response_id")
+        except ServiceError as error:
+            return error_response(error)
+
+    async def input_items(self, http: Request) -> Response:
+        try:
+            params = http.query_params
+            limit, order, after = params.get("limit", "20"), params.get("order", "desc"), params.get("after")
+            if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+                raise invalid(f"limit must be a number from 1 to {MAX_PAGE}, got {limit[:20]!r}", "limit")
+            if order not in ("asc", "desc"):
+                raise invalid(f'order must be "asc" or "desc", got {order[:20]!r}', "order")
+            _, items = await self._kept(http)
+        except ServiceError as error:
+            return error_response(error)
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), len(items))
+            items = items[start:]
+        page = items[:int(limit)]
+        return JSONResponse({"object": "list", "data": page, "has_more": len(items) > len(page),
+                             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})

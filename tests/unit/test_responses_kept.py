@@ -1,0 +1,141 @@
+"""Kept Responses API answers: the store's rows (services/store/response_store.py) on SQLite and
+PostgreSQL, each tenant's own and gone at expiry; a body continuing a kept response
+(previous_response_id: its input and output before the new input, its instructions not), the
+conversation's items as kept; what an answer keeps, and when."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import text
+
+from services.common.config_file import ConfigError, parse_config
+from services.common.errors import ErrorKind, ServiceError
+from services.common.proto.qos.v1 import common_pb2
+from services.common.responses_config import ResponsesConfig
+from services.router.openai_api.responses_output import ResponsesAnswer
+from services.router.openai_api.responses_request import parse_responses, parse_responses_body, previous_id
+from services.store.response_store import ResponseStore
+from services.store.store import Store
+from tests.postgres import database_url
+
+KEEPING = ResponsesConfig()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def url(request, tmp_path_factory):
+    with database_url(request.param, tmp_path_factory.mktemp("responses")) as url:
+        yield url
+
+
+@pytest.fixture
+def kept(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        db.execute(text("DELETE FROM responses"))
+    yield ResponseStore(store)
+    store.close()
+
+
+def response(rid: str, previous: str | None = None) -> dict:
+    return {"id": rid, "object": "response", "status": "completed", "previous_response_id": previous,
+            "output": [{"id": f"msg_{rid}", "type": "message", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": "Hello there.", "annotations": [],
+                                     "logprobs": [{"token": "Hello", "logprob": -0.1}]}]}]}
+
+
+USER = {"id": "msg_u1", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+
+
+def test_a_kept_response_is_its_tenants_until_it_expires(kept):
+    kept.add("alpha", response("resp_1"), [USER], now=100.0, expires_at=200.0)
+    assert kept.get("alpha", "resp_1", now=150.0) == (response("resp_1"), [USER])
+    assert kept.get(None, "resp_1", now=150.0) is not None             # the admin's view: every tenant's
+    assert kept.get("beta", "resp_1", now=150.0) is None               # another tenant's is no id at all
+    assert not kept.delete("beta", "resp_1", now=150.0)
+    assert kept.get("alpha", "resp_1", now=200.0) is None              # expired: gone for every reader
+    assert not kept.delete("alpha", "resp_1", now=200.0)
+    kept.add("alpha", response("resp_2"), [USER], now=100.0, expires_at=300.0)
+    assert kept.purge(now=250.0) == 1                                   # resp_1's row, not resp_2's
+    assert kept.delete("alpha", "resp_2", now=250.0) and kept.get("alpha", "resp_2", now=250.0) is None
+
+
+def body(**fields) -> dict:
+    return {"model": "m", "input": "Hi", **fields}
+
+
+def test_store_defaults_to_kept_where_the_server_keeps_responses():
+    assert parse_responses_body(body(), keeping=KEEPING).responses.store
+    assert not parse_responses_body(body(store=False), keeping=KEEPING).responses.store
+    assert not parse_responses_body(body()).responses.store          # storage off: left out means not kept
+    for fields, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id")):
+        with pytest.raises(ServiceError) as refused:
+            parse_responses(json.dumps(body(**fields)).encode())        # a batch's line: nothing kept
+        assert refused.value.field == param and "no response is kept" in refused.value.message
+    with pytest.raises(ServiceError) as refused:
+        parse_responses_body(body(store="yes"), keeping=KEEPING)
+    assert refused.value.field == "store"
+    for bad in (7, "", "r" * 65):
+        with pytest.raises(ServiceError) as refused:
+            previous_id(body(previous_response_id=bad))
+        assert refused.value.kind is ErrorKind.INVALID and refused.value.field == "previous_response_id"
+
+
+def test_the_kept_conversation_is_items_with_ids():
+    items = parse_responses_body(body(input=[{"role": "user", "content": "Hi"},
+                                             {"type": "message", "role": "assistant", "id": "msg_a", "content": "Yo"},
+                                             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                                             {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+                                      instructions="Be brief."), keeping=KEEPING).responses.items
+    assert [i["type"] for i in items] == ["message", "message", "function_call", "function_call_output"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "Hi"}] and items[0]["id"].startswith("msg_")
+    assert items[1]["id"] == "msg_a" and items[1]["content"] == [{"type": "output_text", "text": "Yo"}]
+    assert items[2]["id"].startswith("fc_") and items[3]["id"].startswith("fco_")
+    assert len({i["id"] for i in items}) == 4                            # instructions are not an item
+
+
+def test_a_continued_response_says_the_earlier_turns_before_its_own():
+    previous = (response("resp_1"), [USER])
+    request = parse_responses_body(body(input="And you?", instructions="Be kind.", previous_response_id="resp_1"),
+                                   previous, KEEPING)
+    assert [(m.role, m.content) for m in request.body.messages] == [
+        ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello there."), ("user", "And you?")]
+    echo = request.responses
+    assert echo.previous_id == "resp_1"
+    assert [i["id"] for i in echo.items[:2]] == ["msg_u1", "msg_resp_1"]
+    assert "logprobs" not in echo.items[1]["content"][0]                # logprobs are no one's input
+    with pytest.raises(ServiceError) as refused:
+        parse_responses_body(body(input="More", previous_response_id="resp_1"), previous,
+                             ResponsesConfig(max_items=2))
+    assert refused.value.field == "previous_response_id" and "3 input items" in refused.value.message
+
+
+def answer_to(request, finish=common_pb2.FINISH_REASON_STOP) -> ResponsesAnswer:
+    answer = ResponsesAnswer(request, "r9", 100, 2)
+    chunk = common_pb2.GenerateChunk(text="Fine.", token_ids=[1], finish_reason=finish)
+    chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 5, 1
+    answer.add(0, chunk)
+    return answer
+
+
+def test_an_answer_is_kept_as_it_ended_only_when_asked():
+    request = parse_responses_body(body(previous_response_id="resp_1"), (response("resp_1"), [USER]), KEEPING)
+    answer = answer_to(request)
+    assert answer.kept() is None                                          # not ended yet
+    shown = answer.body()
+    assert shown["store"] is True and shown["previous_response_id"] == "resp_1"
+    kept, items = answer.kept()
+    assert kept == shown and [i["id"] for i in items][:2] == ["msg_u1", "msg_resp_1"] and len(items) == 3
+    unkept = answer_to(parse_responses_body(body(store=False), keeping=KEEPING))
+    assert unkept.body()["store"] is False and unkept.kept() is None
+    streamed = ResponsesAnswer(parse_responses_body(body(), keeping=KEEPING), "r10", 100, 2)
+    streamed.failed(ServiceError(ErrorKind.UNAVAILABLE, "the worker was lost", reason="unavailable"), None)
+    assert streamed.kept()[0]["status"] == "failed"                       # its stream began: it is kept as it ended
+
+
+def test_the_responses_table_is_read_from_a_config_file():
+    config = parse_config({"responses": {"store": False, "retention_s": 3600, "max_items": 50}})
+    assert (config.responses.store, config.responses.retention_s, config.responses.max_items) == (False, 3600, 50)
+    assert parse_config({}).responses == ResponsesConfig()
+    with pytest.raises(ConfigError, match="responses.retention_s"):
+        parse_config({"responses": {"retention_s": 0}})
