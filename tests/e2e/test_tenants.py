@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 ADMIN = "admin-secret-for-tests"
 TENANTS = [Tenant("alpha"), Tenant("beta"), Tenant("batch", priorities=("low",)), Tenant("rpm2", rpm=2),
-           Tenant("tpm", tpm=120), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5), Tenant("choices")]
+           Tenant("tpm", tpm=120), Tenant("solo", max_concurrent=1), Tenant("broke", budget=0.5), Tenant("choices"),
+           Tenant("tokenizer", rpm=3)]
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -233,6 +234,20 @@ def test_tokenize_needs_a_key_and_bills_nothing(cluster):
     assert status == 200 and done["count"] == len(done["tokens"]) > 0
     after = post(cluster, None, key, path="/v1/usage")[2]
     assert (after["requests"], after["prompt_tokens"]) == (before["requests"], before["prompt_tokens"])
+
+
+def test_tokenize_calls_count_against_the_tenants_requests(cluster):
+    key, model = cluster.keys["tokenizer"], Path(cluster.config.model).name      # 3 requests a minute
+    remaining = []
+    for path, body in (("/tokenize", {"prompt": "Hello there"}), ("/detokenize", {"tokens": [1, 2]}),
+                       ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})):
+        status, headers, _ = post(cluster, {"model": model, **body}, key, path=path)
+        assert status == 200
+        remaining.append(headers["x-ratelimit-remaining-requests"])
+    assert remaining == ["2", "1", "0"]
+    status, headers, body = post(cluster, {"model": model, "prompt": "Hi"}, key, path="/tokenize")
+    assert status == 429 and body["error"]["code"] == "rate_limit_requests" and 1 <= int(headers["retry-after"]) <= 60
+    assert post(cluster, completion(cluster), key)[0] == 429          # the same minute as its generations
 
 
 def test_a_scoring_call_bills_its_prompt_and_no_completion(cluster):
