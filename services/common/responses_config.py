@@ -15,6 +15,9 @@ class ResponsesConfig:
                           "a request that leaves store out is answered with store: false")
     retention_s: float = setting(30 * 86400.0, "a kept response (its input and output) is deleted this long after "
                                  "it was made (OpenAI keeps 30 days)", bounds=POSITIVE)
+    background_lease_s: float = setting(10.0, "a router running a background response renews its claim on it this "
+                                        "often x 3; one whose router was lost reads as failed once its claim is "
+                                        "this old", bounds=POSITIVE)
     max_items: int = setting(10_000, "the most input items one response's conversation may hold, its earlier "
                              "responses' included (a longer one is refused naming previous_response_id)",
                              bounds=Bounds(1))

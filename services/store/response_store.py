@@ -1,40 +1,87 @@
 """Kept Responses API answers in the store (services/store/schema.py: responses). Synchronous
 SQLAlchemy, called from a helper thread, as the rest of the store.
 
-Every read and delete names its tenant (None: the admin's, any tenant): one tenant's response
-is, to another, an id that does not exist. A response past its expiry is gone for every reader
-at once (reads check the time); its row is deleted by the next purge.
+Every read, cancel and delete names its tenant (None: the admin's, any tenant): one tenant's
+response is, to another, an id that does not exist. A response past its expiry is gone for every
+reader at once (reads check the time); its row is deleted by the next purge.
+
+A background response is written when it is queued and again as it runs, by the router replica
+running it (its owner), which renews a lease on it. Its status changes only from queued or
+in_progress, each change one conditional update: a cancel and the runner's last write cannot
+both win. A reader that finds one whose lease lapsed (its router was lost) ends it as failed.
 """
 from __future__ import annotations
 
 import json
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, insert, select, update
 
 from services.store.schema import responses
 from services.store.store import Store
+
+ACTIVE = ("queued", "in_progress")
+LOST = "the router running this background response stopped before it ended: send the request again"
 
 
 class ResponseStore:
     def __init__(self, store: Store):
         self.engine = store.engine
 
-    def add(self, tenant: str, response: dict, input_items: list[dict], now: float, expires_at: float) -> None:
+    def add(self, tenant: str, response: dict, input_items: list[dict], now: float, expires_at: float,
+            owner: str | None = None, lease_until: float | None = None) -> None:
         with self.engine.begin() as db:
             db.execute(insert(responses).values(
                 id=response["id"], tenant=tenant, previous_id=response.get("previous_response_id"),
+                status=response["status"], owner=owner, lease_until=lease_until,
                 input_items=json.dumps(input_items), response=json.dumps(response), created_at=now,
                 expires_at=expires_at))
 
     def get(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, list[dict]] | None:
         """(the response object, its input items), or None: unknown, another tenant's or expired."""
-        query = select(responses.c.response, responses.c.input_items).where(
-            responses.c.id == response_id, responses.c.expires_at > now)
-        if tenant is not None:
-            query = query.where(responses.c.tenant == tenant)
-        with self.engine.connect() as db:
-            row = db.execute(query).first()
-        return (json.loads(row.response), json.loads(row.input_items)) if row else None
+        with self.engine.begin() as db:
+            row = db.execute(_owned(select(responses), tenant, response_id, now)).first()
+            if row is None:
+                return None
+            response = json.loads(row.response)
+            if row.status in ACTIVE and (row.lease_until or 0.0) < now:
+                lost = _ended(response, "failed", {"code": "server_error", "message": LOST})
+                if _change(db, response_id, lost, responses.c.lease_until < now):
+                    response = lost
+                else:                        # it changed meanwhile: as it is now
+                    response = json.loads(db.execute(select(responses.c.response)
+                                                     .where(responses.c.id == response_id)).scalar())
+        return response, json.loads(row.input_items)
+
+    def update(self, response: dict, owner: str) -> bool:
+        """The running response as it is now (its last write when its status is final); False when
+        it was no longer running here (cancelled, or taken as lost)."""
+        with self.engine.begin() as db:
+            return _change(db, response["id"], response, responses.c.owner == owner)
+
+    def cancel(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, bool] | None:
+        """(the response, whether this call cancelled it): a queued or running one ends cancelled;
+        another is as it was. None: not found."""
+        found = self.get(tenant, response_id, now)
+        if found is None:
+            return None
+        response = found[0]
+        if response["status"] not in ACTIVE:
+            return response, False
+        cancelled = _ended(response, "cancelled", None)
+        with self.engine.begin() as db:
+            if _change(db, response_id, cancelled):
+                return cancelled, True
+        return self.get(tenant, response_id, now)[0], False
+
+    def renew(self, owner: str, response_ids: list[str], now: float, lease_s: float) -> dict[str, str]:
+        """The leases of the responses this replica runs moved on; each one's status now."""
+        if not response_ids:
+            return {}
+        with self.engine.begin() as db:
+            db.execute(update(responses).where(responses.c.id.in_(response_ids), responses.c.owner == owner,
+                                               responses.c.status.in_(ACTIVE)).values(lease_until=now + lease_s))
+            rows = db.execute(select(responses.c.id, responses.c.status).where(responses.c.id.in_(response_ids)))
+            return {row.id: row.status for row in rows}
 
     def delete(self, tenant: str | None, response_id: str, now: float) -> bool:
         query = delete(responses).where(responses.c.id == response_id, responses.c.expires_at > now)
@@ -47,3 +94,23 @@ class ResponseStore:
         """Delete the expired rows; how many there were."""
         with self.engine.begin() as db:
             return db.execute(delete(responses).where(responses.c.expires_at <= now)).rowcount
+
+
+def _owned(query, tenant: str | None, response_id: str, now: float):
+    query = query.where(responses.c.id == response_id, responses.c.expires_at > now)
+    return query if tenant is None else query.where(responses.c.tenant == tenant)
+
+
+def _ended(response: dict, status: str, error: dict | None) -> dict:
+    return {**response, "status": status, "error": error}
+
+
+def _change(db, response_id: str, response: dict, *conditions) -> bool:
+    """The row's response and status, if it is still queued or running (and `conditions` hold);
+    a final status lets go of the lease."""
+    final = response["status"] not in ACTIVE
+    values = {"status": response["status"], "response": json.dumps(response)}
+    if final:
+        values.update(owner=None, lease_until=None)
+    return db.execute(update(responses).where(responses.c.id == response_id, responses.c.status.in_(ACTIVE),
+                                              *conditions).values(**values)).rowcount > 0

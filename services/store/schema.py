@@ -14,7 +14,8 @@ and its version.
                   runs it (a lease), counts, output and error files
     batch_results one row per finished line of a batch: what its output or error line says
     responses     Responses API answers kept (store: true), each a tenant's, until expires_at: the
-                  response object and its conversation's input items
+                  response object and its conversation's input items; a background one's status
+                  as it runs, and the router replica running it (a lease)
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -151,6 +152,10 @@ responses = Table(
     Column("id", String(64), primary_key=True),              # resp_<request id>
     Column("tenant", String(64), nullable=False, index=True),
     Column("previous_id", String(64)),                       # the response it continued, if any
+    Column("status", String(16), nullable=False),            # queued | in_progress | completed | incomplete |
+                                                             # failed | cancelled (the response's own)
+    Column("owner", String(64)),                             # a background one: the router replica running it
+    Column("lease_until", Float),                            # ... until then (unix seconds), renewed as it runs
     Column("input_items", Text, nullable=False),             # JSON: every input item, earlier turns' too
     Column("response", Text, nullable=False),                # JSON: the response object as answered
     Column("created_at", Float, nullable=False),

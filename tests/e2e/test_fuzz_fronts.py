@@ -176,7 +176,7 @@ RESPONSES_BAD = {
         {"type": st.text(max_size=8).filter(lambda t: t != "function")})), min_size=1, max_size=2)),
     "tool_choice": st.one_of(st.text(max_size=8).filter(lambda t: t not in ("none",)), anything_but("str")),
     "include": st.one_of(anything_but("list"), st.lists(st.text(max_size=10), min_size=1, max_size=2)),
-    "store": anything_but("bool"), "background": st.just(True), "previous_response_id": anything_but(),
+    "store": anything_but("bool"), "background": anything_but("bool"), "previous_response_id": anything_but(),
     "metadata": st.one_of(anything_but("dict"), st.dictionaries(st.text(max_size=4), anything_but("str"),
                                                                 min_size=1, max_size=2)),
 }

@@ -3,8 +3,15 @@ cluster of two router replicas (embedded SmolLM2, fp32, greedy): each answer equ
 completion of the same conversation, whole or streamed event by event; structured output through
 `responses.parse`; a function call and its output sent back as input; logprobs; kept answers read
 back, listed, deleted and continued with previous_response_id on the other replica, each
-tenant's alone; what is not served refused by name."""
+tenant's alone; background responses polled to their end, cancelled from the other replica, and
+failed when the router running one is killed; what is not served refused by name."""
 from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -15,6 +22,7 @@ from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow
 
+ADMIN = "admin-key-for-responses-tests"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                           "required": ["city"], "additionalProperties": False}}
@@ -24,6 +32,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 def cluster():
     config = cluster_config(dtype="fp32")
     config.auth.replicas = 2
+    config.responses.background_lease_s = 1.5        # a lost router's background responses fail within it
+    config.auth.admin_key = ADMIN                     # to read a request's ledger row (auth off: the admin's)
+    config.billing.flush_seconds = 0.2
     with LocalCluster(config, quiet=True) as running:
         yield running
 
@@ -113,7 +124,8 @@ def test_logprobs_are_the_chat_endpoints(client, model):
 @pytest.mark.parametrize("extra, param", [
     ({"store": "yes"}, "store"),
     ({"previous_response_id": 7}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "stream": True}, "stream"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -182,3 +194,78 @@ def test_deleted_unkept_and_other_tenants_responses_are_not_found(cluster, model
             with pytest.raises(openai.NotFoundError) as missing:
                 alpha.responses.create(model=model, input="Hi", previous_response_id=gone)
             assert missing.value.body["param"] == "previous_response_id"
+
+
+def polled(client, response_id: str, until=("completed", "incomplete", "failed", "cancelled"), timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        response = client.responses.retrieve(response_id)
+        if response.status in until:
+            return response
+        time.sleep(0.2)
+    raise AssertionError(f"{response_id} still {response.status} after {timeout} s")
+
+
+def request_status(cluster, replica: int, request_id: str) -> dict:
+    """GET /v1/requests/ID: in flight, or its ledger row (once the ledger's writer has written it)."""
+    url = f"http://{cluster.router_http_addresses[replica]}/v1/requests/{request_id}"
+    for _ in range(50):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers={"authorization": f"Bearer {ADMIN}"}),
+                                        timeout=30) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            if error.code != 404:
+                raise
+            time.sleep(0.2)
+    raise AssertionError(f"request {request_id} is neither in flight nor in the ledger")
+
+
+LONG = {"max_output_tokens": 2000, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer(cluster, model):
+    with tenant_client(cluster, "alpha") as client:
+        started = client.responses.create(model=model, input="Name three colours.", max_output_tokens=24,
+                                          temperature=0, background=True)
+        assert started.background is True and started.status in ("queued", "in_progress") and not started.output
+        done = polled(client, started.id)
+        alone = client.responses.create(model=model, input="Name three colours.", max_output_tokens=24, temperature=0)
+        assert done.background is True and done.output_text == alone.output_text
+        assert done.usage.output_tokens == alone.usage.output_tokens
+        went_on = client.responses.create(model=model, previous_response_id=done.id, input="Thanks.",
+                                          max_output_tokens=2, temperature=0)
+        assert went_on.usage.input_tokens > alone.usage.input_tokens + alone.usage.output_tokens
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=model, input="Hi", background=True, store=False)
+        assert refused.value.body["param"] == "background"
+
+
+def test_a_background_response_cancelled_on_the_other_replica_stops(cluster, model):
+    with tenant_client(cluster, "alpha", 0) as runner, tenant_client(cluster, "alpha", 1) as other:
+        started = runner.responses.create(model=model, input="Tell a long story.", background=True, **LONG)
+        polled(runner, started.id, until=("in_progress",))
+        with pytest.raises(openai.ConflictError) as early:      # not ended: nothing to continue yet
+            other.responses.create(model=model, input="Hi", previous_response_id=started.id)
+        assert early.value.body["param"] == "previous_response_id"
+        cancelled = other.responses.cancel(started.id)
+        assert cancelled.status == "cancelled" and other.responses.cancel(started.id).status == "cancelled"
+        request_id = started.id.removeprefix("resp_")
+        deadline = time.monotonic() + 30
+        while request_status(cluster, 0, request_id)["status"] == "in_flight":      # seen at its lease renewal
+            assert time.monotonic() < deadline, "the cancelled run went on"
+            time.sleep(0.1)
+        row = request_status(cluster, 0, request_id)
+        assert row["status"] == "cancelled" and row["completion_tokens"] < 2000
+        assert runner.responses.retrieve(started.id).status == "cancelled"
+
+
+def test_a_background_response_whose_router_is_killed_reads_as_failed(cluster, model):
+    """Last in the module: it kills router replica 1."""
+    with tenant_client(cluster, "alpha", 1) as doomed, tenant_client(cluster, "alpha", 0) as survivor:
+        started = doomed.responses.create(model=model, input="Tell a long story.", background=True, **LONG)
+        polled(doomed, started.id, until=("in_progress",))
+        name = next(n for n, p in cluster.processes.items() if n.startswith("router") and n != "router")
+        cluster.processes[name].send_signal(signal.SIGKILL)
+        failed = polled(survivor, started.id, until=("failed",), timeout=30)
+        assert "send the request again" in failed.error.message

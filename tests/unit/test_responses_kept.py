@@ -139,3 +139,43 @@ def test_the_responses_table_is_read_from_a_config_file():
     assert parse_config({}).responses == ResponsesConfig()
     with pytest.raises(ConfigError, match="responses.retention_s"):
         parse_config({"responses": {"retention_s": 0}})
+
+
+def queued(rid: str) -> dict:
+    return {**response(rid), "status": "queued", "output": [], "background": True}
+
+
+def test_a_background_response_changes_only_while_it_runs(kept):
+    kept.add("alpha", queued("resp_b"), [USER], now=100.0, expires_at=1000.0, owner="r1", lease_until=110.0)
+    assert kept.get("alpha", "resp_b", now=105.0)[0]["status"] == "queued"
+    assert not kept.update({**queued("resp_b"), "status": "in_progress"}, owner="r2")   # not its runner
+    assert kept.update({**queued("resp_b"), "status": "in_progress"}, owner="r1")
+    assert kept.renew("r1", ["resp_b"], now=108.0, lease_s=10.0) == {"resp_b": "in_progress"}
+    assert kept.cancel("beta", "resp_b", now=109.0) is None                              # another tenant's
+    cancelled, changed = kept.cancel("alpha", "resp_b", now=109.0)
+    assert changed and cancelled["status"] == "cancelled"
+    assert not kept.update(response("resp_b"), owner="r1")          # the runner's last write loses to the cancel
+    assert kept.renew("r1", ["resp_b"], now=110.0, lease_s=10.0) == {"resp_b": "cancelled"}   # its runner stops
+    assert kept.cancel("alpha", "resp_b", now=111.0) == (cancelled, False)               # a second cancel: as it is
+    assert kept.get("alpha", "resp_b", now=500.0)[0]["status"] == "cancelled"           # no lease on an ended one
+
+
+def test_a_background_response_whose_router_was_lost_reads_as_failed(kept):
+    kept.add("alpha", queued("resp_l"), [USER], now=100.0, expires_at=1000.0, owner="r1", lease_until=110.0)
+    assert kept.get("alpha", "resp_l", now=109.0)[0]["status"] == "queued"
+    lost = kept.get("alpha", "resp_l", now=111.0)[0]
+    assert lost["status"] == "failed" and "send the request again" in lost["error"]["message"]
+    assert not kept.update(response("resp_l"), owner="r1")         # a late runner cannot bring it back
+    assert kept.get("alpha", "resp_l", now=112.0)[0] == lost
+
+
+def test_background_needs_store_and_is_not_streamed():
+    assert parse_responses_body(body(background=True), keeping=KEEPING).responses.background
+    for fields, param in (({"background": True, "store": False}, "background"), ({"background": 1}, "background"),
+                          ({"background": True, "stream": True}, "stream")):
+        with pytest.raises(ServiceError) as refused:
+            parse_responses_body(body(**fields), keeping=KEEPING)
+        assert refused.value.field == param
+    with pytest.raises(ServiceError) as refused:
+        parse_responses_body(body(background=True))                     # nothing kept here
+    assert refused.value.field == "background"

@@ -107,7 +107,8 @@ class HttpFront:
         self.config = config
         self.started = int(time.time())
         batch = BatchFront(self, router.batches, router.batch_config, router.batch_wake)
-        kept = self.kept_responses = KeptResponses(self, router.kept_responses, router.responses_config, self.registry)
+        kept = self.kept_responses = KeptResponses(self, router.kept_responses, router.responses_config, self.registry,
+                                                   router.book.replica)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
@@ -184,6 +185,9 @@ class HttpFront:
                 head = replace(head, stream_interval=MAX_STREAM_INTERVAL)
             if request.prompt_only:
                 head = replace(head, prompt_only=True)
+            if request.responses is not None and request.responses.background:
+                queued = await self.kept_responses.background.start(head, caller, request)
+                return JSONResponse(queued, headers={"x-request-id": head.request_id, **self.book.headers(caller)})
         except ServiceError as error:
             self.router.totals.refused_early(error)
             return error_response(error, request)
@@ -373,6 +377,7 @@ class HttpFront:
 
     async def stop(self) -> None:
         self.router.console.close()          # endless streams would hold the shutdown up
+        await self.kept_responses.background.stop()
         if self.server is not None and self.task is not None:
             self.server.should_exit = True
             with contextlib.suppress(BaseException):

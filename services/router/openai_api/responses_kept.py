@@ -4,7 +4,8 @@
     GET    /v1/responses/{id}/input_items      its conversation's input items (earlier turns' too),
                                                a page at a time (after, limit 1-100, order)
     DELETE /v1/responses/{id}
-    POST   /v1/responses/{id}/cancel           only a background response can be; none is here
+    POST   /v1/responses/{id}/cancel           a background response, queued or running, ends
+                                               cancelled (responses_background.py runs them)
     POST   /v1/responses  previous_response_id continues a kept response (responses_request.py)
 
 An answer is kept when it ends (completed, incomplete, or failed after its stream began), before
@@ -29,8 +30,9 @@ from services.common.responses_config import ResponsesConfig
 from services.control.tenancy import Caller
 from services.router.openai_api.generation import error_response
 from services.router.openai_api.request import OpenAIRequest, json_object
+from services.router.openai_api.responses_background import BackgroundResponses
 from services.router.openai_api.responses_request import parse_responses_body, previous_id
-from services.store.response_store import ResponseStore
+from services.store.response_store import ACTIVE, ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,9 @@ MAX_PAGE = 100
 
 
 class KeptResponses:
-    def __init__(self, front, store: ResponseStore, config: ResponsesConfig, registry):
+    def __init__(self, front, store: ResponseStore, config: ResponsesConfig, registry, replica: str):
         self.front, self.store, self.config = front, store, config
+        self.background = BackgroundResponses(front, store, config, replica)
         self.purged = 0.0
         self.outcomes = Counter("qos_responses_kept", "Responses API answers asked to be kept (store: true), by "
                                 "outcome (kept; failed: the store refused them)", ("outcome",), registry=registry)
@@ -61,6 +64,10 @@ class KeptResponses:
                 raise ServiceError(ErrorKind.NOT_FOUND, f"previous response {wanted!r} not found: it was never "
                                    "kept (store false), was deleted or expired, or is not yours",
                                    field="previous_response_id", reason="not_found")
+            if previous[0]["status"] in ACTIVE:
+                raise ServiceError(ErrorKind.CONFLICT, f"previous response {wanted!r} is {previous[0]['status']}: "
+                                   "continue it once it has ended (poll GET /v1/responses/{id})",
+                                   field="previous_response_id", reason="response_not_ended")
         return parse_responses_body(body, previous, self.config if self.config.store else None)
 
     async def keep(self, caller: Caller, response: dict, input_items: list[dict]) -> None:
@@ -81,8 +88,7 @@ class KeptResponses:
         response_id = http.path_params["response_id"]
         found = await asyncio.to_thread(self.store.get, self._owner(http), response_id, time.time())
         if found is None:
-            raise ServiceError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r} here (responses are kept "
-                               "when made with store true, until deleted or expired)", reason="not_found")
+            raise _missing(response_id)
         return found
 
     async def retrieve(self, http: Request) -> Response:
@@ -104,13 +110,22 @@ class KeptResponses:
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def cancel(self, http: Request) -> Response:
+        """A background response ends cancelled (a second cancel, or one of an ended response,
+        answers it as it is); another response cannot be cancelled."""
         try:
             response, _ = await self._kept(http)
-            raise invalid(f"response {response['id']!r} is {response['status']}: only a background response "
-                          "can be cancelled, and none runs here (cancel a running request with "
-                          "POST /v1/requests/{id}/cancel)", "response_id")
+            if not response.get("background"):
+                raise invalid(f"response {response['id']!r} was not made in the background: only a background "
+                              "response can be cancelled (cancel a running request with "
+                              "POST /v1/requests/{id}/cancel)", "response_id")
+            found = await asyncio.to_thread(self.store.cancel, self._owner(http), response["id"], time.time())
+            if found is None:
+                raise _missing(response["id"])
         except ServiceError as error:
             return error_response(error)
+        if found[1]:
+            self.background.cancel_here(response["id"])
+        return JSONResponse(found[0])
 
     async def input_items(self, http: Request) -> Response:
         try:
@@ -130,3 +145,8 @@ class KeptResponses:
         page = items[:int(limit)]
         return JSONResponse({"object": "list", "data": page, "has_more": len(items) > len(page),
                              "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
+
+
+def _missing(response_id: str) -> ServiceError:
+    return ServiceError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r} here (responses are kept when made "
+                        "with store true, until deleted or expired)", reason="not_found")

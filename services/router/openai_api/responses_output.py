@@ -46,7 +46,7 @@ class ResponsesAnswer:
     def response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         reason = {"reason": "max_output_tokens"} if status == "incomplete" else None
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "background": False, "error": error, "incomplete_details": reason,
+                "background": self.request.background, "error": error, "incomplete_details": reason,
                 "instructions": self.echo.get("instructions"), "max_output_tokens": self.echo.get("max_output_tokens"),
                 "metadata": self.echo.get("metadata", {}), "model": self.model, "output": self.items,
                 "parallel_tool_calls": self.echo["parallel_tool_calls"],

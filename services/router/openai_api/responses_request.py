@@ -11,8 +11,9 @@ error names the field as this body has it (`input[2].content[0].text`, `text.for
 input items and its output come before this body's input, its instructions do not (OpenAI's
 rule). The conversation's items, each with an id, are what a kept response keeps as its input.
 
-Refused by name, with the reason: `conversation`, `background` and `prompt` (state this server
-does not keep), OpenAI's own tools (web search, file search, ...), inputs other than text,
+`background: true` (with store) answers at once with the response queued and runs it after
+(responses_background.py). Refused by name, with the reason: `conversation` and `prompt` (state
+this server does not keep), OpenAI's own tools (web search, file search, ...), inputs other than text,
 reasoning items and settings.
 """
 from __future__ import annotations
@@ -35,10 +36,9 @@ PASSED = {"model", "temperature", "top_p", "stream", "user", "service_tier", "pa
           "cache_salt", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "frequency_penalty",
           "presence_penalty", "context_mode"}
 OWN = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "include",
-       "top_logprobs", "store", "previous_response_id"}
+       "top_logprobs", "store", "previous_response_id", "background"}
 # Fields at the values that ask for nothing we lack (null always does), and why others are refused.
 NEUTRAL = {"conversation": ((), "this server keeps no conversations: send the whole conversation as input"),
-           "background": ((False,), "answers are streamed or returned, not run in the background"),
            "truncation": (("disabled",), "an input over the context window is refused, not cut"),
            "reasoning": (({},), "the served models do not reason apart from their answer"),
            "max_tool_calls": ((), "the answer holds the calls the model makes"),
@@ -59,6 +59,7 @@ class ResponsesEcho:
     items: list[dict] = field(default_factory=list)   # the conversation's input items, as kept
     previous_id: str | None = None
     store: bool = False                               # whether the answer is kept
+    background: bool = False                          # run after the answer (queued), polled
 
     def param(self, chat_param: str | None) -> str | None:
         """A chat body's parameter as this Responses body named it."""
@@ -138,6 +139,18 @@ def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: Respon
                       "off, or it is a batch's line): send the whole conversation as input, with store false",
                       field_name)
     echo.store = keeping is not None and store is not False
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise invalid(f"background must be true or false, got {json_kind(background)}", "background")
+    if background:
+        if not echo.store:
+            raise invalid("background: a background response is polled from the store: it needs store true (and "
+                          "this server's [responses] store on; a batch's lines run in the background already)",
+                          "background")
+        if body.get("stream"):
+            raise invalid("stream: a background response is not streamed here: poll GET /v1/responses/{id}",
+                          "stream")
+        echo.background = True
     if previous is not None:
         echo.previous_id = previous[0]["id"]
 
