@@ -142,14 +142,23 @@ def test_a_kept_response_is_read_back_and_continued_on_the_other_replica(cluster
         opened = first.responses.create(model=model, instructions="Be brief.", input="Name a fruit.",
                                         max_output_tokens=12, temperature=0)
         assert opened.store is True and second.responses.retrieve(opened.id).model_dump() == opened.model_dump()
-        went_on = second.responses.create(model=model, previous_response_id=opened.id, instructions="Answer.",
+        went_on = second.responses.create(model=model, previous_response_id=opened.id, instructions="Be brief.",
                                           input="And a colour?", max_output_tokens=12, temperature=0)
         # its instructions, then the earlier turns (their instructions not carried), then its input
-        chat = chat_answer(second, model, [{"role": "system", "content": "Answer."},
+        chat = chat_answer(second, model, [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "Name a fruit."},
                                            {"role": "assistant", "content": opened.output_text},
                                            {"role": "user", "content": "And a colour?"}], 12)
         assert went_on.previous_response_id == opened.id
+        # the same instructions: the earlier turn's prompt was computed already, the prefix cache serves it
+        assert went_on.usage.input_tokens_details.cached_tokens >= 16
+        no_instructions = second.responses.create(model=model, previous_response_id=opened.id,
+                                                      input="And a colour?", max_output_tokens=1, temperature=0)
+        without = chat_answer(second, model, [{"role": "user", "content": "Name a fruit."},
+                                              {"role": "assistant", "content": opened.output_text},
+                                              {"role": "user", "content": "And a colour?"}], 1)
+        assert no_instructions.instructions is None                  # the earlier ones are not carried
+        assert no_instructions.usage.input_tokens == without.usage.prompt_tokens
         assert went_on.output_text == chat.choices[0].message.content
         assert went_on.usage.input_tokens == chat.usage.prompt_tokens
         listed = list(first.responses.input_items.list(went_on.id))            # newest first, paged by the client
