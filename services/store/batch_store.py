@@ -14,7 +14,7 @@ import secrets
 
 from sqlalchemy import and_, delete, insert, or_, select, update
 
-from services.store.schema import batch_results, batches, files
+from services.store.schema import batch_results, batches, files, row_id
 from services.store.store import Store
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")     # a runner has work to do
@@ -40,11 +40,15 @@ class BatchStore:
         return row
 
     def file(self, tenant: str | None, file_id: str) -> dict | None:
+        if not row_id(file_id):
+            return None
         with self.engine.connect() as db:
             row = db.execute(_owned(select(*FILE_COLUMNS), files, tenant, file_id)).first()
         return dict(row._mapping) if row else None
 
     def file_content(self, tenant: str | None, file_id: str) -> bytes | None:
+        if not row_id(file_id):
+            return None
         with self.engine.connect() as db:
             return db.execute(_owned(select(files.c.content), files, tenant, file_id)).scalar()
 
@@ -55,6 +59,8 @@ class BatchStore:
         return self._page(query, files, tenant, after, limit)
 
     def delete_file(self, tenant: str | None, file_id: str) -> bool:
+        if not row_id(file_id):
+            return False
         with self.engine.begin() as db:
             query = delete(files).where(files.c.id == file_id)
             if tenant is not None:
@@ -70,6 +76,8 @@ class BatchStore:
         return self.batch(None, row["id"])
 
     def batch(self, tenant: str | None, batch_id: str) -> dict | None:
+        if not row_id(batch_id):
+            return None
         with self.engine.connect() as db:
             row = db.execute(_owned(select(batches), batches, tenant, batch_id)).first()
         return dict(row._mapping) if row else None
@@ -83,7 +91,7 @@ class BatchStore:
         if tenant is not None:
             query = query.where(table.c.tenant == tenant)
         with self.engine.connect() as db:
-            if after is not None:
+            if after is not None and row_id(after):
                 mark = db.execute(select(table.c.created_at).where(table.c.id == after)).scalar()
                 if mark is not None:
                     query = query.where(or_(table.c.created_at < mark,
@@ -92,6 +100,8 @@ class BatchStore:
 
     def cancel(self, tenant: str | None, batch_id: str, now: float) -> dict | None:
         """An active batch becomes `cancelling` (its runner stops and finalizes it); another is as it was."""
+        if not row_id(batch_id):
+            return None
         with self.engine.begin() as db:
             query = update(batches).where(batches.c.id == batch_id, batches.c.status.in_(ACTIVE[:3]))
             if tenant is not None:

@@ -16,7 +16,7 @@ import json
 
 from sqlalchemy import delete, insert, select, update
 
-from services.store.schema import responses
+from services.store.schema import responses, row_id
 from services.store.store import Store
 
 ACTIVE = ("queued", "in_progress")
@@ -38,6 +38,8 @@ class ResponseStore:
 
     def get(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, list[dict]] | None:
         """(the response object, its input items), or None: unknown, another tenant's or expired."""
+        if not row_id(response_id):
+            return None
         with self.engine.begin() as db:
             row = db.execute(_owned(select(responses), tenant, response_id, now)).first()
             if row is None:
@@ -84,6 +86,8 @@ class ResponseStore:
             return {row.id: row.status for row in rows}
 
     def delete(self, tenant: str | None, response_id: str, now: float) -> bool:
+        if not row_id(response_id):
+            return False
         query = delete(responses).where(responses.c.id == response_id, responses.c.expires_at > now)
         if tenant is not None:
             query = query.where(responses.c.tenant == tenant)

@@ -179,3 +179,11 @@ ADDED_COLUMNS: dict[int, list[tuple[str, str, str]]] = {
 
 # Column sizes a caller must respect (they are checked before any write): tenant names up to
 # TENANT_NAME_MAX (services/common/priority.py, where the routers check x-tenant by it too).
+# Ids of files, batches and responses (ours: a prefix and random hex) are at most ROW_ID_MAX
+# printable characters; one a client sends that is not (a NUL, which PostgreSQL refuses in a text
+# comparison) names no row, and the stores answer so without asking the database.
+ROW_ID_MAX = 64
+
+
+def row_id(text: str) -> bool:
+    return 0 < len(text) <= ROW_ID_MAX and text.isprintable()

@@ -3,7 +3,8 @@ hole (tests/blackhole.py: nothing forwarded, nothing closed, the kernel still ac
 auth required. While the store is gone every request is answered without waiting on it; a tenant
 without limits is served throughout, a tenant with limits is refused (503, Retry-After) once the
 router's copy of the store is [store] stale_s old; the ledger's unwritten rows are counted on
-/metrics. Once the proxy forwards again, every answered request is billed exactly once, tenants'
+/metrics; what reads the store itself (usage, kept responses) is a 503 with Retry-After, and a
+response asked to be kept goes out unkept. Once the proxy forwards again, every answered request is billed exactly once, tenants'
 totals equal their rows, and a key revoked during the outage stops working."""
 from __future__ import annotations
 
@@ -41,6 +42,18 @@ def ask(cluster, key: str) -> tuple[int, dict, dict, float]:
         reply = conn.getresponse()
         return (reply.status, {k.lower(): v for k, v in reply.getheaders()}, json.loads(reply.read()),
                 time.monotonic() - started)
+    finally:
+        conn.close()
+
+
+def call(cluster, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=30)
+    try:
+        conn.request(method, path, headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+                     body=json.dumps(body) if body is not None else None)
+        reply = conn.getresponse()
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}, json.loads(reply.read())
     finally:
         conn.close()
 
@@ -101,6 +114,16 @@ def test_a_black_holed_store_fails_limited_tenants_closed_and_bills_everything_o
                     else:
                         assert status == 503, body            # refused until the store is back
                 note("doomed", ask(cluster, keys["doomed"]))   # revocation unseen: the cached key still passes
+                # What reads the store itself is a 503 saying when to retry; a response asked to be
+                # kept is answered all the same, unkept.
+                status, headers, body = call(cluster, "GET", "/v1/usage", keys["free"])
+                assert status == 503 and body["error"]["code"] == "store_unavailable", body
+                assert int(headers["retry-after"]) >= 1
+                assert call(cluster, "GET", "/v1/responses/resp_x", keys["free"])[0] == 503
+                status, headers, body = call(cluster, "POST", "/v1/responses", keys["free"], {
+                    "model": Path(cluster.config.model).name, "input": "Hello", "max_output_tokens": 3})
+                assert status == 200 and body["status"] in ("completed", "incomplete"), body
+                served[headers["x-request-id"]] = ("free", body["usage"]["input_tokens"], body["usage"]["output_tokens"])
                 during, outage_served = metrics(cluster), len(served)
 
                 proxy.restore()

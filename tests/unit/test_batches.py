@@ -12,12 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import text
+from starlette.requests import Request
 
 from services.common.batch_config import BatchConfig
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
-from services.router.openai_api.batch_front import batch_object, multipart_form
+from services.router.openai_api.batch_front import _page, batch_object, multipart_form
 from services.router.openai_api.batch_lines import read_lines
 from services.router.openai_api.batch_runner import BatchRunner
 from services.router.validation import RequestHead
@@ -97,6 +98,11 @@ def test_files_and_batches_are_their_tenants(store):
     later = new_batch(store, created=200.0)
     assert [b["id"] for b in store.batches("alpha", None, 10)] == [later["id"], batch["id"]]   # newest first
     assert [b["id"] for b in store.batches("alpha", later["id"], 10)] == [batch["id"]]
+    # An id no row can have (PostgreSQL refuses a NUL in a comparison: that was a 500) names nothing.
+    for bad in ("file-\x00", "x" * 65, ""):
+        assert store.file("alpha", bad) is None and store.file_content(None, bad) is None
+        assert store.batch(None, bad) is None and store.cancel(None, bad, 101) is None
+        assert not store.delete_file(None, bad) and len(store.batches("alpha", bad, 10)) == 2
 
 
 def test_one_router_runs_a_batch_until_its_lease_is_over(store):
@@ -253,3 +259,12 @@ def test_a_batch_line_is_held_to_its_tenants_classes_and_budget_not_to_its_rates
     with pytest.raises(ServiceError) as spent:
         book.admit(caller, LOW, 100, rate_limited=False)
     assert spent.value.reason == "insufficient_quota" and spent.value.retry_after_ms is None
+
+
+def test_a_page_limit_is_ascii_digits():
+    assert _page(Request({"type": "http", "query_string": b"limit=7&after=batch_1", "headers": []}), 100) \
+        == ("batch_1", 7)
+    for limit in (b"%C2%B2", b"0", b"101", b"-1"):          # "\u00b2".isdigit() is true; int() refuses it (a 500)
+        with pytest.raises(ServiceError) as refused:
+            _page(Request({"type": "http", "query_string": b"limit=" + limit, "headers": []}), 100)
+        assert refused.value.field == "limit"

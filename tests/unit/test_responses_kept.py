@@ -58,6 +58,9 @@ def test_a_kept_response_is_its_tenants_until_it_expires(kept):
     kept.add("alpha", response("resp_2"), [USER], now=100.0, expires_at=300.0)
     assert kept.purge(now=250.0) == 1                                   # resp_1's row, not resp_2's
     assert kept.delete("alpha", "resp_2", now=250.0) and kept.get("alpha", "resp_2", now=250.0) is None
+    for bad in ("resp_\x00", "r" * 65, ""):                            # no row can have it (a NUL: PostgreSQL's error)
+        assert kept.get(None, bad, now=250.0) is None and kept.cancel(None, bad, now=250.0) is None
+        assert not kept.delete(None, bad, now=250.0)
 
 
 def body(**fields) -> dict:

@@ -203,7 +203,7 @@ def _missing(kind: str, name: str, field: str | None = None) -> ServiceError:
 
 def _page(http: Request, most: int) -> tuple[str | None, int]:
     limit = http.query_params.get("limit", "20" if most == 100 else str(most))
-    if not limit.isdigit() or not 1 <= int(limit) <= most:
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= most:     # ("²".isdigit())
         raise invalid(f"limit must be a number from 1 to {most}, got {limit[:20]!r}", "limit")
     return http.query_params.get("after"), int(limit)
 

@@ -28,7 +28,7 @@ from google.protobuf.json_format import MessageToDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -40,6 +40,7 @@ from services.control import adapter_admin
 from services.control.console_feed import CONSOLE_DIR
 from services.control.sla import ALL_TENANTS
 from services.router.openai_api import tokenize_front
+from services.router.openai_api.app_errors import APP_ERRORS
 from services.router.openai_api.batch_front import BatchFront
 from services.router.openai_api.body import read_body
 from services.router.openai_api.generation import GenerationResponse, error_response
@@ -84,12 +85,6 @@ class WithoutTenants:
             if kept or not family.samples:
                 family.samples = kept
                 yield family
-
-
-async def _client_gone(http: Request, exc: ClientDisconnect) -> Response:
-    """The client hung up while sending its body (any endpoint): nobody is left to answer, and
-    nothing went wrong here, so no error is logged (unhandled, Starlette logged a traceback)."""
-    return Response(status_code=499)
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -141,7 +136,7 @@ class HttpFront:
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
-        ], exception_handlers={HTTPException: self._http_error, ClientDisconnect: _client_gone})
+        ], exception_handlers={HTTPException: self._http_error, **APP_ERRORS})
         self.server: _EmbeddedServer | None = None
         self.task: asyncio.Task | None = None
 

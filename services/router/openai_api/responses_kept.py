@@ -94,7 +94,8 @@ class KeptResponses:
     async def retrieve(self, http: Request) -> Response:
         try:
             if http.query_params.get("stream", "false").lower() not in ("false", "0"):
-                raise invalid("stream: only a background response is streamed again, and none runs here", "stream")
+                raise invalid("stream: a response is not streamed again here: poll GET /v1/responses/{id} without "
+                              "stream (a background response keeps its status as it runs)", "stream")
             response, _ = await self._kept(http)
         except ServiceError as error:
             return error_response(error)
@@ -131,7 +132,7 @@ class KeptResponses:
         try:
             params = http.query_params
             limit, order, after = params.get("limit", "20"), params.get("order", "desc"), params.get("after")
-            if not limit.isdigit() or not 1 <= int(limit) <= MAX_PAGE:
+            if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_PAGE:
                 raise invalid(f"limit must be a number from 1 to {MAX_PAGE}, got {limit[:20]!r}", "limit")
             if order not in ("asc", "desc"):
                 raise invalid(f'order must be "asc" or "desc", got {order[:20]!r}', "order")
