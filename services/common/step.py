@@ -32,6 +32,8 @@ class FinishReason(IntEnum):
 MAX_TOP_LOGPROBS = 20    # top tokens a sequence may ask logprobs of (OpenAI's bound)
 MAX_LOGIT_BIAS = 1024    # tokens a sequence may bias (each costs the sampler a little, every step)
 MAX_ALLOWED_TOKEN_IDS = 4096   # tokens a sequence may restrict its sampling to (vLLM has no bound; ours is cost)
+MAX_BAD_WORDS = 64            # words a request may forbid (each checked against its output, every step)
+MAX_BAD_WORD_CHARS = 256
 PENALTY_RANGE = (-2.0, 2.0)          # presence and frequency penalties (OpenAI's bounds)
 MAX_REPETITION_PENALTY = 10.0        # > 0; 1 is none (vLLM's meaning); more only pushes logits to 0 or -inf
 LOGIT_BIAS_RANGE = (-100.0, 100.0)   # OpenAI's bounds
@@ -66,6 +68,9 @@ class SamplingParams:
     # output tokens by their count (frequency) and for being there at all (presence); then, after
     # temperature, dropping tokens less likely than min_p times the likeliest.
     allowed_token_ids: tuple[int, ...] = ()
+    # Forbidden words as token sequences (vLLM's bad_words, tokenized at the scheduler): a one-token
+    # word is never sampled, a longer one's last token not when the output ends with the rest.
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -118,6 +123,17 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{token_id}] must be a token id >= 0 with a bias in "
                                  f"[{low:g}, {high:g}], got {bias}")
         self._check_allowed_token_ids(guides)
+        self._check_bad_words(guides)
+
+    def _check_bad_words(self, guides: list[str]) -> None:
+        words = self.bad_words_ids
+        if len(words) > 2 * MAX_BAD_WORDS:        # each word, and after a space
+            raise ValueError(f"bad_words may name at most {MAX_BAD_WORDS} words, got {len(words)} token sequences")
+        if any(not word or len(word) > MAX_BAD_WORD_CHARS or min(word) < 0 for word in words):
+            raise ValueError(f"bad_words must be 1 to {MAX_BAD_WORD_CHARS} token ids >= 0 each")
+        if words and (guides or self.allowed_token_ids):
+            other = guides[0] if guides else "allowed_token_ids"
+            raise ValueError(f"bad_words and {other} both say which tokens may come: set one of them")
 
     def _check_allowed_token_ids(self, guides: list[str]) -> None:
         # Messages start with the field's name: the router reports the first word as the field.
@@ -141,8 +157,8 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """Some adjustment applies to its logits before the sampling (not min_p, which comes after)."""
-        return bool(self.allowed_token_ids) or bool(self.logit_bias) or bool(self.presence_penalty) \
-            or bool(self.frequency_penalty) or self.repetition_penalty != 1.0
+        return bool(self.allowed_token_ids) or bool(self.bad_words_ids) or bool(self.logit_bias) \
+            or bool(self.presence_penalty) or bool(self.frequency_penalty) or self.repetition_penalty != 1.0
 
 
 GREEDY = SamplingParams(temperature=0.0)

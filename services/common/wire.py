@@ -65,6 +65,7 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, json_schema=params.json_schema, regex=params.regex,
         choice=list(params.choice), grammar=params.grammar, allowed_token_ids=list(params.allowed_token_ids),
+        bad_words=[worker_pb2.TokenIds(ids=word) for word in params.bad_words_ids],
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         min_p=params.min_p, min_tokens=params.min_tokens)
@@ -84,6 +85,7 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           ignore_eos=proto.ignore_eos,
                           logprobs=proto.logprobs if proto.HasField("logprobs") else None,
                           prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
+                          bad_words_ids=tuple(tuple(word.ids) for word in proto.bad_words),
                           **_guides(proto), **_adjustments(proto, proto.repetition_penalty or 1.0))
 
 

@@ -132,6 +132,18 @@ def keep_only(line: torch.Tensor, token_ids: Sequence[int]) -> None:
     line[ids] = kept
 
 
+def banned_now(words: Sequence[Sequence[int]], history: Sequence[int], output_start: int) -> list[int]:
+    """The tokens bad words forbid next (vLLM's rule): a one-token word's token always; a longer
+    word's last token when the output so far ends with its other tokens (the prompt does not count)."""
+    output = len(history) - output_start
+    banned = []
+    for word in words:
+        before = len(word) - 1
+        if before <= output and (before == 0 or list(history[len(history) - before:]) == list(word[:-1])):
+            banned.append(word[-1])
+    return banned
+
+
 def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork], eos_ids: Sequence[int] = ()) -> None:
     """Row i of logits [B, V] adjusted in place for entries[i]'s allowed tokens, bias and
     penalties (the module docstring), and its stop tokens (`eos_ids` unless it ignores EOS) off
@@ -146,6 +158,10 @@ def adjust_logits(logits: torch.Tensor, entries: list[SequenceWork], eos_ids: Se
         line = logits[row]
         if p.allowed_token_ids:
             keep_only(line, p.allowed_token_ids)
+        if p.bad_words_ids:
+            banned = banned_now(p.bad_words_ids, entry.history, entry.output_start)
+            if banned:
+                line[token_index(banned, line.device)] = float("-inf")
         if p.min_tokens > entry.num_generated:
             ends = [*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)]
             # A row allowed only tokens that end it keeps them on: with them off, no token could come.

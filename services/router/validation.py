@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from services.common.bad_words import check_bad_words
 from services.common.chat_options import chat_render, options_set
 from services.common.errors import invalid
 from services.common.grammar import check_structured
@@ -140,6 +141,7 @@ def check_sampling(s: common_pb2.SamplingParams, max_context: int | None) -> Non
     if s.allowed_token_ids and guides_set(s):
         raise invalid(f"sampling.allowed_token_ids and sampling.{guides_set(s)[0]} both say which tokens may come: "
                       "set one of them", "sampling.allowed_token_ids")
+    check_bad_words(s)
     if s.HasField("truncate_prompt_tokens") and not (
             s.truncate_prompt_tokens == -1 or 1 <= s.truncate_prompt_tokens <= (max_context or 2**31 - 1)):
         raise invalid(f"sampling.truncate_prompt_tokens must be -1 (what leaves room for the answer) or a number of "

@@ -5,12 +5,14 @@
     truncated(ids, sampling, max_context)     the last k of them (truncate_prompt_tokens)
     check_allowed(sampling, vocab, eos_ids)   allowed_token_ids the model has, and that can end
                                               the answer's first min_tokens without a stop token
+    forbidden(sampling, tokenizer)            bad_words checked, as token sequences (vLLM's)
 
 Run in a tokenizer thread (server.py): no asyncio here. Errors are INVALID naming the field as the
 gRPC request has it (the HTTP front maps them to its parameters).
 """
 from __future__ import annotations
 
+from services.common.bad_words import bad_word_ids, check_bad_words
 from services.common.chat_options import chat_render
 from services.common.errors import invalid
 from services.common.grammar import check_admissible
@@ -75,3 +77,9 @@ def check_allowed(sampling: common_pb2.SamplingParams, vocab_size: int, eos_ids)
         raise invalid(f"sampling.allowed_token_ids holds only stop tokens, so none may be sampled before "
                       f"min_tokens={sampling.min_tokens}: allow another token, or drop min_tokens",
                       "sampling.allowed_token_ids")
+
+
+def forbidden(sampling: common_pb2.SamplingParams, tokenizer: TextTokenizer) -> tuple[tuple[int, ...], ...]:
+    """The bad words' token sequences (checked here too: the scheduler's RPCs take them directly)."""
+    check_bad_words(sampling)
+    return bad_word_ids(sampling.bad_words, tokenizer.encode)

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -44,7 +45,7 @@ from services.scheduler.output import coalesce
 from services.scheduler.policy import QoSSettings, create_policy
 from services.scheduler.pool_adapters import PoolAdapters
 from services.scheduler.prefix_cache import PrefixCache
-from services.scheduler.prompt_intake import check_allowed, tokenized, truncated
+from services.scheduler.prompt_intake import check_allowed, forbidden, tokenized, truncated
 from services.scheduler.request import Request, check_token_ids, resume
 from services.scheduler.autoscale import ScaleAdvisor
 from services.scheduler.tokenizer_threads import TokenizerThreads
@@ -150,9 +151,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise ServiceError(ErrorKind.UNSUPPORTED, f"LoRA adapter {submit.lora!r} is not loaded in pool "
                                f"{self.pool_name} (its adapters: {held})", field="x-lora", reason="unknown_adapter")
         if self.policy.admits_by_priority and self.tokenizer_threads.inline(submit.priority, prompt_chars(submit)):
-            prompt_ids = self._tokenize(submit)
+            prompt_ids, bad_words = self._tokenize(submit)
         else:
-            prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            prompt_ids, bad_words = await asyncio.get_running_loop().run_in_executor(
                 self.tokenizer_threads.executor(submit.priority), self._tokenize, submit)
         check_token_ids(submit.sampling.stop_token_ids, self.tokenizer.vocab_size, "sampling.stop_token_ids")
         check_token_ids(sorted(submit.sampling.logit_bias), self.tokenizer.vocab_size, "sampling.logit_bias", keyed=True)
@@ -167,6 +168,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                           "attended: not in streaming mode", field="sampling.prompt_logprobs")
         sampling = self.admission.check(submit.priority, prompt_ids, submit.sampling, submit.slo_ms,
                                         limits, window, submit.tenant, submit.tenant_weight or 1.0)
+        if bad_words:
+            try:
+                sampling = replace(sampling, bad_words_ids=bad_words)
+            except ValueError as exc:      # SamplingParams names the conflict
+                raise invalid(f"sampling.{exc}", field="sampling.bad_words") from exc
         request = Request(
             request_id=submit.request_id, seq_id=next(self.seq_ids), priority=submit.priority,
             tenant=submit.tenant, prompt_ids=prompt_ids, sampling=sampling,
@@ -191,8 +197,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _limits(self):
         return pool_limits((l.info for l in self.batcher.links if l.is_connected), self.pool_name)
 
-    def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> list[int]:
-        return tokenized(submit, self.tokenizer, self.model_name)
+    def _tokenize(self, submit: scheduler_pb2.SubmitRequest) -> tuple[list[int], tuple]:
+        """The prompt's ids and the bad words' (in the tokenizer thread, both)."""
+        return tokenized(submit, self.tokenizer, self.model_name), forbidden(submit.sampling, self.tokenizer)
 
     # --- RPCs -----------------------------------------------------------------------------------
 
@@ -309,8 +316,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if request.add_special_tokens:
             ids = self.tokenizer.encode(request.prompt, True)
         else:
-            ids = self._tokenize(scheduler_pb2.SubmitRequest(prompt=request.prompt, messages=request.messages,
-                                                             chat_template=request.chat_template))
+            ids = tokenized(scheduler_pb2.SubmitRequest(prompt=request.prompt, messages=request.messages,
+                                                        chat_template=request.chat_template),
+                            self.tokenizer, self.model_name)
         return ids, [self.tokenizer.tokenizer.id_to_token(i) for i in ids] if request.return_token_strs else []
 
     async def Detokenize(self, request: scheduler_pb2.DetokenizeRequest, context) -> scheduler_pb2.DetokenizeReply:

@@ -218,6 +218,8 @@ SAMPLING_BAD = st.one_of(
       .map(lambda v: {"top_p": v}),
     st.integers(-2**31, -1).map(lambda v: {"top_k": v}),
     st.lists(st.text(max_size=3), max_size=2).map(lambda s: {"stop": s + [""]}),
+    st.one_of(st.lists(st.text(alphabet=" \t", max_size=3), min_size=1, max_size=2),       # blank words
+              st.lists(st.just("x"), min_size=65, max_size=66)).map(lambda w: {"bad_words": w}),  # too many
 )
 grpc_cases = st.one_of(
     st.binary(max_size=30).map(lambda b: ("body", router_pb2.GenerateRequestBytes(prompt=b + b"\xff"))),

@@ -92,6 +92,29 @@ def test_allowed_tokens_alone_are_sampled_and_named_by_id(client, cluster, model
     assert refused.value.body["param"] == "allowed_token_ids"
 
 
+def ids_of(answer) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
+
+
+def test_bad_words_never_end_the_answers_tokens(client, cluster, model):
+    """A word of the greedy answer forbidden: the answer changes where it would have come, and
+    neither its tokens alone nor after a space appear in the new one, greedy or drawn."""
+    ask = {"model": model, "prompt": PROMPT, "max_tokens": 16, "logprobs": 0}
+    plain = client.completions.create(**ask, temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    word = plain.choices[0].text.split()[0].strip(".,")
+    banned = [tokenize(cluster, {"model": model, "prompt": form}) for form in (word, " " + word)]
+    assert any(ids_of(plain)[k:k + len(b)] == b for b in banned for k in range(16)), (word, banned)
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        answer = client.completions.create(**ask, **sampling, extra_body={"bad_words": [word],
+                                                                          "return_tokens_as_token_ids": True})
+        got = ids_of(answer)
+        assert not any(got[k:k + len(b)] == b for b in banned for k in range(len(got))), (word, got)
+    assert answer.choices[0].text != plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(client, model, PROMPT, bad_words=[word], structured_outputs={"choice": ["a", "b"]})
+    assert refused.value.body["param"] == "bad_words"
+
+
 def test_special_tokens_are_written_when_not_skipped(client, model):
     """Only the EOS allowed, past EOS: three <|im_end|> tokens, text only when asked for."""
     extra = {"allowed_token_ids": [IM_END], "ignore_eos": True}

@@ -247,3 +247,39 @@ def test_restricted_rows_sample_only_their_allowed_tokens_beside_unrestricted_on
             assert got.logprob == pytest.approx(reference[len(PROMPT) - 1 + i, tokens[seq_id][i]].item(), abs=1e-4)
     assert any(t not in ALLOWED for lp in logprobs[2] for t, _ in lp.top)   # the model's likeliest
 
+
+
+def test_a_bad_word_is_banned_whole_or_by_its_last_token_after_the_rest():
+    # Token 6 alone always; token 4 only when the output so far ends with 0 (the prompt does not count).
+    words = SamplingParams(bad_words_ids=((6,), (0, 4)))
+    assert adjusted(words, LOGITS, [1, 2, 6, 0], 2) == [2.0, -1.0, 0.5, -3.0, INF, 0.0, INF, -0.5]
+    assert adjusted(words, LOGITS, [0], 1)[4] == 1.0 and adjusted(words, LOGITS, [0, 5], 1)[4] == 1.0
+    with pytest.raises(ValueError, match="bad_words and allowed_token_ids"):
+        SamplingParams(bad_words_ids=((6,),), allowed_token_ids=(1,))
+    with pytest.raises(ValueError, match="bad_words and regex"):
+        SamplingParams(bad_words_ids=((6,),), regex="a+")
+    with pytest.raises(ValueError, match="bad_words must be 1 to"):
+        SamplingParams(bad_words_ids=((),))
+
+
+def decode_with_history(engine, params: SamplingParams, steps: int) -> list[int]:
+    """One sequence decoded greedily as a worker feeds it: its tokens so far as the history."""
+    tokens = list(PROMPT)
+    for step in range(steps):
+        batch = StepBatch([SequenceWork(1, tokens if step == 0 else tokens[-1:], 0 if step == 0 else len(tokens) - 1,
+                                        list(range(4)), params, num_generated=step, history=list(tokens),
+                                        output_start=len(PROMPT))])
+        tokens += [token.token_id for token in engine.step(batch).tokens]
+    return tokens[len(PROMPT):]
+
+
+def test_bad_words_change_the_greedy_answer_where_they_would_come(tiny_model_dir):
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    plain = decode_with_history(make_engine(tiny_model_dir), greedy, 12)
+    k = next(i for i in range(1, len(plain)) if plain[i] not in plain[:i])      # a token new at k
+    one = decode_with_history(make_engine(tiny_model_dir), SamplingParams(
+        temperature=0.0, max_tokens=64, ignore_eos=True, bad_words_ids=((plain[k],),)), 12)
+    assert one[:k] == plain[:k] and plain[k] not in one
+    two = decode_with_history(make_engine(tiny_model_dir), SamplingParams(
+        temperature=0.0, max_tokens=64, ignore_eos=True, bad_words_ids=((plain[k - 1], plain[k]),)), 12)
+    assert two[:k] == plain[:k] and two[k] != plain[k]          # its last token, only after the first

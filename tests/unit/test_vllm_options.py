@@ -10,13 +10,14 @@ import pytest
 from services.common.chat_options import MAX_KWARGS_BYTES, ChatRender
 from services.common.errors import ServiceError
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
-from services.common.step import MAX_ALLOWED_TOKEN_IDS
+from services.common.step import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, SamplingParams
 from services.common.tokenizer import ChatTemplate
+from services.common.wire import engine_sampling, sampling_from_engine
 from services.router.openai_api.generation import http_param
 from services.router.openai_api.logprobs import LogprobsView
 from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
 from services.router.validation import check_sampling, decode_request
-from services.scheduler.prompt_intake import check_allowed, tokenized, truncated
+from services.scheduler.prompt_intake import check_allowed, forbidden, tokenized, truncated
 
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "Write a story"},
                                         {"role": "assistant", "content": "Once upon"}]}
@@ -174,3 +175,28 @@ def test_logprobs_name_tokens_by_id_when_asked():
                                                                                     "token_id:42": -0.5}
     assert legacy["text_offset"] == [0, 1]      # offsets stay the text's: one U+FFFD per partial character
     assert LogprobsView(chat=True).of([entry])["content"][0]["token"] == "\ufffd"
+
+
+def test_bad_words_reach_the_request_and_are_checked_on_both_fronts():
+    assert list(chat(bad_words=["Paris", " blue sky"]).body.sampling.bad_words) == ["Paris", " blue sky"]
+    assert not chat(bad_words=[]).body.sampling.bad_words                   # vLLM's default
+    for words, param in ((["x"] * (MAX_BAD_WORDS + 1), "bad_words"), ("Paris", "bad_words"), ([""], "bad_words[0]"),
+                         (["ok", 3], "bad_words[1]")):
+        assert refused(chat, bad_words=words).field == param
+    for s, param in ((common_pb2.SamplingParams(bad_words=["   "]), "sampling.bad_words[0]"),
+                     (common_pb2.SamplingParams(bad_words=["x" * (MAX_BAD_WORD_CHARS + 1)]), "sampling.bad_words[0]"),
+                     (common_pb2.SamplingParams(bad_words=["x"], regex="a+"), "sampling.bad_words"),
+                     (common_pb2.SamplingParams(bad_words=["x"], allowed_token_ids=[1]), "sampling.bad_words")):
+        assert refused(check_sampling, s, 2048).field == param
+    assert http_param("sampling.bad_words[0]", chat()) == "bad_words[0]"
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space_as_vllm_does(text_tokenizer):
+    ids = forbidden(common_pb2.SamplingParams(bad_words=["hello", "  hello"]), text_tokenizer)
+    alone, spaced = tuple(text_tokenizer.encode("hello")), tuple(text_tokenizer.encode(" hello"))
+    assert alone != spaced and ids == (alone, spaced, alone, spaced)     # leading spaces are the word's own
+    sampling = SamplingParams(bad_words_ids=ids)
+    assert sampling_from_engine(engine_sampling(sampling)).bad_words_ids == ids     # to the worker and back
+    # The scheduler's own RPCs are checked as the router's are.
+    assert refused(forbidden, common_pb2.SamplingParams(bad_words=["ok", ""]), text_tokenizer).field \
+        == "sampling.bad_words[1]"

@@ -6,6 +6,7 @@ field.
     skip_special_tokens          false: special tokens are written in the answer's text
     return_tokens_as_token_ids   logprobs' tokens as "token_id:N" (bytes and offsets stay the text's)
     allowed_token_ids            only these tokens may be sampled (at most MAX_ALLOWED_TOKEN_IDS)
+    bad_words                    words the answer must not contain (at most MAX_BAD_WORDS)
     truncate_prompt_tokens       only the prompt's last k tokens; -1: what leaves room for the answer
     add_generation_prompt,       chat: how the conversation is rendered (services/common/
     continue_final_message,      chat_options.py); on completions only at their defaults (there is
@@ -19,12 +20,12 @@ import json
 
 from services.common.chat_options import check_kwargs
 from services.common.errors import invalid
-from services.common.step import MAX_ALLOWED_TOKEN_IDS
-from services.router.openai_api.json_fields import bool_field, int_field
+from services.common.step import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS
+from services.router.openai_api.json_fields import bool_field, int_field, text_field
 
 MAX_INT32 = 2**31 - 1
 SAMPLING = {"include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
-            "return_tokens_as_token_ids"}
+            "return_tokens_as_token_ids", "bad_words"}
 CHAT_TEMPLATE = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 
 
@@ -54,6 +55,11 @@ def parse_vllm_options(body: dict, request, chat: bool) -> None:
                           "allowed_token_ids")
         s.allowed_token_ids.extend(int_field(v, f"allowed_token_ids[{i}]", 0, MAX_INT32)
                                    for i, v in enumerate(allowed))
+    words = body.get("bad_words")
+    if words is not None and words != []:       # vLLM's default is []
+        if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+            raise invalid(f"bad_words must be a list of at most {MAX_BAD_WORDS} words", "bad_words")
+        s.bad_words.extend(text_field(word, f"bad_words[{i}]", allow_empty=False) for i, word in enumerate(words))
     if chat:
         parse_chat_template(body, request.body.chat_template)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/common.proto\x12\x06qos.v1\"\xc5\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\n \x01(\t\x12\x39\n\nlogit_bias\x18\x0b \x03(\x0b\x32%.qos.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x07\x88\x01\x01\x12\r\n\x05regex\x18\x12 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x13 \x03(\t\x12\x0f\n\x07grammar\x18\x14 \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x08\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x05H\t\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x88\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\ntool_calls\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"{\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12)\n\tstreaming\x18\x04 \x01(\x0b\x32\x16.qos.v1.StreamingUsage\"<\n\x0eStreamingUsage\x12\x13\n\x0bsink_tokens\x18\x01 \x01(\r\x12\x15\n\rwindow_tokens\x18\x02 \x01(\r\"<\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.qos.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.qos.v1.Usage\x12 \n\x07timings\x18\x06 \x01(\x0b\x32\x0f.qos.v1.Timings\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x12\n\ncost_units\x18\x08 \x01(\x01\x12&\n\x08logprobs\x18\t \x03(\x0b\x32\x14.qos.v1.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x14.qos.v1.TokenLogprob\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.qos.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\r\"D\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_MEDIUM\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03*X\n\x0b\x43ontextMode\x12\x15\n\x11\x43ONTEXT_MODE_AUTO\x10\x00\x12\x16\n\x12\x43ONTEXT_MODE_DENSE\x10\x01\x12\x1a\n\x16\x43ONTEXT_MODE_STREAMING\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13qos/v1/common.proto\x12\x06qos.v1\"\xd8\x06\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\n \x01(\t\x12\x39\n\nlogit_bias\x18\x0b \x03(\x0b\x32%.qos.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\r\n\x05min_p\x18\x0f \x01(\x02\x12\x12\n\nmin_tokens\x18\x10 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x07\x88\x01\x01\x12\r\n\x05regex\x18\x12 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x13 \x03(\t\x12\x0f\n\x07grammar\x18\x14 \x01(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x15 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x08\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x05H\t\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x18 \x03(\x05\x12\x11\n\tbad_words\x18\x19 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x19\n\x17_truncate_prompt_tokens\"\x88\x01\n\x13\x43hatTemplateOptions\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\x13\n\x0bkwargs_json\x18\x03 \x01(\tB\x18\n\x16_add_generation_prompt\"V\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x12\n\ntool_calls\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"{\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12)\n\tstreaming\x18\x04 \x01(\x0b\x32\x16.qos.v1.StreamingUsage\"<\n\x0eStreamingUsage\x12\x13\n\x0bsink_tokens\x18\x01 \x01(\r\x12\x15\n\rwindow_tokens\x18\x02 \x01(\r\"<\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\xaa\x02\n\rGenerateChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12+\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x14.qos.v1.FinishReason\x12\x1c\n\x05usage\x18\x05 \x01(\x0b\x32\r.qos.v1.Usage\x12 \n\x07timings\x18\x06 \x01(\x0b\x32\x0f.qos.v1.Timings\x12\x0c\n\x04pool\x18\x07 \x01(\t\x12\x12\n\ncost_units\x18\x08 \x01(\x01\x12&\n\x08logprobs\x18\t \x03(\x0b\x32\x14.qos.v1.TokenLogprob\x12-\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x14.qos.v1.TokenLogprob\"u\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x1f\n\x03top\x18\x04 \x03(\x0b\x32\x12.qos.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\r\"D\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c*^\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x11\n\rPRIORITY_HIGH\x10\x01\x12\x13\n\x0fPRIORITY_MEDIUM\x10\x02\x12\x10\n\x0cPRIORITY_LOW\x10\x03*X\n\x0b\x43ontextMode\x12\x15\n\x11\x43ONTEXT_MODE_AUTO\x10\x00\x12\x16\n\x12\x43ONTEXT_MODE_DENSE\x10\x01\x12\x1a\n\x16\x43ONTEXT_MODE_STREAMING\x10\x02*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_PRIORITY']._serialized_start=1837
-  _globals['_PRIORITY']._serialized_end=1931
-  _globals['_CONTEXTMODE']._serialized_start=1933
-  _globals['_CONTEXTMODE']._serialized_end=2021
-  _globals['_FINISHREASON']._serialized_start=2024
-  _globals['_FINISHREASON']._serialized_end=2173
+  _globals['_PRIORITY']._serialized_start=1856
+  _globals['_PRIORITY']._serialized_end=1950
+  _globals['_CONTEXTMODE']._serialized_start=1952
+  _globals['_CONTEXTMODE']._serialized_end=2040
+  _globals['_FINISHREASON']._serialized_start=2043
+  _globals['_FINISHREASON']._serialized_end=2192
   _globals['_SAMPLINGPARAMS']._serialized_start=32
-  _globals['_SAMPLINGPARAMS']._serialized_end=869
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=654
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=702
-  _globals['_CHATTEMPLATEOPTIONS']._serialized_start=872
-  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=1008
-  _globals['_CHATMESSAGE']._serialized_start=1010
-  _globals['_CHATMESSAGE']._serialized_end=1096
-  _globals['_USAGE']._serialized_start=1098
-  _globals['_USAGE']._serialized_end=1221
-  _globals['_STREAMINGUSAGE']._serialized_start=1223
-  _globals['_STREAMINGUSAGE']._serialized_end=1283
-  _globals['_TIMINGS']._serialized_start=1285
-  _globals['_TIMINGS']._serialized_end=1345
-  _globals['_GENERATECHUNK']._serialized_start=1348
-  _globals['_GENERATECHUNK']._serialized_end=1646
-  _globals['_TOKENLOGPROB']._serialized_start=1648
-  _globals['_TOKENLOGPROB']._serialized_end=1765
-  _globals['_TOPLOGPROB']._serialized_start=1767
-  _globals['_TOPLOGPROB']._serialized_end=1835
+  _globals['_SAMPLINGPARAMS']._serialized_end=888
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=673
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=721
+  _globals['_CHATTEMPLATEOPTIONS']._serialized_start=891
+  _globals['_CHATTEMPLATEOPTIONS']._serialized_end=1027
+  _globals['_CHATMESSAGE']._serialized_start=1029
+  _globals['_CHATMESSAGE']._serialized_end=1115
+  _globals['_USAGE']._serialized_start=1117
+  _globals['_USAGE']._serialized_end=1240
+  _globals['_STREAMINGUSAGE']._serialized_start=1242
+  _globals['_STREAMINGUSAGE']._serialized_end=1302
+  _globals['_TIMINGS']._serialized_start=1304
+  _globals['_TIMINGS']._serialized_end=1364
+  _globals['_GENERATECHUNK']._serialized_start=1367
+  _globals['_GENERATECHUNK']._serialized_end=1665
+  _globals['_TOKENLOGPROB']._serialized_start=1667
+  _globals['_TOKENLOGPROB']._serialized_end=1784
+  _globals['_TOPLOGPROB']._serialized_start=1786
+  _globals['_TOPLOGPROB']._serialized_end=1854
 # @@protoc_insertion_point(module_scope)
