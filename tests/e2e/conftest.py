@@ -119,5 +119,14 @@ def cluster():
         yield running
 
 
+@pytest.fixture(scope="session")
+def fp32_cluster():
+    """One default fp32 cluster shared by the modules that compare exact tokens and leave it as they
+    found it (no kills, drains, adapters or settings of their own; counters read as differences):
+    a cluster start (~4 s) saved for each but the first. Stopped at the session's end."""
+    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:
+        yield running
+
+
 def run(coro):
     return asyncio.run(coro)

@@ -16,9 +16,8 @@ import pytest
 from services.common.proto.qos.v1 import router_pb2
 from services.common.tokenizer import TextTokenizer
 from services.engine.default_model import default_model_dir
-from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +26,8 @@ MESSAGES = [{"role": "user", "content": "Name a colour and say why you like it."
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:    # exact tokens: fp32
-        yield running
+def cluster(fp32_cluster):
+    return fp32_cluster         # exact tokens: fp32 (the session's shared cluster, tests/e2e/conftest.py)
 
 
 def test_each_seeded_choice_is_its_own_seeds_answer_alone(client, model):

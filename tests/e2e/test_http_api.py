@@ -11,9 +11,8 @@ import pytest
 
 from services.common.priority import HIGH, LOW, MEDIUM
 from services.common.proto.qos.v1 import router_pb2
-from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +21,11 @@ TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(fp32_cluster):
     # fp32: HTTP answers are compared with the gRPC path's on the same prompt, the second served
     # from the first's cached prefix; equal texts hold where cached and recomputed blocks hold the
-    # same numbers.
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:
-        yield running
+    # same numbers. The session's shared cluster (tests/e2e/conftest.py).
+    return fp32_cluster
 
 
 def grpc_answer(cluster, request):

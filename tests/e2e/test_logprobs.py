@@ -11,9 +11,8 @@ import torch
 
 from services.common.tokenizer import TextTokenizer
 from services.engine.default_model import default_model_dir
-from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, chat_request, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +21,8 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:   # the figure is fp32's
-        yield running
+def cluster(fp32_cluster):
+    return fp32_cluster         # exact tokens: fp32 (the session's shared cluster, tests/e2e/conftest.py)
 
 
 @functools.cache

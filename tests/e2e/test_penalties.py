@@ -17,9 +17,8 @@ from services.common.step import SamplingParams
 from services.common.tokenizer import TextTokenizer
 from services.engine.batch_runner import BatchRunner, GenerationRequest
 from services.engine.default_model import default_model_dir
-from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import run
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +27,8 @@ ADJUSTED = dict(presence_penalty=1.5, frequency_penalty=0.8, repetition_penalty=
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:    # exact tokens: fp32
-        yield running
+def cluster(fp32_cluster):
+    return fp32_cluster         # exact tokens: fp32 (the session's shared cluster, tests/e2e/conftest.py)
 
 
 @functools.cache

@@ -10,9 +10,8 @@ import openai
 import pytest
 
 from services.common.proto.qos.v1 import common_pb2, router_pb2
-from services.local.cluster import LocalCluster
 from services.tools.client import RouterClient, sampling_params
-from tests.e2e.conftest import cluster_config, run
+from tests.e2e.conftest import run
 from tests.e2e.test_http_api import raw
 
 pytestmark = pytest.mark.slow
@@ -24,9 +23,8 @@ IM_END = 2          # SmolLM2's <|im_end|>: its EOS, a special token
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with LocalCluster(cluster_config(dtype="fp32"), quiet=True) as running:
-        yield running
+def cluster(fp32_cluster):
+    return fp32_cluster         # exact tokens: fp32 (the session's shared cluster, tests/e2e/conftest.py)
 
 
 def tokenize(cluster, body: dict) -> list[int]:
