@@ -62,6 +62,8 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
         chunk.logprobs.append(logprobs.entry(request, token_id))
     if request.prompt_logprobs is not None:
         chunk.prompt_logprobs.extend(logprobs.prompt_entries(request))
+    if request.return_prompt_ids and request.chunked == 1:
+        chunk.prompt_token_ids.extend(request.prompt_ids)
     if reason is None:
         if request.chunked == 1:
             # The first chunk tells the prompt's size (the router bills a request that ends early)

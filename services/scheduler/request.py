@@ -75,6 +75,7 @@ class Request:
     # by position, as its prefill steps' answers bring them (logprobs.record_prompt)
     prompt_logprobs: dict | None = None
     chunked: int = 0                 # output tokens made into chunks here (output.token_chunk)
+    return_prompt_ids: bool = False  # sampling.return_token_ids: the first chunk carries prompt_ids
     tenant_weight: float = 1.0       # the tenant's share inside its class
     slo_ms: float | None = None
     stream_interval: int = 1         # tokens per chunk after the first (output.HeldChunks)

@@ -184,7 +184,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                                include_stop=submit.sampling.include_stop_str_in_output),
             slo_ms=submit.slo_ms or None, tenant_weight=submit.tenant_weight or 1.0, lora=submit.lora,
             cache_scope=submit.cache_scope, stream_interval=submit.stream_interval or self.stream_intervals.get(submit.priority, 1),
-            window=window)
+            window=window, return_prompt_ids=submit.sampling.return_token_ids)
         if submit.resume_token_ids:
             resume(request, list(submit.resume_token_ids), self.tokenizer.vocab_size)
         elif sampling.prompt_logprobs is not None:     # (a resumed request's first chunk went out elsewhere)

@@ -113,6 +113,36 @@ def test_bad_words_never_end_the_answers_tokens(client, cluster, model):
     assert refused.value.body["param"] == "bad_words"
 
 
+def detokenize(cluster, model, ids) -> str:
+    status, _, data = raw(cluster, "POST", "/detokenize", json.dumps({"model": model, "tokens": ids}).encode())
+    assert status == 200, data
+    return json.loads(data)["prompt"]
+
+
+def test_token_ids_are_the_prompts_and_the_answers(client, cluster, model):
+    """return_token_ids: the prompt's ids are /tokenize's for the same conversation; the answer's
+    decode to its text and the EOS that ended it; streamed, the same ids, the prompt's once."""
+    question = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=model, messages=question, max_tokens=40, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert whole.prompt_token_ids == tokenize(cluster, {"model": model, "messages": question})
+    ids = whole.choices[0].token_ids
+    assert len(ids) == whole.usage.completion_tokens and whole.choices[0].finish_reason == "stop"
+    assert detokenize(cluster, model, ids) == whole.choices[0].message.content + "<|im_end|>"
+    streamed, prompts = [], []
+    for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=40, temperature=0,
+                                                stream=True, extra_body={"return_token_ids": True}):
+        prompts.append(getattr(chunk, "prompt_token_ids", None))
+        streamed += chunk.choices[0].token_ids if chunk.choices else []
+    assert prompts[0] == whole.prompt_token_ids and not any(prompts[1:]) and streamed == ids
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0,
+                                           extra_body={"return_token_ids": True})
+    assert completion.choices[0].prompt_token_ids == tokenize(cluster, {"model": model, "prompt": PROMPT})
+    assert detokenize(cluster, model, completion.choices[0].token_ids) == completion.choices[0].text
+    assert getattr(client.chat.completions.create(model=model, messages=question, max_tokens=2),
+                   "prompt_token_ids", None) is None
+
+
 def test_special_tokens_are_written_when_not_skipped(client, model):
     """Only the EOS allowed, past EOS: three <|im_end|> tokens, text only when asked for."""
     extra = {"allowed_token_ids": [IM_END], "ignore_eos": True}

@@ -148,3 +148,14 @@ def test_an_echoed_completion_starts_with_its_prompt_and_its_first_token_has_no_
                                   "top_logprobs": [None, {"o": -0.25, "i": -0.5}, {"!": -1.0}],
                                   "text_offset": [0, 1, 2]}
     json.dumps(out.body(), allow_nan=False)          # no NaN reaches the JSON
+
+
+def test_the_first_chunk_carries_the_prompts_ids_when_asked():
+    asks, silent = request(21, None), request(22, None)
+    asks.return_prompt_ids = True
+    for r in (asks, silent):
+        r.add_output(encode(load_text_tokenizer().tokenizer, "Hi")[0])
+    assert list(token_chunk(asks, asks.output_ids[-1], None, "cpu", 0.0).prompt_token_ids) == [3, 4]
+    assert not token_chunk(silent, silent.output_ids[-1], None, "cpu", 0.0).prompt_token_ids
+    asks.add_output(asks.output_ids[-1])
+    assert not token_chunk(asks, asks.output_ids[-1], None, "cpu", 0.0).prompt_token_ids     # the first only

@@ -9,6 +9,7 @@ import pytest
 
 from services.common.chat_options import MAX_KWARGS_BYTES, ChatRender
 from services.common.errors import ServiceError
+from services.common.priority import HIGH
 from services.common.proto.qos.v1 import common_pb2, router_pb2, scheduler_pb2
 from services.common.step import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, SamplingParams
 from services.common.tokenizer import ChatTemplate
@@ -16,6 +17,7 @@ from services.common.wire import engine_sampling, sampling_from_engine
 from services.router.openai_api.generation import http_param
 from services.router.openai_api.logprobs import LogprobsView
 from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.response import OpenAIResponse
 from services.router.validation import check_sampling, decode_request
 from services.scheduler.prompt_intake import check_allowed, forbidden, tokenized, truncated
 
@@ -200,3 +202,32 @@ def test_bad_words_are_tokenized_alone_and_after_a_space_as_vllm_does(text_token
     # The scheduler's own RPCs are checked as the router's are.
     assert refused(forbidden, common_pb2.SamplingParams(bad_words=["ok", ""]), text_tokenizer).field \
         == "sampling.bad_words[1]"
+
+
+def id_chunk(text: str, ids, prompt=(), finish: int = 0) -> common_pb2.GenerateChunk:
+    chunk = common_pb2.GenerateChunk(text=text, token_ids=list(ids), prompt_token_ids=list(prompt), finish_reason=finish)
+    chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 3, 3
+    return chunk
+
+
+def test_token_ids_are_shown_as_vllm_shows_them():
+    stop = common_pb2.FINISH_REASON_STOP
+    request = chat(return_token_ids=True)
+    assert request.token_ids and request.body.sampling.return_token_ids
+    whole = OpenAIResponse(request, "r", 7, HIGH)
+    for c in (id_chunk("He", [5], [1, 2, 3]), id_chunk("llo", [6, 2], [1, 2, 3], stop)):   # a taken-over pool's again
+        whole.add(0, c)
+    body = whole.body()
+    assert body["prompt_token_ids"] == [1, 2, 3] and body["choices"][0]["token_ids"] == [5, 6, 2]
+    stream = OpenAIResponse(chat(return_token_ids=True, stream=True), "r", 7, HIGH)
+    events = [e for c in (id_chunk("", [5], [1, 2, 3]), id_chunk("llo", [6, 2], [], stop)) for e in stream.events(0, c)]
+    assert events[0]["prompt_token_ids"] == [1, 2, 3] and all("prompt_token_ids" not in e for e in events[1:])
+    assert [i for e in events for i in e["choices"][0]["token_ids"]] == [5, 6, 2]   # a held-back token's too
+    completion = OpenAIResponse(parse_openai(COMPLETION, json.dumps({"model": "m", "prompt": "x",
+                                                                    "return_token_ids": True}).encode()), "r", 7, HIGH)
+    completion.add(0, id_chunk("Hi", [5, 2], [9, 8], stop))
+    assert completion.body()["choices"][0]["prompt_token_ids"] == [9, 8]
+    plain = OpenAIResponse(chat(), "r", 7, HIGH)
+    plain.add(0, id_chunk("Hi", [5, 2], [], stop))
+    assert "prompt_token_ids" not in plain.body() and "token_ids" not in plain.body()["choices"][0]
+    assert refused(chat, return_token_ids="yes").field == "return_token_ids"

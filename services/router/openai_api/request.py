@@ -91,6 +91,7 @@ class OpenAIRequest:
     prompt_logprobs: int | None = None   # vLLM's: the prompt tokens' logprobs and this many likeliest
     prompt_only: bool = False            # echo with max_tokens 0: the prompt, and no answer
     tokens_as_ids: bool = False          # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
+    token_ids: bool = False              # vLLM's return_token_ids: the prompt's and the answer's ids shown
     responses: object = None             # a Responses API request's ResponsesEcho (responses_request.py)
 
     @property

@@ -52,6 +52,9 @@ class Choice:
         self.prompt_tokens = self.completion_tokens = 0     # so far: stream_options.continuous_usage_stats
         self.prompt_entries: list[common_pb2.TokenLogprob] = []   # vLLM's prompt_logprobs, from the first chunk
         self.entries: list[common_pb2.TokenLogprob] = []
+        # vLLM's return_token_ids: the prompt's ids (the first chunk that carries them) and the answer's
+        self.prompt_ids: list[int] | None = None
+        self.token_ids: list[int] = []
         # With logprobs asked for: its tokens' entries (common.proto TokenLogprob) made OpenAI's
         self.view = LogprobsView(request.kind == CHAT, request.tokens_as_ids) if request.body.sampling.HasField("logprobs") else None
         self.top = request.body.sampling.logprobs      # most likely tokens an entry shows
@@ -63,6 +66,14 @@ class Choice:
         forced = request.tool_mode in ("named", "required")
         self.tools = ToolCalls(request.tool_mode, request.tool_name, request_id) if forced else None
         self.tagged = TaggedCalls(request_id) if request.tool_mode == "auto" else None
+
+    def take_ids(self, chunk: common_pb2.GenerateChunk) -> list[int] | None:
+        """The prompt's ids the first time a chunk carries them (a pool that took the request
+        over sends them again), else None."""
+        if self.prompt_ids is None and chunk.prompt_token_ids:
+            self.prompt_ids = list(chunk.prompt_token_ids)
+            return self.prompt_ids
+        return None
 
     def take_echo(self, chunk: common_pb2.GenerateChunk) -> tuple[str, list[common_pb2.TokenLogprob]]:
         """Once, with the first chunk: the echoed prompt's text and its tokens' entries ("" and
@@ -130,6 +141,8 @@ class OpenAIResponse:
         choice.text.append(echo + chunk.text)
         choice.entries.extend(entries)
         choice.entries.extend(chunk.logprobs)
+        choice.take_ids(chunk)
+        choice.token_ids.extend(chunk.token_ids)
         self._last(index, chunk)
 
     def body(self) -> dict:
@@ -138,6 +151,8 @@ class OpenAIResponse:
                 "choices": [self._whole(c) for c in self.choices], "usage": self.usage()}
         if self.chat and self.request.prompt_logprobs is not None:     # vLLM's: the response's, of its one prompt
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.choices[0].prompt_entries, self.request.prompt_logprobs)
+        if self.chat and self.request.token_ids:                       # vLLM's: the response's, of its one prompt
+            body["prompt_token_ids"] = self.choices[0].prompt_ids
         return body
 
     def _whole(self, c: Choice) -> dict:
@@ -157,6 +172,10 @@ class OpenAIResponse:
                       logprobs=c.view.of(c.entries) if c.view else None)
         if not self.chat and self.request.prompt_logprobs is not None:    # vLLM's: each choice's prompt
             choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_entries, self.request.prompt_logprobs)
+        if self.request.token_ids:        # vLLM's: every token sampled (an EOS too); a completion's prompt's
+            choice["token_ids"] = c.token_ids
+            if not self.chat:
+                choice["prompt_token_ids"] = c.prompt_ids
         return choice
 
     # --- Server-Sent Events -----------------------------------------------------------------------
@@ -199,9 +218,28 @@ class OpenAIResponse:
             if c.tools is not None and c.tools.unparsed:     # cut before a call began: its text
                 out.append(self._event(c, {"content": c.tools.unparsed}))
             out.append(self._event(c, {} if self.chat else "", self._finish(c, chunk.finish_reason)))
-            if self.request.include_usage and self.finished:
-                out.append({**self.head, "choices": [], "usage": self.usage()})
+        if self.request.token_ids:
+            self._ids(c, chunk, out)
+        if chunk.finish_reason and self.request.include_usage and self.finished:
+            out.append({**self.head, "choices": [], "usage": self.usage()})
         return out
+
+    def _ids(self, c: Choice, chunk: common_pb2.GenerateChunk, out: list[dict]) -> None:
+        """vLLM's return_token_ids on a stream: the prompt's ids on the choice's first object (a
+        chat's at its top), the chunk's tokens on the last object it made, none on the others."""
+        prompt = c.take_ids(chunk)
+        if not out and (chunk.token_ids or prompt is not None):    # tokens whose text is held back
+            out.append(self._event(c, {} if self.chat else ""))
+        for event in out:
+            event["choices"][0]["token_ids"] = []
+        if out:
+            out[-1]["choices"][0]["token_ids"] = list(chunk.token_ids)
+            if prompt is not None:
+                if self.chat:
+                    if c.index == 0:          # one prompt: on the response's first object
+                        out[0]["prompt_token_ids"] = prompt
+                else:
+                    out[0]["choices"][0]["prompt_token_ids"] = prompt
 
     @staticmethod
     def _finish(c: Choice, reason: int) -> str | None:

@@ -5,6 +5,7 @@ field.
     include_stop_str_in_output   the stop string that ended the answer stays at its end
     skip_special_tokens          false: special tokens are written in the answer's text
     return_tokens_as_token_ids   logprobs' tokens as "token_id:N" (bytes and offsets stay the text's)
+    return_token_ids             the prompt's token ids and each choice's (response.py shows them)
     allowed_token_ids            only these tokens may be sampled (at most MAX_ALLOWED_TOKEN_IDS)
     bad_words                    words the answer must not contain (at most MAX_BAD_WORDS)
     truncate_prompt_tokens       only the prompt's last k tokens; -1: what leaves room for the answer
@@ -25,7 +26,7 @@ from services.router.openai_api.json_fields import bool_field, int_field, text_f
 
 MAX_INT32 = 2**31 - 1
 SAMPLING = {"include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "truncate_prompt_tokens",
-            "return_tokens_as_token_ids", "bad_words"}
+            "return_tokens_as_token_ids", "bad_words", "return_token_ids"}
 CHAT_TEMPLATE = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 
 
@@ -39,6 +40,8 @@ def parse_vllm_options(body: dict, request, chat: bool) -> None:
         s.skip_special_tokens = bool_field(body["skip_special_tokens"], "skip_special_tokens")
     if body.get("return_tokens_as_token_ids") is not None:
         request.tokens_as_ids = bool_field(body["return_tokens_as_token_ids"], "return_tokens_as_token_ids")
+    if body.get("return_token_ids") is not None:
+        request.token_ids = s.return_token_ids = bool_field(body["return_token_ids"], "return_token_ids")
     if body.get("truncate_prompt_tokens") is not None:
         keep = int_field(body["truncate_prompt_tokens"], "truncate_prompt_tokens", -1, MAX_INT32)
         if keep == 0:
