@@ -1,22 +1,31 @@
 """Kept Responses API answers: the store's rows (services/store/response_store.py) on SQLite and
 PostgreSQL, each tenant's own and gone at expiry; a body continuing a kept response
 (previous_response_id: its input and output before the new input, its instructions not), the
-conversation's items as kept; what an answer keeps, and when."""
+conversation's items as kept; what an answer keeps, and when; a background response's run on a
+stub request path (kept as it goes, refused, cancelled here or elsewhere, stopped)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import text
 
 from services.common.config_file import ConfigError, parse_config
+from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2
 from services.common.responses_config import ResponsesConfig
+from services.control.tenancy import Caller
+from services.router.openai_api.responses_background import BackgroundResponses
 from services.router.openai_api.responses_output import ResponsesAnswer
 from services.router.openai_api.responses_request import parse_responses, parse_responses_body, previous_id
+from services.router.validation import RequestHead
 from services.store.response_store import ResponseStore
-from services.store.store import Store
+from services.store.store import Store, Tenant
 from tests.postgres import database_url
 
 KEEPING = ResponsesConfig()
@@ -182,3 +191,71 @@ def test_background_needs_store_and_is_not_streamed():
     with pytest.raises(ServiceError) as refused:
         parse_responses_body(body(background=True))                     # nothing kept here
     assert refused.value.field == "background"
+
+
+class SlowPath:
+    """The request path's serve(): one token a tick until `stop`, or the error it is given."""
+
+    def __init__(self, error: ServiceError | None = None, tokens: int = 1000):
+        self.error, self.tokens = error, tokens
+
+    def serve(self, head, read_body, caller, estimate, parent, attrs):
+        async def chunks():
+            read_body(2048)
+            if self.error is not None:
+                raise self.error
+            for k in range(self.tokens):
+                await asyncio.sleep(0.01)
+                last = k == self.tokens - 1
+                chunk = common_pb2.GenerateChunk(text="a", token_ids=[7],
+                                                 finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0)
+                chunk.usage.prompt_tokens, chunk.usage.completion_tokens = 3, k + 1
+                yield chunk
+        return chunks()
+
+
+def run_background(kept: ResponseStore, path, act) -> list[dict]:
+    """A background response started on a router stub whose path is `path`; `act(runner, id)` then
+    runs; the statuses the store showed along the way, and the last response."""
+    async def go():
+        front = SimpleNamespace(drain=Drain("router"), path=path)
+        runner = BackgroundResponses(front, kept, ResponsesConfig(background_lease_s=0.3), "r1")
+        request = parse_responses_body(body(background=True, max_output_tokens=1000), keeping=KEEPING)
+        queued = await runner.start(RequestHead(priority=MEDIUM, tenant="alpha"), Caller(Tenant("alpha")), request)
+        seen = [kept.get("alpha", queued["id"], time.time())[0]["status"]]
+        await act(runner, queued["id"])
+        seen.append(kept.get("alpha", queued["id"], time.time())[0])
+        assert front.drain.in_flight == 0 and not runner.running
+        return seen
+    return asyncio.run(go())
+
+
+async def until_running(kept: ResponseStore, response_id: str) -> None:
+    while kept.get("alpha", response_id, time.time())[0]["status"] != "in_progress":
+        await asyncio.sleep(0.01)
+
+
+def test_a_background_run_is_kept_as_it_goes_and_ends_as_it_ended(kept):
+    async def finish(runner, response_id):
+        await until_running(kept, response_id)
+        await asyncio.gather(*runner.running.values())
+    queued, done = run_background(kept, SlowPath(tokens=5), finish)
+    assert queued == "queued" and done["status"] == "incomplete" and done["output"][0]["content"][0]["text"] == "aaaaa"
+    refused = ServiceError(ErrorKind.EXHAUSTED, "tenant alpha: 3 requests a minute", reason="rate_limit_requests")
+    _, failed = run_background(kept, SlowPath(error=refused), lambda runner, _: asyncio.gather(*runner.running.values()))
+    assert failed["status"] == "failed" and failed["error"]["code"] == "rate_limit_requests"
+
+
+def test_a_cancel_stops_the_run_here_or_at_the_next_renewal_and_a_stop_fails_it(kept):
+    async def cancel_elsewhere(runner, response_id):        # another replica's cancel: seen at the renewal
+        await until_running(kept, response_id)
+        assert kept.cancel("alpha", response_id, time.time())[1]
+        await asyncio.wait_for(asyncio.gather(*runner.running.values()), timeout=5)
+    _, cancelled = run_background(kept, SlowPath(), cancel_elsewhere)
+    assert cancelled["status"] == "cancelled"
+
+    async def stop(runner, response_id):                    # the router drained and stops
+        await until_running(kept, response_id)
+        await runner.stop()
+    _, stopped = run_background(kept, SlowPath(), stop)
+    assert stopped["status"] == "failed" and "send the request again" in stopped["error"]["message"]
