@@ -35,6 +35,18 @@ def request(cluster, method: str, path: str, key: str | None = None, body: dict 
         conn.close()
 
 
+def raw_request(cluster, path: str, key: str, body: bytes) -> tuple[int, dict]:
+    router = cluster.config.router
+    conn = http.client.HTTPConnection(router.host, router.http_port, timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json",
+                                                       "authorization": f"Bearer {key}"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
 def make_cluster(admin_key: str):
     config = cluster_config(model=bench_model(), dtype="fp32")
     config.auth.admin_key = admin_key
@@ -76,6 +88,9 @@ def test_x_tenant_cannot_name_the_admin_keys_tenant(cluster):
 def test_with_the_admin_key_they_answer(cluster):
     status, answer = request(cluster, "POST", "/v1/load_lora_adapter", ADMIN, {"lora_name": "x"})
     assert status == 400 and answer["error"]["param"] == "lora_path"        # past the gate: the body's turn
+    for raw in (b"\xff\xfe", b"[" * 100_000, b"[1]"):       # not UTF-8, nested past any parser, not an object
+        status, answer = raw_request(cluster, "/v1/load_lora_adapter", ADMIN, raw)
+        assert status == 400 and answer["error"]["param"] == "body", (raw[:8], answer)
     status, first = request(cluster, "GET", "/console/events", ADMIN, read_all=False)
     assert status == 200 and first.startswith("data: ")
     status, answer = request(cluster, "POST", "/v1/requests/chatcmpl-nobody/cancel", ADMIN, {})

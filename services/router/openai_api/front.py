@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import re
 import time
@@ -45,7 +44,7 @@ from services.router.openai_api.batch_front import BatchFront
 from services.router.openai_api.body import read_body
 from services.router.openai_api.generation import GenerationResponse, error_response
 from services.router.openai_api.service_class import class_header
-from services.router.openai_api.request import CHAT, COMPLETION, parse_openai
+from services.router.openai_api.request import CHAT, COMPLETION, json_object, parse_openai
 from services.router.openai_api.responses_kept import KeptResponses
 from services.router.openai_api.responses_request import RESPONSES
 from services.router.openai_api.response import error_body
@@ -227,12 +226,7 @@ class HttpFront:
         """The admin key in every mode: it changes what every tenant is served."""
         try:
             self._admin(http, "loading and unloading LoRA adapters")
-            try:
-                body = json.loads(await self.body(http) or b"{}")
-            except json.JSONDecodeError as exc:
-                raise ServiceError(ErrorKind.INVALID, f"the body is not JSON: {exc}", reason="invalid_json") from None
-            if not isinstance(body, dict):
-                raise ServiceError(ErrorKind.INVALID, "the body must be a JSON object", reason="invalid_json")
+            body = json_object(await self.body(http) or b"{}")      # (an empty body: no fields)
             return JSONResponse(await action(self.pools, body))
         except ServiceError as error:
             return error_response(error)
