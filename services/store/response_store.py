@@ -5,6 +5,13 @@ Every read, cancel and delete names its tenant (None: the admin's, any tenant): 
 response is, to another, an id that does not exist. A response past its expiry is gone for every
 reader at once (reads check the time); its row is deleted by the next purge.
 
+A row holds its response's own input items and the id of the response it continued
+(previous_response_id); the conversation's earlier items are read along that chain (one
+recursive query), so each turn is stored once, not again in every later row (a chain of n turns
+costs n rows' worth, not n^2). A deleted response's content is erased and its row kept as a link
+until it expires: later responses list the items before and after it, not its own (OpenAI's
+rule); an expired one ends the chain there.
+
 A background response is written when it is queued and again as it runs, by the router replica
 running it (its owner), which renews a lease on it. Its status changes only from queued or
 in_progress, each change one conditional update: a cancel and the runner's last write cannot
@@ -14,7 +21,7 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, insert, literal, select, update
 
 from services.store.schema import responses, row_id
 from services.store.store import Store
@@ -37,7 +44,8 @@ class ResponseStore:
                 expires_at=expires_at))
 
     def get(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, list[dict]] | None:
-        """(the response object, its input items), or None: unknown, another tenant's or expired."""
+        """(the response object, its input items: the earlier turns' then its own), or None:
+        unknown, another tenant's, deleted or expired."""
         if not row_id(response_id):
             return None
         with self.engine.begin() as db:
@@ -52,7 +60,8 @@ class ResponseStore:
                 else:                        # it changed meanwhile: as it is now
                     response = json.loads(db.execute(select(responses.c.response)
                                                      .where(responses.c.id == response_id)).scalar())
-        return response, json.loads(row.input_items)
+            earlier = _earlier_items(db, row.previous_id, now) if row.previous_id else []
+        return response, earlier + json.loads(row.input_items)
 
     def update(self, response: dict, owner: str) -> bool:
         """The running response as it is now (its last write when its status is final); False when
@@ -86,13 +95,16 @@ class ResponseStore:
             return {row.id: row.status for row in rows}
 
     def delete(self, tenant: str | None, response_id: str, now: float) -> bool:
+        """Its content erased (its row stays, as a link of the chains through it, until it expires)."""
         if not row_id(response_id):
             return False
-        query = delete(responses).where(responses.c.id == response_id, responses.c.expires_at > now)
+        query = update(responses).where(responses.c.id == response_id, responses.c.expires_at > now,
+                                        responses.c.deleted == 0)
         if tenant is not None:
             query = query.where(responses.c.tenant == tenant)
         with self.engine.begin() as db:
-            return db.execute(query).rowcount > 0
+            return db.execute(query.values(deleted=1, input_items="[]", response="{}", status="deleted",
+                                           owner=None, lease_until=None)).rowcount > 0
 
     def purge(self, now: float) -> int:
         """Delete the expired rows; how many there were."""
@@ -101,8 +113,26 @@ class ResponseStore:
 
 
 def _owned(query, tenant: str | None, response_id: str, now: float):
-    query = query.where(responses.c.id == response_id, responses.c.expires_at > now)
+    query = query.where(responses.c.id == response_id, responses.c.expires_at > now, responses.c.deleted == 0)
     return query if tenant is None else query.where(responses.c.tenant == tenant)
+
+
+def _earlier_items(db, previous_id: str, now: float) -> list[dict]:
+    """The items a response continuing `previous_id` follows: each earlier response's own input
+    items and its output, oldest first; a deleted one's left out, an expired one ends the chain."""
+    older = responses.alias("older")
+    chain = select(responses.c.id, responses.c.previous_id, responses.c.input_items, responses.c.response,
+                   responses.c.deleted, literal(0).label("depth")) \
+        .where(responses.c.id == previous_id, responses.c.expires_at > now).cte("chain", recursive=True)
+    chain = chain.union_all(select(older.c.id, older.c.previous_id, older.c.input_items, older.c.response,
+                                   older.c.deleted, chain.c.depth + 1)
+                            .where(older.c.id == chain.c.previous_id, older.c.expires_at > now))
+    items: list[dict] = []
+    for row in db.execute(select(chain).order_by(chain.c.depth.desc())):
+        if not row.deleted:
+            items += json.loads(row.input_items)
+            items += json.loads(row.response).get("output") or []
+    return items
 
 
 def _ended(response: dict, status: str, error: dict | None) -> dict:

@@ -14,8 +14,9 @@ and its version.
                   runs it (a lease), counts, output and error files
     batch_results one row per finished line of a batch: what its output or error line says
     responses     Responses API answers kept (store: true), each a tenant's, until expires_at: the
-                  response object and its conversation's input items; a background one's status
-                  as it runs, and the router replica running it (a lease)
+                  response object, its own input items and the response it continued (a chain:
+                  each turn stored once); a background one's status as it runs, and the router
+                  replica running it (a lease)
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -156,8 +157,9 @@ responses = Table(
                                                              # failed | cancelled (the response's own)
     Column("owner", String(64)),                             # a background one: the router replica running it
     Column("lease_until", Float),                            # ... until then (unix seconds), renewed as it runs
-    Column("input_items", Text, nullable=False),             # JSON: every input item, earlier turns' too
+    Column("input_items", Text, nullable=False),             # JSON: its own input items (earlier turns': theirs)
     Column("response", Text, nullable=False),                # JSON: the response object as answered
+    Column("deleted", Integer, nullable=False, default=0),   # 1: deleted, its content gone, its link kept
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
 )

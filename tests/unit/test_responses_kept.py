@@ -72,6 +72,28 @@ def test_a_kept_response_is_its_tenants_until_it_expires(kept):
         assert not kept.delete(None, bad, now=250.0)
 
 
+def test_a_chain_is_read_along_its_links_each_turn_stored_once(kept):
+    first, second = response("resp_a"), response("resp_b", previous="resp_a")
+    then = {**USER, "id": "msg_u2"}
+    kept.add("alpha", first, [USER], now=100.0, expires_at=300.0)
+    kept.add("alpha", second, [then], now=110.0, expires_at=400.0)
+    kept.add("alpha", response("resp_c", previous="resp_b"), [{**USER, "id": "msg_u3"}], now=120.0, expires_at=500.0)
+    _, items = kept.get("alpha", "resp_c", now=150.0)
+    assert [i["id"] for i in items] == ["msg_u1", "msg_resp_a", "msg_u2", "msg_resp_b", "msg_u3"]
+    with kept.engine.connect() as db:        # each row holds its own input only
+        assert [json.loads(r[0]) for r in db.execute(text("SELECT input_items FROM responses ORDER BY id"))] \
+            == [[USER], [then], [{**USER, "id": "msg_u3"}]]
+    assert kept.delete("alpha", "resp_b", now=150.0) and kept.get("alpha", "resp_b", now=150.0) is None
+    with kept.engine.connect() as db:        # its content erased, its link kept
+        assert db.execute(text("SELECT response, input_items, previous_id FROM responses WHERE id = 'resp_b'")) \
+            .one() == ("{}", "[]", "resp_a")
+    _, items = kept.get("alpha", "resp_c", now=150.0)       # a deleted turn's items gone, the others kept
+    assert [i["id"] for i in items] == ["msg_u1", "msg_resp_a", "msg_u3"]
+    _, items = kept.get("alpha", "resp_c", now=350.0)       # an expired one ends the chain
+    assert [i["id"] for i in items] == ["msg_u3"]
+    assert not kept.delete("alpha", "resp_b", now=150.0)  # deleted once
+
+
 def body(**fields) -> dict:
     return {"model": "m", "input": "Hi", **fields}
 
@@ -114,8 +136,8 @@ def test_a_continued_response_says_the_earlier_turns_before_its_own():
         ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello there."), ("user", "And you?")]
     echo = request.responses
     assert echo.previous_id == "resp_1"
-    assert [i["id"] for i in echo.items[:2]] == ["msg_u1", "msg_resp_1"]
-    assert "logprobs" not in echo.items[1]["content"][0]                # logprobs are no one's input
+    [own] = echo.items                           # kept: its own input (the store reads the earlier turns')
+    assert own["content"] == [{"type": "input_text", "text": "And you?"}]
     with pytest.raises(ServiceError) as refused:
         parse_responses_body(body(input="More", previous_response_id="resp_1"), previous,
                              ResponsesConfig(max_items=2))
@@ -137,7 +159,7 @@ def test_an_answer_is_kept_as_it_ended_only_when_asked():
     shown = answer.body()
     assert shown["store"] is True and shown["previous_response_id"] == "resp_1"
     kept, items = answer.kept()
-    assert kept == shown and [i["id"] for i in items][:2] == ["msg_u1", "msg_resp_1"] and len(items) == 3
+    assert kept == shown and [i["content"][0]["text"] for i in items] == ["Hi"]        # its own input
     unkept = answer_to(parse_responses_body(body(store=False), keeping=KEEPING))
     assert unkept.body()["store"] is False and unkept.kept() is None
     streamed = ResponsesAnswer(parse_responses_body(body(), keeping=KEEPING), "r10", 100, 2)

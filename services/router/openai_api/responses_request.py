@@ -9,7 +9,8 @@ error names the field as this body has it (`input[2].content[0].text`, `text.for
 
 `previous_response_id` continues a kept response (responses_kept.py reads it from the store): its
 input items and its output come before this body's input, its instructions do not (OpenAI's
-rule). The conversation's items, each with an id, are what a kept response keeps as its input.
+rule). Its own input items, each with an id, are what a kept response keeps as its input (the
+store reads the earlier turns' along the chain).
 
 `background: true` (with store) answers at once with the response queued and runs it after
 (responses_background.py). Refused by name, with the reason: `conversation` and `prompt` (state
@@ -56,7 +57,7 @@ class ResponsesEcho:
     (for errors): `inputs[k]` is the `input` item (or "instructions") chat message k was made of."""
     fields: dict = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
-    items: list[dict] = field(default_factory=list)   # the conversation's input items, as kept
+    items: list[dict] = field(default_factory=list)   # its own input items, as kept (not the earlier turns')
     previous_id: str | None = None
     store: bool = False                               # whether the answer is kept
     background: bool = False                          # run after the answer (queued), polled
@@ -176,8 +177,9 @@ def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) 
         raise invalid(f"input must be a string or a non-empty list of items, got {json_kind(items)}", "input")
     else:
         named = [f"input[{i}]" for i in range(len(items))]
+    own = len(items)
     if previous is not None:
-        carried = previous[1] + [_carried(item) for item in previous[0].get("output") or ()]
+        carried = previous[1] + list(previous[0].get("output") or ())
         items, named = carried + items, ["previous_response_id"] * len(carried) + named
     if max_items is not None and len(items) > max_items:
         where = "previous_response_id" if previous else "input"
@@ -205,16 +207,9 @@ def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) 
             raise invalid(f"{where}.type {kind!r} is not served: input items are messages, function_call and "
                           "function_call_output (no reasoning, images, files or OpenAI's tools here)", f"{where}.type")
         echo.inputs.append(where)
-    if echo.store:
-        echo.items = [_kept(item) for item in items]
+    if echo.store:           # what is kept is its own input: the store reads the earlier turns' along the chain
+        echo.items = [_kept(item) for item in items[len(items) - own:]]
     return messages
-
-
-def _carried(item: dict) -> dict:
-    """An earlier response's output item as the next one's input (its logprobs are not input)."""
-    if item.get("type") != "message":
-        return item
-    return {**item, "content": [{k: v for k, v in part.items() if k != "logprobs"} for part in item["content"]]}
 
 
 def _kept(item: dict) -> dict:
