@@ -1,5 +1,5 @@
 """Fuzzing both fronts of a real router with generated bad requests (hypothesis): 1,500 HTTP
-bodies and 600 gRPC requests, each made invalid in one way (wrong types, huge numbers, NaN,
+bodies (and 300 TGI ones) and 600 gRPC requests, each made invalid in one way (wrong types, huge numbers, NaN,
 invalid UTF-8, lone surrogates, deep nesting, empty and oversized bodies, unknown fields, bad
 headers). Every one must get a 4xx (or INVALID_ARGUMENT) naming the field at fault, quickly;
 never a 5xx, a hang or a crash; and the router must serve normally afterwards."""
@@ -22,6 +22,7 @@ from services.router.openai_api.service_class import TIERS
 from services.router.openai_api.request import FIELDS, MAX_CHOICES, NEUTRAL
 from services.router.openai_api.responses_request import NEUTRAL as RESPONSES_NEUTRAL
 from services.router.openai_api.responses_request import OWN, PASSED
+from services.router.openai_api.tgi import PARAMETERS as TGI_PARAMETERS
 from tests.e2e.conftest import cluster_config
 
 pytestmark = pytest.mark.slow
@@ -205,6 +206,46 @@ def test_responses_bodies_get_a_4xx_naming_the_field(cluster):
     status, answer = post(cluster, json.dumps({"model": model, "input": "Hi", "max_output_tokens": 2}).encode(),
                           "/v1/responses")
     assert status == 200 and answer["usage"]["output_tokens"] == 2
+
+
+TGI_EXAMPLES = 300
+TGI_BAD = {
+    "max_new_tokens": st.one_of(anything_but("int"), st.integers(max_value=0), st.integers(min_value=2**31)),
+    "temperature": st.one_of(anything_but("int", "float"), st.floats(max_value=-0.01), NON_FINITE),
+    "top_p": st.one_of(anything_but("int", "float"), st.floats(min_value=1.01), st.floats(max_value=0.0)),
+    "top_k": st.one_of(anything_but("int"), st.integers(max_value=-1)),
+    "stop": st.one_of(anything_but("list", "str"), st.lists(st.just(""), min_size=1, max_size=2)),
+    "details": anything_but("bool"), "do_sample": anything_but("bool"), "return_full_text": anything_but("bool"),
+    "top_n_tokens": st.one_of(anything_but("int"), st.integers(min_value=21)),
+    "grammar": st.one_of(anything_but("dict"), st.fixed_dictionaries({"type": st.text(max_size=6)
+                                                                      .filter(lambda t: t not in ("json", "regex"))})),
+    "best_of": st.integers(min_value=2), "watermark": st.just(True), "typical_p": st.floats(0.01, 0.99),
+    "decoder_input_details": st.just(True),
+}
+tgi_cases = st.one_of(
+    st.sampled_from(sorted(TGI_BAD)).flatmap(lambda f: st.tuples(st.just(f), TGI_BAD[f])),
+    st.tuples(st.text(min_size=1, max_size=12).filter(lambda k: k not in TGI_PARAMETERS), anything_but()),
+)
+
+
+def test_tgi_bodies_get_a_422_naming_the_parameter(cluster):
+    """TGI's routes answer in TGI's error shape (tgi.py): {"error", "error_type": "validation"}."""
+    statuses: dict[int, int] = {}
+
+    @settings(FUZZ, max_examples=TGI_EXAMPLES)
+    @given(tgi_cases)
+    def check(case):
+        name, bad = case
+        status, answer = post(cluster, json.dumps({"inputs": "Hi", "parameters": {"max_new_tokens": 2, name: bad}})
+                              .encode(), "/generate")
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status == 422 and answer["error_type"] == "validation", (case, status, answer)
+        assert f"parameters.{name}" in answer["error"], (case, answer)
+
+    check()
+    print(f"\nTGI fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+    status, answer = post(cluster, b'{"inputs": "Hi", "parameters": {"max_new_tokens": 2}}', "/generate")
+    assert status == 200 and answer["generated_text"]
 
 
 # --- gRPC ---------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from services.router.openai_api.service_class import class_header
 from services.router.openai_api.request import CHAT, COMPLETION, json_object, parse_openai
 from services.router.openai_api.responses_kept import KeptResponses
 from services.router.openai_api.responses_request import RESPONSES
+from services.router.openai_api.tgi import TGI, parse_tgi, tgi_info
 from services.router.openai_api.response import error_body
 from services.router.openai_api.timeouts import read_timeout_protocol
 from services.router.validation import request_headers
@@ -111,6 +112,10 @@ class HttpFront:
             Route("/v1/responses/{response_id}", kept.delete, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/input_items", kept.input_items, methods=["GET"]),
             Route("/v1/responses/{response_id}/cancel", kept.cancel, methods=["POST"]),
+            Route("/generate", functools.partial(self._generation_of, TGI, False), methods=["POST"]),
+            Route("/generate_stream", functools.partial(self._generation_of, TGI, True), methods=["POST"]),
+            Route("/", functools.partial(self._generation_of, TGI, None), methods=["POST"]),
+            Route("/info", self.tgi_info, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
             Route("/v1/files", batch.upload, methods=["POST"]),
@@ -149,7 +154,10 @@ class HttpFront:
         """OpenAI's Responses API: a chat request in other words (responses_request.py)."""
         return await self._generation(http, RESPONSES)
 
-    async def _generation(self, http: Request, kind: str) -> Response:
+    async def _generation_of(self, kind: str, stream: bool | None, http: Request) -> Response:
+        return await self._generation(http, kind, stream)
+
+    async def _generation(self, http: Request, kind: str, stream: bool | None = None) -> Response:
         request = None
         try:
             headers = request_headers(http.headers.items(), self.book.required)
@@ -157,6 +165,8 @@ class HttpFront:
             raw = await self.body(http)
             if kind == RESPONSES:
                 request = await self.kept_responses.parse(raw, caller)
+            elif kind == TGI:
+                request = parse_tgi(raw, self.path.model_name, stream)
             else:
                 request = parse_openai(kind, raw)
             label = class_header(request, headers.get(PRIORITY_HEADER))
@@ -184,7 +194,7 @@ class HttpFront:
                 return JSONResponse(queued, headers={"x-request-id": head.request_id, **self.book.headers(caller)})
         except ServiceError as error:
             self.router.totals.refused_early(error)
-            return error_response(error, request)
+            return error_response(error, request, tgi=kind == TGI)
         return GenerationResponse(self, head, caller, request, extract_metadata(http.headers.items()))
 
     def caller(self, http: Request):
@@ -274,6 +284,14 @@ class HttpFront:
     async def body(self, http: Request) -> bytes:
         """The request's body within the front's size and time limits (body.py)."""
         return await read_body(http, self.config.http_max_body_bytes, self.config.http_read_timeout_s)
+
+    async def tgi_info(self, http: Request) -> Response:
+        """TGI's GET /info (tgi.py): the first model served, its context window."""
+        served = next(iter(self.served_models().values()), None)
+        if served is None:
+            return error_response(ServiceError(ErrorKind.UNAVAILABLE, "no pool is serving yet", retry_after_ms=1000,
+                                               reason="no_pool"), tgi=True)
+        return JSONResponse(tgi_info(served["id"], served["max_model_len"], self.config.http_max_body_bytes))
 
     async def models(self, http: Request) -> Response:
         return JSONResponse({"object": "list", "data": list(self.served_models().values())})

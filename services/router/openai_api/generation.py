@@ -18,6 +18,7 @@ from services.router.openai_api.choices import choice_body, choice_heads, merged
 from services.router.openai_api.request import CHAT, OpenAIRequest
 from services.router.openai_api.response import OpenAIResponse, error_body
 from services.router.openai_api.responses_output import ResponsesAnswer
+from services.router.openai_api.tgi import TgiAnswer, tgi_error
 from services.router.validation import RequestHead, check_sampling
 
 TOKEN_IDS = "prompt_token_ids"     # the scheduler's name for a prompt given as token ids
@@ -27,8 +28,8 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
 
 def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
     """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
-    if request is not None and request.responses is not None:     # a Responses body names them its way
-        return request.responses.param(_chat_param(field, request))
+    if request is not None and (request.responses or request.tgi) is not None:    # such a body names them its way
+        return (request.responses or request.tgi).param(_chat_param(field, request))
     return _chat_param(field, request)
 
 
@@ -50,7 +51,8 @@ def _chat_param(field: str | None, request: OpenAIRequest | None) -> str | None:
 
 
 def error_response(error: ServiceError, request: OpenAIRequest | None = None,
-                   request_id: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   request_id: str | None = None, headers: dict | None = None, tgi: bool = False) -> JSONResponse:
+    """OpenAI's error object and status (TGI's, for a TGI request or route: tgi.py)."""
     headers = dict(headers or {})
     if error.retry_after_ms is not None:
         headers.update({"retry-after": str(error.retry_after_seconds),
@@ -59,6 +61,9 @@ def error_response(error: ServiceError, request: OpenAIRequest | None = None,
         headers["x-request-id"] = request_id
     if error.kind is ErrorKind.REQUEST_TIMEOUT:      # the rest of a stalled body must not be read as a request
         headers["connection"] = "close"
+    if tgi or (request is not None and request.tgi is not None):
+        status, body = tgi_error(error, http_param(error.field, request))
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(error_body(error, http_param(error.field, request)),
                         status_code=error.kind.status.http, headers=headers)
 
@@ -167,7 +172,8 @@ class GenerationResponse(Response):
 
 def answer_object(request: OpenAIRequest, head: RequestHead):
     """What a request's chunks become: a chat or completion object, or a Responses API one."""
-    answer = OpenAIResponse if request.responses is None else ResponsesAnswer
+    answer = ResponsesAnswer if request.responses is not None else TgiAnswer if request.tgi is not None \
+        else OpenAIResponse
     return answer(request, head.request_id, int(time.time()), head.priority)
 
 

@@ -93,6 +93,7 @@ class OpenAIRequest:
     tokens_as_ids: bool = False          # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:N"
     token_ids: bool = False              # vLLM's return_token_ids: the prompt's and the answer's ids shown
     responses: object = None             # a Responses API request's ResponsesEcho (responses_request.py)
+    tgi: object = None                   # a TGI request's TgiEcho (tgi.py)
 
     @property
     def choices(self) -> int:
