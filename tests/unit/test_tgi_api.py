@@ -14,7 +14,7 @@ from services.router.openai_api.tgi import TgiAnswer, parse_tgi, tgi_error
 
 
 def tgi(stream=None, **parameters):
-    return parse_tgi(json.dumps({"inputs": "The sky is", "parameters": parameters}).encode(), "m", stream)
+    return parse_tgi({"inputs": "The sky is", "parameters": parameters}, "m", stream)
 
 
 def refused(**parameters) -> ServiceError:
@@ -34,7 +34,7 @@ def test_a_body_becomes_its_completion():
     assert sampled.body.sampling.logprobs == 2
     assert tgi(temperature=0.7).body.sampling.temperature == pytest.approx(0.7)     # a temperature samples
     assert tgi(stream=True).stream and tgi(stream=True).body.sampling.HasField("logprobs")   # each token's id
-    assert parse_tgi(b'{"inputs": "x", "stream": true}', "m", None).stream      # the compat route: the body says
+    assert parse_tgi({"inputs": "x", "stream": True}, "m", None).stream      # the compat route: the body says
     assert tgi(grammar={"type": "regex", "value": "[a-z]+"}).body.sampling.regex == "[a-z]+"
     assert json.loads(tgi(grammar={"type": "json", "value": {"type": "object"}}).body.sampling.json_schema) \
         == {"type": "object"}
@@ -65,7 +65,7 @@ def test_errors_are_tgis_shape_and_status():
     assert busy.headers["retry-after"] == "2"
     assert tgi_error(ServiceError(ErrorKind.UNAVAILABLE, "no worker"), None)[1]["error_type"] == "generation"
     with pytest.raises(ServiceError) as missing:
-        parse_tgi(b'{"parameters": {}}', "m", False)
+        parse_tgi({"parameters": {}}, "m", False)
     assert missing.value.field == "inputs"
 
 

@@ -47,6 +47,7 @@ from services.router.openai_api.service_class import class_header
 from services.router.openai_api.request import CHAT, COMPLETION, json_object, parse_openai
 from services.router.openai_api.responses_kept import KeptResponses
 from services.router.openai_api.responses_request import RESPONSES
+from services.router.openai_api.sglang import SGLANG, is_sglang, parse_sglang
 from services.router.openai_api.tgi import TGI, parse_tgi, tgi_info
 from services.router.openai_api.response import error_body
 from services.router.openai_api.timeouts import read_timeout_protocol
@@ -158,15 +159,18 @@ class HttpFront:
         return await self._generation(http, kind, stream)
 
     async def _generation(self, http: Request, kind: str, stream: bool | None = None) -> Response:
-        request = None
+        request, shape = None, kind
         try:
             headers = request_headers(http.headers.items(), self.book.required)
             caller = self.router.identify(headers)       # before the body: a stranger's is never read
             raw = await self.body(http)
             if kind == RESPONSES:
                 request = await self.kept_responses.parse(raw, caller)
-            elif kind == TGI:
-                request = parse_tgi(raw, self.path.model_name, stream)
+            elif kind == TGI:        # /generate is SGLang's too: its body tells (sglang.py)
+                body = json_object(raw)
+                shape = SGLANG if stream is False and is_sglang(body) else TGI
+                request = parse_sglang(body, self.path.model_name) if shape == SGLANG \
+                    else parse_tgi(body, self.path.model_name, stream)
             else:
                 request = parse_openai(kind, raw)
             label = class_header(request, headers.get(PRIORITY_HEADER))
@@ -194,7 +198,7 @@ class HttpFront:
                 return JSONResponse(queued, headers={"x-request-id": head.request_id, **self.book.headers(caller)})
         except ServiceError as error:
             self.router.totals.refused_early(error)
-            return error_response(error, request, tgi=kind == TGI)
+            return error_response(error, request, tgi=shape == TGI)
         return GenerationResponse(self, head, caller, request, extract_metadata(http.headers.items()))
 
     def caller(self, http: Request):

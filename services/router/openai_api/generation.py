@@ -18,6 +18,7 @@ from services.router.openai_api.choices import choice_body, choice_heads, merged
 from services.router.openai_api.request import CHAT, OpenAIRequest
 from services.router.openai_api.response import OpenAIResponse, error_body
 from services.router.openai_api.responses_output import ResponsesAnswer
+from services.router.openai_api.sglang import SglangAnswer
 from services.router.openai_api.tgi import TgiAnswer, tgi_error
 from services.router.validation import RequestHead, check_sampling
 
@@ -28,8 +29,9 @@ SSE_HEADERS = {"content-type": "text/event-stream", "cache-control": "no-cache",
 
 def http_param(field: str | None, request: OpenAIRequest | None) -> str | None:
     """Our field names (the gRPC request's) as the OpenAI body parameter a client sent."""
-    if request is not None and (request.responses or request.tgi) is not None:    # such a body names them its way
-        return (request.responses or request.tgi).param(_chat_param(field, request))
+    own = request and (request.responses or request.tgi or request.sglang)
+    if own is not None:                              # such a body names them its way
+        return own.param(_chat_param(field, request))
     return _chat_param(field, request)
 
 
@@ -173,7 +175,7 @@ class GenerationResponse(Response):
 def answer_object(request: OpenAIRequest, head: RequestHead):
     """What a request's chunks become: a chat or completion object, or a Responses API one."""
     answer = ResponsesAnswer if request.responses is not None else TgiAnswer if request.tgi is not None \
-        else OpenAIResponse
+        else SglangAnswer if request.sglang is not None else OpenAIResponse
     return answer(request, head.request_id, int(time.time()), head.priority)
 
 

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from services.common.errors import invalid
+from services.common.errors import ServiceError, invalid
 from services.common.priority import Priority, parse_context_mode
 from services.common.proto.qos.v1 import common_pb2, router_pb2
 from services.common.step import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
@@ -94,11 +94,24 @@ class OpenAIRequest:
     token_ids: bool = False              # vLLM's return_token_ids: the prompt's and the answer's ids shown
     responses: object = None             # a Responses API request's ResponsesEcho (responses_request.py)
     tgi: object = None                   # a TGI request's TgiEcho (tgi.py)
+    sglang: object = None                # an SGLang /generate request's SglangEcho (sglang.py)
 
     @property
     def choices(self) -> int:
         """Choices in the answer: n for each prompt (n for a chat)."""
         return self.n * max(1, len(self.prompts))
+
+
+def parse_rewritten(kind: str, body: dict, names) -> OpenAIRequest:
+    """Another API's request rewritten as this body (Responses, TGI, SGLang), parsed: an error
+    names the field as that API's body has it (`names.param`)."""
+    try:
+        return parse_openai(kind, json.dumps(body).encode())
+    except ServiceError as error:
+        param = names.param(error.field)
+        if param != error.field and error.field:
+            error.message, error.field = error.message.replace(error.field, param), param
+        raise
 
 
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:

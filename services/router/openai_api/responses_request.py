@@ -19,15 +19,14 @@ reasoning items and settings.
 """
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from dataclasses import dataclass, field
 
-from services.common.errors import ServiceError, invalid
+from services.common.errors import invalid
 from services.common.responses_config import ResponsesConfig
 from services.router.openai_api.json_fields import json_kind, text_field
-from services.router.openai_api.request import CHAT, OpenAIRequest, json_object, parse_openai
+from services.router.openai_api.request import CHAT, OpenAIRequest, json_object, parse_rewritten
 
 RESPONSES = "responses"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -106,10 +105,7 @@ def parse_responses_body(body: dict, previous: tuple[dict, list[dict]] | None = 
     _logprobs(body, chat)
     if body.get("metadata") is not None:
         echo.fields["metadata"] = check_metadata(body["metadata"])
-    try:
-        request = parse_openai(CHAT, json.dumps(chat).encode())
-    except ServiceError as error:
-        raise _renamed(error, echo) from None
+    request = parse_rewritten(CHAT, chat, echo)
     request.responses = echo
     echo.fields.update({name: body.get(name) for name in ("instructions", "max_output_tokens", "temperature",
                                                           "top_p", "user")})
@@ -154,13 +150,6 @@ def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: Respon
         echo.background = True
     if previous is not None:
         echo.previous_id = previous[0]["id"]
-
-
-def _renamed(error: ServiceError, echo: ResponsesEcho) -> ServiceError:
-    param = echo.param(error.field)
-    if param != error.field and error.field:
-        error.message, error.field = error.message.replace(error.field, param), param
-    return error
 
 
 def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) -> list[dict]:

@@ -20,7 +20,6 @@ best_of above 1, typical_p below 1, watermark, decoder_input_details.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from services.common.errors import ErrorKind, ServiceError, invalid
@@ -28,7 +27,7 @@ from services.common.proto.qos.v1 import common_pb2
 from services.common.step import MAX_TOP_LOGPROBS
 from services.router.openai_api.json_fields import bool_field, int_field, json_kind, text_field
 from services.router.openai_api.logprobs import token_text
-from services.router.openai_api.request import COMPLETION, OpenAIRequest, json_object, parse_openai
+from services.router.openai_api.request import COMPLETION, OpenAIRequest, parse_rewritten
 from services.router.openai_api.response import to_json
 
 TGI = "tgi"
@@ -69,9 +68,8 @@ class TgiEcho:
         return chat_param
 
 
-def parse_tgi(raw: bytes, model: str, stream: bool | None) -> OpenAIRequest:
+def parse_tgi(body: dict, model: str, stream: bool | None) -> OpenAIRequest:
     """`stream`: what the route says (None: the body's, TGI's compat route)."""
-    body = json_object(raw)
     extra = sorted(set(body) - {"inputs", "parameters", "stream"})
     if extra:
         raise invalid(f"unknown field {extra[0]!r}: a TGI request has inputs, parameters and stream", extra[0])
@@ -107,13 +105,7 @@ def parse_tgi(raw: bytes, model: str, stream: bool | None) -> OpenAIRequest:
         if not isinstance(grammar, dict) or grammar.get("type") not in GRAMMARS or "value" not in grammar:
             raise invalid('parameters.grammar must be {"type": "json" or "regex", "value": ...}', "parameters.grammar")
         completion["structured_outputs"] = {GRAMMARS[grammar["type"]]: grammar["value"]}
-    try:
-        request = parse_openai(COMPLETION, json.dumps(completion).encode())
-    except ServiceError as error:
-        param = echo.param(error.field)
-        if param != error.field and error.field:
-            error.message, error.field = error.message.replace(error.field, param), param
-        raise
+    request = parse_rewritten(COMPLETION, completion, echo)
     request.stream, request.tgi = streaming, echo
     return request
 
