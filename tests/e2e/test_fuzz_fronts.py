@@ -1,5 +1,5 @@
 """Fuzzing both fronts of a real router with generated bad requests (hypothesis): 1,500 HTTP
-bodies (and 300 TGI ones) and 600 gRPC requests, each made invalid in one way (wrong types, huge numbers, NaN,
+bodies (and 300 each of TGI's and SGLang's) and 600 gRPC requests, each made invalid in one way (wrong types, huge numbers, NaN,
 invalid UTF-8, lone surrogates, deep nesting, empty and oversized bodies, unknown fields, bad
 headers). Every one must get a 4xx (or INVALID_ARGUMENT) naming the field at fault, quickly;
 never a 5xx, a hang or a crash; and the router must serve normally afterwards."""
@@ -22,6 +22,7 @@ from services.router.openai_api.service_class import TIERS
 from services.router.openai_api.request import FIELDS, MAX_CHOICES, NEUTRAL
 from services.router.openai_api.responses_request import NEUTRAL as RESPONSES_NEUTRAL
 from services.router.openai_api.responses_request import OWN, PASSED
+from services.router.openai_api.sglang import SAMPLING as SGLANG_SAMPLING
 from services.router.openai_api.tgi import PARAMETERS as TGI_PARAMETERS
 from tests.e2e.conftest import cluster_config
 
@@ -246,6 +247,42 @@ def test_tgi_bodies_get_a_422_naming_the_parameter(cluster):
     print(f"\nTGI fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
     status, answer = post(cluster, b'{"inputs": "Hi", "parameters": {"max_new_tokens": 2}}', "/generate")
     assert status == 200 and answer["generated_text"]
+
+
+SGLANG_EXAMPLES = 300
+SGLANG_BAD = {
+    "max_new_tokens": st.one_of(anything_but("int"), st.integers(max_value=0), st.integers(min_value=2**31)),
+    "temperature": st.one_of(anything_but("int", "float"), st.floats(max_value=-0.01), NON_FINITE),
+    "top_p": st.one_of(anything_but("int", "float"), st.floats(min_value=1.01)),
+    "top_k": st.one_of(anything_but("int"), st.integers(max_value=-2)),
+    "min_p": st.one_of(anything_but("int", "float"), st.floats(min_value=1.01)),
+    "stop": st.one_of(anything_but("list", "str"), st.lists(st.just(""), min_size=1, max_size=2)),
+    "n": st.one_of(anything_but("int"), st.integers(max_value=0), st.integers(min_value=17)),
+    "json_schema": st.one_of(anything_but("str", "dict"), st.text(max_size=5).filter(lambda t: not t.strip()
+                                                                                       .startswith(("{", "t", "f")))),
+    "regex": st.just("("), "no_stop_trim": anything_but("bool"),
+}
+
+
+def test_sglang_bodies_get_a_400_naming_the_field(cluster):
+    """SGLang's /generate bodies (sglang.py): OpenAI's error objects, the field as the body has it."""
+    statuses: dict[int, int] = {}
+
+    @settings(FUZZ, max_examples=SGLANG_EXAMPLES)
+    @given(st.one_of(
+        st.sampled_from(sorted(SGLANG_BAD)).flatmap(lambda f: st.tuples(st.just(f), SGLANG_BAD[f])),
+        st.tuples(st.text(min_size=1, max_size=12).filter(lambda k: k not in SGLANG_SAMPLING), anything_but())))
+    def check(case):
+        name, bad = case
+        status, answer = post(cluster, json.dumps({"text": "Hi", "sampling_params": {"max_new_tokens": 2, name: bad}})
+                              .encode(), "/generate")
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status == 400 and answer["error"]["param"].startswith("sampling_params"), (case, status, answer)
+
+    check()
+    print(f"\nSGLang fuzz: {sum(statuses.values())} bodies, statuses {dict(sorted(statuses.items()))}")
+    status, answer = post(cluster, b'{"text": "Hi", "sampling_params": {"max_new_tokens": 2}}', "/generate")
+    assert status == 200 and answer["meta_info"]["completion_tokens"] == 2
 
 
 # --- gRPC ---------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def test_the_schedulers_names_are_the_bodys():
     request = sglang()
     assert http_param("sampling.max_tokens", request) == "sampling_params.max_new_tokens"
     assert http_param("sampling.stop[1]", request) == "sampling_params.stop[1]"
+    assert http_param("top_k", request) == "sampling_params.top_k"        # (the HTTP fuzz found it named bare)
+    assert http_param("structured_outputs.regex", request) == "sampling_params.regex"
 
 
 def entry(token_id: int, text: str, logprob: float, top=()) -> common_pb2.TokenLogprob:

@@ -65,6 +65,11 @@ class SglangEcho:
         for sglang, ours in SAMPLING.items():
             if ours and (chat_param == ours or chat_param.startswith(ours + "[")):
                 return "sampling_params." + sglang + chat_param[len(ours):]
+        for ours, sglang in (("top_k", "top_k"), ("include_stop_str_in_output", "no_stop_trim"),
+                             ("structured_outputs.json", "json_schema"), ("structured_outputs.regex", "regex"),
+                             ("structured_outputs.grammar", "ebnf")):
+            if chat_param == ours or chat_param.startswith(ours + "."):
+                return "sampling_params." + sglang + chat_param[len(ours):]
         if chat_param.startswith("structured_outputs"):
             return "sampling_params"
         if chat_param.startswith("prompt"):
