@@ -103,7 +103,7 @@ def test_the_answer_and_its_details():
 
 
 def test_a_stream_is_a_token_event_each_the_last_with_the_whole_text():
-    answer = TgiAnswer(tgi(stream=True), "r", 7, 2)
+    answer = TgiAnswer(tgi(stream=True, details=True), "r", 7, 2)
     events = [json.loads(line.removeprefix(b"data:")) for c in STORY for line in answer.frames(0, c).split(b"\n\n")
               if line]
     assert [e["index"] for e in events] == [1, 2, 3] and [e["token"]["id"] for e in events] == [5, 6, 2]
@@ -112,5 +112,7 @@ def test_a_stream_is_a_token_event_each_the_last_with_the_whole_text():
     assert events[2]["details"] == {"finish_reason": "eos_token", "generated_tokens": 3, "seed": None,
                                     "input_length": 3}
     assert answer.finished
+    quiet = TgiAnswer(tgi(stream=True), "r", 7, 2)
+    assert json.loads(quiet.frames(0, STORY[1]).split(b"\n\n")[-2].removeprefix(b"data:"))["details"] is None
     failed = TgiAnswer.failed(ServiceError(ErrorKind.UNAVAILABLE, "worker lost"), None)
     assert json.loads(failed.removeprefix(b"data:")) == {"error": "worker lost", "error_type": "generation"}

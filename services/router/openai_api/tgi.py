@@ -182,8 +182,10 @@ class TgiAnswer:
                 event["top_tokens"] = [self._top(t) for t in entry.top]
             if last:
                 event["generated_text"] = self._generated()
-                event["details"] = {"finish_reason": self._finish(), "generated_tokens": chunk.usage.completion_tokens,
-                                    "seed": self.echo.seed, "input_length": self.prompt_tokens}
+                if self.echo.details:        # as TGI's: the stream's details only when asked for
+                    event["details"] = {"finish_reason": self._finish(),
+                                        "generated_tokens": chunk.usage.completion_tokens,
+                                        "seed": self.echo.seed, "input_length": self.prompt_tokens}
             events.append(event)
         return b"".join(b"data:" + to_json(e) + b"\n\n" for e in events)
 
