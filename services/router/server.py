@@ -40,6 +40,7 @@ from services.router.request_path import RequestPath
 from services.router.tally import RouterTotals
 from services.router.validation import RequestHead, decode_request, parse_head, request_headers
 from services.store.batch_store import BatchStore
+from services.store.conversation_store import ConversationStore
 from services.store.response_store import ResponseStore
 from services.store.store import Store
 
@@ -76,6 +77,7 @@ class RouterService:
         self.batch_runner = BatchRunner(self, self.batches, config.batches, self.batch_wake, registry)
         # OpenAI's Responses API: the answers kept for GET and previous_response_id
         self.kept_responses, self.responses_config = ResponseStore(store), config.responses
+        self.conversations = ConversationStore(store)
         self.tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:

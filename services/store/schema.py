@@ -13,6 +13,8 @@ and its version.
     batches       Batch API jobs: input file, endpoint, status and its times, the replica that
                   runs it (a lease), counts, output and error files
     batch_results one row per finished line of a batch: what its output or error line says
+    conversations OpenAI's Conversations API: a tenant's conversation (its metadata)
+    conversation_items  its items in order (messages, function calls and outputs), each with an id
     responses     Responses API answers kept (store: true), each a tenant's, until expires_at: the
                   response object, its own input items and the response it continued (a chain:
                   each turn stored once); a background one's status as it runs, and the router
@@ -162,6 +164,22 @@ responses = Table(
     Column("deleted", Integer, nullable=False, default=0),   # 1: deleted, its content gone, its link kept
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
+)
+
+conversations = Table(
+    "conversations", metadata,
+    Column("id", String(64), primary_key=True),              # conv_<hex>
+    Column("tenant", String(64), nullable=False, index=True),
+    Column("meta", Text),                                    # JSON: the metadata the client set
+    Column("created_at", Float, nullable=False),
+)
+
+conversation_items = Table(
+    "conversation_items", metadata,
+    Column("conversation_id", String(64), primary_key=True),
+    Column("position", Integer, primary_key=True),           # 0, 1, ... in the order items came
+    Column("item_id", String(64), nullable=False, index=True),
+    Column("item", Text, nullable=False),                    # JSON: the item (its id inside too)
 )
 
 # version -> the statements that bring a database from version-1 to it (metadata.create_all has

@@ -3,7 +3,7 @@ cluster of two router replicas (embedded SmolLM2, fp32, greedy): each answer equ
 completion of the same conversation, whole or streamed event by event; structured output through
 `responses.parse`; a function call and its output sent back as input; logprobs; kept answers read
 back, listed, deleted and continued with previous_response_id on the other replica, each
-tenant's alone; background responses polled to their end, cancelled from the other replica, and
+tenant's alone; a conversation read and joined by its responses; background responses polled to their end, cancelled from the other replica, and
 failed when the router running one is killed; what is not served refused by name."""
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_logprobs_are_the_chat_endpoints(client, model):
     ({"store": "yes"}, "store"),
     ({"previous_response_id": 7}, "previous_response_id"),
     ({"background": True, "stream": True}, "stream"),
-    ({"conversation": "conv_1"}, "conversation"),
+    ({"conversation": 7}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -267,6 +267,37 @@ def test_a_background_response_cancelled_on_the_other_replica_stops(cluster, mod
         row = request_status(cluster, 0, request_id)
         assert row["status"] == "cancelled" and row["completion_tokens"] < 2000
         assert runner.responses.retrieve(started.id).status == "cancelled"
+
+
+def test_a_conversation_is_read_and_joined_by_its_responses(cluster, model):
+    with tenant_client(cluster, "alpha", 0) as alpha, tenant_client(cluster, "beta", 1) as beta:
+        talk = alpha.conversations.create(items=[{"type": "message", "role": "user", "content": "My cat is Tom."}],
+                                          metadata={"topic": "pets"})
+        assert talk.id.startswith("conv_") and talk.metadata == {"topic": "pets"}
+        first = alpha.responses.create(model=model, conversation=talk.id, input="Name my cat.", max_output_tokens=12,
+                                       temperature=0)
+        chat = chat_answer(alpha, model, [{"role": "user", "content": "My cat is Tom."},
+                                          {"role": "user", "content": "Name my cat."}], 12)
+        assert first.conversation.id == talk.id and first.output_text == chat.choices[0].message.content
+        items = list(alpha.conversations.items.list(talk.id, order="asc"))
+        assert [i.role for i in items] == ["user", "user", "assistant"] and items[2].id == first.output[0].id
+        second = alpha.responses.create(model=model, conversation={"id": talk.id}, input="Again.", max_output_tokens=2,
+                                        temperature=0)
+        assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 1
+        added = alpha.conversations.items.create(talk.id, items=[{"type": "message", "role": "user", "content": "Hi"}])
+        assert len(list(alpha.conversations.items.list(talk.id))) == 6 and added.data[0].id
+        alpha.conversations.items.delete(added.data[0].id, conversation_id=talk.id)
+        assert len(list(alpha.conversations.items.list(talk.id))) == 5
+        for attempt in (lambda: beta.conversations.retrieve(talk.id), lambda: beta.conversations.items.list(talk.id),
+                        lambda: beta.responses.create(model=model, conversation=talk.id, input="Hi")):
+            with pytest.raises(openai.NotFoundError):
+                attempt()
+        with pytest.raises(openai.BadRequestError) as refused:
+            alpha.responses.create(model=model, conversation=talk.id, previous_response_id=first.id, input="Hi")
+        assert refused.value.body["param"] == "conversation"
+        assert alpha.conversations.delete(talk.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            alpha.responses.create(model=model, conversation=talk.id, input="Hi")
 
 
 def test_a_background_response_whose_router_is_killed_reads_as_failed(cluster, model):

@@ -24,6 +24,7 @@ from services.router.openai_api.responses_background import BackgroundResponses
 from services.router.openai_api.responses_output import ResponsesAnswer
 from services.router.openai_api.responses_request import parse_responses, parse_responses_body, previous_id
 from services.router.validation import RequestHead
+from services.store.conversation_store import ConversationStore
 from services.store.response_store import ResponseStore
 from services.store.store import Store, Tenant
 from tests.postgres import database_url
@@ -240,7 +241,9 @@ def run_background(kept: ResponseStore, path, act) -> list[dict]:
     """A background response started on a router stub whose path is `path`; `act(runner, id)` then
     runs; the statuses the store showed along the way, and the last response."""
     async def go():
-        front = SimpleNamespace(drain=Drain("router"), path=path)
+        async def join(caller, out):          # (no conversation here)
+            assert out.joined() is None
+        front = SimpleNamespace(drain=Drain("router"), path=path, kept_responses=SimpleNamespace(join=join))
         runner = BackgroundResponses(front, kept, ResponsesConfig(background_lease_s=0.3), "r1")
         request = parse_responses_body(body(background=True, max_output_tokens=1000), keeping=KEEPING)
         queued = await runner.start(RequestHead(priority=MEDIUM, tenant="alpha"), Caller(Tenant("alpha")), request)
@@ -281,3 +284,47 @@ def test_a_cancel_stops_the_run_here_or_at_the_next_renewal_and_a_stop_fails_it(
         await runner.stop()
     _, stopped = run_background(kept, SlowPath(), stop)
     assert stopped["status"] == "failed" and "send the request again" in stopped["error"]["message"]
+
+
+@pytest.fixture
+def talks(url):
+    store = Store(url)
+    with store.engine.begin() as db:
+        db.execute(text("DELETE FROM conversation_items"))
+        db.execute(text("DELETE FROM conversations"))
+    yield ConversationStore(store)
+    store.close()
+
+
+def test_a_conversation_is_its_tenants_and_its_items_come_in_order(talks):
+    made = talks.create("conv_a", "alpha", {"topic": "sky"}, [USER], now=100.0)
+    assert made["metadata"] == {"topic": "sky"} and talks.get("beta", "conv_a") is None
+    assert talks.append("alpha", "conv_a", [{**USER, "id": "msg_2"}, {**USER, "id": "msg_3"}])
+    assert not talks.append("beta", "conv_a", [{**USER, "id": "msg_x"}])            # not beta's
+    assert [i["id"] for i in talks.items("conv_a")] == ["msg_u1", "msg_2", "msg_3"]
+    assert talks.delete_item("conv_a", "msg_2") and not talks.delete_item("conv_a", "msg_2")
+    assert talks.append("alpha", "conv_a", [{**USER, "id": "msg_4"}])               # after the last, a gap or not
+    assert [i["id"] for i in talks.items("conv_a")] == ["msg_u1", "msg_3", "msg_4"]
+    assert talks.set_metadata("alpha", "conv_a", {"topic": "sea"})["metadata"] == {"topic": "sea"}
+    assert not talks.delete("beta", "conv_a") and talks.delete("alpha", "conv_a")
+    assert talks.get("alpha", "conv_a") is None and talks.items("conv_a") == []
+    assert not talks.append("alpha", "conv_a", [USER]) and talks.get(None, "conv_\x00") is None
+
+
+def test_a_response_in_a_conversation_reads_it_and_joins_it():
+    said = [USER, {"id": "msg_o", "type": "message", "role": "assistant", "content": [{"type": "output_text",
+                                                                                      "text": "Hello there."}]}]
+    request = parse_responses_body(body(input="And you?", conversation={"id": "conv_a"}, store=False), None, KEEPING,
+                                   ("conv_a", said))
+    assert [(m.role, m.content) for m in request.body.messages] == [
+        ("user", "Hi"), ("assistant", "Hello there."), ("user", "And you?")]
+    answer = answer_to(request)
+    shown = answer.body()
+    assert shown["conversation"] == {"id": "conv_a"} and answer.kept() is None          # store false: not kept ...
+    conversation, joining = answer.joined()                                              # ... but it joins
+    assert conversation == "conv_a" and [i["role"] for i in joining] == ["user", "assistant"]
+    assert joining[0]["content"] == [{"type": "input_text", "text": "And you?"}]
+    with pytest.raises(ServiceError) as refused:
+        parse_responses_body(body(conversation="conv_a", previous_response_id="resp_1"), (response("resp_1"), [USER]),
+                             KEEPING, ("conv_a", said))
+    assert refused.value.field == "conversation"

@@ -42,6 +42,7 @@ from services.router.openai_api import tokenize_front
 from services.router.openai_api.app_errors import APP_ERRORS
 from services.router.openai_api.batch_front import BatchFront
 from services.router.openai_api.body import read_body
+from services.router.openai_api.conversations import ConversationsFront
 from services.router.openai_api.generation import GenerationResponse, error_response
 from services.router.openai_api.service_class import class_header
 from services.router.openai_api.request import CHAT, COMPLETION, json_object, parse_openai
@@ -104,15 +105,13 @@ class HttpFront:
         self.started = int(time.time())
         batch = BatchFront(self, router.batches, router.batch_config, router.batch_wake)
         kept = self.kept_responses = KeptResponses(self, router.kept_responses, router.responses_config, self.registry,
-                                                   router.book.replica)
+                                                   router.book.replica, router.conversations)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
-            Route("/v1/responses/{response_id}", kept.retrieve, methods=["GET"]),
-            Route("/v1/responses/{response_id}", kept.delete, methods=["DELETE"]),
-            Route("/v1/responses/{response_id}/input_items", kept.input_items, methods=["GET"]),
-            Route("/v1/responses/{response_id}/cancel", kept.cancel, methods=["POST"]),
+            *kept.routes(),
+            *ConversationsFront(self, router.conversations).routes(),
             Route("/generate", functools.partial(self._generation_of, TGI, False), methods=["POST"]),
             Route("/generate_stream", functools.partial(self._generation_of, TGI, True), methods=["POST"]),
             Route("/", functools.partial(self._generation_of, TGI, None), methods=["POST"]),

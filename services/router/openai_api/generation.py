@@ -166,10 +166,10 @@ class GenerationResponse(Response):
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def _keep(self, out) -> None:
-        """A Responses API answer asked to be kept (store), into the store (responses_kept.py)."""
-        kept = out.kept() if isinstance(out, ResponsesAnswer) else None
-        if kept is not None:
-            await self.front.kept_responses.keep(self.caller, *kept)
+        """A Responses API answer that ended: kept when asked (store), its items added to its
+        conversation (responses_kept.py)."""
+        if isinstance(out, ResponsesAnswer):
+            await self.front.kept_responses.ended(self.caller, out)
 
 
 def answer_object(request: OpenAIRequest, head: RequestHead):

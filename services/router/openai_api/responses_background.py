@@ -72,6 +72,7 @@ class BackgroundResponses:
             self.front.drain.leave()
         if ended is not None:
             await self._write(ended)
+            await self.front.kept_responses.join(caller, out)
 
     async def _answer(self, out, chunks) -> dict:
         started = False

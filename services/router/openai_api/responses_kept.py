@@ -24,29 +24,37 @@ import time
 from prometheus_client import Counter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.responses_config import ResponsesConfig
 from services.control.tenancy import Caller
 from services.router.openai_api.generation import error_response
+from services.router.openai_api.item_pages import item_page, page_query
 from services.router.openai_api.request import OpenAIRequest, json_object
 from services.router.openai_api.responses_background import BackgroundResponses
-from services.router.openai_api.responses_request import parse_responses_body, previous_id
+from services.router.openai_api.responses_request import conversation_id, parse_responses_body, previous_id
 from services.store.response_store import ACTIVE, ResponseStore
 
 log = logging.getLogger(__name__)
 
 PURGE_EVERY_S = 60.0       # expired rows are deleted at most this often (reads never see them anyway)
-MAX_PAGE = 100
 
 
 class KeptResponses:
-    def __init__(self, front, store: ResponseStore, config: ResponsesConfig, registry, replica: str):
-        self.front, self.store, self.config = front, store, config
+    def __init__(self, front, store: ResponseStore, config: ResponsesConfig, registry, replica: str,
+                 conversations=None):
+        self.front, self.store, self.config, self.conversations = front, store, config, conversations
         self.background = BackgroundResponses(front, store, config, replica)
         self.purged = 0.0
         self.outcomes = Counter("qos_responses_kept", "Responses API answers asked to be kept (store: true), by "
                                 "outcome (kept; failed: the store refused them)", ("outcome",), registry=registry)
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/responses/{response_id}", self.retrieve, methods=["GET"]),
+                Route("/v1/responses/{response_id}", self.delete, methods=["DELETE"]),
+                Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
+                Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"])]
 
     def _owner(self, http: Request) -> str | None:
         """The tenant whose responses the caller sees; None: the admin's, all of them."""
@@ -68,7 +76,32 @@ class KeptResponses:
                 raise ServiceError(ErrorKind.CONFLICT, f"previous response {wanted!r} is {previous[0]['status']}: "
                                    "continue it once it has ended (poll GET /v1/responses/{id})",
                                    field="previous_response_id", reason="response_not_ended")
-        return parse_responses_body(body, previous, self.config if self.config.store else None)
+        conversation, joined = None, conversation_id(body)
+        if joined is not None and self.config.store:
+            found = await asyncio.to_thread(self.conversations.get, None if caller.admin else caller.name, joined)
+            if found is None:
+                raise ServiceError(ErrorKind.NOT_FOUND, f"conversation {joined!r} not found: it was deleted, or is "
+                                   "not yours", field="conversation", reason="not_found")
+            conversation = (joined, await asyncio.to_thread(self.conversations.items, joined))
+        return parse_responses_body(body, previous, self.config if self.config.store else None, conversation)
+
+    async def ended(self, caller: Caller, out) -> None:
+        """A response that ended: kept when asked, its items added to its conversation."""
+        kept = out.kept()
+        if kept is not None:
+            await self.keep(caller, *kept)
+        await self.join(caller, out)
+
+    async def join(self, caller: Caller, out) -> None:
+        """Its input and output added to its conversation, if it has one and ended with an answer
+        (a conversation deleted meanwhile takes nothing)."""
+        joined = out.joined()
+        if joined is None:
+            return
+        try:
+            await asyncio.to_thread(self.conversations.append, None if caller.admin else caller.name, *joined)
+        except Exception:          # the answer went out: its turn is missing from the conversation, said so
+            log.exception("could not add response %s to conversation %s", out.id, joined[0])
 
     async def keep(self, caller: Caller, response: dict, input_items: list[dict]) -> None:
         now = time.time()
@@ -130,23 +163,11 @@ class KeptResponses:
 
     async def input_items(self, http: Request) -> Response:
         try:
-            params = http.query_params
-            limit, order, after = params.get("limit", "20"), params.get("order", "desc"), params.get("after")
-            if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= MAX_PAGE:
-                raise invalid(f"limit must be a number from 1 to {MAX_PAGE}, got {limit[:20]!r}", "limit")
-            if order not in ("asc", "desc"):
-                raise invalid(f'order must be "asc" or "desc", got {order[:20]!r}', "order")
+            query = page_query(http.query_params)
             _, items = await self._kept(http)
         except ServiceError as error:
             return error_response(error)
-        items = items if order == "asc" else items[::-1]
-        if after is not None:
-            start = next((k + 1 for k, item in enumerate(items) if item["id"] == after), len(items))
-            items = items[start:]
-        page = items[:int(limit)]
-        return JSONResponse({"object": "list", "data": page, "has_more": len(items) > len(page),
-                             "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
-
+        return JSONResponse(item_page(items, query))
 
 def _missing(response_id: str) -> ServiceError:
     return ServiceError(ErrorKind.NOT_FOUND, f"no response {response_id[:80]!r} here (responses are kept when made "

@@ -40,8 +40,16 @@ class ResponsesAnswer:
         return self.chat.finished
 
     def kept(self) -> tuple[dict, list[dict]] | None:
-        """(the response as it ended, its conversation's input items) when it is to be kept."""
+        """(the response as it ended, its own input items) when it is to be kept."""
         return (self.final, self.request.items) if self.request.store and self.final is not None else None
+
+    def joined(self) -> tuple[str, list[dict]] | None:
+        """(its conversation, the items that join it: its input and output) once it has ended with
+        an answer (completed or incomplete; a failed one adds nothing)."""
+        if self.request.conversation_id is None or self.final is None \
+                or self.final["status"] not in ("completed", "incomplete"):
+            return None
+        return self.request.conversation_id, [*self.request.items, *self.final["output"]]
 
     def response(self, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         reason = {"reason": "max_output_tokens"} if status == "incomplete" else None
@@ -51,6 +59,7 @@ class ResponsesAnswer:
                 "metadata": self.echo.get("metadata", {}), "model": self.model, "output": self.items,
                 "parallel_tool_calls": self.echo["parallel_tool_calls"],
                 "previous_response_id": self.request.previous_id,
+                "conversation": {"id": self.request.conversation_id} if self.request.conversation_id else None,
                 "reasoning": {"effort": None, "summary": None}, "service_tier": self.tier, "store": self.request.store,
                 "temperature": self.echo.get("temperature"), "text": self.echo["text"],
                 "tool_choice": self.echo["tool_choice"], "tools": self.echo["tools"], "top_p": self.echo.get("top_p"),

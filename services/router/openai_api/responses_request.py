@@ -13,8 +13,8 @@ rule). Its own input items, each with an id, are what a kept response keeps as i
 store reads the earlier turns' along the chain).
 
 `background: true` (with store) answers at once with the response queued and runs it after
-(responses_background.py). Refused by name, with the reason: `conversation` and `prompt` (state
-this server does not keep), OpenAI's own tools (web search, file search, ...), inputs other than text,
+(responses_background.py); `conversation` puts a conversation's items (conversations.py) before
+the input. Refused by name, with the reason: `prompt` (stored prompt templates are OpenAI's), OpenAI's own tools (web search, file search, ...), inputs other than text,
 reasoning items and settings.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from services.common.errors import invalid
+from services.common.errors import ServiceError, invalid
 from services.common.responses_config import ResponsesConfig
 from services.router.openai_api.json_fields import json_kind, text_field
 from services.router.openai_api.request import CHAT, OpenAIRequest, json_object, parse_rewritten
@@ -36,10 +36,9 @@ PASSED = {"model", "temperature", "top_p", "stream", "user", "service_tier", "pa
           "cache_salt", "repetition_penalty", "min_p", "min_tokens", "logit_bias", "frequency_penalty",
           "presence_penalty", "context_mode"}
 OWN = {"input", "instructions", "max_output_tokens", "text", "tools", "tool_choice", "metadata", "include",
-       "top_logprobs", "store", "previous_response_id", "background"}
+       "top_logprobs", "store", "previous_response_id", "background", "conversation"}
 # Fields at the values that ask for nothing we lack (null always does), and why others are refused.
-NEUTRAL = {"conversation": ((), "this server keeps no conversations: send the whole conversation as input"),
-           "truncation": (("disabled",), "an input over the context window is refused, not cut"),
+NEUTRAL = {"truncation": (("disabled",), "an input over the context window is refused, not cut"),
            "reasoning": (({},), "the served models do not reason apart from their answer"),
            "max_tool_calls": ((), "the answer holds the calls the model makes"),
            "prompt": ((), "stored prompt templates are OpenAI's: send instructions and input"),
@@ -60,6 +59,7 @@ class ResponsesEcho:
     previous_id: str | None = None
     store: bool = False                               # whether the answer is kept
     background: bool = False                          # run after the answer (queued), polled
+    conversation_id: str | None = None                # a conversation its input and output join
 
     def param(self, chat_param: str | None) -> str | None:
         """A chat body's parameter as this Responses body named it."""
@@ -83,9 +83,11 @@ def parse_responses(raw: bytes) -> OpenAIRequest:
 
 
 def parse_responses_body(body: dict, previous: tuple[dict, list[dict]] | None = None,
-                         keeping: ResponsesConfig | None = None) -> OpenAIRequest:
+                         keeping: ResponsesConfig | None = None,
+                         conversation: tuple[str, list[dict]] | None = None) -> OpenAIRequest:
     """`previous`: the kept response `previous_response_id` names and its input items (the caller
-    reads them); `keeping`: the settings when this request's answer may be kept, else None."""
+    reads them); `keeping`: the settings when this request's answer may be kept, else None;
+    `conversation`: the conversation `conversation` names (its id and items, read by the caller)."""
     echo = ResponsesEcho()
     chat = {name: body[name] for name in PASSED if body.get(name) is not None}
     for name, value in body.items():
@@ -97,6 +99,9 @@ def parse_responses_body(body: dict, previous: tuple[dict, list[dict]] | None = 
         if value not in values or type(value) is not type(values[0]):
             raise invalid(f"{name} is not supported by this server: {why}", name)
     _keeping(body, previous, keeping, echo)
+    if conversation is not None:
+        echo.conversation_id = conversation[0]
+        previous = ({"output": conversation[1]}, [])        # its items come before the input, as kept turns'
     chat["messages"] = _messages(body, echo, previous, keeping.max_items if keeping else None)
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
@@ -115,6 +120,34 @@ def parse_responses_body(body: dict, previous: tuple[dict, list[dict]] | None = 
     return request
 
 
+def input_items(items) -> list[dict]:
+    """Items checked as a Responses body's `input` list is, each with an id (a conversation's
+    items as they are added); an error names them as `items[i]...`."""
+    if not isinstance(items, list) or not items:
+        raise invalid(f"items must be a non-empty list of items, got {json_kind(items)}", "items")
+    echo = ResponsesEcho(store=True)
+    try:
+        _messages({"input": items}, echo, None, None)
+    except ServiceError as error:
+        if error.field and error.field.startswith("input"):
+            named = "items" + error.field.removeprefix("input")
+            error.message, error.field = error.message.replace(error.field, named), named
+        raise
+    return echo.items
+
+
+def conversation_id(body: dict) -> str | None:
+    """The conversation a body joins (a string, or {"id": ...}), checked before it is looked up."""
+    value = body.get("conversation")
+    if value is None:
+        return None
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if not isinstance(value, str) or not value or len(value) > MAX_ID:
+        raise invalid('conversation must be a conversation\'s id, or {"id": ...}', "conversation")
+    return value
+
+
 def previous_id(body: dict) -> str | None:
     """The kept response a body continues (None: none), checked before it is looked up."""
     value = body.get("previous_response_id")
@@ -130,8 +163,9 @@ def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: Respon
     store = body.get("store")
     if store is not None and not isinstance(store, bool):
         raise invalid(f"store must be true or false, got {json_kind(store)}", "store")
-    if keeping is None and (store or body.get("previous_response_id") is not None):
-        field_name = "store" if store else "previous_response_id"
+    asked = [name for name in ("store", "previous_response_id", "conversation") if body.get(name)]
+    if keeping is None and asked:
+        field_name = asked[0]
         raise invalid(f"{field_name}: no response is kept for this request (this server's [responses] store is "
                       "off, or it is a batch's line): send the whole conversation as input, with store false",
                       field_name)
@@ -150,6 +184,9 @@ def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: Respon
         echo.background = True
     if previous is not None:
         echo.previous_id = previous[0]["id"]
+    if body.get("previous_response_id") is not None and body.get("conversation") is not None:
+        raise invalid("conversation and previous_response_id both say what came before: send one of them",
+                      "conversation")
 
 
 def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) -> list[dict]:
@@ -196,7 +233,7 @@ def _messages(body: dict, echo: ResponsesEcho, previous, max_items: int | None) 
             raise invalid(f"{where}.type {kind!r} is not served: input items are messages, function_call and "
                           "function_call_output (no reasoning, images, files or OpenAI's tools here)", f"{where}.type")
         echo.inputs.append(where)
-    if echo.store:           # what is kept is its own input: the store reads the earlier turns' along the chain
+    if echo.store or echo.conversation_id:   # its own input, kept (the store reads earlier turns' along the chain)
         echo.items = [_kept(item) for item in items[len(items) - own:]]
     return messages
 

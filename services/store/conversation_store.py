@@ -1,0 +1,96 @@
+"""OpenAI's Conversations API in the store (services/store/schema.py: conversations,
+conversation_items). Synchronous SQLAlchemy, called from a helper thread, as the rest of the store.
+
+Every read and write names its tenant (None: the admin's, any tenant): one tenant's
+conversation is, to another, an id that does not exist. Items are appended in one transaction
+at the positions after the last; two appends at once (two responses of one conversation ending
+together) meet on the position's key and the later one tries again after the other.
+"""
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from services.store.schema import conversation_items, conversations, row_id
+from services.store.store import Store
+
+APPEND_TRIES = 5
+
+
+class ConversationStore:
+    def __init__(self, store: Store):
+        self.engine = store.engine
+
+    def create(self, conversation_id: str, tenant: str, meta: dict | None, items: list[dict], now: float) -> dict:
+        with self.engine.begin() as db:
+            db.execute(insert(conversations).values(id=conversation_id, tenant=tenant,
+                                                    meta=json.dumps(meta or {}), created_at=now))
+            self._insert(db, conversation_id, 0, items)
+        return self.get(tenant, conversation_id)
+
+    def get(self, tenant: str | None, conversation_id: str) -> dict | None:
+        if not row_id(conversation_id):
+            return None
+        with self.engine.connect() as db:
+            row = db.execute(_owned(select(conversations), tenant, conversation_id)).first()
+        return None if row is None else {"id": row.id, "object": "conversation", "created_at": int(row.created_at),
+                                         "metadata": json.loads(row.meta or "{}"), "tenant": row.tenant}
+
+    def set_metadata(self, tenant: str | None, conversation_id: str, meta: dict) -> dict | None:
+        if not row_id(conversation_id):
+            return None
+        with self.engine.begin() as db:
+            db.execute(_owned(update(conversations), tenant, conversation_id).values(meta=json.dumps(meta)))
+        return self.get(tenant, conversation_id)
+
+    def delete(self, tenant: str | None, conversation_id: str) -> bool:
+        if self.get(tenant, conversation_id) is None:
+            return False
+        with self.engine.begin() as db:
+            db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id))
+            return db.execute(delete(conversations).where(conversations.c.id == conversation_id)).rowcount > 0
+
+    def append(self, tenant: str | None, conversation_id: str, items: list[dict]) -> bool:
+        """The items after the conversation's last; False when it is gone (deleted, not the tenant's)."""
+        for attempt in range(APPEND_TRIES):
+            try:
+                with self.engine.begin() as db:
+                    if db.execute(_owned(select(conversations.c.id), tenant, conversation_id)).first() is None:
+                        return False
+                    last = db.execute(select(func.max(conversation_items.c.position))
+                                      .where(conversation_items.c.conversation_id == conversation_id)).scalar()
+                    self._insert(db, conversation_id, 0 if last is None else last + 1, items)
+                return True
+            except IntegrityError:          # another append took these positions first: after it, then
+                if attempt == APPEND_TRIES - 1:
+                    raise
+        return False
+
+    def items(self, conversation_id: str) -> list[dict]:
+        """Every item, in order (the caller has checked the conversation is its own)."""
+        with self.engine.connect() as db:
+            rows = db.execute(select(conversation_items.c.item).where(conversation_items.c.conversation_id
+                                                                      == conversation_id)
+                              .order_by(conversation_items.c.position))
+            return [json.loads(row.item) for row in rows]
+
+    def delete_item(self, conversation_id: str, item_id: str) -> bool:
+        if not row_id(item_id):
+            return False
+        with self.engine.begin() as db:
+            return db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id,
+                                                               conversation_items.c.item_id == item_id)).rowcount > 0
+
+    @staticmethod
+    def _insert(db, conversation_id: str, start: int, items: list[dict]) -> None:
+        if items:
+            db.execute(insert(conversation_items), [
+                {"conversation_id": conversation_id, "position": start + k, "item_id": item["id"],
+                 "item": json.dumps(item)} for k, item in enumerate(items)])
+
+
+def _owned(query, tenant: str | None, conversation_id: str):
+    query = query.where(conversations.c.id == conversation_id)
+    return query if tenant is None else query.where(conversations.c.tenant == tenant)
