@@ -52,6 +52,12 @@ class Caller:
     def name(self) -> str:
         return self.tenant.name
 
+    @property
+    def scope(self) -> str | None:
+        """The tenant whose stored objects it reads (files, batches, kept responses,
+        conversations); None: the admin's, every tenant's."""
+        return None if self.admin else self.name
+
 
 @dataclass(slots=True)
 class Pass:

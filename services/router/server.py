@@ -148,7 +148,7 @@ class RouterService:
     async def Alerts(self, request, context) -> router_pb2.AlertsReply:
         caller = self._caller(context)
         # As GET /v1/alerts: with auth off, x-tenant proves nothing, so the class-wide objectives only.
-        return self.sla.reply(None if caller.admin else caller.name if self.book.required else ALL_TENANTS)
+        return self.sla.reply(caller.scope if self.book.required else ALL_TENANTS)
 
     async def Usage(self, request: router_pb2.UsageRequest, context) -> router_pb2.UsageReply:
         usage = await self.accounts.usage(self._caller(context), request.tenant or None,

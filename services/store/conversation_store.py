@@ -76,6 +76,16 @@ class ConversationStore:
                               .order_by(conversation_items.c.position))
             return [json.loads(row.item) for row in rows]
 
+    def item(self, conversation_id: str, item_id: str) -> dict | None:
+        """One item (the caller has checked the conversation is its own)."""
+        if not row_id(item_id):
+            return None
+        with self.engine.connect() as db:
+            found = db.execute(select(conversation_items.c.item).where(
+                conversation_items.c.conversation_id == conversation_id,
+                conversation_items.c.item_id == item_id).order_by(conversation_items.c.position)).first()
+        return None if found is None else json.loads(found.item)
+
     def delete_item(self, conversation_id: str, item_id: str) -> bool:
         if not row_id(item_id):
             return False

@@ -24,7 +24,6 @@ from services.router.openai_api.batch_runner import BatchRunner
 from services.router.validation import RequestHead
 from services.store.batch_store import BatchStore
 from services.store.store import Store
-from tests.postgres import database_url
 
 CHAT = "/v1/chat/completions"
 
@@ -60,12 +59,6 @@ def test_a_multipart_upload_is_read_byte_for_byte():
     with pytest.raises(ServiceError) as refused:
         multipart_form("application/json", b"{}")
     assert refused.value.field == "file"
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def url(request, tmp_path_factory):
-    with database_url(request.param, tmp_path_factory.mktemp("batches")) as url:
-        yield url
 
 
 @pytest.fixture

@@ -27,15 +27,8 @@ from services.router.validation import RequestHead
 from services.store.conversation_store import ConversationStore
 from services.store.response_store import ResponseStore
 from services.store.store import Store, Tenant
-from tests.postgres import database_url
 
 KEEPING = ResponsesConfig()
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def url(request, tmp_path_factory):
-    with database_url(request.param, tmp_path_factory.mktemp("responses")) as url:
-        yield url
 
 
 @pytest.fixture

@@ -10,13 +10,6 @@ from sqlalchemy import text, update
 from services.store.billing import parse_since, report
 from services.store.schema import SCHEMA_VERSION, schema_info
 from services.store.store import Store, StoreError, Tenant
-from tests.postgres import database_url
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def url(request, tmp_path_factory):
-    with database_url(request.param, tmp_path_factory.mktemp("store")) as url:
-        yield url
 
 
 @pytest.fixture

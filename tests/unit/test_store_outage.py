@@ -17,14 +17,7 @@ from services.control.ledger import LedgerWriter, ledger_metrics
 from services.store.billing import report
 from services.store.store import Store, Tenant
 from tests.blackhole import BlackHoleProxy
-from tests.postgres import database_url
 from tests.unit.test_store import row
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def url(request, tmp_path_factory):
-    with database_url(request.param, tmp_path_factory.mktemp("outage")) as url:
-        yield url
 
 
 @pytest.fixture

@@ -57,10 +57,6 @@ class BatchFront:
     def __init__(self, front, batches, config, wake: asyncio.Event):
         self.front, self.store, self.config, self.wake = front, batches, config, wake
 
-    def _owner(self, http: Request) -> str | None:
-        """The tenant whose files and batches the caller sees; None: the admin's, all of them."""
-        caller = self.front.caller(http)
-        return None if caller.admin else caller.name
 
     async def upload(self, http: Request) -> Response:
         try:
@@ -82,7 +78,7 @@ class BatchFront:
 
     async def list_files(self, http: Request) -> Response:
         try:
-            owner = self._owner(http)
+            owner = self.front.caller(http).scope
             after, limit = _page(http, 10_000)
             rows = await asyncio.to_thread(self.store.files, owner, http.query_params.get("purpose"), after, limit)
         except ServiceError as error:
@@ -98,7 +94,8 @@ class BatchFront:
     async def file_content(self, http: Request) -> Response:
         try:
             await self._file(http)
-            content = await asyncio.to_thread(self.store.file_content, self._owner(http), http.path_params["file_id"])
+            content = await asyncio.to_thread(self.store.file_content, self.front.caller(http).scope,
+                                              http.path_params["file_id"])
         except ServiceError as error:
             return error_response(error)
         return Response(content, media_type="application/jsonl")
@@ -106,7 +103,7 @@ class BatchFront:
     async def delete_file(self, http: Request) -> Response:
         try:
             file_id = http.path_params["file_id"]
-            if not await asyncio.to_thread(self.store.delete_file, self._owner(http), file_id):
+            if not await asyncio.to_thread(self.store.delete_file, self.front.caller(http).scope, file_id):
                 raise _missing("file", file_id)
         except ServiceError as error:
             return error_response(error)
@@ -114,7 +111,7 @@ class BatchFront:
 
     async def _file(self, http: Request) -> dict:
         file_id = http.path_params["file_id"]
-        row = await asyncio.to_thread(self.store.file, self._owner(http), file_id)
+        row = await asyncio.to_thread(self.store.file, self.front.caller(http).scope, file_id)
         if row is None:
             raise _missing("file", file_id)
         return row
@@ -145,7 +142,7 @@ class BatchFront:
             raise invalid(f"completion_window must be \"24h\", got {window!r}", "completion_window")
         metadata = check_metadata(body["metadata"]) if body.get("metadata") is not None else None
         file_id = text_field(body.get("input_file_id"), "input_file_id")
-        owner = None if caller.admin else caller.name
+        owner = caller.scope
         row = await asyncio.to_thread(self.store.file, owner, file_id)
         if row is None or row["purpose"] != "batch":
             raise _missing("file", file_id, "input_file_id")
@@ -168,8 +165,8 @@ class BatchFront:
     async def cancel(self, http: Request) -> Response:
         try:
             await self._batch(http)
-            row = await asyncio.to_thread(self.store.cancel, self._owner(http), http.path_params["batch_id"],
-                                          time.time())
+            row = await asyncio.to_thread(self.store.cancel, self.front.caller(http).scope,
+                                          http.path_params["batch_id"], time.time())
         except ServiceError as error:
             return error_response(error)
         self.wake.set()
@@ -178,14 +175,14 @@ class BatchFront:
     async def list_batches(self, http: Request) -> Response:
         try:
             after, limit = _page(http, 100)
-            rows = await asyncio.to_thread(self.store.batches, self._owner(http), after, limit)
+            rows = await asyncio.to_thread(self.store.batches, self.front.caller(http).scope, after, limit)
         except ServiceError as error:
             return error_response(error)
         return _list(rows, limit, batch_object)
 
     async def _batch(self, http: Request) -> dict:
         batch_id = http.path_params["batch_id"]
-        row = await asyncio.to_thread(self.store.batch, self._owner(http), batch_id)
+        row = await asyncio.to_thread(self.store.batch, self.front.caller(http).scope, batch_id)
         if row is None:
             raise _missing("batch", batch_id)
         return row

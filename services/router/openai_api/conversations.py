@@ -47,9 +47,6 @@ class ConversationsFront:
                 Route("/v1/conversations/{conversation_id}/items/{item_id}", self.item, methods=["GET"]),
                 Route("/v1/conversations/{conversation_id}/items/{item_id}", self.delete_item, methods=["DELETE"])]
 
-    def _owner(self, http: Request) -> str | None:
-        caller = self.front.caller(http)
-        return None if caller.admin else caller.name
 
     async def _body(self, http: Request, allowed: set[str]) -> dict:
         body = json_object(await self.front.body(http) or b"{}")
@@ -60,7 +57,7 @@ class ConversationsFront:
 
     async def _conversation(self, http: Request) -> dict:
         conversation_id = http.path_params["conversation_id"]
-        found = await asyncio.to_thread(self.store.get, self._owner(http), conversation_id)
+        found = await asyncio.to_thread(self.store.get, self.front.caller(http).scope, conversation_id)
         if found is None:
             raise ServiceError(ErrorKind.NOT_FOUND, f"no conversation {conversation_id[:80]!r} here",
                                reason="not_found")
@@ -89,7 +86,7 @@ class ConversationsFront:
             found = await self._conversation(http)
             body = await self._body(http, {"metadata"})
             meta = check_metadata(body.get("metadata") or {})
-            found = await asyncio.to_thread(self.store.set_metadata, self._owner(http), found["id"], meta)
+            found = await asyncio.to_thread(self.store.set_metadata, self.front.caller(http).scope, found["id"], meta)
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(_shown(found))
@@ -97,7 +94,7 @@ class ConversationsFront:
     async def delete(self, http: Request) -> Response:
         try:
             found = await self._conversation(http)
-            await asyncio.to_thread(self.store.delete, self._owner(http), found["id"])
+            await asyncio.to_thread(self.store.delete, self.front.caller(http).scope, found["id"])
         except ServiceError as error:
             return error_response(error)
         return JSONResponse({"id": found["id"], "object": "conversation.deleted", "deleted": True})
@@ -106,7 +103,7 @@ class ConversationsFront:
         try:
             found = await self._conversation(http)
             items = _items((await self._body(http, {"items"})).get("items"), required=True)
-            await asyncio.to_thread(self.store.append, self._owner(http), found["id"], items)
+            await asyncio.to_thread(self.store.append, self.front.caller(http).scope, found["id"], items)
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(listed(items, False))
@@ -124,8 +121,7 @@ class ConversationsFront:
         try:
             found = await self._conversation(http)
             wanted = http.path_params["item_id"]
-            items = await asyncio.to_thread(self.store.items, found["id"])
-            item = next((i for i in items if i["id"] == wanted), None)
+            item = await asyncio.to_thread(self.store.item, found["id"], wanted)
             if item is None:
                 raise ServiceError(ErrorKind.NOT_FOUND, f"no item {wanted[:80]!r} in this conversation",
                                    reason="not_found")

@@ -56,17 +56,13 @@ class KeptResponses:
                 Route("/v1/responses/{response_id}/input_items", self.input_items, methods=["GET"]),
                 Route("/v1/responses/{response_id}/cancel", self.cancel, methods=["POST"])]
 
-    def _owner(self, http: Request) -> str | None:
-        """The tenant whose responses the caller sees; None: the admin's, all of them."""
-        caller = self.front.caller(http)
-        return None if caller.admin else caller.name
 
     async def parse(self, raw: bytes, caller: Caller) -> OpenAIRequest:
         """A POST /v1/responses body, with the kept response it continues read from the store."""
         body = json_object(raw)
         previous, wanted = None, previous_id(body)
         if wanted is not None and self.config.store:
-            previous = await asyncio.to_thread(self.store.get, None if caller.admin else caller.name, wanted,
+            previous = await asyncio.to_thread(self.store.get, caller.scope, wanted,
                                                time.time())
             if previous is None:
                 raise ServiceError(ErrorKind.NOT_FOUND, f"previous response {wanted!r} not found: it was never "
@@ -78,7 +74,7 @@ class KeptResponses:
                                    field="previous_response_id", reason="response_not_ended")
         conversation, joined = None, conversation_id(body)
         if joined is not None and self.config.store:
-            found = await asyncio.to_thread(self.conversations.get, None if caller.admin else caller.name, joined)
+            found = await asyncio.to_thread(self.conversations.get, caller.scope, joined)
             if found is None:
                 raise ServiceError(ErrorKind.NOT_FOUND, f"conversation {joined!r} not found: it was deleted, or is "
                                    "not yours", field="conversation", reason="not_found")
@@ -99,7 +95,7 @@ class KeptResponses:
         if joined is None:
             return
         try:
-            await asyncio.to_thread(self.conversations.append, None if caller.admin else caller.name, *joined)
+            await asyncio.to_thread(self.conversations.append, caller.scope, *joined)
         except Exception:          # the answer went out: its turn is missing from the conversation, said so
             log.exception("could not add response %s to conversation %s", out.id, joined[0])
 
@@ -119,7 +115,7 @@ class KeptResponses:
 
     async def _kept(self, http: Request) -> tuple[dict, list[dict]]:
         response_id = http.path_params["response_id"]
-        found = await asyncio.to_thread(self.store.get, self._owner(http), response_id, time.time())
+        found = await asyncio.to_thread(self.store.get, self.front.caller(http).scope, response_id, time.time())
         if found is None:
             raise _missing(response_id)
         return found
@@ -137,7 +133,7 @@ class KeptResponses:
     async def delete(self, http: Request) -> Response:
         try:
             response_id = http.path_params["response_id"]
-            if not await asyncio.to_thread(self.store.delete, self._owner(http), response_id, time.time()):
+            if not await asyncio.to_thread(self.store.delete, self.front.caller(http).scope, response_id, time.time()):
                 await self._kept(http)           # its 404
         except ServiceError as error:
             return error_response(error)
@@ -152,7 +148,8 @@ class KeptResponses:
                 raise invalid(f"response {response['id']!r} was not made in the background: only a background "
                               "response can be cancelled (cancel a running request with "
                               "POST /v1/requests/{id}/cancel)", "response_id")
-            found = await asyncio.to_thread(self.store.cancel, self._owner(http), response["id"], time.time())
+            found = await asyncio.to_thread(self.store.cancel, self.front.caller(http).scope, response["id"],
+                                            time.time())
             if found is None:
                 raise _missing(response["id"])
         except ServiceError as error:
