@@ -17,7 +17,7 @@ from services.common.metrics import StateCollector
 from services.common.priority import PRIORITIES
 from services.common.proto.qos.v1 import router_pb2
 from services.control.alerts import Alert, AlertBook
-from services.control.sla import Outcome, objectives_of
+from services.control.sla import ALL_TENANTS, Outcome, objectives_of
 from services.control.webhooks import WebhookSender
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,14 @@ class SlaMonitor:
             families["qos_sla_breached"].add_metric(labels, 1.0 if s.state == "firing" else 0.0)
         yield from families.values()
 
+    def reply_to(self, caller, auth_required: bool) -> router_pb2.AlertsReply:
+        """Router.Alerts and GET /v1/alerts for a caller (services/control/tenancy.py's Caller):
+        the admin reads every objective; a tenant's key its own; with auth off, anyone else the
+        class-wide ones only (x-tenant proves nothing: no tenant's objectives to whoever names it)."""
+        return self.reply(caller.scope if caller.admin or auth_required else ALL_TENANTS)
+
     def reply(self, tenant: str | None) -> router_pb2.AlertsReply:
-        """Router.Alerts: everything (tenant None: the admin, or auth off), or one tenant's own."""
+        """Everything (tenant None), or the objectives labelled `tenant` (ALL_TENANTS: the class-wide)."""
         visible = lambda objective: tenant is None or objective.tenant == tenant   # noqa: E731
         objectives = [router_pb2.SlaObjectiveState(
             priority=PRIORITIES[s.objective.priority], tenant=s.objective.tenant, objective=s.objective.name,

@@ -30,7 +30,6 @@ from services.control.console_feed import ConsoleFeed
 from services.control.ledger import LedgerWriter, ledger_metrics
 from services.control.limits import estimate_tokens
 from services.control.process_view import ProcessView
-from services.control.sla import ALL_TENANTS
 from services.control.sla_monitor import SlaMonitor
 from services.control.tenancy import Caller, TenantBook, store_metrics
 from services.router.openai_api.batch_runner import BatchRunner
@@ -146,9 +145,7 @@ class RouterService:
         return self.totals.stats_proto(self.pools.latest_stats(), self.pools.router.threshold.value)
 
     async def Alerts(self, request, context) -> router_pb2.AlertsReply:
-        caller = self._caller(context)
-        # As GET /v1/alerts: with auth off, x-tenant proves nothing, so the class-wide objectives only.
-        return self.sla.reply(caller.scope if self.book.required else ALL_TENANTS)
+        return self.sla.reply_to(self._caller(context), self.book.required)
 
     async def Usage(self, request: router_pb2.UsageRequest, context) -> router_pb2.UsageReply:
         usage = await self.accounts.usage(self._caller(context), request.tenant or None,

@@ -9,13 +9,18 @@ import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from services.common.config import SlaConfig
+from services.common.config import AlertsConfig, SlaConfig
 from services.common.config_file import parse_config
 from services.common.errors import ErrorKind, ServiceError
+from services.common.priority import ADMIN_TENANT
 from services.control.alerts import AlertBook
 from services.control.sla import Outcome, counts_against_sla, objectives_of
+from services.control.sla_monitor import SlaMonitor
+from services.control.tenancy import Caller
 from services.control.webhooks import NEVER, WebhookSender, payload
+from services.store.store import Tenant
 
 
 def book_of(**contract) -> AlertBook:
@@ -120,6 +125,17 @@ def test_a_tenant_objective_judges_that_tenant_only():
         assert second(book, t, 900.0, tenant="other") == []
     (alert,) = second(book, 6, 900.0, tenant="acme")
     assert alert.objective.labels == {"priority": "high", "tenant": "acme", "objective": "ttft_p99_ms"}
+
+
+@pytest.mark.parametrize("auth_required", [False, True])
+def test_each_caller_reads_the_objectives_it_may(auth_required):
+    contracts = [SlaConfig(priority="high", ttft_p99_ms=500.0),
+                 *(SlaConfig(priority="low", ttft_p99_ms=900.0, tenant=name) for name in ("acme", "globex"))]
+    monitor = SlaMonitor(contracts, AlertsConfig(), CollectorRegistry())
+    read = lambda caller: sorted(o.tenant for o in monitor.reply_to(caller, auth_required).objectives)  # noqa: E731
+    assert read(Caller(Tenant(ADMIN_TENANT), admin=True)) == ["*", "acme", "globex"]   # the admin: all, auth on or off
+    # A tenant's key reads its own; with auth off, naming a tenant (x-tenant) proves nothing.
+    assert read(Caller(Tenant("acme"))) == (["acme"] if auth_required else ["*"])
 
 
 def test_sla_config_is_checked_by_name():

@@ -221,9 +221,7 @@ class HttpFront:
             caller = self.caller(http)
         except ServiceError as error:
             return error_response(error)
-        # The admin sees every objective; a tenant's key its own; with auth off, the cluster-wide
-        # ones only (x-tenant proves nothing: no tenant's objectives to whoever names it).
-        reply = self.router.sla.reply(caller.scope if self.book.required else ALL_TENANTS)
+        reply = self.router.sla.reply_to(caller, self.book.required)
         body = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
         for item in body["objectives"] + body["alerts"]:
             item["priority"] = item["priority"].removeprefix("PRIORITY_").lower()
