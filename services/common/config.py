@@ -31,6 +31,7 @@ from pathlib import Path
 
 from services.common.batch_config import BatchConfig
 from services.common.responses_config import ResponsesConfig
+from services.common.store_config import StoreConfig
 from services.common.drain import DEFAULT_DRAIN_SECONDS
 from services.common.settings import (NON_NEGATIVE, PORT, PORT_OR_OFF, POSITIVE, SHARE, Bounds,  # noqa: F401
                                       ConfigError, setting)
@@ -264,20 +265,6 @@ class PoolConfig:
         low = self.autoscale.min_workers if self.autoscale.min_workers is not None else len(self.workers)
         high = self.autoscale.max_workers if self.autoscale.max_workers is not None else low
         return low, max(low, high)
-
-
-@dataclass(slots=True)
-class StoreConfig:
-    """The tenant and billing database (services/store/)."""
-    url: str = setting("", "the database: empty for SQLite in the cache folder, or postgresql://user@host/db")
-    connect_timeout_s: float = setting(5.0, "PostgreSQL: opening a connection gives up after this long",
-                                       bounds=Bounds(2, meaning="libpq's floor"))
-    statement_timeout_s: float = setting(10.0, "PostgreSQL: the server cancels a statement after this long; "
-                                         "the router stops waiting for any answer 1 s later", bounds=POSITIVE)
-    refresh_s: float = setting(5.0, "the router re-reads keys, tenants and spending this often", bounds=POSITIVE)
-    stale_s: float = setting(60.0, "tenants with limits or a budget are refused (UNAVAILABLE / 503) once the "
-                             "router has not read the store for this long; tenants without are served",
-                             bounds=POSITIVE, note="> refresh_s")
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ from typing import Protocol
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.priority import ORDER, priority_name
 from services.control.ledger import LedgerWriter
+from services.control.storage_quota import limit_of
 from services.control.tenancy import Caller, Pass, TenantBook
+from services.store import storage_use
 
 REQUEST_ID_MAX = 64          # the ledger's request_id column (services/store/schema.py)
 
@@ -184,5 +186,9 @@ class Accounts:
         total = {key: sum(line[key] for line in lines)
                  for key in ("requests", "prompt_tokens", "completion_tokens", "amount")}
         in_flight = sum(1 for e in self.in_flight.values() if not tenant or e.tenant == tenant)
-        return {"tenant": tenant or "*", "since": since, "lines": lines,
-                **total, "in_flight": in_flight}
+        # what it keeps in the store now (files, kept responses, conversations) and its limit
+        stored = await asyncio.to_thread(storage_use.used_by, self.book.store.engine, tenant or None)
+        named = caller.tenant if not caller.admin else self.book.tenants.get(tenant)
+        limit = limit_of(named, self.book.storage_mb) if tenant else None
+        return {"tenant": tenant or "*", "since": since, "lines": lines, **total, "in_flight": in_flight,
+                "storage_bytes": stored, "storage_limit_bytes": limit}

@@ -89,8 +89,9 @@ def bearer(authorization: str | None) -> str | None:
 
 class TenantBook:
     def __init__(self, store: Store, required: bool = False, admin_key: str = "", replicas: int = 1,
-                 refresh_s: float = REFRESH_S, stale_s: float = STALE_S):
+                 refresh_s: float = REFRESH_S, stale_s: float = STALE_S, storage_mb: int = 0):
         self.store = store
+        self.storage_mb = storage_mb          # [store] tenant_storage_mb (services/control/storage_quota.py)
         self.required = required
         self.admin_key = admin_key or os.environ.get(ADMIN_KEY_ENV, "")
         self.replica = f"{socket.gethostname()[:40]}-{os.getpid()}-{secrets.token_hex(3)}"
@@ -98,6 +99,7 @@ class TenantBook:
         self.keys: dict[str, tuple[str, str]] = {}      # key hash -> (tenant, prefix)
         self.tenants: dict[str, Tenant] = {}
         self.spent: dict[str, float] = {}
+        self.stored: dict[str, int] = {}        # bytes each tenant keeps in the store, as last read
         self.loaded = asyncio.Event()
         self.refresh_s, self.stale_s = refresh_s, stale_s
         self.read_at = time.monotonic()         # the cache's last successful read of the store
@@ -106,7 +108,7 @@ class TenantBook:
     async def refresh(self) -> None:
         """Re-read keys, tenants and spending (in a helper thread, bounded by the store's timeouts:
         services/store/connect.py)."""
-        keys, tenants, spent = await asyncio.to_thread(self.store.snapshot)
+        keys, tenants, spent, self.stored = await asyncio.to_thread(self.store.snapshot)
         self.keys, self.tenants = keys, {t.name: t for t in tenants}
         self._merge_spent(spent)
         self.read_at = time.monotonic()

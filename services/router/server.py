@@ -61,7 +61,7 @@ class RouterService:
         self.processes = ProcessView.from_env(registry)      # a supervised local cluster's processes
         self.tracer = setup_tracing("router")
         self.book = TenantBook(store, auth.required, auth.admin_key, auth.replicas,
-                               config.store.refresh_s, config.store.stale_s)
+                               config.store.refresh_s, config.store.stale_s, config.store.tenant_storage_mb)
         self.ledger = LedgerWriter(store, billing.flush_seconds, billing.max_pending_rows)
         registry.register(StateCollector(lambda: ledger_metrics(self.ledger)))
         registry.register(StateCollector(lambda: store_metrics(self.book)))
@@ -153,6 +153,8 @@ class RouterService:
         lines = [router_pb2.UsageLine(**{**line, "priority": PRIORITIES[line["priority"]]})
                  for line in usage.pop("lines")]
         usage.pop("since")
+        if usage["storage_limit_bytes"] is None:
+            usage.pop("storage_limit_bytes")
         return router_pb2.UsageReply(lines=lines, **usage)
 
     async def Cancel(self, request: router_pb2.CancelRequest, context) -> router_pb2.CancelReply:

@@ -14,6 +14,7 @@ import secrets
 
 from sqlalchemy import and_, delete, insert, or_, select, update
 
+from services.store import storage_use
 from services.store.schema import batch_results, batches, files, row_id
 from services.store.store import Store
 
@@ -32,11 +33,14 @@ class BatchStore:
 
     # --- files ------------------------------------------------------------------------------------
 
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes, now: float) -> dict:
+    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes, now: float,
+                 limit: int | None = None) -> dict:
+        """Raises StorageFull (nothing written) when it would take the tenant past `limit` bytes."""
         row = {"id": new_id("file-"), "tenant": tenant, "purpose": purpose, "filename": filename,
                "bytes": len(content), "created_at": now}
         with self.engine.begin() as db:
             db.execute(insert(files).values(**row, content=content))
+            storage_use.move(db, tenant, len(content), limit)
         return row
 
     def file(self, tenant: str | None, file_id: str) -> dict | None:
@@ -65,7 +69,10 @@ class BatchStore:
             query = delete(files).where(files.c.id == file_id)
             if tenant is not None:
                 query = query.where(files.c.tenant == tenant)
-            return db.execute(query).rowcount > 0
+            gone = db.execute(query.returning(files.c.tenant, files.c.bytes)).first()
+            if gone is not None:
+                storage_use.move(db, gone.tenant, -gone.bytes)
+            return gone is not None
 
     # --- batches ----------------------------------------------------------------------------------
 
@@ -169,6 +176,8 @@ class BatchStore:
                     db.execute(insert(files).values(
                         id=ids[field], tenant=batch["tenant"], purpose="batch_output", content=content,
                         filename=f"{batch['id']}_{field.split('_')[0]}.jsonl", bytes=len(content), created_at=now))
+                    # (the batch was let in under the tenant's limit: its results are kept past it)
+                    storage_use.move(db, batch["tenant"], len(content))
             db.execute(update(batches).where(batches.c.id == batch["id"])
                        .values(status=status, **{f"{status}_at": now}, owner=None, lease_until=None, **ids))
 

@@ -84,3 +84,13 @@ def make_engine(url: str, connect_timeout_s: float = CONNECT_TIMEOUT_S,
         connection.answer_timeout_s = statement_timeout_s + ANSWER_MARGIN_S
         return connection
     return engine
+
+
+def upsert_for(dialect: str):
+    """The dialect's INSERT with ON CONFLICT (both databases spell it alike; SQLAlchemy has one per
+    dialect)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert

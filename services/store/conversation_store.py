@@ -13,6 +13,7 @@ import json
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from services.store import storage_use
 from services.store.schema import conversation_items, conversations, row_id
 from services.store.store import Store
 
@@ -23,11 +24,15 @@ class ConversationStore:
     def __init__(self, store: Store):
         self.engine = store.engine
 
-    def create(self, conversation_id: str, tenant: str, meta: dict | None, items: list[dict], now: float) -> dict:
+    def create(self, conversation_id: str, tenant: str, meta: dict | None, items: list[dict], now: float,
+               limit: int | None = None) -> dict:
+        """Raises StorageFull (nothing written) when it would take the tenant past `limit` bytes."""
+        meta_json = json.dumps(meta or {})
         with self.engine.begin() as db:
-            db.execute(insert(conversations).values(id=conversation_id, tenant=tenant,
-                                                    meta=json.dumps(meta or {}), created_at=now))
-            self._insert(db, conversation_id, 0, items)
+            db.execute(insert(conversations).values(id=conversation_id, tenant=tenant, meta=meta_json,
+                                                    bytes=len(meta_json), created_at=now))
+            size = self._insert(db, conversation_id, 0, items)
+            storage_use.move(db, tenant, len(meta_json) + size, limit)
         return self.get(tenant, conversation_id)
 
     def get(self, tenant: str | None, conversation_id: str) -> dict | None:
@@ -38,30 +43,53 @@ class ConversationStore:
         return None if row is None else {"id": row.id, "object": "conversation", "created_at": int(row.created_at),
                                          "metadata": json.loads(row.meta or "{}"), "tenant": row.tenant}
 
-    def set_metadata(self, tenant: str | None, conversation_id: str, meta: dict) -> dict | None:
+    def set_metadata(self, tenant: str | None, conversation_id: str, meta: dict,
+                     limit: int | None = None) -> dict | None:
         if not row_id(conversation_id):
             return None
+        meta_json = json.dumps(meta)
         with self.engine.begin() as db:
-            db.execute(_owned(update(conversations), tenant, conversation_id).values(meta=json.dumps(meta)))
+            # Held first (a write), so the size read next is the one replaced.
+            if not db.execute(_owned(update(conversations), tenant, conversation_id)
+                              .values(bytes=conversations.c.bytes)).rowcount:
+                return None
+            row = db.execute(select(conversations.c.tenant, conversations.c.bytes)
+                             .where(conversations.c.id == conversation_id)).one()
+            db.execute(update(conversations).where(conversations.c.id == conversation_id)
+                       .values(meta=meta_json, bytes=len(meta_json)))
+            storage_use.move(db, row.tenant, len(meta_json) - row.bytes, limit)
         return self.get(tenant, conversation_id)
 
     def delete(self, tenant: str | None, conversation_id: str) -> bool:
-        if self.get(tenant, conversation_id) is None:
+        if not row_id(conversation_id):
             return False
         with self.engine.begin() as db:
-            db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id))
-            return db.execute(delete(conversations).where(conversations.c.id == conversation_id)).rowcount > 0
+            gone = db.execute(_owned(delete(conversations), tenant, conversation_id)
+                              .returning(conversations.c.tenant, conversations.c.bytes)).first()
+            if gone is None:
+                return False
+            items = db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id)
+                               .returning(conversation_items.c.bytes)).all()
+            storage_use.move(db, gone.tenant, -gone.bytes - sum(item.bytes for item in items))
+            return True
 
-    def append(self, tenant: str | None, conversation_id: str, items: list[dict]) -> bool:
-        """The items after the conversation's last; False when it is gone (deleted, not the tenant's)."""
+    def append(self, tenant: str | None, conversation_id: str, items: list[dict], limit: int | None = None) -> bool:
+        """The items after the conversation's last; False when it is gone (deleted, not the tenant's).
+        Raises StorageFull (nothing written) when they would take the tenant past `limit` bytes."""
         for attempt in range(APPEND_TRIES):
             try:
                 with self.engine.begin() as db:
-                    if db.execute(_owned(select(conversations.c.id), tenant, conversation_id)).first() is None:
+                    # Held first (a write): a delete of the conversation waits for these items and
+                    # takes them too, or goes first and this finds nothing (no item outlives it).
+                    if not db.execute(_owned(update(conversations), tenant, conversation_id)
+                                      .values(bytes=conversations.c.bytes)).rowcount:
                         return False
+                    owner = db.execute(select(conversations.c.tenant)
+                                       .where(conversations.c.id == conversation_id)).scalar()
                     last = db.execute(select(func.max(conversation_items.c.position))
                                       .where(conversation_items.c.conversation_id == conversation_id)).scalar()
-                    self._insert(db, conversation_id, 0 if last is None else last + 1, items)
+                    size = self._insert(db, conversation_id, 0 if last is None else last + 1, items)
+                    storage_use.move(db, owner, size, limit)
                 return True
             except IntegrityError:          # another append took these positions first: after it, then
                 if attempt == APPEND_TRIES - 1:
@@ -90,15 +118,24 @@ class ConversationStore:
         if not row_id(item_id):
             return False
         with self.engine.begin() as db:
-            return db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id,
-                                                               conversation_items.c.item_id == item_id)).rowcount > 0
+            gone = db.execute(delete(conversation_items).where(conversation_items.c.conversation_id == conversation_id,
+                                                               conversation_items.c.item_id == item_id)
+                              .returning(conversation_items.c.bytes)).all()
+            if gone:
+                owner = db.execute(select(conversations.c.tenant).where(conversations.c.id == conversation_id)).scalar()
+                storage_use.move(db, owner, -sum(item.bytes for item in gone))
+            return bool(gone)
 
     @staticmethod
-    def _insert(db, conversation_id: str, start: int, items: list[dict]) -> None:
-        if items:
-            db.execute(insert(conversation_items), [
-                {"conversation_id": conversation_id, "position": start + k, "item_id": item["id"],
-                 "item": json.dumps(item)} for k, item in enumerate(items)])
+    def _insert(db, conversation_id: str, start: int, items: list[dict]) -> int:
+        """The items written from position `start`; their bytes."""
+        rows = [{"conversation_id": conversation_id, "position": start + k, "item_id": item["id"],
+                 "item": json.dumps(item)} for k, item in enumerate(items)]
+        for row in rows:
+            row["bytes"] = len(row["item"])
+        if rows:
+            db.execute(insert(conversation_items), rows)
+        return sum(row["bytes"] for row in rows)
 
 
 def _owned(query, tenant: str | None, conversation_id: str):

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 
-from sqlalchemy import delete, insert, literal, select, update
+from sqlalchemy import delete, func, insert, literal, select, update
 
+from services.store import storage_use
 from services.store.schema import responses, row_id
 from services.store.store import Store
 
@@ -36,12 +37,16 @@ class ResponseStore:
 
     def add(self, tenant: str, response: dict, input_items: list[dict], now: float, expires_at: float,
             owner: str | None = None, lease_until: float | None = None) -> None:
+        """Its tenant's storage limit was checked when the request came (services/control/
+        storage_quota.py): the answer is made and billed, so it is kept even past the limit."""
+        items_json, response_json = json.dumps(input_items), json.dumps(response)
         with self.engine.begin() as db:
             db.execute(insert(responses).values(
                 id=response["id"], tenant=tenant, previous_id=response.get("previous_response_id"),
-                status=response["status"], owner=owner, lease_until=lease_until,
-                input_items=json.dumps(input_items), response=json.dumps(response), created_at=now,
+                status=response["status"], owner=owner, lease_until=lease_until, input_items=items_json,
+                response=response_json, bytes=len(items_json) + len(response_json), created_at=now,
                 expires_at=expires_at))
+            storage_use.move(db, tenant, len(items_json) + len(response_json))
 
     def get(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, list[dict]] | None:
         """(the response object, its input items: the earlier turns' then its own), or None:
@@ -98,18 +103,28 @@ class ResponseStore:
         """Its content erased (its row stays, as a link of the chains through it, until it expires)."""
         if not row_id(response_id):
             return False
-        query = update(responses).where(responses.c.id == response_id, responses.c.expires_at > now,
-                                        responses.c.deleted == 0)
-        if tenant is not None:
-            query = query.where(responses.c.tenant == tenant)
         with self.engine.begin() as db:
-            return db.execute(query.values(deleted=1, input_items="[]", response="{}", status="deleted",
-                                           owner=None, lease_until=None)).rowcount > 0
+            # Marked first: the row is then held (and SQLite's database) until the commit, so the
+            # size read next is the one this erases.
+            if not db.execute(_owned(update(responses), tenant, response_id, now).values(
+                    deleted=1, status="deleted", owner=None, lease_until=None)).rowcount:
+                return False
+            row = db.execute(select(responses.c.tenant, responses.c.bytes).where(responses.c.id == response_id)).one()
+            db.execute(update(responses).where(responses.c.id == response_id).values(
+                input_items="[]", response="{}", bytes=len("[]{}")))
+            storage_use.move(db, row.tenant, len("[]{}") - row.bytes)
+            return True
 
     def purge(self, now: float) -> int:
         """Delete the expired rows; how many there were."""
         with self.engine.begin() as db:
-            return db.execute(delete(responses).where(responses.c.expires_at <= now)).rowcount
+            gone = db.execute(delete(responses).where(responses.c.expires_at <= now)
+                              .returning(responses.c.tenant, responses.c.bytes)).all()
+            freed: dict[str, int] = {}
+            for row in gone:
+                freed[row.tenant] = freed.get(row.tenant, 0) - row.bytes
+            storage_use.move_each(db, freed)
+            return len(gone)
 
 
 def _owned(query, tenant: str | None, response_id: str, now: float):
@@ -142,9 +157,16 @@ def _ended(response: dict, status: str, error: dict | None) -> dict:
 def _change(db, response_id: str, response: dict, *conditions) -> bool:
     """The row's response and status, if it is still queued or running (and `conditions` hold);
     a final status lets go of the lease."""
-    final = response["status"] not in ACTIVE
     values = {"status": response["status"], "response": json.dumps(response)}
-    if final:
+    if response["status"] not in ACTIVE:
         values.update(owner=None, lease_until=None)
-    return db.execute(update(responses).where(responses.c.id == response_id, responses.c.status.in_(ACTIVE),
-                                              *conditions).values(**values)).rowcount > 0
+    if not db.execute(update(responses).where(responses.c.id == response_id, responses.c.status.in_(ACTIVE),
+                                              *conditions).values(**values)).rowcount:
+        return False
+    # Written first, so held until the commit: the size read here is the one replaced.
+    row = db.execute(select(responses.c.tenant, responses.c.bytes, func.length(responses.c.input_items).label("items"))
+                     .where(responses.c.id == response_id)).one()
+    size = row.items + len(values["response"])
+    db.execute(update(responses).where(responses.c.id == response_id).values(bytes=size))
+    storage_use.move(db, row.tenant, size - row.bytes)
+    return True

@@ -19,6 +19,8 @@ and its version.
                   response object, its own input items and the response it continued (a chain:
                   each turn stored once); a background one's status as it runs, and the router
                   replica running it (a lease)
+    tenant_storage  each tenant's bytes in files, responses and conversations (kept with every
+                  write and delete of those rows: services/store/storage_use.py)
     schema_info   one row: the schema version this database holds
 
 A database at a newer version than SCHEMA_VERSION is refused with a message (an older qos-serve
@@ -26,12 +28,12 @@ must not write into a schema it does not know); an older one is upgraded by MIGR
 """
 from __future__ import annotations
 
-from sqlalchemy import (Column, Float, ForeignKey, Integer, LargeBinary, MetaData, String, Table, Text,
-                        UniqueConstraint)
+from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, String, Table,
+                        Text, UniqueConstraint)
 
 from services.common.priority import TENANT_NAME_MAX  # noqa: F401 (the store checks names by it)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 metadata = MetaData()
 
 schema_info = Table(
@@ -51,6 +53,7 @@ tenants = Table(
     Column("budget", Float),                     # cost units it may spend in all; NULL: no limit
     Column("weight", Float, nullable=False, default=1.0),   # share inside a priority class
     Column("created_at", Float, nullable=False),
+    Column("storage_mb", Integer),               # what it may keep in the store; NULL: [store] tenant_storage_mb
 )
 
 api_keys = Table(
@@ -84,6 +87,12 @@ ledger = Table(
     Column("started_at", Float, nullable=False),             # unix seconds
     Column("finished_at", Float, nullable=False, index=True),
     UniqueConstraint("request_id", name="ledger_request_id"),
+)
+
+tenant_storage = Table(
+    "tenant_storage", metadata,
+    Column("tenant", String(64), primary_key=True),
+    Column("bytes", BigInteger, nullable=False),             # what its rows below hold (storage_use.py)
 )
 
 tenant_spend = Table(
@@ -162,6 +171,7 @@ responses = Table(
     Column("input_items", Text, nullable=False),             # JSON: its own input items (earlier turns': theirs)
     Column("response", Text, nullable=False),                # JSON: the response object as answered
     Column("deleted", Integer, nullable=False, default=0),   # 1: deleted, its content gone, its link kept
+    Column("bytes", Integer, nullable=False, default=0),     # its input_items and response JSON (ASCII)
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
 )
@@ -172,6 +182,7 @@ conversations = Table(
     Column("tenant", String(64), nullable=False, index=True),
     Column("meta", Text),                                    # JSON: the metadata the client set
     Column("created_at", Float, nullable=False),
+    Column("bytes", Integer, nullable=False, default=0),     # its meta JSON
 )
 
 conversation_items = Table(
@@ -180,6 +191,7 @@ conversation_items = Table(
     Column("position", Integer, primary_key=True),           # 0, 1, ... in the order items came
     Column("item_id", String(64), nullable=False, index=True),
     Column("item", Text, nullable=False),                    # JSON: the item (its id inside too)
+    Column("bytes", Integer, nullable=False, default=0),     # the item's JSON
 )
 
 # version -> the statements that bring a database from version-1 to it (metadata.create_all has
@@ -187,6 +199,11 @@ conversation_items = Table(
 MIGRATIONS: dict[int, list[str]] = {
     2: ["DELETE FROM tenant_spend",
         "INSERT INTO tenant_spend (tenant, amount) SELECT tenant, SUM(amount) FROM ledger GROUP BY tenant"],
+    # storage limits: the rows' sizes (their JSON is ASCII: json.dumps escapes the rest), then the
+    # totals (the store's upgrade calls storage_use.recount after these)
+    6: ["UPDATE responses SET bytes = LENGTH(input_items) + LENGTH(response)",
+        "UPDATE conversations SET bytes = COALESCE(LENGTH(meta), 0)",
+        "UPDATE conversation_items SET bytes = LENGTH(item)"],
 }
 
 # version -> columns it added to existing tables (table, column, type and default), added by the
@@ -195,6 +212,9 @@ ADDED_COLUMNS: dict[int, list[tuple[str, str, str]]] = {
     # prefix caching: rows before it had no cached tokens and were billed in full
     3: [("ledger", "cached_tokens", "INTEGER NOT NULL DEFAULT 0"),
         ("ledger", "cached_fraction", "FLOAT NOT NULL DEFAULT 1.0")],
+    6: [("tenants", "storage_mb", "INTEGER"), ("responses", "bytes", "INTEGER NOT NULL DEFAULT 0"),
+        ("conversations", "bytes", "INTEGER NOT NULL DEFAULT 0"),
+        ("conversation_items", "bytes", "INTEGER NOT NULL DEFAULT 0")],
 }
 
 # Column sizes a caller must respect (they are checked before any write): tenant names up to

@@ -19,7 +19,8 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
 from services.common.paths import cache_root
 from services.common.priority import ADMIN_TENANT, LABELS
-from services.store.connect import CONNECT_TIMEOUT_S, STATEMENT_TIMEOUT_S, make_engine
+from services.store import storage_use
+from services.store.connect import CONNECT_TIMEOUT_S, STATEMENT_TIMEOUT_S, make_engine, upsert_for
 from services.store.schema import (
     ADDED_COLUMNS,
     MIGRATIONS,
@@ -31,12 +32,16 @@ from services.store.schema import (
     metadata,
     schema_info,
     tenant_spend,
+    tenant_storage,
     tenants,
 )
+
+STORAGE_TOTALS_SCHEMA = 6          # the upgrade that started tenant_storage sums the rows there
 
 KEY_PREFIX = "qsk_"
 PREFIX_CHARS = 12           # what is stored and shown of a key: "qsk_" + 8 characters
 ALL_PRIORITIES = LABELS
+STORAGE_MB_MAX = 2**31 - 1          # the column's range (an INTEGER on both databases)
 
 
 class StoreError(ValueError):
@@ -52,6 +57,7 @@ class Tenant:
     max_concurrent: int | None = None
     budget: float | None = None
     weight: float = 1.0
+    storage_mb: int | None = None        # what it may keep in the store; None: [store] tenant_storage_mb
 
 
 STORE_URL_ENV = "QOS_STORE_URL"
@@ -69,11 +75,11 @@ def hash_key(key: str) -> str:
 
 def _tenant(row) -> Tenant:
     return Tenant(row.name, tuple(p for p in row.priorities.split(",") if p), row.rpm, row.tpm,
-                  row.max_concurrent, row.budget, row.weight)
+                  row.max_concurrent, row.budget, row.weight, row.storage_mb)
 
 
 def check_tenant_fields(priorities=None, rpm=None, tpm=None, max_concurrent=None, budget=None,
-                        weight=None) -> None:
+                        weight=None, storage_mb=None) -> None:
     if priorities is not None:
         unknown = [p for p in priorities if p not in ALL_PRIORITIES]
         if unknown or not priorities:
@@ -85,6 +91,8 @@ def check_tenant_fields(priorities=None, rpm=None, tpm=None, max_concurrent=None
         raise StoreError(f"budget must be >= 0, got {budget}")
     if weight is not None and not weight > 0:
         raise StoreError(f"weight must be > 0, got {weight}")
+    if storage_mb is not None and not 0 <= storage_mb <= STORAGE_MB_MAX:
+        raise StoreError(f"storage_mb must be 0-{STORAGE_MB_MAX}, got {storage_mb}")
 
 
 def refused_for_its_data(error: Exception) -> bool:
@@ -140,6 +148,8 @@ class Store:
                         db.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
                 for statement in MIGRATIONS.get(step, []):
                     db.exec_driver_sql(statement)
+                if step == STORAGE_TOTALS_SCHEMA:
+                    storage_use.recount(db)
             db.execute(update(schema_info).values(version=SCHEMA_VERSION))
 
     # --- tenants ---------------------------------------------------------------------------------
@@ -151,13 +161,13 @@ class Store:
             raise StoreError(f"the tenant name {ADMIN_TENANT!r} is reserved: the admin key's requests are "
                              "billed under it")
         check_tenant_fields(tenant.priorities, tenant.rpm, tenant.tpm, tenant.max_concurrent,
-                            tenant.budget, tenant.weight)
+                            tenant.budget, tenant.weight, tenant.storage_mb)
         try:
             with self.engine.begin() as db:
                 db.execute(insert(tenants).values(
                     name=tenant.name, priorities=",".join(tenant.priorities), rpm=tenant.rpm,
                     tpm=tenant.tpm, max_concurrent=tenant.max_concurrent, budget=tenant.budget,
-                    weight=tenant.weight, created_at=time.time()))
+                    weight=tenant.weight, storage_mb=tenant.storage_mb, created_at=time.time()))
         except IntegrityError:
             raise StoreError(f"tenant {tenant.name!r} exists already") from None
         return tenant
@@ -225,23 +235,21 @@ class Store:
                 select(api_keys.c.key_hash, api_keys.c.prefix, tenants.c.name).join(tenants)
                 .where(api_keys.c.revoked_at.is_(None)))}
 
-    def snapshot(self) -> tuple[dict[str, tuple[str, str]], list[Tenant], dict[str, float]]:
-        """What the router caches, read in one transaction: (active_keys(), tenants(), spent())."""
+    def snapshot(self) -> tuple[dict[str, tuple[str, str]], list[Tenant], dict[str, float], dict[str, int]]:
+        """What the router caches, read in one transaction: (active_keys(), tenants(), spent(), the
+        bytes each tenant keeps in the store (services/store/storage_use.py))."""
         with self.engine.begin() as db:
             keys = {r.key_hash: (r.name, r.prefix) for r in db.execute(
                 select(api_keys.c.key_hash, api_keys.c.prefix, tenants.c.name).join(tenants)
                 .where(api_keys.c.revoked_at.is_(None)))}
             return (keys, [_tenant(r) for r in db.execute(select(tenants).order_by(tenants.c.name))],
-                    {r.tenant: r.amount for r in db.execute(select(tenant_spend))})
+                    {r.tenant: r.amount for r in db.execute(select(tenant_spend))},
+                    {r.tenant: r.bytes for r in db.execute(select(tenant_storage).where(tenant_storage.c.bytes > 0))})
 
     # --- the ledger ------------------------------------------------------------------------------
 
     def _upsert(self):
-        if self.engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as upsert
-        else:
-            from sqlalchemy.dialects.sqlite import insert as upsert
-        return upsert
+        return upsert_for(self.engine.dialect.name)
 
     def write_ledger(self, rows: list[dict]) -> int:
         """Insert rows; a request id already there is skipped (never two rows for one request).

@@ -3,7 +3,7 @@ $QOS_STORE_URL, else SQLite in the cache folder). They talk to the database dire
 changes up within seconds (services/control/tenancy.py).
 
     qos-serve tenants add NAME [--priorities high,medium,low] [--rpm N] [--tpm N]
-                               [--max-concurrent N] [--budget UNITS] [--weight W]
+                               [--max-concurrent N] [--budget UNITS] [--weight W] [--storage-mb MB]
     qos-serve tenants set NAME [the same options] [--clear rpm,tpm,...]
     qos-serve tenants list
     qos-serve keys create TENANT        prints the key once: only its hash is stored
@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "budget")
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent", "budget", "storage_mb")
 
 
 def _store(args):
@@ -36,19 +36,22 @@ def _limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent", type=int, help="streams open at once")
     p.add_argument("--budget", type=float, help="cost units it may spend, all time")
     p.add_argument("--weight", type=float, help="its share inside a priority class (default 1)")
+    p.add_argument("--storage-mb", type=int, help="MB of files, kept responses and conversations it may keep "
+                   "(default: [store] tenant_storage_mb; 0: none)")
 
 
 def _fields(args) -> dict:
     return {"priorities": tuple(args.priorities.split(",")) if args.priorities else None, "rpm": args.rpm,
             "tpm": args.tpm, "max_concurrent": args.max_concurrent, "budget": args.budget,
-            "weight": args.weight}
+            "weight": args.weight, "storage_mb": args.storage_mb}
 
 
 def _show(tenant) -> str:
     def limit(value):
         return "-" if value is None else f"{value:g}"
     return (f"{tenant.name:<20} {','.join(tenant.priorities):<18} {limit(tenant.rpm):>6} {limit(tenant.tpm):>8} "
-            f"{limit(tenant.max_concurrent):>6} {limit(tenant.budget):>10} {tenant.weight:>6g}")
+            f"{limit(tenant.max_concurrent):>6} {limit(tenant.budget):>10} {tenant.weight:>6g} "
+            f"{limit(tenant.storage_mb):>10}")
 
 
 def cmd_tenants(args) -> int:
@@ -64,7 +67,8 @@ def cmd_tenants(args) -> int:
             raise ValueError(f"--clear takes {', '.join(LIMIT_FIELDS)}, got {', '.join(unknown)}")
         print(_show(store.set_tenant(args.name, clear=clear, **_fields(args))))
     else:
-        print(f"{'tenant':<20} {'priorities':<18} {'rpm':>6} {'tpm':>8} {'conc.':>6} {'budget':>10} {'weight':>6}")
+        print(f"{'tenant':<20} {'priorities':<18} {'rpm':>6} {'tpm':>8} {'conc.':>6} {'budget':>10} {'weight':>6} "
+              f"{'storage MB':>10}")
         for tenant in store.tenants():
             print(_show(tenant))
     return 0
@@ -111,7 +115,8 @@ def add_parsers(sub, config_args) -> None:
         a.add_argument("name")
         _limits(a)
         if name == "set":
-            a.add_argument("--clear", metavar="FIELDS", help="set these back to no limit: rpm,tpm,max_concurrent,budget")
+            a.add_argument("--clear", metavar="FIELDS", help="set these back to no limit (storage_mb: to the "
+                           "[store] default): rpm,tpm,max_concurrent,budget,storage_mb")
     action(actions, "list")
     p.set_defaults(func=cmd_tenants)
 

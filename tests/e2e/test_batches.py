@@ -4,7 +4,7 @@ a batch created and polled to its end, each output line the answer its endpoint 
 body alone; a bad line in the error file, a bad file failing the batch at once; a cancel; one
 tenant's files and batches invisible to another; and the router running a batch SIGKILLed: the
 other replica takes it over, every line answered once and billed once; a tenant's rate limits
-left to its interactive traffic."""
+left to its interactive traffic; a tenant's storage limit held across both replicas."""
 from __future__ import annotations
 
 import json
@@ -34,6 +34,7 @@ def cluster(tmp_path_factory):
     with database_url("postgresql", tmp_path_factory.mktemp("batches")) as url:
         store = Store(url)
         store.add_tenant(Tenant("limited", rpm=1, max_concurrent=1))
+        store.add_tenant(Tenant("small", storage_mb=1))
         store.close()
         config = cluster_config(dtype="fp32")
         config.store.url, config.auth.replicas, config.billing.flush_seconds = url, 2, 0.2
@@ -202,6 +203,55 @@ def test_one_tenants_files_and_batches_are_not_anothers(cluster, alpha, model):
         assert batch.id not in {b.id for b in beta.batches.list()}
         assert batch.input_file_id not in {f.id for f in beta.files.list()}
     assert alpha.files.retrieve(batch.input_file_id).purpose == "batch"
+
+
+def keeping(client, model: str, wanted: str, seconds: float) -> str:
+    """Asks to keep a response until it is `wanted` ('kept' or 'refused'), for at most `seconds`;
+    what it was last."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            kept = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+            assert client.responses.retrieve(kept.id).id == kept.id
+            now = "kept"
+        except openai.RateLimitError as refused:
+            assert refused.code == "storage_quota_exceeded" and refused.param == "store", refused.message
+            now = "refused"
+        if now == wanted or time.monotonic() > deadline:
+            return now
+        time.sleep(0.25)
+
+
+def test_a_tenant_at_its_storage_limit_is_refused_on_either_replica_until_it_deletes(cluster, model):
+    """'small' may keep 1 MB (its storage_mb): an upload past it is refused on the other replica
+    (the total is the store's), writing nothing; at the limit, requests that would keep something
+    (a kept response, a batch) are refused and one with store false is served; a delete makes room.
+    Another tenant is not touched by it."""
+    lines = jsonl(model, {"a": chat_body("Hi")})
+    with tenant_client(cluster, "small", 0) as first, tenant_client(cluster, "small", 1) as second, \
+            tenant_client(cluster, "beta", 1) as other:
+        batch_file = first.files.create(file=("a.jsonl", lines), purpose="batch")
+        big = first.files.create(file=("b.jsonl", b"x" * 600_000), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as refused:
+            second.files.create(file=("c.jsonl", b"x" * 600_000), purpose="batch")
+        assert refused.value.code == "storage_quota_exceeded" and refused.value.param == "file"
+        assert "of its 1 MB of storage" in refused.value.message and "retry-after" not in refused.value.response.headers
+        assert [f.id for f in second.files.list()] == [big.id, batch_file.id]     # nothing written
+        filler = second.files.create(file=("d.jsonl", b"x" * (1_000_000 - 600_000 - len(lines))), purpose="batch")
+        usage = second.get("/usage", cast_to=object)
+        assert (usage["storage_bytes"], usage["storage_limit_bytes"]) == (1_000_000, 1_000_000)
+        # A request that keeps what it makes is let in by the router's copy of the totals, read
+        # with keys and tenants every [store] refresh_s: refused from the next read on.
+        assert keeping(first, model, "refused", cluster.config.store.refresh_s + 10) == "refused"
+        with pytest.raises(openai.RateLimitError) as refused:
+            first.batches.create(input_file_id=batch_file.id, endpoint=CHAT, completion_window="24h")
+        assert refused.value.param == "input_file_id" and refused.value.code == "storage_quota_exceeded"
+        assert first.responses.create(model=model, input="Hi", max_output_tokens=2, store=False).output_text
+        other.files.delete(other.files.create(file=("e.jsonl", b"x" * 600_000), purpose="batch").id)
+        second.files.delete(filler.id)
+        assert keeping(first, model, "kept", cluster.config.store.refresh_s + 10) == "kept"
+        # the first file and the response kept now
+        assert 600_000 + len(lines) < second.get("/usage", cast_to=object)["storage_bytes"] < 1_000_000
 
 
 def test_a_batch_whose_router_is_killed_is_finished_by_the_other_and_billed_once(cluster, alpha, model):

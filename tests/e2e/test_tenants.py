@@ -222,6 +222,9 @@ def test_a_tenant_sees_and_cancels_only_its_own(cluster):
     assert probes["alpha reads beta's usage over gRPC"] == grpc.StatusCode.PERMISSION_DENIED
     assert probes["beta's usage over gRPC"].tenant == "beta" and probes["beta's usage over gRPC"].in_flight == 1
     assert probes["admin usage over gRPC"].tenant == "*" and probes["admin usage over gRPC"].in_flight >= 1
+    # what each keeps in the store, and its limit ([store] tenant_storage_mb here); every tenant's: none
+    assert probes["beta's usage over gRPC"].storage_limit_bytes == cluster.config.store.tenant_storage_mb * 10**6
+    assert not probes["admin usage over gRPC"].HasField("storage_limit_bytes")
     assert probes["admin cancels"][0] == 200 and probes["admin cancels"][2]["tenant"] == "beta"
     assert events[-1]["error"]["code"] == "cancelled" and "[DONE]" not in events
 

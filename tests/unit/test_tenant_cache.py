@@ -27,7 +27,7 @@ class FlakyStore:
     def snapshot(self):
         if self.down:
             raise OSError("connection timeout expired")
-        return dict(self.keys), list(TENANTS), {}
+        return dict(self.keys), list(TENANTS), {}, {}
 
 
 def admit(book: TenantBook, key: str):

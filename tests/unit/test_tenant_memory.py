@@ -105,13 +105,13 @@ def test_forgetting_never_lets_a_limited_tenant_past_its_window_or_its_streams()
 
 
 class Snapshot:
-    """A store's snapshot (keys, tenants, spent): it holds every tenant ever billed."""
+    """A store's snapshot (keys, tenants, spent, stored): it holds every tenant ever billed."""
 
     def __init__(self, tenants: list[Tenant], spent: dict[str, float]):
         self.tenants, self.spent = tenants, spent
 
     def snapshot(self):
-        return {}, self.tenants, self.spent
+        return {}, self.tenants, self.spent, {}
 
 
 def test_the_tenant_book_keeps_spending_only_for_tenants_with_a_budget():

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.common.errors import ErrorKind, ServiceError, invalid
+from services.control.storage_quota import require_room, storage_limit, storage_refusal
 from services.router.openai_api.batch_lines import ENDPOINTS, read_lines
 from services.router.openai_api.body import read_body
 from services.router.openai_api.generation import error_response
@@ -29,6 +30,7 @@ from services.router.openai_api.json_fields import text_field
 from services.router.openai_api.request import json_object
 from services.router.openai_api.responses_request import check_metadata
 from services.store.batch_store import errors_json, new_id
+from services.store.storage_use import StorageFull
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600.0}
 TIMES = ("in_progress", "finalizing", "completed", "failed", "cancelling", "cancelled", "expired")
@@ -71,7 +73,9 @@ class BatchFront:
                 raise invalid("the form has no file part", "file")
             filename, content = form["file"]
             row = await asyncio.to_thread(self.store.add_file, caller.name, purpose, (filename or "upload.jsonl")[:256],
-                                          content, time.time())
+                                          content, time.time(), storage_limit(caller, self.front.book.storage_mb))
+        except StorageFull as full:
+            return error_response(storage_refusal(full, "file"))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(file_object(row))
@@ -142,6 +146,8 @@ class BatchFront:
             raise invalid(f"completion_window must be \"24h\", got {window!r}", "completion_window")
         metadata = check_metadata(body["metadata"]) if body.get("metadata") is not None else None
         file_id = text_field(body.get("input_file_id"), "input_file_id")
+        # its output file is kept when it ends, whatever its size: let in while under the limit
+        require_room(self.front.book, caller, "input_file_id")
         owner = caller.scope
         row = await asyncio.to_thread(self.store.file, owner, file_id)
         if row is None or row["purpose"] != "batch":

@@ -25,10 +25,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.common.errors import ErrorKind, ServiceError, invalid
+from services.control.storage_quota import storage_limit, storage_refusal
 from services.router.openai_api.generation import error_response
 from services.router.openai_api.item_pages import item_page, listed, page_query
 from services.router.openai_api.request import json_object
 from services.router.openai_api.responses_request import check_metadata, input_items
+from services.store.storage_use import StorageFull
 
 MAX_ITEMS_AT_ONCE = 20      # OpenAI's
 
@@ -36,6 +38,9 @@ MAX_ITEMS_AT_ONCE = 20      # OpenAI's
 class ConversationsFront:
     def __init__(self, front, store):
         self.front, self.store = front, store
+
+    def _limit(self, caller) -> int | None:
+        return storage_limit(caller, self.front.book.storage_mb)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/conversations", self.create, methods=["POST"]),
@@ -70,7 +75,9 @@ class ConversationsFront:
             items = _items(body.get("items"), required=False)
             meta = check_metadata(body["metadata"]) if body.get("metadata") is not None else {}
             found = await asyncio.to_thread(self.store.create, "conv_" + secrets.token_hex(16), caller.name, meta,
-                                            items, time.time())
+                                            items, time.time(), self._limit(caller))
+        except StorageFull as full:
+            return error_response(storage_refusal(full, "items"))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(_shown(found))
@@ -86,7 +93,11 @@ class ConversationsFront:
             found = await self._conversation(http)
             body = await self._body(http, {"metadata"})
             meta = check_metadata(body.get("metadata") or {})
-            found = await asyncio.to_thread(self.store.set_metadata, self.front.caller(http).scope, found["id"], meta)
+            caller = self.front.caller(http)
+            found = await asyncio.to_thread(self.store.set_metadata, caller.scope, found["id"], meta,
+                                            self._limit(caller))
+        except StorageFull as full:
+            return error_response(storage_refusal(full, "metadata"))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(_shown(found))
@@ -103,7 +114,10 @@ class ConversationsFront:
         try:
             found = await self._conversation(http)
             items = _items((await self._body(http, {"items"})).get("items"), required=True)
-            await asyncio.to_thread(self.store.append, self.front.caller(http).scope, found["id"], items)
+            caller = self.front.caller(http)
+            await asyncio.to_thread(self.store.append, caller.scope, found["id"], items, self._limit(caller))
+        except StorageFull as full:
+            return error_response(storage_refusal(full, "items"))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(listed(items, False))

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.common.responses_config import ResponsesConfig
+from services.control.storage_quota import require_room
 from services.control.tenancy import Caller
 from services.router.openai_api.generation import error_response
 from services.router.openai_api.item_pages import item_page, page_query
@@ -79,7 +80,12 @@ class KeptResponses:
                 raise ServiceError(ErrorKind.NOT_FOUND, f"conversation {joined!r} not found: it was deleted, or is "
                                    "not yours", field="conversation", reason="not_found")
             conversation = (joined, await asyncio.to_thread(self.conversations.items, joined))
-        return parse_responses_body(body, previous, self.config if self.config.store else None, conversation)
+        request = parse_responses_body(body, previous, self.config if self.config.store else None, conversation)
+        echo = request.responses
+        if echo.store or echo.conversation_id:
+            # what it keeps is kept when it ends, whatever its size: let in while under the limit
+            require_room(self.front.book, caller, "store" if echo.store else "conversation")
+        return request
 
     async def ended(self, caller: Caller, out) -> None:
         """A response that ended: kept when asked, its items added to its conversation."""

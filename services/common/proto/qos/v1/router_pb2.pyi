@@ -95,7 +95,7 @@ class UsageLine(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., priority: _Optional[_Union[_common_pb2.Priority, str]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., amount: _Optional[float] = ...) -> None: ...
 
 class UsageReply(_message.Message):
-    __slots__ = ("tenant", "lines", "requests", "prompt_tokens", "completion_tokens", "amount", "in_flight")
+    __slots__ = ("tenant", "lines", "requests", "prompt_tokens", "completion_tokens", "amount", "in_flight", "storage_bytes", "storage_limit_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LINES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class UsageReply(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     lines: _containers.RepeatedCompositeFieldContainer[UsageLine]
     requests: int
@@ -110,7 +112,9 @@ class UsageReply(_message.Message):
     completion_tokens: int
     amount: float
     in_flight: int
-    def __init__(self, tenant: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[UsageLine, _Mapping]]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., amount: _Optional[float] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    storage_bytes: int
+    storage_limit_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[UsageLine, _Mapping]]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., amount: _Optional[float] = ..., in_flight: _Optional[int] = ..., storage_bytes: _Optional[int] = ..., storage_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
