@@ -77,6 +77,8 @@ def token_chunk(request: Request, token_id: int, engine_finish: FinishReason | N
         return chunk
     if not detok.stopped:
         chunk.text += detok.flush()       # text held back in case a stop string was starting
+    else:
+        chunk.stop_string = detok.stop_string
     chunk.finish_reason = reason
     chunk.usage.CopyFrom(usage(request))
     chunk.timings.CopyFrom(timings(request, now))
@@ -108,6 +110,7 @@ def merge(chunk: common_pb2.GenerateChunk, following: common_pb2.GenerateChunk) 
     chunk.logprobs.extend(following.logprobs)
     if following.finish_reason:
         chunk.finish_reason = following.finish_reason
+        chunk.stop_string = following.stop_string
         chunk.usage.CopyFrom(following.usage)
         chunk.timings.CopyFrom(following.timings)
 

@@ -2,7 +2,8 @@
 huggingface_hub's InferenceClient (the client TGI's users call it with): the greedy text and each
 token's id and logprob equal our completions endpoint's for the same prompt; a stream's tokens
 add up to its text, the last with the details; a stop sequence kept; a JSON grammar followed;
-bad parameters are TGI's validation errors; /info names the model. SGLang's /generate as its
+bad parameters are TGI's validation errors; /info names the model; decoder_input_details the
+prompt's tokens and logprobs. SGLang's /generate as its
 docs call it (JSON over HTTP): text or token ids in, text, ids and logprobs out equal to the
 completions endpoint's; a batch; the cumulative stream; errors naming sampling_params."""
 from __future__ import annotations
@@ -44,6 +45,20 @@ def test_the_answer_and_its_tokens_are_the_completion_endpoints(hf, client, mode
     assert out.details.generated_tokens == ours.usage.completion_tokens and len(out.details.top_tokens[0]) == 2
     assert out.details.finish_reason == ("length" if ours.choices[0].finish_reason == "length" else "eos_token")
     assert hf.text_generation(PROMPT, max_new_tokens=12, return_full_text=True) == PROMPT + out.generated_text
+
+
+def test_decoder_input_details_are_the_prompts_tokens_and_logprobs(hf, client, model):
+    """TGI's prefill: the input's tokens, the first's logprob null and each other's given those
+    before it, equal to the completions endpoint's echoed prompt logprobs."""
+    out = hf.text_generation(PROMPT, max_new_tokens=2, details=True, decoder_input_details=True)
+    ours = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0, echo=True,
+                                     extra_body={"return_token_ids": True})
+    prompt = ours.choices[0].prompt_token_ids
+    assert [t.id for t in out.details.prefill] == prompt
+    assert out.details.prefill[0].logprob is None
+    assert [t.logprob for t in out.details.prefill[1:]] == pytest.approx(
+        ours.choices[0].logprobs.token_logprobs[1:len(prompt)], abs=1e-5)
+    assert "".join(t.text for t in out.details.prefill) == PROMPT
 
 
 def test_a_stream_adds_up_to_its_text_and_ends_with_the_details(hf):

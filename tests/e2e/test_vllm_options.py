@@ -73,6 +73,24 @@ def test_the_stop_string_is_kept_when_asked(client, model):
     assert kept.choices[0].text == cut.choices[0].text + stop == whole[:whole.index(stop) + len(stop)]
 
 
+def test_stop_reason_names_what_ended_the_answer(client, cluster, model):
+    """vLLM's stop_reason: the stop string that matched (whole and streamed, and SGLang's
+    `matched`), a stop token's id, None for the length."""
+    whole = complete(client, model, PROMPT).choices[0].text
+    stop = whole.split()[1]
+    assert complete(client, model, PROMPT, stop=["never in it", stop]).choices[0].stop_reason == stop
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                         extra_body={"stop": [stop]})
+    assert [c.choices[0].stop_reason for c in streamed if c.choices[0].finish_reason] == [stop]
+    second = complete(client, model, PROMPT, return_token_ids=True).choices[0].token_ids[1]   # the answer's 2nd
+    by_token = complete(client, model, PROMPT, stop_token_ids=[second]).choices[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", second)
+    assert complete(client, model, PROMPT).choices[0].stop_reason is None       # cut at max_tokens
+    status, _, data = raw(cluster, "POST", "/generate", json.dumps(
+        {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [stop]}}).encode())
+    assert status == 200 and json.loads(data)["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_allowed_tokens_alone_are_sampled_and_named_by_id(client, cluster, model):
     allowed = tokenize(cluster, {"model": model, "prompt": " blue green purple, and"})
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):

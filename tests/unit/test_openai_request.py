@@ -224,7 +224,30 @@ def test_a_whole_completion_body():
     out.add(0, chunk("b", common_pb2.FINISH_REASON_STOP))
     body = out.body()
     assert body["object"] == "text_completion" and body["service_tier"] == "flex"
-    assert body["choices"] == [{"index": 0, "text": "ab", "finish_reason": "stop", "logprobs": None}]
+    assert body["choices"] == [{"index": 0, "text": "ab", "finish_reason": "stop", "logprobs": None,
+                                "stop_reason": None}]
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice():
+    """vLLM's stop_reason: the stop string, else a stop token the request named, else None (EOS,
+    length); on the whole body's choice and on a stream's finishing object."""
+    request = b'{"model": "m", "prompt": "x", "stop": ["."], "stop_token_ids": [7]}'
+    for stop_string, token, expected in ((".", 5, "."), ("", 7, 7), ("", 2, None)):
+        last = chunk("b", common_pb2.FINISH_REASON_STOP)
+        last.stop_string = stop_string
+        last.token_ids.append(token)
+        whole = OpenAIResponse(parse_openai(COMPLETION, request), "id1", 7, LOW)
+        whole.add(0, last)
+        assert whole.body()["choices"][0]["stop_reason"] == expected, (stop_string, token)
+        streamed = OpenAIResponse(parse_openai(COMPLETION, request.replace(b"}", b', "stream": true}')), "id1", 7, LOW)
+        events = streamed.events(0, last)
+        assert events[-1]["choices"][0]["stop_reason"] == expected
+        assert all("stop_reason" not in e["choices"][0] for e in events[:-1])
+    cut = chunk("b", common_pb2.FINISH_REASON_LENGTH)
+    cut.token_ids.append(7)                  # a stop token's id, but the length ended it
+    whole = OpenAIResponse(parse_openai(COMPLETION, request), "id1", 7, LOW)
+    whole.add(0, cut)
+    assert whole.body()["choices"][0]["stop_reason"] is None
 
 
 def test_n_choices_in_one_body_and_in_a_stream_with_the_usage_once():

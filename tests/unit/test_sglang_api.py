@@ -88,6 +88,11 @@ def test_the_answer_as_sglang_tells_it():
         batch.add(k, chunk("x", [9], finish=common_pb2.FINISH_REASON_LENGTH, completion=1))
     assert [b["meta_info"]["id"] for b in batch.body()] == ["r", "r-1"]
     assert batch.body()[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+    stopped = SglangAnswer(sglang(sampling_params={"stop": ["."]}), "r", 7, 2)
+    last = chunk(" blue", [5, 6], finish=common_pb2.FINISH_REASON_STOP, completion=2)
+    last.stop_string = "."            # SGLang's matched: the stop string, not its last token
+    stopped.add(0, last)
+    assert stopped.body()["meta_info"]["finish_reason"] == {"type": "stop", "matched": "."}
 
 
 def test_a_stream_is_the_text_so_far_each_time():

@@ -1,10 +1,15 @@
 """Stop strings: the output ends exactly before the first one that completes, whatever the token
-boundaries (SmolLM2's real tokenizer)."""
+boundaries (SmolLM2's real tokenizer); the last chunk names the one that matched."""
 from __future__ import annotations
 
 from hypothesis import example, given, settings, strategies as st
 
+from services.common.priority import MEDIUM
+from services.common.proto.qos.v1 import common_pb2
+from services.common.step import FinishReason, SamplingParams
 from services.scheduler.detokenizer import IncrementalDetokenizer
+from services.scheduler.output import merge, token_chunk
+from services.scheduler.request import Phase, Request
 from tests.unit.detok_helpers import FFFD, encode, load_text_tokenizer, stream
 
 
@@ -225,3 +230,25 @@ def test_a_stop_string_counts_only_after_min_tokens(tok):
     # The whole text within min_tokens: no stop at all.
     _, _, none = stream(tok, ids, stop=["\n"], min_tokens=len(ids))
     assert not none.stopped and none.text == text
+
+
+def test_the_last_chunk_names_the_stop_string_merged_or_not(tok):
+    """The scheduler's last chunk says which stop string ended the request (vLLM's stop_reason,
+    SGLang's matched), also when chunks queued behind a slow stream are merged into one."""
+    ids = encode(tok, "one, two. three")
+    for stop, expected in ((["."], "."), (["never"], "")):
+        request = Request(request_id="r", seq_id=1, priority=MEDIUM, tenant="", prompt_ids=[3, 4],
+                          sampling=SamplingParams(max_tokens=100),
+                          detokenizer=IncrementalDetokenizer(tok, [3, 4], stop=stop))
+        request.phase = Phase.RUNNING
+        merged, chunks = common_pb2.GenerateChunk(), []
+        for k, token_id in enumerate(ids):
+            request.add_output(token_id)
+            last = None if k < len(ids) - 1 else FinishReason.LENGTH
+            chunks.append(token_chunk(request, token_id, last, "cpu", 0.0))
+            if chunks[-1].finish_reason:
+                break
+        for c in chunks:
+            merge(merged, c)
+        assert chunks[-1].stop_string == merged.stop_string == expected, stop
+        assert all(not c.stop_string for c in chunks[:-1])

@@ -4,6 +4,7 @@ statuses, and our chunks told as TGI's answer or its token stream."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_a_body_becomes_its_completion():
 
 @pytest.mark.parametrize("parameters, param", [
     ({"best_of": 2}, "parameters.best_of"), ({"typical_p": 0.5}, "parameters.typical_p"),
-    ({"watermark": True}, "parameters.watermark"), ({"decoder_input_details": True}, "parameters.decoder_input_details"),
+    ({"watermark": True}, "parameters.watermark"), ({"decoder_input_details": 1}, "parameters.decoder_input_details"),
     ({"beams": 2}, "parameters.beams"), ({"grammar": {"type": "lark"}}, "parameters.grammar"),
     ({"max_new_tokens": 0}, "parameters.max_new_tokens"), ({"temperature": -1}, "parameters.temperature"),
     ({"stop": [""]}, "parameters.stop[0]"), ({"top_n_tokens": 50}, "parameters.top_n_tokens"),
@@ -52,6 +53,22 @@ def test_a_body_becomes_its_completion():
 ])
 def test_what_is_not_served_or_wrong_is_named(parameters, param):
     assert refused(**parameters).field == param
+
+
+def test_decoder_input_details_lists_the_inputs_tokens_and_logprobs():
+    assert tgi(details=True, decoder_input_details=True).body.sampling.prompt_logprobs == 0
+    assert not tgi(decoder_input_details=True).body.sampling.HasField("prompt_logprobs")   # no details: none
+    with pytest.raises(ServiceError, match="not served on a stream") as caught:
+        tgi(stream=True, details=True, decoder_input_details=True)
+    assert caught.value.field == "parameters.decoder_input_details"
+    answer = TgiAnswer(tgi(details=True, decoder_input_details=True), "r", 7, 2)
+    first = chunk(" blue", [entry(5, " blue", -0.1)], 0, 0)
+    first.prompt_logprobs.extend([entry(1, "The", math.nan), entry(2, " sky", -2.0), entry(3, " is", -1.0)])
+    answer.add(0, first)
+    answer.add(0, chunk(".", [entry(6, ".", -0.2)], common_pb2.FINISH_REASON_LENGTH, 2))
+    assert answer.body()["details"]["prefill"] == [{"id": 1, "text": "The", "logprob": None},
+                                                   {"id": 2, "text": " sky", "logprob": -2.0},
+                                                   {"id": 3, "text": " is", "logprob": -1.0}]
 
 
 def test_errors_are_tgis_shape_and_status():
@@ -95,7 +112,9 @@ def test_the_answer_and_its_details():
     assert [(t["id"], t["text"], t["special"]) for t in details["tokens"]] == [
         (5, " blue", False), (6, ".", False), (2, "<|im_end|>", True)]
     stopped = TgiAnswer(tgi(stop=["."], details=True), "r", 7, 2)
-    stopped.add(0, chunk(" blue.", [entry(5, " blue", -0.1), entry(6, ".", -0.2)], common_pb2.FINISH_REASON_STOP, 2))
+    last = chunk(" blue.", [entry(5, " blue", -0.1), entry(6, ".", -0.2)], common_pb2.FINISH_REASON_STOP, 2)
+    last.stop_string = "."               # the scheduler says which stop string ended it
+    stopped.add(0, last)
     assert stopped.body()["details"]["finish_reason"] == "stop_sequence"
     plain = TgiAnswer(tgi(), "r", 7, 2)
     plain.add(0, chunk(" blue", [], common_pb2.FINISH_REASON_LENGTH, 1))

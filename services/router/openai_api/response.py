@@ -29,6 +29,17 @@ def finish_label(value: int) -> str | None:
     return FinishReason(value).label if value else None
 
 
+def stop_reason(chunk: common_pb2.GenerateChunk, stop_token_ids) -> str | int | None:
+    """vLLM's stop_reason of a request's last chunk: the stop string that ended it, else the stop
+    token (one the request named in stop_token_ids) it ended on; None: the model's EOS, or length."""
+    if chunk.stop_string:
+        return chunk.stop_string
+    last = chunk.token_ids[-1] if chunk.token_ids else None
+    if chunk.finish_reason == common_pb2.FINISH_REASON_STOP and last in stop_token_ids:
+        return last
+    return None
+
+
 def usage_of(chunk: common_pb2.GenerateChunk) -> dict:
     """OpenAI's usage object; `streaming` (ours) when streaming mode served the request: the model
     attended the first sink_tokens and the window_tokens most recent at each token, not the whole."""
@@ -169,7 +180,8 @@ class OpenAIResponse:
                 choice["message"] = {"role": "assistant", "content": content.strip() or None,
                                      "tool_calls": c.tagged.calls}
         choice.update(finish_reason=self._finish(c, c.last.finish_reason),
-                      logprobs=c.view.of(c.entries) if c.view else None)
+                      logprobs=c.view.of(c.entries) if c.view else None,
+                      stop_reason=stop_reason(c.last, self.request.body.sampling.stop_token_ids))
         if not self.chat and self.request.prompt_logprobs is not None:    # vLLM's: each choice's prompt
             choice["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_entries, self.request.prompt_logprobs)
         if self.request.token_ids:        # vLLM's: every token sampled (an EOS too); a completion's prompt's
@@ -218,6 +230,7 @@ class OpenAIResponse:
             if c.tools is not None and c.tools.unparsed:     # cut before a call began: its text
                 out.append(self._event(c, {"content": c.tools.unparsed}))
             out.append(self._event(c, {} if self.chat else "", self._finish(c, chunk.finish_reason)))
+            out[-1]["choices"][0]["stop_reason"] = stop_reason(chunk, self.request.body.sampling.stop_token_ids)
         if self.request.token_ids:
             self._ids(c, chunk, out)
         if chunk.finish_reason and self.request.include_usage and self.finished:

@@ -178,7 +178,8 @@ class SglangAnswer:
         if last.finish_reason:
             meta["completion_tokens"] = last.usage.completion_tokens
             meta["finish_reason"] = {"type": "length", "length": last.usage.completion_tokens} \
-                if last.finish_reason == common_pb2.FINISH_REASON_LENGTH else {"type": "stop", "matched": self.ids[k][-1]}
+                if last.finish_reason == common_pb2.FINISH_REASON_LENGTH else \
+                {"type": "stop", "matched": last.stop_string or self.ids[k][-1]}   # the stop string, else the token
         if self.echo.logprob:
             meta["output_token_logprobs"] = [self._triple(e) for e in self.entries[k]]
             if self.echo.top:

@@ -15,11 +15,13 @@ read by the completion parser: every check is that endpoint's, and an error name
 as this body has it (`parameters.max_new_tokens`). As TGI: `do_sample` false and no temperature,
 top_k or top_p is greedy; a stop sequence that ended the text stays in it (finish_reason
 stop_sequence, else eos_token or length). Errors are TGI's {"error", "error_type"} with its
-statuses (422 validation, 429 overloaded with Retry-After, 424 generation). Refused by name:
-best_of above 1, typical_p below 1, watermark, decoder_input_details.
+statuses (422 validation, 429 overloaded with Retry-After, 424 generation). With `details`,
+`decoder_input_details` gives the input's tokens and their logprobs (`prefill`; not on a stream,
+as TGI). Refused by name: best_of above 1, typical_p below 1, watermark.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.errors import ErrorKind, ServiceError, invalid
@@ -37,7 +39,7 @@ PARAMETERS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top
               "stop": "stop", "truncate": "truncate_prompt_tokens", "top_n_tokens": None, "details": None,
               "do_sample": None, "return_full_text": None, "grammar": None, "adapter_id": None, "best_of": None,
               "typical_p": None, "watermark": None, "decoder_input_details": None}
-NEUTRAL = {"best_of": (1,), "typical_p": (1.0,), "watermark": (False,), "decoder_input_details": (False,)}
+NEUTRAL = {"best_of": (1,), "typical_p": (1.0,), "watermark": (False,)}
 GRAMMARS = {"json": "json", "json_object": "json", "regex": "regex"}
 STATUS = {ErrorKind.INVALID: (422, "validation"), ErrorKind.EXHAUSTED: (429, "overloaded"),
           ErrorKind.TOO_LARGE: (422, "validation"), ErrorKind.PAYLOAD_TOO_LARGE: (413, "validation")}
@@ -48,9 +50,9 @@ class TgiEcho:
     inputs: str
     full_text: bool = False          # return_full_text: the input before the generated text
     details: bool = False
+    prefill: bool = False            # decoder_input_details: the input's tokens and logprobs in details
     top_n: int = 0
     seed: int | None = None
-    stops: tuple[str, ...] = ()
 
     def param(self, chat_param: str | None) -> str | None:
         """A completion's parameter as this body named it."""
@@ -84,9 +86,10 @@ def parse_tgi(body: dict, model: str, stream: bool | None) -> OpenAIRequest:
             raise invalid(f"parameters.{name} is not supported by this server (only {NEUTRAL[name][0]!r})",
                           f"parameters.{name}")
     flags = {name: params.get(name) is not None and bool_field(params[name], f"parameters.{name}")
-             for name in ("return_full_text", "details", "do_sample")}
+             for name in ("return_full_text", "details", "do_sample", "decoder_input_details")}
     top_n = params.get("top_n_tokens")
     echo = TgiEcho(inputs, full_text=flags["return_full_text"], details=flags["details"],
+                   prefill=flags["details"] and flags["decoder_input_details"],
                    top_n=0 if top_n is None else int_field(top_n, "parameters.top_n_tokens", 0, MAX_TOP_LOGPROBS),
                    seed=params.get("seed"))
     completion = {"model": params.get("adapter_id") or model, "prompt": inputs,
@@ -95,11 +98,15 @@ def parse_tgi(body: dict, model: str, stream: bool | None) -> OpenAIRequest:
     if not sampled:
         completion["temperature"] = 0
     if completion.get("stop"):
-        echo.stops = tuple(completion["stop"]) if isinstance(completion["stop"], list) else ()
         completion["include_stop_str_in_output"] = True          # TGI keeps the stop sequence
     streaming = body.get("stream") is True if stream is None else stream
     if echo.details or streaming:        # each token's id, text and logprob
         completion["logprobs"] = echo.top_n
+    if flags["decoder_input_details"] and streaming:
+        raise invalid("parameters.decoder_input_details is not served on a stream (as TGI): use /generate",
+                      "parameters.decoder_input_details")
+    if echo.prefill:                     # each input token's logprob given those before it
+        completion["prompt_logprobs"] = 0
     grammar = params.get("grammar")
     if grammar is not None:
         if not isinstance(grammar, dict) or grammar.get("type") not in GRAMMARS or "value" not in grammar:
@@ -124,6 +131,7 @@ class TgiAnswer:
         self.echo: TgiEcho = request.tgi
         self.text: list[str] = []
         self.tokens: list[common_pb2.TokenLogprob] = []
+        self.prefill: list[common_pb2.TokenLogprob] = []
         self.last: common_pb2.GenerateChunk | None = None
         self.index = 0
         self.prompt_tokens = 0
@@ -135,6 +143,8 @@ class TgiAnswer:
     def add(self, index: int, chunk: common_pb2.GenerateChunk) -> None:
         self.text.append(chunk.text)
         self.tokens.extend(chunk.logprobs)
+        if self.echo.prefill and chunk.prompt_logprobs and not self.prefill:
+            self.prefill = list(chunk.prompt_logprobs)
         self.prompt_tokens = chunk.usage.prompt_tokens or self.prompt_tokens
         self.last = chunk
 
@@ -144,8 +154,7 @@ class TgiAnswer:
     def _finish(self) -> str:
         if self.last.finish_reason == common_pb2.FINISH_REASON_LENGTH:
             return "length"
-        text = "".join(self.text)
-        return "stop_sequence" if any(text.endswith(s) for s in self.echo.stops) else "eos_token"
+        return "stop_sequence" if self.last.stop_string else "eos_token"
 
     def _token(self, entry: common_pb2.TokenLogprob, last: bool) -> dict:
         return {"id": entry.token_id, "text": token_text(entry.token_bytes), "logprob": entry.logprob,
@@ -156,12 +165,18 @@ class TgiAnswer:
         if self.echo.details:
             n = len(self.tokens)
             out["details"] = {"finish_reason": self._finish(), "generated_tokens": self.last.usage.completion_tokens,
-                              "seed": self.echo.seed, "prefill": [],
+                              "seed": self.echo.seed, "prefill": [self._input(e) for e in self.prefill],
                               "tokens": [self._token(e, i == n - 1) for i, e in enumerate(self.tokens)],
                               "best_of_sequences": None}
             if self.echo.top_n:
                 out["details"]["top_tokens"] = [[self._top(t) for t in e.top] for e in self.tokens]
         return out
+
+    @staticmethod
+    def _input(e: common_pb2.TokenLogprob) -> dict:
+        """An input token as TGI's prefill lists it: the first one's logprob null."""
+        logprob = None if math.isnan(e.logprob) else e.logprob
+        return {"id": e.token_id, "text": token_text(e.token_bytes), "logprob": logprob}
 
     @staticmethod
     def _top(t) -> dict:
