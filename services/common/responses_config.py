@@ -18,6 +18,9 @@ class ResponsesConfig:
     background_lease_s: float = setting(10.0, "a router running a background response renews its claim on it this "
                                         "often x 3; one whose router was lost reads as failed once its claim is "
                                         "this old", bounds=POSITIVE)
+    stream_events_s: float = setting(3600.0, "a background response made with stream true keeps its stream's events "
+                                     "this long, for a client resuming it (GET /v1/responses/{id}?stream=true"
+                                     "&starting_after=N) on any replica", bounds=POSITIVE)
     max_items: int = setting(10_000, "the most input items one response's conversation may hold, its earlier "
                              "responses' included (a longer one is refused naming previous_response_id)",
                              bounds=Bounds(1))

@@ -24,7 +24,7 @@ import json
 from sqlalchemy import delete, func, insert, literal, select, update
 
 from services.store import storage_use
-from services.store.schema import responses, row_id
+from services.store.schema import response_events, responses, row_id
 from services.store.store import Store
 
 ACTIVE = ("queued", "in_progress")
@@ -57,16 +57,17 @@ class ResponseStore:
             row = db.execute(_owned(select(responses), tenant, response_id, now)).first()
             if row is None:
                 return None
-            response = json.loads(row.response)
-            if row.status in ACTIVE and (row.lease_until or 0.0) < now:
-                lost = _ended(response, "failed", {"code": "server_error", "message": LOST})
-                if _change(db, response_id, lost, responses.c.lease_until < now):
-                    response = lost
-                else:                        # it changed meanwhile: as it is now
-                    response = json.loads(db.execute(select(responses.c.response)
-                                                     .where(responses.c.id == response_id)).scalar())
+            response = _as_now(db, row, now)
             earlier = _earlier_items(db, row.previous_id, now) if row.previous_id else []
         return response, earlier + json.loads(row.input_items)
+
+    def current(self, response_id: str, now: float) -> dict | None:
+        """The response object alone as it is now (a running one whose router was lost: failed),
+        for a stream's reader (the caller has checked it is its tenant's); None: gone."""
+        with self.engine.begin() as db:
+            row = db.execute(_owned(select(responses.c.id, responses.c.status, responses.c.lease_until,
+                                           responses.c.response), None, response_id, now)).first()
+            return None if row is None else _as_now(db, row, now)
 
     def update(self, response: dict, owner: str) -> bool:
         """The running response as it is now (its last write when its status is final); False when
@@ -112,12 +113,42 @@ class ResponseStore:
             row = db.execute(select(responses.c.tenant, responses.c.bytes).where(responses.c.id == response_id)).one()
             db.execute(update(responses).where(responses.c.id == response_id).values(
                 input_items="[]", response="{}", bytes=len("[]{}")))
+            db.execute(delete(response_events).where(response_events.c.response_id == response_id))
             storage_use.move(db, row.tenant, len("[]{}") - row.bytes)
             return True
 
-    def purge(self, now: float) -> int:
-        """Delete the expired rows; how many there were."""
+    # --- a background stream's events (services/router/openai_api/responses_stream.py) -----------
+
+    def add_events(self, response_id: str, events: list[tuple[int, str]], now: float) -> None:
+        """(sequence number, the event's JSON) rows of a running response's stream."""
+        if events:
+            with self.engine.begin() as db:
+                db.execute(insert(response_events), [{"response_id": response_id, "seq": seq, "event": event,
+                                                      "created_at": now} for seq, event in events])
+
+    def events(self, response_id: str, after: int, limit: int = 1000) -> list[tuple[int, str]]:
+        """The stream's events after sequence number `after`, in order (the caller has checked the
+        response is its tenant's)."""
+        with self.engine.connect() as db:
+            rows = db.execute(select(response_events.c.seq, response_events.c.event)
+                              .where(response_events.c.response_id == response_id, response_events.c.seq > after)
+                              .order_by(response_events.c.seq).limit(limit))
+            return [(row.seq, row.event) for row in rows]
+
+    def last_event(self, response_id: str) -> tuple[int, str] | None:
+        """(sequence number, type) of the stream's last event kept."""
+        with self.engine.connect() as db:
+            row = db.execute(select(response_events.c.seq, response_events.c.event)
+                             .where(response_events.c.response_id == response_id)
+                             .order_by(response_events.c.seq.desc()).limit(1)).first()
+        return None if row is None else (row.seq, json.loads(row.event)["type"])
+
+    def purge(self, now: float, events_before: float | None = None) -> int:
+        """Delete the expired rows (and streams' events older than `events_before`); how many
+        responses there were."""
         with self.engine.begin() as db:
+            if events_before is not None:
+                db.execute(delete(response_events).where(response_events.c.created_at < events_before))
             gone = db.execute(delete(responses).where(responses.c.expires_at <= now)
                               .returning(responses.c.tenant, responses.c.bytes)).all()
             freed: dict[str, int] = {}
@@ -130,6 +161,19 @@ class ResponseStore:
 def _owned(query, tenant: str | None, response_id: str, now: float):
     query = query.where(responses.c.id == response_id, responses.c.expires_at > now, responses.c.deleted == 0)
     return query if tenant is None else query.where(responses.c.tenant == tenant)
+
+
+def _as_now(db, row, now: float) -> dict:
+    """A row's response; a queued or running one whose lease lapsed (its router was lost) ends
+    failed, by the first reader that sees it."""
+    response = json.loads(row.response)
+    if row.status in ACTIVE and (row.lease_until or 0.0) < now:
+        lost = _ended(response, "failed", {"code": "server_error", "message": LOST})
+        if _change(db, row.id, lost, responses.c.lease_until < now):
+            return lost
+        # it changed meanwhile: as it is now
+        return json.loads(db.execute(select(responses.c.response).where(responses.c.id == row.id)).scalar())
+    return response
 
 
 def _earlier_items(db, previous_id: str, now: float) -> list[dict]:

@@ -19,6 +19,9 @@ and its version.
                   response object, its own input items and the response it continued (a chain:
                   each turn stored once); a background one's status as it runs, and the router
                   replica running it (a lease)
+    response_events  a background response made with stream true: its stream's events in order,
+                  for a client resuming it (GET /v1/responses/{id}?stream=true&starting_after=N)
+                  on any replica; kept [responses] stream_events_s
     tenant_storage  each tenant's bytes in files, responses and conversations (kept with every
                   write and delete of those rows: services/store/storage_use.py)
     schema_info   one row: the schema version this database holds
@@ -174,6 +177,14 @@ responses = Table(
     Column("bytes", Integer, nullable=False, default=0),     # its input_items and response JSON (ASCII)
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
+)
+
+response_events = Table(
+    "response_events", metadata,
+    Column("response_id", String(64), primary_key=True),
+    Column("seq", Integer, primary_key=True),                # the event's sequence_number
+    Column("event", Text, nullable=False),                   # JSON: the event as streamed
+    Column("created_at", Float, nullable=False, index=True),
 )
 
 conversations = Table(

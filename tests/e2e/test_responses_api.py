@@ -3,8 +3,10 @@ cluster of two router replicas (embedded SmolLM2, fp32, greedy): each answer equ
 completion of the same conversation, whole or streamed event by event; structured output through
 `responses.parse`; a function call and its output sent back as input; logprobs; kept answers read
 back, listed, deleted and continued with previous_response_id on the other replica, each
-tenant's alone; a conversation read and joined by its responses; background responses polled to their end, cancelled from the other replica, and
-failed when the router running one is killed; what is not served refused by name."""
+tenant's alone; a conversation read and joined by its responses; background responses polled to
+their end, streamed and resumed on the other replica after the connection dropped, cancelled from
+the other replica, and failed when the router running one is killed; what is not served refused
+by name."""
 from __future__ import annotations
 
 import json
@@ -124,7 +126,6 @@ def test_logprobs_are_the_chat_endpoints(client, model):
 @pytest.mark.parametrize("extra, param", [
     ({"store": "yes"}, "store"),
     ({"previous_response_id": 7}, "previous_response_id"),
-    ({"background": True, "stream": True}, "stream"),
     ({"conversation": 7}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
      "input[0].content[0].type"),
@@ -248,6 +249,37 @@ def test_a_background_response_is_polled_to_the_foreground_answer(cluster, model
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model=model, input="Hi", background=True, store=False)
         assert refused.value.body["param"] == "background"
+
+
+def test_a_background_stream_dropped_midway_resumes_on_the_other_replica(cluster, model):
+    """OpenAI's background streaming: the POST's stream read to a point and dropped, the rest read
+    with retrieve(stream=True, starting_after=N) on the other replica: together one stream
+    (sequence numbers 0..n, none missing or repeated), whose deltas are the kept response's text
+    and the foreground answer's."""
+    ask = {"model": model, "input": "Name three colours.", "max_output_tokens": 24, "temperature": 0}
+    with tenant_client(cluster, "alpha", 0) as first, tenant_client(cluster, "alpha", 1) as second:
+        stream = first.responses.create(**ask, background=True, stream=True)
+        seen = []
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta" and len(seen) >= 6:
+                break
+        stream.close()                     # the client's connection drops; the response runs on
+        response_id = seen[0].response.id
+        assert seen[0].type == "response.created" and seen[0].response.status == "queued"
+        rest = list(second.responses.retrieve(response_id, stream=True, starting_after=seen[-1].sequence_number))
+        events = seen + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        alone = first.responses.create(**ask)
+        assert text == events[-1].response.output_text == second.responses.retrieve(response_id).output_text \
+            == alone.output_text
+        again = list(first.responses.retrieve(response_id, stream=True))        # from its start, on the first
+        assert [(e.sequence_number, e.type) for e in again] == [(e.sequence_number, e.type) for e in events]
+        with pytest.raises(openai.BadRequestError) as refused:              # not made with stream: no events
+            second.responses.retrieve(alone.id, stream=True)
+        assert refused.value.body["param"] == "stream"
 
 
 def test_a_background_response_cancelled_on_the_other_replica_stops(cluster, model):

@@ -23,6 +23,7 @@ from services.control.tenancy import Caller
 from services.router.openai_api.responses_background import BackgroundResponses
 from services.router.openai_api.responses_output import ResponsesAnswer
 from services.router.openai_api.responses_request import parse_responses, parse_responses_body, previous_id
+from services.router.openai_api.responses_stream import stored_tail
 from services.router.validation import RequestHead
 from services.store.conversation_store import ConversationStore
 from services.store.response_store import ResponseStore
@@ -197,10 +198,10 @@ def test_a_background_response_whose_router_was_lost_reads_as_failed(kept):
     assert kept.get("alpha", "resp_l", now=112.0)[0] == lost
 
 
-def test_background_needs_store_and_is_not_streamed():
+def test_background_needs_store():
     assert parse_responses_body(body(background=True), keeping=KEEPING).responses.background
-    for fields, param in (({"background": True, "store": False}, "background"), ({"background": 1}, "background"),
-                          ({"background": True, "stream": True}, "stream")):
+    assert parse_responses_body(body(background=True, stream=True), keeping=KEEPING).stream
+    for fields, param in (({"background": True, "store": False}, "background"), ({"background": 1}, "background")):
         with pytest.raises(ServiceError) as refused:
             parse_responses_body(body(**fields), keeping=KEEPING)
         assert refused.value.field == param
@@ -230,22 +231,39 @@ class SlowPath:
         return chunks()
 
 
-def run_background(kept: ResponseStore, path, act) -> list[dict]:
+def run_background(kept: ResponseStore, path, act, stream: bool = False) -> list:
     """A background response started on a router stub whose path is `path`; `act(runner, id)` then
-    runs; the statuses the store showed along the way, and the last response."""
+    runs; the statuses the store showed along the way, and the last response (made with stream:
+    and the events its POST streamed, and those the store holds)."""
     async def go():
         async def join(caller, out):          # (no conversation here)
             assert out.joined() is None
         front = SimpleNamespace(drain=Drain("router"), path=path, kept_responses=SimpleNamespace(join=join))
         runner = BackgroundResponses(front, kept, ResponsesConfig(background_lease_s=0.3), "r1")
-        request = parse_responses_body(body(background=True, max_output_tokens=1000), keeping=KEEPING)
-        queued = await runner.start(RequestHead(priority=MEDIUM, tenant="alpha"), Caller(Tenant("alpha")), request)
-        seen = [kept.get("alpha", queued["id"], time.time())[0]["status"]]
-        await act(runner, queued["id"])
-        seen.append(kept.get("alpha", queued["id"], time.time())[0])
-        assert front.drain.in_flight == 0 and not runner.running
+        request = parse_responses_body(body(background=True, max_output_tokens=1000, stream=stream), keeping=KEEPING)
+        answer = await runner.start(RequestHead(priority=MEDIUM, tenant="alpha"), Caller(Tenant("alpha")), request, {})
+        posted = asyncio.create_task(read_events(answer.body_iterator)) if stream else None
+        response_id = next(iter(runner.running)) if stream else json.loads(answer.body)["id"]
+        seen = [kept.get("alpha", response_id, time.time())[0]["status"]]
+        await act(runner, response_id)
+        seen.append(kept.get("alpha", response_id, time.time())[0])
+        assert front.drain.in_flight == 0 and not runner.running and not runner.logs
+        if stream:
+            seen += [await posted, [json.loads(event) for _, event in kept.events(response_id, -1)]]
         return seen
     return asyncio.run(go())
+
+
+async def read_events(frames) -> list[dict]:
+    """Server-Sent Events as the Responses API frames them: their data objects, in order."""
+    events = []
+    async for framed in frames:
+        for block in framed.decode().split("\n\n"):
+            data = [line.removeprefix("data: ") for line in block.split("\n") if line.startswith("data: ")]
+            if data:
+                events.append(json.loads(data[0]))
+    return events
+
 
 
 async def until_running(kept: ResponseStore, response_id: str) -> None:
@@ -277,6 +295,44 @@ def test_a_cancel_stops_the_run_here_or_at_the_next_renewal_and_a_stop_fails_it(
         await runner.stop()
     _, stopped = run_background(kept, SlowPath(), stop)
     assert stopped["status"] == "failed" and "send the request again" in stopped["error"]["message"]
+
+
+def test_a_streamed_background_run_keeps_its_events_for_a_reader_anywhere(kept):
+    async def finish(runner, response_id):
+        await asyncio.gather(*runner.running.values())
+    queued, done, posted, stored = run_background(kept, SlowPath(tokens=5), finish, stream=True)
+    assert queued == "queued" and done["status"] == "incomplete"
+    assert posted == stored and [e["sequence_number"] for e in stored] == list(range(len(stored)))
+    assert [e["type"] for e in stored[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert stored[0]["response"]["status"] == "queued" and stored[-1]["type"] == "response.incomplete"
+    assert "".join(e["delta"] for e in stored if e["type"] == "response.output_text.delta") == "aaaaa"
+    assert stored[-1]["response"] == done
+    # A reader elsewhere, from the store: after any event, the rest, to the last.
+    for after in (-1, 3, len(stored) - 2, len(stored) - 1, len(stored) + 5):
+        assert asyncio.run(read_events(stored_tail(kept, done["id"], after))) == stored[after + 1:]
+
+    async def cancel_elsewhere(runner, response_id):
+        await until_running(kept, response_id)
+        assert kept.cancel("alpha", response_id, time.time())[1]
+        await asyncio.wait_for(asyncio.gather(*runner.running.values()), timeout=5)
+    _, cancelled, posted, stored = run_background(kept, SlowPath(), cancel_elsewhere, stream=True)
+    assert posted == stored and stored[-1]["type"] == "response.failed"
+    assert stored[-1]["response"]["status"] == cancelled["status"] == "cancelled"
+
+
+def test_a_reader_of_a_lost_routers_stream_gets_its_end_from_the_store(kept):
+    """The router running it was lost after two events: the reader reads them, then (its lease
+    lapsed) response.failed with the response as the store ends it."""
+    queued = {**response("resp_lost"), "status": "queued", "background": True}
+    kept.add("alpha", queued, [USER], now=time.time(), expires_at=time.time() + 60, owner="gone",
+             lease_until=time.time() + 0.3)
+    kept.add_events("resp_lost", [(k, json.dumps({"type": kind, "sequence_number": k}))
+                                  for k, kind in enumerate(("response.created", "response.queued"))], time.time())
+    events = asyncio.run(read_events(stored_tail(kept, "resp_lost", -1)))
+    assert [e["type"] for e in events] == ["response.created", "response.queued", "response.failed"]
+    assert events[-1]["sequence_number"] == 2 and events[-1]["response"]["status"] == "failed"
+    assert "send the request again" in events[-1]["response"]["error"]["message"]
+    assert kept.delete("alpha", "resp_lost", time.time()) and kept.last_event("resp_lost") is None   # erased too
 
 
 @pytest.fixture

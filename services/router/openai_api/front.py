@@ -193,8 +193,8 @@ class HttpFront:
             if request.prompt_only:
                 head = replace(head, prompt_only=True)
             if request.responses is not None and request.responses.background:
-                queued = await self.kept_responses.background.start(head, caller, request)
-                return JSONResponse(queued, headers={"x-request-id": head.request_id, **self.book.headers(caller)})
+                return await self.kept_responses.background.start(
+                    head, caller, request, {"x-request-id": head.request_id, **self.book.headers(caller)})
         except ServiceError as error:
             self.router.totals.refused_early(error)
             return error_response(error, request, tgi=shape == TGI)

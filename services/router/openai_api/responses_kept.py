@@ -1,6 +1,8 @@
 """Kept Responses API answers on the HTTP front: what `store: true` (OpenAI's default) is for.
 
-    GET    /v1/responses/{id}                  the response object as it was answered
+    GET    /v1/responses/{id}                  the response object as it was answered; with
+                                               stream=true[&starting_after=N], a background
+                                               stream's events (responses_stream.py)
     GET    /v1/responses/{id}/input_items      its conversation's input items (earlier turns' too),
                                                a page at a time (after, limit 1-100, order)
     DELETE /v1/responses/{id}
@@ -96,7 +98,10 @@ class KeptResponses:
 
     async def join(self, caller: Caller, out) -> None:
         """Its input and output added to its conversation, if it has one and ended with an answer
-        (a conversation deleted meanwhile takes nothing)."""
+        (a conversation deleted meanwhile takes nothing). Every response that ended, background
+        ones too, passes here: expired rows and old stream events are deleted at most every
+        PURGE_EVERY_S."""
+        await self._purge()
         joined = out.joined()
         if joined is None:
             return
@@ -105,14 +110,20 @@ class KeptResponses:
         except Exception:          # the answer went out: its turn is missing from the conversation, said so
             log.exception("could not add response %s to conversation %s", out.id, joined[0])
 
+    async def _purge(self) -> None:
+        now = time.time()
+        if now - self.purged > PURGE_EVERY_S:
+            self.purged = now
+            try:
+                await asyncio.to_thread(self.store.purge, now, now - self.config.stream_events_s)
+            except Exception as exc:           # again at the next
+                log.warning("could not delete expired responses (%s)", exc)
+
     async def keep(self, caller: Caller, response: dict, input_items: list[dict]) -> None:
         now = time.time()
         try:
             await asyncio.to_thread(self.store.add, caller.name, response, input_items, now,
                                     now + self.config.retention_s)
-            if now - self.purged > PURGE_EVERY_S:
-                self.purged = now
-                await asyncio.to_thread(self.store.purge, now)
         except Exception:          # the answer is made and billed: it goes out unkept
             self.outcomes.labels("failed").inc()
             log.exception("could not keep response %s", response["id"])
@@ -127,11 +138,19 @@ class KeptResponses:
         return found
 
     async def retrieve(self, http: Request) -> Response:
+        """The response; with stream=true (a background one made with stream), its events after
+        starting_after, to its last (responses_stream.py)."""
         try:
-            if http.query_params.get("stream", "false").lower() not in ("false", "0"):
-                raise invalid("stream: a response is not streamed again here: poll GET /v1/responses/{id} without "
-                              "stream (a background response keeps its status as it runs)", "stream")
+            stream = http.query_params.get("stream", "false").lower()
+            if stream not in ("true", "1", "false", "0"):
+                raise invalid(f"stream must be true or false, got {stream[:20]!r}", "stream")
+            after = http.query_params.get("starting_after")
+            if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 9):
+                raise invalid(f"starting_after must be an event's sequence number (0 or more), got {after[:20]!r}",
+                              "starting_after")
             response, _ = await self._kept(http)
+            if stream in ("true", "1"):
+                return await self.background.stream_again(response, -1 if after is None else int(after))
         except ServiceError as error:
             return error_response(error)
         return JSONResponse(response)

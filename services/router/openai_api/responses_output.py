@@ -30,6 +30,7 @@ class ResponsesAnswer:
         self.id, self.rid = "resp_" + request_id, request_id
         self.created, self.tier, self.model = created, TIER_OF[priority], request.model
         self.sequence = 0
+        self.started = False                   # response.in_progress sent
         self.items: list[dict] = []            # the output so far, in order
         self.text: dict | None = None          # the message item being streamed
         self.calls: dict[int, dict] = {}       # a chat tool call's index -> its function_call item
@@ -112,10 +113,21 @@ class ResponsesAnswer:
 
     def frames(self, index: int, chunk: common_pb2.GenerateChunk) -> bytes:
         """The events for one of our chunks, framed (`event:` and `data:` lines)."""
+        return b"".join(frame(e) for e in self.events(index, chunk))
+
+    def queued(self) -> list[dict]:
+        """A background stream's first events, before its first token: created (queued), queued."""
+        return [self._event("response.created", response=self.response("queued")),
+                self._event("response.queued", response=self.response("queued"))]
+
+    def events(self, index: int, chunk: common_pb2.GenerateChunk) -> list[dict]:
+        """The events for one of our chunks."""
         events = []
         if not self.sequence:
-            events += [self._event("response.created", response=self.response("in_progress")),
-                       self._event("response.in_progress", response=self.response("in_progress"))]
+            events.append(self._event("response.created", response=self.response("in_progress")))
+        if not self.started:
+            self.started = True
+            events.append(self._event("response.in_progress", response=self.response("in_progress")))
         for chat_event in self.chat.events(index, chunk):
             for choice in chat_event["choices"]:
                 events += self._from_chat(choice["delta"], choice["logprobs"])
@@ -124,20 +136,27 @@ class ResponsesAnswer:
             self.final = final = self.response(self._status(), self.usage())
             events.append(self._event("response.incomplete" if final["status"] == "incomplete"
                                       else "response.completed", response=final))
-        return b"".join(_frame(e) for e in events)
+        return events
 
     def end(self) -> bytes:
         return b""        # the last event (response.completed) says it all: no [DONE] in this API
 
     def failed(self, error: ServiceError, param: str | None) -> bytes:
+        return b"".join(frame(e) for e in self.failed_events(error, param))
+
+    def failed_events(self, error: ServiceError, param: str | None) -> list[dict]:
         if not self.sequence:         # nothing sent yet: the stream opens to say it
             opening = [self._event("response.created", response=self.response("in_progress"))]
         else:
             opening = []
         self.final = self.response("failed", error={"code": error.reason or "server_error", "message": error.message})
-        events = [*opening, self._event("error", code=error.reason, message=error.message, param=param),
-                  self._event("response.failed", response=self.final)]
-        return b"".join(_frame(e) for e in events)
+        return [*opening, self._event("error", code=error.reason, message=error.message, param=param),
+                self._event("response.failed", response=self.final)]
+
+    def ended_events(self, response: dict) -> list[dict]:
+        """A background stream's last event when it ended otherwise (cancelled; its router
+        stopping): response.failed with the response as it ended."""
+        return [self._event("response.failed", response=response)]
 
     def _event(self, kind: str, **fields) -> dict:
         """An event as things stand now (a copy: the items it shows change as the stream goes on)."""
@@ -195,5 +214,5 @@ class ResponsesAnswer:
         return out
 
 
-def _frame(event: dict) -> bytes:
+def frame(event: dict) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + to_json(event) + b"\n\n"

@@ -178,9 +178,6 @@ def _keeping(body: dict, previous, keeping: ResponsesConfig | None, echo: Respon
             raise invalid("background: a background response is polled from the store: it needs store true (and "
                           "this server's [responses] store on; a batch's lines run in the background already)",
                           "background")
-        if body.get("stream"):
-            raise invalid("stream: a background response is not streamed here: poll GET /v1/responses/{id}",
-                          "stream")
         echo.background = True
     if previous is not None:
         echo.previous_id = previous[0]["id"]
