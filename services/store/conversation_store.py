@@ -104,6 +104,24 @@ class ConversationStore:
                               .order_by(conversation_items.c.position))
             return [json.loads(row.item) for row in rows]
 
+    def items_page(self, conversation_id: str, limit: int, order: str, after: str | None) -> tuple[list[dict], bool]:
+        """OpenAI's page of its items (item_pages.py's, read by the database: a long conversation
+        is not read whole for each page): up to `limit` in `order` ("asc" or "desc") after the
+        item `after` (an id not in it: none), and whether more follow."""
+        position = conversation_items.c.position
+        query = select(conversation_items.c.item).where(conversation_items.c.conversation_id == conversation_id)
+        with self.engine.connect() as db:
+            if after is not None:
+                start = db.execute(select(position).where(conversation_items.c.conversation_id == conversation_id,
+                                                          conversation_items.c.item_id == after)
+                                   .order_by(position if order == "asc" else position.desc())).scalar() \
+                    if row_id(after) else None
+                if start is None:
+                    return [], False
+                query = query.where(position > start if order == "asc" else position < start)
+            rows = db.execute(query.order_by(position if order == "asc" else position.desc()).limit(limit + 1)).all()
+        return [json.loads(row.item) for row in rows[:limit]], len(rows) > limit
+
     def item(self, conversation_id: str, item_id: str) -> dict | None:
         """One item (the caller has checked the conversation is its own)."""
         if not row_id(item_id):

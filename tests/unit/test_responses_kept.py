@@ -20,6 +20,7 @@ from services.common.priority import MEDIUM
 from services.common.proto.qos.v1 import common_pb2
 from services.common.responses_config import ResponsesConfig
 from services.control.tenancy import Caller
+from services.router.openai_api.item_pages import item_page, listed
 from services.router.openai_api.responses_background import BackgroundResponses
 from services.router.openai_api.responses_output import ResponsesAnswer
 from services.router.openai_api.responses_request import parse_responses, parse_responses_body, previous_id
@@ -343,6 +344,20 @@ def talks(url):
         db.execute(text("DELETE FROM conversations"))
     yield ConversationStore(store)
     store.close()
+
+
+def test_a_conversations_pages_are_read_by_the_database_as_from_the_whole_list(talks):
+    """items_page (a page read by the database) answers every query as item_page over the whole
+    list: each limit, order, and `after` at every item, a deleted one and one never there."""
+    talks.create("conv_p", "alpha", {}, [{**USER, "id": f"msg_{k}"} for k in range(7)], now=1.0)
+    talks.delete_item("conv_p", "msg_3")
+    whole = talks.items("conv_p")
+    for limit in (1, 2, 3, 6, 100):
+        for order in ("asc", "desc"):
+            for after in (None, "msg_3", "msg_x", "x\x00", *(item["id"] for item in whole)):
+                expected = item_page(whole, (limit, order, after))
+                items, more = talks.items_page("conv_p", limit, order, after)
+                assert listed(items, more) == expected, (limit, order, after)
 
 
 def test_a_conversation_is_its_tenants_and_its_items_come_in_order(talks):

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from services.common.errors import ErrorKind, ServiceError, invalid
 from services.control.storage_quota import storage_limit, storage_refusal
 from services.router.openai_api.generation import error_response
-from services.router.openai_api.item_pages import item_page, listed, page_query
+from services.router.openai_api.item_pages import listed, page_query
 from services.router.openai_api.request import json_object
 from services.router.openai_api.responses_request import check_metadata, input_items
 from services.store.storage_use import StorageFull
@@ -125,11 +125,11 @@ class ConversationsFront:
     async def list_items(self, http: Request) -> Response:
         try:
             found = await self._conversation(http)
-            query = page_query(http.query_params)
-            items = await asyncio.to_thread(self.store.items, found["id"])
+            limit, order, after = page_query(http.query_params)
+            items, more = await asyncio.to_thread(self.store.items_page, found["id"], limit, order, after)
         except ServiceError as error:
             return error_response(error)
-        return JSONResponse(item_page(items, query))
+        return JSONResponse(listed(items, more))
 
     async def item(self, http: Request) -> Response:
         try:
