@@ -16,8 +16,9 @@ class ResponsesConfig:
     retention_s: float = setting(30 * 86400.0, "a kept response (its input and output) is deleted this long after "
                                  "it was made (OpenAI keeps 30 days)", bounds=POSITIVE)
     background_lease_s: float = setting(10.0, "a router running a background response renews its claim on it this "
-                                        "often x 3; one whose router was lost reads as failed once its claim is "
-                                        "this old", bounds=POSITIVE)
+                                        "often x 3; one whose router was lost is run again by another once its "
+                                        "claim is this old (a streamed one, or one run 3 times, reads as failed)",
+                                        bounds=POSITIVE)
     stream_events_s: float = setting(3600.0, "a background response made with stream true keeps its stream's events "
                                      "this long, for a client resuming it (GET /v1/responses/{id}?stream=true"
                                      "&starting_after=N) on any replica", bounds=POSITIVE)

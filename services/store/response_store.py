@@ -29,6 +29,9 @@ from services.store.store import Store
 
 ACTIVE = ("queued", "in_progress")
 LOST = "the router running this background response stopped before it ended: send the request again"
+# A background response's runs at most: its first, and a run again on another router each time
+# the one running it was lost (a request that brings routers down is not tried for ever).
+MAX_RUNS = 3
 
 
 class ResponseStore:
@@ -36,7 +39,7 @@ class ResponseStore:
         self.engine = store.engine
 
     def add(self, tenant: str, response: dict, input_items: list[dict], now: float, expires_at: float,
-            owner: str | None = None, lease_until: float | None = None) -> None:
+            owner: str | None = None, lease_until: float | None = None, request: dict | None = None) -> None:
         """Its tenant's storage limit was checked when the request came (services/control/
         storage_quota.py): the answer is made and billed, so it is kept even past the limit."""
         items_json, response_json = json.dumps(input_items), json.dumps(response)
@@ -44,6 +47,7 @@ class ResponseStore:
             db.execute(insert(responses).values(
                 id=response["id"], tenant=tenant, previous_id=response.get("previous_response_id"),
                 status=response["status"], owner=owner, lease_until=lease_until, input_items=items_json,
+                request=None if request is None else json.dumps(request),
                 response=response_json, bytes=len(items_json) + len(response_json), created_at=now,
                 expires_at=expires_at))
             storage_use.move(db, tenant, len(items_json) + len(response_json))
@@ -66,7 +70,7 @@ class ResponseStore:
         for a stream's reader (the caller has checked it is its tenant's); None: gone."""
         with self.engine.begin() as db:
             row = db.execute(_owned(select(responses.c.id, responses.c.status, responses.c.lease_until,
-                                           responses.c.response), None, response_id, now)).first()
+                                           responses.c.request, responses.c.response), None, response_id, now)).first()
             return None if row is None else _as_now(db, row, now)
 
     def update(self, response: dict, owner: str) -> bool:
@@ -74,6 +78,28 @@ class ResponseStore:
         it was no longer running here (cancelled, or taken as lost)."""
         with self.engine.begin() as db:
             return _change(db, response["id"], response, responses.c.owner == owner)
+
+    def adopt(self, owner: str, now: float, lease_s: float) -> dict | None:
+        """A background response whose router was lost (its lease lapsed), claimed by `owner` to
+        run it again: {id, tenant, created_at, request} with the request's runs counted, or None.
+        One claim wins (a conditional update); one that has run MAX_RUNS times is not taken (a
+        reader ends it failed)."""
+        with self.engine.begin() as db:
+            rows = db.execute(select(responses.c.id, responses.c.tenant, responses.c.created_at, responses.c.owner,
+                                     responses.c.request)
+                              .where(responses.c.status.in_(ACTIVE), responses.c.lease_until < now,
+                                     responses.c.expires_at > now, responses.c.request.is_not(None))
+                              .order_by(responses.c.created_at).limit(8)).all()
+            for row in rows:
+                request = json.loads(row.request)
+                if request.get("runs", 1) >= MAX_RUNS:
+                    continue
+                request["runs"] = request.get("runs", 1) + 1
+                if db.execute(update(responses).where(responses.c.id == row.id, responses.c.lease_until < now,
+                                                      responses.c.status.in_(ACTIVE))
+                              .values(owner=owner, lease_until=now + lease_s, request=json.dumps(request))).rowcount:
+                    return {"id": row.id, "tenant": row.tenant, "created_at": row.created_at, "request": request}
+        return None
 
     def cancel(self, tenant: str | None, response_id: str, now: float) -> tuple[dict, bool] | None:
         """(the response, whether this call cancelled it): a queued or running one ends cancelled;
@@ -97,8 +123,10 @@ class ResponseStore:
         with self.engine.begin() as db:
             db.execute(update(responses).where(responses.c.id.in_(response_ids), responses.c.owner == owner,
                                                responses.c.status.in_(ACTIVE)).values(lease_until=now + lease_s))
-            rows = db.execute(select(responses.c.id, responses.c.status).where(responses.c.id.in_(response_ids)))
-            return {row.id: row.status for row in rows}
+            rows = db.execute(select(responses.c.id, responses.c.status, responses.c.owner)
+                              .where(responses.c.id.in_(response_ids)))
+            # one another router took over (this one's lease had lapsed): "taken", to stop here
+            return {row.id: row.status if row.owner in (owner, None) else "taken" for row in rows}
 
     def delete(self, tenant: str | None, response_id: str, now: float) -> bool:
         """Its content erased (its row stays, as a link of the chains through it, until it expires)."""
@@ -165,15 +193,19 @@ def _owned(query, tenant: str | None, response_id: str, now: float):
 
 def _as_now(db, row, now: float) -> dict:
     """A row's response; a queued or running one whose lease lapsed (its router was lost) ends
-    failed, by the first reader that sees it."""
+    failed, by the first reader that sees it, unless another router will run it again (adopt())."""
     response = json.loads(row.response)
-    if row.status in ACTIVE and (row.lease_until or 0.0) < now:
+    if row.status in ACTIVE and (row.lease_until or 0.0) < now and not _adoptable(row.request):
         lost = _ended(response, "failed", {"code": "server_error", "message": LOST})
         if _change(db, row.id, lost, responses.c.lease_until < now):
             return lost
         # it changed meanwhile: as it is now
         return json.loads(db.execute(select(responses.c.response).where(responses.c.id == row.id)).scalar())
     return response
+
+
+def _adoptable(request: str | None) -> bool:
+    return request is not None and json.loads(request).get("runs", 1) < MAX_RUNS
 
 
 def _earlier_items(db, previous_id: str, now: float) -> list[dict]:

@@ -36,7 +36,7 @@ from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBin
 
 from services.common.priority import TENANT_NAME_MAX  # noqa: F401 (the store checks names by it)
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 metadata = MetaData()
 
 schema_info = Table(
@@ -171,6 +171,9 @@ responses = Table(
                                                              # failed | cancelled (the response's own)
     Column("owner", String(64)),                             # a background one: the router replica running it
     Column("lease_until", Float),                            # ... until then (unix seconds), renewed as it runs
+    # A background one (not streamed): what runs it again on another router when its own is lost,
+    # JSON {body, priority, key_prefix, runs}
+    Column("request", Text),
     Column("input_items", Text, nullable=False),             # JSON: its own input items (earlier turns': theirs)
     Column("response", Text, nullable=False),                # JSON: the response object as answered
     Column("deleted", Integer, nullable=False, default=0),   # 1: deleted, its content gone, its link kept
@@ -226,6 +229,7 @@ ADDED_COLUMNS: dict[int, list[tuple[str, str, str]]] = {
     6: [("tenants", "storage_mb", "INTEGER"), ("responses", "bytes", "INTEGER NOT NULL DEFAULT 0"),
         ("conversations", "bytes", "INTEGER NOT NULL DEFAULT 0"),
         ("conversation_items", "bytes", "INTEGER NOT NULL DEFAULT 0")],
+    7: [("responses", "request", "TEXT")],          # background responses taken over
 }
 
 # Column sizes a caller must respect (they are checked before any write): tenant names up to

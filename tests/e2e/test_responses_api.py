@@ -332,12 +332,26 @@ def test_a_conversation_is_read_and_joined_by_its_responses(cluster, model):
             alpha.responses.create(model=model, conversation=talk.id, input="Hi")
 
 
-def test_a_background_response_whose_router_is_killed_reads_as_failed(cluster, model):
-    """Last in the module: it kills router replica 1."""
+def test_a_background_response_whose_router_is_killed_is_run_again_by_the_other(cluster, model):
+    """Last in the module: it kills router replica 1. The other replica claims the response once
+    its lease lapses and runs it again from its body: it completes with the answer the request
+    gets in the foreground, billed once under its request id. A streamed one is not run again
+    (its events are out): a reader resuming it on the other replica gets response.failed."""
+    ask = {"model": model, "input": "Tell a long story.", "max_output_tokens": 150, "temperature": 0,
+           "extra_body": {"ignore_eos": True}}
     with tenant_client(cluster, "alpha", 1) as doomed, tenant_client(cluster, "alpha", 0) as survivor:
-        started = doomed.responses.create(model=model, input="Tell a long story.", background=True, **LONG)
+        started = doomed.responses.create(**ask, background=True)
+        streamed = doomed.responses.create(**ask, background=True, stream=True)
+        first = [next(iter(streamed)) for _ in range(3)]
         polled(doomed, started.id, until=("in_progress",))
         name = next(n for n, p in cluster.processes.items() if n.startswith("router") and n != "router")
         cluster.processes[name].send_signal(signal.SIGKILL)
-        failed = polled(survivor, started.id, until=("failed",), timeout=30)
-        assert "send the request again" in failed.error.message
+        done = polled(survivor, started.id, until=("completed", "incomplete", "failed"), timeout=90)
+        assert done.status == "incomplete" and done.usage.output_tokens == 150, done.error
+        assert done.output_text == survivor.responses.create(**ask).output_text
+        row = request_status(cluster, 0, started.id.removeprefix("resp_"))
+        assert row["status"] == "completed" and row["completion_tokens"] == 150
+        rest = list(survivor.responses.retrieve(first[0].response.id, stream=True,
+                                                starting_after=first[-1].sequence_number))
+        assert rest[-1].type == "response.failed" and rest[-1].response.status == "failed"
+        assert "send the request again" in rest[-1].response.error.message

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from services.common.config_file import ConfigError, parse_config
 from services.common.drain import Drain
 from services.common.errors import ErrorKind, ServiceError
-from services.common.priority import MEDIUM
+from services.common.priority import LOW, MEDIUM
 from services.common.proto.qos.v1 import common_pb2
 from services.common.responses_config import ResponsesConfig
 from services.control.tenancy import Caller
@@ -27,7 +27,7 @@ from services.router.openai_api.responses_request import parse_responses, parse_
 from services.router.openai_api.responses_stream import stored_tail
 from services.router.validation import RequestHead
 from services.store.conversation_store import ConversationStore
-from services.store.response_store import ResponseStore
+from services.store.response_store import MAX_RUNS, ResponseStore
 from services.store.store import Store, Tenant
 
 KEEPING = ResponsesConfig()
@@ -334,6 +334,59 @@ def test_a_reader_of_a_lost_routers_stream_gets_its_end_from_the_store(kept):
     assert events[-1]["sequence_number"] == 2 and events[-1]["response"]["status"] == "failed"
     assert "send the request again" in events[-1]["response"]["error"]["message"]
     assert kept.delete("alpha", "resp_lost", time.time()) and kept.last_event("resp_lost") is None   # erased too
+
+
+def test_a_lost_routers_background_response_is_claimed_once_to_run_again(kept):
+    """adopt(): a response whose lease lapsed and that can run again is claimed by one router;
+    until then readers leave it running. One that cannot (a stream: no request kept; or run
+    MAX_RUNS times) is ended failed by its first reader, as before."""
+    now = time.time()
+    for rid, request in (("resp_again", {"body": {"input": "Hi"}, "priority": "low", "key_prefix": "", "runs": 1}),
+                         ("resp_stream", None), ("resp_tired", {"body": {}, "priority": "low", "key_prefix": "",
+                                                                "runs": MAX_RUNS})):
+        kept.add("alpha", {**response(rid), "status": "in_progress", "background": True}, [USER], now=now - 5,
+                 expires_at=now + 60, owner="gone", lease_until=now - 1, request=request)
+    assert kept.get("alpha", "resp_again", now)[0]["status"] == "in_progress"           # left to be taken over
+    assert kept.get("alpha", "resp_stream", now)[0]["status"] == "failed"
+    assert kept.get("alpha", "resp_tired", now)[0]["status"] == "failed"
+    claimed = kept.adopt("r1", now, lease_s=10.0)
+    assert claimed["id"] == "resp_again" and claimed["request"]["runs"] == 2 and claimed["tenant"] == "alpha"
+    assert kept.adopt("r2", now, lease_s=10.0) is None                                   # one claim wins
+    assert kept.renew("gone", ["resp_again"], now, 10.0) == {"resp_again": "taken"}   # its lost router, if alive, stops
+    assert kept.renew("r1", ["resp_again"], now, 10.0) == {"resp_again": "in_progress"}
+
+
+def test_a_claimed_response_runs_again_here_under_its_id(kept):
+    now = time.time()
+    sent = {"model": "m", "input": "Hi", "max_output_tokens": 1000, "background": True}
+    kept.add("alpha", {**response("resp_r7"), "status": "in_progress", "background": True}, [USER], now=now - 5,
+             expires_at=now + 60, owner="gone", lease_until=now - 1,
+             request={"body": sent, "priority": "low", "key_prefix": "qsk_abc", "runs": 1})
+
+    async def go():
+        async def parse(raw, caller):
+            assert caller.name == "alpha" and caller.key_prefix == "qsk_abc"
+            return parse_responses_body(json.loads(raw), keeping=KEEPING)
+
+        async def join(caller, out):
+            assert out.id == "resp_r7"
+        heads = []
+        front = SimpleNamespace(drain=Drain("router"), path=SlowPath(tokens=5), book=SimpleNamespace(tenants={}),
+                                router=SimpleNamespace(let_in=lambda headers, caller: heads.append(headers) or
+                                                       RequestHead(priority=LOW, tenant=caller.name)),
+                                kept_responses=SimpleNamespace(join=join, parse=parse))
+        runner = BackgroundResponses(front, kept, ResponsesConfig(background_lease_s=0.3), "r1")
+        runner.begin()
+        deadline = time.monotonic() + 10
+        while kept.get("alpha", "resp_r7", time.time())[0]["status"] not in ("completed", "incomplete"):
+            assert time.monotonic() < deadline, "not taken over"
+            await asyncio.sleep(0.05)
+        await runner.stop()
+        assert heads == [{"x-priority": "low"}] and front.drain.in_flight == 0
+    asyncio.run(go())
+    done = kept.get("alpha", "resp_r7", time.time())[0]
+    assert done["status"] == "incomplete" and done["output"][0]["content"][0]["text"] == "aaaaa"
+    assert done["created_at"] == int(now - 5)
 
 
 @pytest.fixture

@@ -374,6 +374,7 @@ class HttpFront:
                                 timeout_graceful_shutdown=5, **tls)
         self.server = _EmbeddedServer(config)
         self.task = asyncio.create_task(self.server.serve())
+        self.kept_responses.background.begin()
         while not self.server.started:
             if self.task.done():      # uvicorn exits when it cannot bind
                 raise OSError(f"router HTTP front: cannot serve on {self.config.http_address}")

@@ -10,7 +10,11 @@ Who runs it: the router that took it, which holds a lease on its row and renews 
 made on another replica stops it within that time). A router that drains lets its background
 responses finish within its drain time, then ends the rest `failed` (saying to send again); one
 that is lost ends nothing, and the first read after its lease lapses ends them `failed`
-(responses_kept.py, services/store/response_store.py). A refusal that a foreground request gets
+(responses_kept.py, services/store/response_store.py) - unless another router runs it again:
+every router looks every third of the lease for a background response (not streamed) whose lease
+lapsed, claims it (one claim wins) and runs it again from its body, as its tenant, in its class,
+under its request id (billed once: the ledger's one row per request id), at most MAX_RUNS runs
+in all. A refusal that a foreground request gets
 as its HTTP status (a rate limit, the budget, a class not allowed) ends a background one
 `failed` with the same code and message.
 """
@@ -18,18 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
+from dataclasses import replace
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.errors import ServiceError, invalid
+from services.common.priority import MAX_STREAM_INTERVAL, PRIORITY_HEADER, priority_name
 from services.control.tenancy import Caller
 from services.router.openai_api.generation import answer_object, choice_chunks
 from services.router.openai_api.request import OpenAIRequest
 from services.router.openai_api.responses_stream import EventLog, stored_tail
 from services.router.validation import RequestHead
 from services.store.response_store import ACTIVE, ResponseStore
+from services.store.store import Tenant
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,12 @@ class BackgroundResponses:
         self.running: dict[str, asyncio.Task] = {}
         self.logs: dict[str, EventLog] = {}       # the running streamed ones' events
         self.renewing: asyncio.Task | None = None
+        self.adopting: asyncio.Task | None = None
         self.stopping = False
+
+    def begin(self) -> None:
+        """Look for background responses whose router was lost, to run them again here."""
+        self.adopting = asyncio.create_task(self._adopt())
 
     async def start(self, head: RequestHead, caller: Caller, request: OpenAIRequest, headers: dict) -> Response:
         """The response, queued (kept before it is answered, so a poll finds it at once); made
@@ -52,9 +65,12 @@ class BackgroundResponses:
             out = answer_object(request, head)
             queued = out.response("queued")
             now = time.time()
+            # what runs it again elsewhere if this router is lost (a stream is not: its events are out)
+            again = None if request.stream else {"body": request.responses.body, "key_prefix": caller.key_prefix,
+                                                 "priority": priority_name(head.priority), "runs": 1}
             await asyncio.to_thread(self.store.add, caller.name, queued, request.responses.items, now,
                                     now + self.config.retention_s, self.replica,
-                                    now + self.config.background_lease_s)
+                                    now + self.config.background_lease_s, again)
             events = None
             if request.stream:
                 events = self.logs[out.id] = EventLog(out.id)
@@ -63,12 +79,50 @@ class BackgroundResponses:
         except BaseException:
             self.front.drain.leave()
             raise
-        self.running[out.id] = asyncio.create_task(self._run(out, head, caller, request, events))
-        if self.renewing is None or self.renewing.done():
-            self.renewing = asyncio.create_task(self._renew())
+        self._launch(out, head, caller, request, events)
         if events is None:
             return JSONResponse(queued, headers=headers)
         return StreamingResponse(events.tail(-1), media_type="text/event-stream", headers=headers)
+
+    def _launch(self, out, head: RequestHead, caller: Caller, request: OpenAIRequest, events: EventLog | None):
+        self.running[out.id] = asyncio.create_task(self._run(out, head, caller, request, events))
+        if self.renewing is None or self.renewing.done():
+            self.renewing = asyncio.create_task(self._renew())
+
+    async def _adopt(self) -> None:
+        """Every third of the lease: a background response whose router was lost, claimed and run
+        again here (one at a time; none while this router drains)."""
+        while not self.stopping:
+            await asyncio.sleep(self.config.background_lease_s / 3)
+            if self.front.drain.draining:
+                continue
+            try:
+                found = await asyncio.to_thread(self.store.adopt, self.replica, time.time(),
+                                                self.config.background_lease_s)
+                if found is not None:
+                    await self._run_again(found)
+            except Exception:            # looked for again at the next
+                log.exception("could not take over a background response")
+
+    async def _run_again(self, found: dict) -> None:
+        """A claimed response run again from its body, as its tenant, under its request id."""
+        sent = found["request"]
+        caller = Caller(self.front.book.tenants.get(found["tenant"], Tenant(found["tenant"])), sent["key_prefix"])
+        log.info("running background response %s again (run %d): its router was lost", found["id"], sent["runs"])
+        try:
+            request = await self.front.kept_responses.parse(json.dumps(sent["body"]).encode(), caller)
+            head = replace(self.front.router.let_in({PRIORITY_HEADER: sent["priority"]}, caller),
+                           request_id=found["id"].removeprefix("resp_"), stream_interval=MAX_STREAM_INTERVAL)
+            self.front.drain.enter()
+        except ServiceError as error:         # (a previous response deleted since, the tenant's storage full)
+            current = await asyncio.to_thread(self.store.current, found["id"], time.time())
+            if current is not None:
+                await self._write({**current, "status": "failed", "error": {"code": error.reason or "server_error",
+                                                                            "message": error.message}})
+            return
+        out = answer_object(request, head)
+        out.created = int(found["created_at"])
+        self._launch(out, head, caller, request, None)
 
     async def _run(self, out, head: RequestHead, caller: Caller, request: OpenAIRequest,
                    events: EventLog | None) -> None:
@@ -159,5 +213,6 @@ class BackgroundResponses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.renewing is not None:
-            self.renewing.cancel()
+        for task in (self.renewing, self.adopting):
+            if task is not None:
+                task.cancel()

@@ -84,6 +84,7 @@ class KeptResponses:
             conversation = (joined, await asyncio.to_thread(self.conversations.items, joined))
         request = parse_responses_body(body, previous, self.config if self.config.store else None, conversation)
         echo = request.responses
+        echo.body = body
         if echo.store or echo.conversation_id:
             # what it keeps is kept when it ends, whatever its size: let in while under the limit
             require_room(self.front.book, caller, "store" if echo.store else "conversation")

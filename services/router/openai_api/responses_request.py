@@ -60,6 +60,7 @@ class ResponsesEcho:
     store: bool = False                               # whether the answer is kept
     background: bool = False                          # run after the answer (queued), polled
     conversation_id: str | None = None                # a conversation its input and output join
+    body: dict | None = None                          # the body as sent (a background one is run again from it)
 
     def param(self, chat_param: str | None) -> str | None:
         """A chat body's parameter as this Responses body named it."""
