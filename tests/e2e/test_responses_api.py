@@ -280,6 +280,12 @@ def test_a_background_stream_dropped_midway_resumes_on_the_other_replica(cluster
         with pytest.raises(openai.BadRequestError) as refused:              # not made with stream: no events
             second.responses.retrieve(alone.id, stream=True)
         assert refused.value.body["param"] == "stream"
+        url = f"http://{cluster.router_http_addresses[1]}/v1/responses/{response_id}?stream="
+        bad_after = ("-1", "%C2%B2", "1e3")          # negative, a superscript two, a float
+        for query, param in (*((f"true&starting_after={v}", "starting_after") for v in bad_after), ("maybe", "stream")):
+            with pytest.raises(urllib.error.HTTPError) as bad:
+                urllib.request.urlopen(urllib.request.Request(url + query, headers={"x-tenant": "alpha"}), timeout=30)
+            assert bad.value.code == 400 and json.loads(bad.value.read())["error"]["param"] == param, query
 
 
 def test_a_background_response_cancelled_on_the_other_replica_stops(cluster, model):
