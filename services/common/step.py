@@ -76,6 +76,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # Locally typical sampling (TGI's typical_p): after top-k/top-p, only the tokens whose -log p is
+    # closest to the entropy, the fewest making up this much of the probability; 1: none.
+    typical_p: float = 1.0
     # Output tokens before EOS or a stop token id may be sampled (their logits are -inf until
     # then) and before a stop string counts (vLLM's min_tokens).
     min_tokens: int = 0
@@ -110,6 +113,8 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1] (1: none), got {self.typical_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.min_tokens and guides:

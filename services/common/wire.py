@@ -36,6 +36,7 @@ def sampling_from_request(s: common_pb2.SamplingParams, max_tokens: int) -> Samp
         max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        typical_p=s.typical_p if s.HasField("typical_p") else 1.0,
         **_guides(s), **client_adjustments(s))
 
 
@@ -68,7 +69,7 @@ def engine_sampling(params: SamplingParams) -> worker_pb2.EngineSampling:
         bad_words=[worker_pb2.TokenIds(ids=word) for word in params.bad_words_ids],
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-        min_p=params.min_p, min_tokens=params.min_tokens)
+        min_p=params.min_p, min_tokens=params.min_tokens, typical_p=params.typical_p)
     if params.seed is not None:
         proto.seed = params.seed
     if params.logprobs is not None:
@@ -86,7 +87,8 @@ def sampling_from_engine(proto: worker_pb2.EngineSampling) -> SamplingParams:
                           logprobs=proto.logprobs if proto.HasField("logprobs") else None,
                           prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
                           bad_words_ids=tuple(tuple(word.ids) for word in proto.bad_words),
-                          **_guides(proto), **_adjustments(proto, proto.repetition_penalty or 1.0))
+                          typical_p=proto.typical_p or 1.0, **_guides(proto),
+                          **_adjustments(proto, proto.repetition_penalty or 1.0))
 
 
 def sampled_token_proto(token: SampledToken) -> worker_pb2.SampledToken:

@@ -7,9 +7,9 @@ positive logit divided by it, a negative one multiplied); the frequency penalty 
 token's count in the output and the presence penalty once for each token in it, subtracted;
 while a sequence has fewer than min_tokens, its EOS and stop token ids are -inf. Greedy rows
 then take the argmax; the others are tempered, lose the tokens less likely than min_p times the
-likeliest, then top-k and top-p. Every adjustment reads only the row's own logits and tokens,
-so it holds alone or in any batch, after a preemption's recompute and after a failover (the
-resumed tokens are output).
+likeliest, then top-k and top-p, then those outside the locally typical set (typical_p). Every
+adjustment reads only the row's own logits and tokens, so it holds alone or in any batch, after a
+preemption's recompute and after a failover (the resumed tokens are output).
 
 Sampling draws one uniform number a row and takes the token where the row's cumulative
 probability passes it (inverse CDF). A seeded sequence draws it from a generator seeded by
@@ -190,6 +190,23 @@ def _keep_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return probs.masked_fill(probs < floor, 0.0)
 
 
+def keep_typical(logits: torch.Tensor, mass: list[float]) -> torch.Tensor:
+    """logits [B, V] (tempered; -inf where dropped already) with each row's tokens outside its
+    locally typical set at -inf (Meister et al. 2022, as transformers' TypicalLogitsWarper and
+    TGI's typical_p): tokens ordered by how far their information -log p lies from the row's
+    entropy, the fewest of them whose probability makes up `mass` are kept (at least one). A
+    row's mass of 1 keeps every token."""
+    logp = logits.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)          # (-inf x 0 is NaN: left out)
+    distance, order = (-logp - entropy).abs().sort(dim=-1)
+    cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    wanted = torch.tensor(mass, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    last = (cumulative < wanted).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    drop = (distance > distance.gather(-1, last)) & (wanted < 1.0)     # (the sum may reach 1 early)
+    drop[:, 0] = False
+    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
            generator: torch.Generator) -> list[int]:
     """Pick one token per row of logits [B, V] (float32, adjusted already); returns the token ids."""
@@ -206,6 +223,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: li
         if any(params[i].top_k or params[i].top_p < 1.0 for i in random_rows):
             tempered = _filter_top_k_top_p(tempered, [params[i].top_k for i in random_rows],
                                            [params[i].top_p for i in random_rows])
+        if any(params[i].typical_p < 1.0 for i in random_rows):
+            tempered = keep_typical(tempered, [params[i].typical_p for i in random_rows])
         # The draws live on the CPU in float64; the engine's generator is on its device (CUDA and
         # NPU draw float32 there).
         wide = generator.device.type == "cpu"

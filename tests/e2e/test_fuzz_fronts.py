@@ -220,7 +220,8 @@ TGI_BAD = {
     "top_n_tokens": st.one_of(anything_but("int"), st.integers(min_value=21)),
     "grammar": st.one_of(anything_but("dict"), st.fixed_dictionaries({"type": st.text(max_size=6)
                                                                       .filter(lambda t: t not in ("json", "regex"))})),
-    "best_of": st.integers(min_value=2), "watermark": st.just(True), "typical_p": st.floats(0.01, 0.99),
+    "best_of": st.integers(min_value=2), "watermark": st.just(True),
+    "typical_p": st.one_of(anything_but("int", "float"), st.floats(min_value=1.01), st.floats(max_value=0.0)),
     "decoder_input_details": anything_but("bool"),
 }
 tgi_cases = st.one_of(

@@ -61,6 +61,16 @@ def test_decoder_input_details_are_the_prompts_tokens_and_logprobs(hf, client, m
     assert "".join(t.text for t in out.details.prefill) == PROMPT
 
 
+def test_langchains_defaults_are_served_and_a_seed_repeats_the_answer(hf):
+    """LangChain's HuggingFaceEndpoint defaults (top_p 0.95, typical_p 0.95, temperature 0.8):
+    sampled, a seed gives the same text again; a small typical_p samples only typical tokens, a
+    seed again the same."""
+    defaults = {"max_new_tokens": 16, "top_p": 0.95, "typical_p": 0.95, "temperature": 0.8, "seed": 11}
+    assert hf.text_generation(PROMPT, **defaults) == hf.text_generation(PROMPT, **defaults)
+    narrow = {**defaults, "typical_p": 0.2, "seed": 5}
+    assert hf.text_generation(PROMPT, **narrow) == hf.text_generation(PROMPT, **narrow)
+
+
 def test_a_stream_adds_up_to_its_text_and_ends_with_the_details(hf):
     whole = hf.text_generation(PROMPT, max_new_tokens=20, details=True)
     events = list(hf.text_generation(PROMPT, max_new_tokens=20, stream=True, details=True))
@@ -81,7 +91,7 @@ def test_a_stop_sequence_stays_and_a_grammar_is_followed(hf):
 
 def test_bad_parameters_are_validation_errors_naming_them(hf, cluster):
     for kwargs, name in (({"max_new_tokens": 10**7}, "parameters.max_new_tokens"), ({"best_of": 2}, "parameters.best_of"),
-                         ({"typical_p": 0.5}, "parameters.typical_p")):
+                         ({"typical_p": 1.5}, "parameters.typical_p")):
         with pytest.raises(ValidationError, match=name.replace(".", r"\.")):
             hf.text_generation(PROMPT, **kwargs)
     router = cluster.config.router

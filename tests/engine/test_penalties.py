@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
+from transformers.generation.logits_process import TypicalLogitsWarper
 
 from services.common.step import SamplingParams, SequenceWork, StepBatch
 from services.engine.batch_runner import BatchRunner, GenerationRequest
-from services.engine.sampler import adjust_logits, sample, sample_step
+from services.engine.sampler import adjust_logits, keep_typical, sample, sample_step
 from tests.tiny_models import make_engine
 
 VOCAB = 8
@@ -90,6 +91,29 @@ def test_min_p_keeps_only_tokens_near_the_likeliest():
     unfiltered = set(sample(logits, [SamplingParams(temperature=1.0, seed=s) for s in range(400)],
                             [0] * 400, torch.Generator()))
     assert len(unfiltered) > 2
+
+
+def test_typical_p_keeps_transformers_typical_set_and_one_is_none():
+    """keep_typical drops exactly what transformers' TypicalLogitsWarper drops (TGI's typical_p),
+    row by row in one batch of different masses, a row already cut by top-k included; a mass of 1
+    drops nothing; sampling with it draws only typical tokens."""
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        logits = torch.randn(4, 500, generator=generator) * (1 + trial % 4)
+        logits[0, :60] = float("-inf")
+        masses = [0.2, 0.6, 0.95, 1.0]
+        ours = keep_typical(logits.clone(), masses)
+        for row, mass in enumerate(masses[:3]):
+            theirs = TypicalLogitsWarper(mass=mass)(None, logits[row:row + 1].clone())[0]
+            assert torch.equal(ours[row], theirs), (trial, mass)
+        assert torch.equal(ours[3], logits[3])
+    logits = torch.tensor([LOGITS] * 300)
+    typical = keep_typical(logits[:1].clone(), [0.3])[0]
+    params = [SamplingParams(temperature=1.0, typical_p=0.3, seed=s) for s in range(300)]
+    assert set(sample(logits, params, [0] * 300, torch.Generator())) == set(torch.isfinite(typical).nonzero()
+                                                                           .flatten().tolist())
+    with pytest.raises(ValueError, match="typical_p must be in"):
+        SamplingParams(typical_p=0.0)
 
 
 def test_a_penalised_request_gets_the_same_tokens_alone_and_in_a_batch(tiny_model_dir):

@@ -43,7 +43,8 @@ def test_a_body_becomes_its_completion():
 
 
 @pytest.mark.parametrize("parameters, param", [
-    ({"best_of": 2}, "parameters.best_of"), ({"typical_p": 0.5}, "parameters.typical_p"),
+    ({"best_of": 2}, "parameters.best_of"), ({"typical_p": 0}, "parameters.typical_p"),
+    ({"typical_p": 1.5}, "parameters.typical_p"), ({"typical_p": True}, "parameters.typical_p"),
     ({"watermark": True}, "parameters.watermark"), ({"decoder_input_details": 1}, "parameters.decoder_input_details"),
     ({"beams": 2}, "parameters.beams"), ({"grammar": {"type": "lark"}}, "parameters.grammar"),
     ({"max_new_tokens": 0}, "parameters.max_new_tokens"), ({"temperature": -1}, "parameters.temperature"),
@@ -53,6 +54,14 @@ def test_a_body_becomes_its_completion():
 ])
 def test_what_is_not_served_or_wrong_is_named(parameters, param):
     assert refused(**parameters).field == param
+
+
+def test_typical_p_samples_as_tgi_does():
+    """LangChain's HuggingFaceEndpoint sends typical_p 0.95 by default: it is served, and as in
+    TGI a warper given samples even without do_sample."""
+    sampling = tgi(typical_p=0.95).body.sampling
+    assert sampling.typical_p == pytest.approx(0.95) and not sampling.HasField("temperature")
+    assert not tgi().body.sampling.HasField("typical_p") and tgi().body.sampling.temperature == 0
 
 
 def test_decoder_input_details_lists_the_inputs_tokens_and_logprobs():

@@ -90,7 +90,8 @@ def test_a_penalised_sequence_announced_again_counts_its_streamed_tokens_as_outp
     streamed (num_generated of them): the penalties count those as output, not as prompt, and the
     adjustments travel the hop unchanged (an older scheduler's repetition_penalty 0 means 1)."""
     params = SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=1.0, repetition_penalty=1.25,
-                            min_p=0.5, logit_bias=((4, -2.0), (9, 3.0)), allowed_token_ids=(9, 4, 11))
+                            min_p=0.5, logit_bias=((4, -2.0), (9, 3.0)), allowed_token_ids=(9, 4, 11),
+                            typical_p=0.75)
     new = worker_pb2.NewSequence(seq_id=1, prompt_token_ids=[3, 4, 5, 6, 7, 8], num_generated=2,
                                  sampling=engine_sampling(params))
     batch = SequenceTable().apply(worker_pb2.StepPlan(step_id=1, new_sequences=[new], scheduled_seq_ids=[1],

@@ -17,7 +17,8 @@ top_k or top_p is greedy; a stop sequence that ended the text stays in it (finis
 stop_sequence, else eos_token or length). Errors are TGI's {"error", "error_type"} with its
 statuses (422 validation, 429 overloaded with Retry-After, 424 generation). With `details`,
 `decoder_input_details` gives the input's tokens and their logprobs (`prefill`; not on a stream,
-as TGI). Refused by name: best_of above 1, typical_p below 1, watermark.
+as TGI). `typical_p` is locally typical sampling (services/engine/sampler.py). Refused by name:
+best_of above 1, watermark.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ PARAMETERS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top
               "stop": "stop", "truncate": "truncate_prompt_tokens", "top_n_tokens": None, "details": None,
               "do_sample": None, "return_full_text": None, "grammar": None, "adapter_id": None, "best_of": None,
               "typical_p": None, "watermark": None, "decoder_input_details": None}
-NEUTRAL = {"best_of": (1,), "typical_p": (1.0,), "watermark": (False,)}
+NEUTRAL = {"best_of": (1,), "watermark": (False,)}
 GRAMMARS = {"json": "json", "json_object": "json", "regex": "regex"}
 STATUS = {ErrorKind.INVALID: (422, "validation"), ErrorKind.EXHAUSTED: (429, "overloaded"),
           ErrorKind.TOO_LARGE: (422, "validation"), ErrorKind.PAYLOAD_TOO_LARGE: (413, "validation")}
@@ -94,7 +95,14 @@ def parse_tgi(body: dict, model: str, stream: bool | None) -> OpenAIRequest:
                    seed=params.get("seed"))
     completion = {"model": params.get("adapter_id") or model, "prompt": inputs,
                   **{ours: params[tgi] for tgi, ours in PARAMETERS.items() if ours and params.get(tgi) is not None}}
-    sampled = flags["do_sample"] or any(params.get(k) is not None for k in ("temperature", "top_k", "top_p"))
+    typical = params.get("typical_p")
+    if typical is not None and (isinstance(typical, bool) or not isinstance(typical, (int, float))
+                                or not 0 < typical <= 1):
+        raise invalid(f"parameters.typical_p must be a number in (0, 1], got {str(typical)[:40]!r}",
+                      "parameters.typical_p")
+    # as TGI: a warper given (temperature, top_k, top_p, typical_p) samples, do_sample or not
+    sampled = flags["do_sample"] or any(params.get(k) is not None
+                                        for k in ("temperature", "top_k", "top_p", "typical_p"))
     if not sampled:
         completion["temperature"] = 0
     if completion.get("stop"):
@@ -113,6 +121,8 @@ def parse_tgi(body: dict, model: str, stream: bool | None) -> OpenAIRequest:
             raise invalid('parameters.grammar must be {"type": "json" or "regex", "value": ...}', "parameters.grammar")
         completion["structured_outputs"] = {GRAMMARS[grammar["type"]]: grammar["value"]}
     request = parse_rewritten(COMPLETION, completion, echo)
+    if typical is not None:              # (no completion field: the sampling's own)
+        request.body.sampling.typical_p = typical
     request.stream, request.tgi = streaming, echo
     return request
 
