@@ -195,16 +195,30 @@ def keep_typical(logits: torch.Tensor, mass: list[float]) -> torch.Tensor:
     locally typical set at -inf (Meister et al. 2022, as transformers' TypicalLogitsWarper and
     TGI's typical_p): tokens ordered by how far their information -log p lies from the row's
     entropy, the fewest of them whose probability makes up `mass` are kept (at least one). A
-    row's mass of 1 keeps every token."""
+    row's mass of 1 keeps every token.
+
+    The nearest tokens are found among the CANDIDATES nearest first (a top-k), the whole row
+    sorted only when those do not make up the mass: sorting 49,152 tokens cost 4.6 ms a row here,
+    a seventh of a decode step that every other row of the batch waits for."""
     logp = logits.log_softmax(dim=-1)
-    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)          # (-inf x 0 is NaN: left out)
-    distance, order = (-logp - entropy).abs().sort(dim=-1)
-    cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    probs = logp.exp()
+    entropy = -(logp * probs).nansum(dim=-1, keepdim=True)          # (-inf x 0 is NaN: left out)
+    distance = (-logp - entropy).abs()
     wanted = torch.tensor(mass, device=logits.device, dtype=logits.dtype).unsqueeze(1)
-    last = (cumulative < wanted).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
-    drop = (distance > distance.gather(-1, last)) & (wanted < 1.0)     # (the sum may reach 1 early)
-    drop[:, 0] = False
-    return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    vocab = logits.shape[-1]
+    for k in (*(c for c in CANDIDATES if c < vocab), vocab):
+        if k < vocab:
+            nearest, order = (-distance).topk(k, dim=-1)
+            nearest = -nearest
+        else:
+            nearest, order = distance.sort(dim=-1)
+        # the first position where the probability of the nearest so far reaches the mass
+        last = (probs.gather(-1, order).cumsum(dim=-1) < wanted).sum(dim=-1, keepdim=True)
+        if k == vocab or bool((last < k).all()):
+            break
+    threshold = nearest.gather(-1, last.clamp(max=k - 1))
+    drop = (distance > threshold) & (wanted < 1.0)     # (a mass of 1: the sum may reach 1 early)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], num_generated: list[int],
