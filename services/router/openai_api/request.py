@@ -114,6 +114,16 @@ def parse_rewritten(kind: str, body: dict, names) -> OpenAIRequest:
         raise
 
 
+def renamed_param(chat_param: str, names: dict[str, str | None], prefix: str) -> str | None:
+    """A completion's parameter (or an index or field inside it: `stop[0]`) as a rewritten body
+    names it: `prefix` + the name in `names` (theirs -> ours; None: not a completion field) whose
+    completion field it is; None: none of them."""
+    for theirs, ours in names.items():
+        if ours and (chat_param == ours or chat_param.startswith(ours + "[")):
+            return prefix + theirs + chat_param[len(ours):]
+    return None
+
+
 def parse_openai(kind: str, raw: bytes) -> OpenAIRequest:
     body = json_object(raw)
     for name, value in body.items():

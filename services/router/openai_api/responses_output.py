@@ -215,4 +215,9 @@ class ResponsesAnswer:
 
 
 def frame(event: dict) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + to_json(event) + b"\n\n"
+    return framed(event["type"], to_json(event))
+
+
+def framed(kind: str, data: bytes) -> bytes:
+    """An event of this type whose JSON is `data`, as the stream sends it."""
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"

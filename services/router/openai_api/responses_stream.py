@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from services.router.openai_api.responses_output import frame
+from services.router.openai_api.responses_output import frame, framed
 from services.store.response_store import ACTIVE, ResponseStore
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ async def stored_tail(store: ResponseStore, response_id: str, after: int) -> Asy
         rows = await asyncio.to_thread(store.events, response_id, seen)
         for seq, text in rows:
             seen, kind = seq, json.loads(text)["type"]
-            yield b"event: " + kind.encode() + b"\ndata: " + text.encode() + b"\n\n"
+            yield framed(kind, text.encode())
             if kind in TERMINAL:
                 return
         if rows:

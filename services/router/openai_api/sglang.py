@@ -27,7 +27,7 @@ from services.common.errors import ServiceError, invalid
 from services.common.proto.qos.v1 import common_pb2
 from services.router.openai_api.json_fields import bool_field, int_field, json_kind
 from services.router.openai_api.logprobs import token_text
-from services.router.openai_api.request import COMPLETION, OpenAIRequest, parse_rewritten
+from services.router.openai_api.request import COMPLETION, OpenAIRequest, parse_rewritten, renamed_param
 from services.router.openai_api.response import to_json
 
 SGLANG = "sglang"
@@ -62,9 +62,8 @@ class SglangEcho:
     def param(self, chat_param: str | None) -> str | None:
         if chat_param is None:
             return None
-        for sglang, ours in SAMPLING.items():
-            if ours and (chat_param == ours or chat_param.startswith(ours + "[")):
-                return "sampling_params." + sglang + chat_param[len(ours):]
+        if (renamed := renamed_param(chat_param, SAMPLING, "sampling_params.")) is not None:
+            return renamed
         for ours, sglang in (("top_k", "top_k"), ("include_stop_str_in_output", "no_stop_trim"),
                              ("structured_outputs.json", "json_schema"), ("structured_outputs.regex", "regex"),
                              ("structured_outputs.grammar", "ebnf")):

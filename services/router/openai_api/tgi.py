@@ -30,7 +30,7 @@ from services.common.proto.qos.v1 import common_pb2
 from services.common.step import MAX_TOP_LOGPROBS
 from services.router.openai_api.json_fields import bool_field, int_field, json_kind, text_field
 from services.router.openai_api.logprobs import token_text
-from services.router.openai_api.request import COMPLETION, OpenAIRequest, parse_rewritten
+from services.router.openai_api.request import COMPLETION, OpenAIRequest, parse_rewritten, renamed_param
 from services.router.openai_api.response import to_json
 
 TGI = "tgi"
@@ -59,9 +59,8 @@ class TgiEcho:
         """A completion's parameter as this body named it."""
         if chat_param is None:
             return None
-        for tgi, ours in PARAMETERS.items():
-            if ours and (chat_param == ours or chat_param.startswith(ours + "[")):
-                return "parameters." + tgi + chat_param[len(ours):]
+        if (renamed := renamed_param(chat_param, PARAMETERS, "parameters.")) is not None:
+            return renamed
         if chat_param.startswith(("structured_outputs", "response_format")):
             return "parameters.grammar"
         if chat_param in ("prompt", "model"):
